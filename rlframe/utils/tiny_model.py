@@ -1,0 +1,126 @@
+"""Build a tiny random-init Qwen2-style causal LM and a locally trained tokenizer.
+
+Nothing here touches a model hub: the tokenizer is trained with the `tokenizers`
+library on a small synthetic corpus, the model is random-init from a config, and
+both are written with `save_pretrained` so every other part of rlframe loads them
+exactly like a real checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+PAD_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_end|>"
+
+_WORDS = (
+    "what is the sum of and plus minus times answer count how many letters in word "
+    "please solve compute result number question think step user assistant system "
+    "you are a helpful the final #### boxed equals"
+).split()
+
+
+def _corpus(num_lines: int = 4000, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(num_lines):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(3, 12)))
+        lines.append(f"{words} {a} + {b} = {a + b}. {rng.choice(_WORDS)}?")
+    return lines
+
+
+def build_tokenizer(vocab_size: int = 512):
+    """Train a byte-level BPE tokenizer (no unknown tokens) with chat template and pad/eos."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # Digits are split one by one so arithmetic answers are spelled digit by digit.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN, padding_side="left"
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    return hf_tok
+
+
+def build_model_config(vocab_size: int, hidden_size: int = 64, num_layers: int = 2,
+                       num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int | None = None,
+                       max_position_embeddings: int = 2048, pad_token_id: int = 0, eos_token_id: int = 2):
+    """Qwen2 config with GQA (num_kv_heads < num_heads)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        pad_token_id=pad_token_id,
+        eos_token_id=eos_token_id,
+        bos_token_id=None,
+        dtype="float32",
+    )
+
+
+def make_tiny_model(out_dir: str, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                    num_kv_heads: int = 2, vocab_size: int = 512, seed: int = 0) -> str:
+    """Write a tiny random-init Qwen2 causal LM plus tokenizer to `out_dir`; return the path."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    tokenizer = build_tokenizer(vocab_size)
+    config = build_model_config(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, do_sample=False
+    )
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--num-kv-heads", type=int, default=2)
+    parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = make_tiny_model(args.out_dir, args.hidden_size, args.num_layers, args.num_heads,
+                           args.num_kv_heads, args.vocab_size, args.seed)
+    print(f"tiny model written to {path}")
+
+
+if __name__ == "__main__":
+    main()
