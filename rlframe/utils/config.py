@@ -1,0 +1,39 @@
+"""Locate the packaged Hydra configs and compose a config from key=value overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+CONFIG_NAME = "ppo_trainer"
+
+
+def config_dir() -> str:
+    """The folder holding ppo_trainer.yaml: inside the wheel, or the source tree's configs/."""
+    package_dir = Path(__file__).resolve().parent.parent
+    for candidate in (package_dir / "configs", package_dir.parent / "configs"):
+        if (candidate / f"{CONFIG_NAME}.yaml").is_file():
+            return str(candidate)
+    raise FileNotFoundError(f"{CONFIG_NAME}.yaml not found next to the rlframe package ({package_dir}); "
+                            "reinstall rlframe so that its configs are included")
+
+
+def load_config(overrides: list[str] | None = None, config_name: str = CONFIG_NAME) -> DictConfig:
+    """Compose the trainer config exactly as the Hydra entry would, without starting a run."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=config_dir(), version_base=None):
+        cfg = compose(config_name=config_name, overrides=list(overrides or []))
+    return cfg
+
+
+def resolved(cfg: DictConfig) -> DictConfig:
+    """A resolved, read-only copy: interpolations evaluated once, nothing mutated afterwards."""
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    OmegaConf.set_readonly(out, True)
+    return out
+
