@@ -1,0 +1,130 @@
+"""Varlen causal attention for packed rows, plugged into transformers as `attn_implementation="rlframe_varlen"`.
+
+transformers (5.x) calls a registered attention function as
+`fn(module, query [b, heads, T, dim], key, value [b, kv_heads, T, dim], attention_mask, dropout=,
+scaling=, sliding_window=, position_ids=, **forward_kwargs)` and expects `([b, T, heads, dim], weights)`.
+Extra keyword arguments given to the model's forward reach the function unchanged, so the packed
+row's `cu_seq_lens_q`/`max_length_q` (transformers' own names for them) and the Ulysses group
+(`ulysses_group`) travel that way; they also survive activation-checkpoint recomputation.
+
+One model object serves every use: on a packed row (batch 1, no attention mask) each sequence
+attends causally to itself only; on a padded batch or during generation the function is exactly
+transformers' `sdpa`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from rlframe.distributed.padding import cu_seqlens_from_position_ids
+from rlframe.distributed.ulysses import (check_ulysses_config, head_to_seq_shard, kv_repeat_factor,
+                                         seq_to_head_shard, sp_size_of)
+
+ATTN_IMPLEMENTATION = "rlframe_varlen"
+
+
+def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                            max_seqlen: int | None, scaling: float | None, dropout: float = 0.0) -> torch.Tensor:
+    """Causal attention within each segment of a packed row.
+
+    q [T, heads, dim], k/v [T, kv_heads, dim] -> [T, heads, dim]; `cu_seqlens` [num_segments + 1].
+    """
+    flash_varlen = _flash_attn_varlen_func() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
+    if flash_varlen is not None:
+        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        if max_seqlen is None:
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        return flash_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                            dropout_p=dropout, softmax_scale=scaling, causal=True)
+
+    # Fallback: torch SDPA on each segment, heads first. Exact causal attention per sequence
+    # without a [T, T] mask; the loop is over sequences, not tokens.
+    num_groups = q.shape[1] // k.shape[1]
+    q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+    if num_groups > 1:
+        k, v = k.repeat_interleave(num_groups, dim=0), v.repeat_interleave(num_groups, dim=0)
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != q.shape[1]:
+        raise ValueError(f"cu_seqlens {bounds[0]}..{bounds[-1]} does not cover the packed row of {q.shape[1]} tokens")
+    outs = [
+        F.scaled_dot_product_attention(q[:, s:e], k[:, s:e], v[:, s:e], dropout_p=dropout, is_causal=True,
+                                       scale=scaling)
+        for s, e in zip(bounds[:-1], bounds[1:]) if e > s
+    ]
+    return torch.cat(outs, dim=1).transpose(0, 1)
+
+
+def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                             sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """The `rlframe_varlen` attention function (see the module docstring for the calling convention)."""
+    group = kwargs.get("ulysses_group")
+    sp_size = sp_size_of(group)
+    cu_seqlens, max_seqlen = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    if cu_seqlens is None and sp_size == 1 and _is_packed_row(query, key, attention_mask, kwargs.get("position_ids")):
+        cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(kwargs["position_ids"])
+    if cu_seqlens is None:
+        if sp_size > 1:
+            raise ValueError("Ulysses sequence parallelism needs the packed row's cu_seq_lens_q passed to the model "
+                             "forward (the position ids each rank sees are only its shard)")
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention expects one packed row (batch 1), got batch {query.shape[0]}")
+    if sliding_window is not None or kwargs.get("softcap") is not None:
+        raise NotImplementedError(f"{ATTN_IMPLEMENTATION} does not implement sliding windows or logit softcapping")
+
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T(/sp), heads, dim]
+    if sp_size > 1:
+        check_ulysses_config(q.shape[1], k.shape[1], sp_size)
+        repeat = kv_repeat_factor(k.shape[1], sp_size)
+        if repeat > 1:  # fewer kv heads than ranks: repeat each in place so GQA's grouping survives the split
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        q, k, v = (seq_to_head_shard(x, group) for x in (q, k, v))
+    out = varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen, scaling, dropout)
+    if sp_size > 1:
+        out = head_to_seq_shard(out, group)
+    return out.unsqueeze(0), None
+
+
+def _is_packed_row(query, key, attention_mask, position_ids) -> bool:
+    """A single row, no padding mask, no cache, positions restarting at 0 somewhere after the start."""
+    if attention_mask is not None or position_ids is None or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
+        return False
+    return bool((position_ids.flatten()[1:] == 0).any())
+
+
+def _varlen_mask(batch_size: int, q_length: int, kv_length: int, attention_mask: torch.Tensor | None = None,
+                 **kwargs) -> torch.Tensor | None:
+    """No mask for a fresh unpadded input (packing comes from cu_seqlens); sdpa's mask otherwise."""
+    if attention_mask is None and q_length == kv_length:
+        return None
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, attention_mask=attention_mask,
+                     **kwargs)
+
+
+@functools.cache
+def _flash_attn_varlen_func():
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def register_varlen_attention() -> str:
+    """Register `rlframe_varlen` with transformers (idempotent); returns the name to pass as attn_implementation."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, varlen_attention_forward)
+    # Without a mask function transformers would hand this function no mask at all, padded batches included.
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, _varlen_mask)
+    return ATTN_IMPLEMENTATION
+
+
+register_varlen_attention()

@@ -1,0 +1,119 @@
+"""The one model forward shared by actor, reference and critic: log-probs, entropy or values per response token.
+
+Layout of a micro-batch (an RL batch): `input_ids = [prompt (left-padded) | response (right-padded)]`,
+`attention_mask` marks valid tokens, `position_ids = clip(cumsum(mask) - 1, 0)`, `responses` is the
+last `response_length` columns. Token t's logits predict token t + 1, so response token j is scored
+by the logits at column `seqlen - response_length - 1 + j`.
+
+With `use_remove_padding` the valid tokens are packed into one row (see `rlframe.distributed.padding`)
+and the model must use an attention that honours `cu_seq_lens_q` (`rlframe_varlen`, or transformers'
+`flash_attention_2`). Only the packed row's logits are ever materialized. With a Ulysses group of
+size > 1 each rank runs 1/sp of the row and the per-token results are gathered before padding back.
+
+Value models are `AutoModelForTokenClassification` with `num_labels=1` (a causal LM backbone plus a
+scalar `score` head; set `classifier_dropout=0.0` so training-mode values are deterministic). The
+value of response token j is read at the same column as its log-prob: the state before emitting it.
+
+Outputs are zero outside the response mask (`attention_mask[:, -response_length:]`), in every mode,
+so results from any parallel configuration compare as whole tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from rlframe.distributed.attention import ATTN_IMPLEMENTATION
+from rlframe.distributed.padding import pack_tensor, pad_output, unpad_input
+from rlframe.distributed.ulysses import (gather_outputs, get_ulysses_group, pad_packed_for_sp, slice_for_rank,
+                                         sp_size_of)
+from rlframe.trainer.core_algos import entropy_from_logits, logprobs_from_logits
+
+ENTROPY_CHUNK_TOKENS = 1024
+
+
+def forward_micro_batch(model: torch.nn.Module, micro_batch: dict[str, torch.Tensor], response_length: int,
+                        temperature: float = 1.0, use_remove_padding: bool = True,
+                        sp_group: dist.ProcessGroup | None = None, calculate_entropy: bool = False,
+                        value_head: bool = False) -> dict[str, torch.Tensor]:
+    """Run `model` on one micro-batch and score its responses.
+
+    `micro_batch` holds `input_ids`, `attention_mask`, `position_ids` [batch, seqlen] and `responses`
+    [batch, response_length]. Returns `{"log_probs"}` (plus `"entropy"` if `calculate_entropy`) for a
+    causal LM, or `{"values"}` when `value_head`; each [batch, response_length]. `sp_group` defaults
+    to `get_ulysses_group()`.
+    """
+    input_ids, attention_mask = micro_batch["input_ids"], micro_batch["attention_mask"]
+    position_ids = micro_batch["position_ids"]
+    responses = micro_batch["responses"]
+    batch_size, seqlen = input_ids.shape
+    group = sp_group if sp_group is not None else get_ulysses_group()
+
+    if use_remove_padding:
+        per_token, indices = _forward_packed(model, input_ids, attention_mask, position_ids, temperature, group,
+                                             calculate_entropy, value_head)
+        # [total_nnz] per token -> [batch, seqlen] -> the columns scoring the response tokens
+        outputs = {name: pad_output(x, indices, batch_size, seqlen)[:, -response_length - 1:-1]
+                   for name, x in per_token.items()}
+    else:
+        if sp_size_of(group) > 1:
+            raise ValueError("ulysses_sequence_parallel_size > 1 (actor_rollout_ref.actor./critic.) needs "
+                             "use_remove_padding=True (actor_rollout_ref.model./critic.model.)")
+        output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        logits = output.logits[:, -response_length - 1:-1]
+        outputs = _score(logits, responses, temperature, calculate_entropy, value_head)
+
+    response_mask = attention_mask[:, -response_length:].bool()
+    return {name: torch.where(response_mask, x, torch.zeros_like(x)) for name, x in outputs.items()}
+
+
+def _forward_packed(model, input_ids, attention_mask, position_ids, temperature, group, calculate_entropy,
+                    value_head) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Forward the packed row; returns per-token results [total_nnz] and the packing `indices`."""
+    ids, indices, cu_seqlens, max_seqlen = unpad_input(input_ids, attention_mask)
+    pos = pack_tensor(position_ids, indices).unsqueeze(0)
+    labels = torch.roll(ids, shifts=-1, dims=1)  # next token in the row; wrong only at sequence ends, never scored
+    sp_size = sp_size_of(group)
+    pad_size = 0
+    extra = {}
+    if sp_size > 1:
+        attn = getattr(getattr(model, "config", None), "_attn_implementation", ATTN_IMPLEMENTATION)
+        if attn != ATTN_IMPLEMENTATION:  # any other attention would silently ignore the SP group
+            raise ValueError(f"Ulysses sequence parallelism needs attn_implementation={ATTN_IMPLEMENTATION!r}, "
+                             f"the model uses {attn!r}")
+        ids, pos, cu_seqlens, max_seqlen, pad_size = pad_packed_for_sp(ids, pos, cu_seqlens, max_seqlen, sp_size)
+        labels = torch.nn.functional.pad(labels, (0, pad_size))
+        ids, pos, labels = (slice_for_rank(x, group, dim=1) for x in (ids, pos, labels))
+        extra["ulysses_group"] = group
+
+    output = model(input_ids=ids, position_ids=pos, use_cache=False, cu_seq_lens_q=cu_seqlens,
+                   cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen, **extra)
+    per_token = _score(output.logits[0], labels[0], temperature, calculate_entropy, value_head)
+    per_token = {name: gather_outputs(x, group, dim=0, pad_size=pad_size) for name, x in per_token.items()}
+    return per_token, indices
+
+
+def _score(logits: torch.Tensor, labels: torch.Tensor, temperature: float, calculate_entropy: bool,
+           value_head: bool) -> dict[str, torch.Tensor]:
+    """Per-token log-probs of `labels` (and entropy) from `logits` [..., vocab], or values from [..., 1]."""
+    if value_head:
+        return {"values": logits[..., 0]}
+    if temperature != 1.0:
+        logits = logits / temperature
+    out = {"log_probs": logprobs_from_logits(logits, labels)}
+    if calculate_entropy:
+        out["entropy"] = _entropy_from_logits_chunked(logits)
+    return out
+
+
+def _entropy_from_logits_chunked(logits: torch.Tensor, chunk_tokens: int = ENTROPY_CHUNK_TOKENS) -> torch.Tensor:
+    """`entropy_from_logits` a chunk of tokens at a time, so at most one chunk's softmax is alive.
+
+    Under autograd each chunk is checkpointed: its softmax is recomputed in backward, not kept.
+    """
+    flat = logits.reshape(-1, logits.shape[-1])
+    needs_grad = torch.is_grad_enabled() and flat.requires_grad
+    parts = [checkpoint(entropy_from_logits, chunk, use_reentrant=False) if needs_grad else entropy_from_logits(chunk)
+             for chunk in flat.split(chunk_tokens)]
+    return torch.cat(parts).view(logits.shape[:-1])
