@@ -1,0 +1,105 @@
+"""Built-in synthetic tasks, addressed as `builtin://NAME` in `data.train_files` / `data.val_files`.
+
+They exist so that `rlframe` trains end to end with no download: the tiny random model of
+`rlframe.utils.tiny_model` gets a little reward by chance and visibly more after a few dozen
+GRPO steps. Each task writes parquet files in verl's schema, so everything downstream (dataset,
+reward managers) treats them exactly like a user's data.
+
+`countdown_add`: "What is 3 + 4? Answer with the number only." -> "7". Answers are single digits,
+uniform over 0..9 (no constant answer beats 10%). The scorer (`rlframe.reward.scorers`) gives
+partial credit on a ladder a random policy climbs one rung at a time; see docs/data_and_rewards.md.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+from typing import Callable
+
+# Bump when a generator's output changes, so cached parquet files are regenerated, not reused.
+GENERATOR_VERSION = 1
+SPLIT_SIZES = {"train": 1024, "val": 64}
+BUILTIN_PREFIX = "builtin://"
+DEFAULT_BUILTIN_DIR = os.path.join("~", ".cache", "rlframe", "data")
+
+
+def countdown_add_rows(split: str, num_samples: int, seed: int) -> list[dict]:
+    """Rows of the `countdown_add` task: add two digits whose sum is a single digit."""
+    rng = random.Random(f"countdown_add/{split}/{seed}")  # str seeds are stable across runs
+    rows = []
+    for index in range(num_samples):
+        answer = rng.randint(0, 9)
+        a = rng.randint(0, answer)
+        b = answer - a
+        rows.append({
+            "data_source": "countdown_add",
+            "prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}],
+            "ability": "arithmetic",
+            "reward_model": {"style": "rule", "ground_truth": str(answer)},
+            "extra_info": {"split": split, "index": index, "a": a, "b": b},
+        })
+    return rows
+
+
+BUILTIN_TASKS: dict[str, Callable[[str, int, int], list[dict]]] = {
+    "countdown_add": countdown_add_rows,
+}
+
+
+def builtin_task_path(name: str, split: str, builtin_dir: str | None, seed: int) -> Path:
+    """Where the parquet file of one split of a built-in task lives (generated or not)."""
+    root = Path(os.path.expanduser(builtin_dir or DEFAULT_BUILTIN_DIR))
+    return root / f"{name}-v{GENERATOR_VERSION}" / f"seed{seed}" / f"{split}.parquet"
+
+
+def _write_parquet_atomically(rows: list[dict], path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Unique temporary name, then an atomic rename: a reader never sees a half-written file, and
+    # two processes generating the same task at once both end with the same complete file.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{random.getrandbits(32):08x}.tmp")
+    try:
+        pq.write_table(pa.Table.from_pylist(rows), tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def generate_builtin_task(name: str, builtin_dir: str | None, seed: int) -> dict[str, Path]:
+    """Write every split of built-in task `name` (train and val use different seeds); return paths."""
+    if name not in BUILTIN_TASKS:
+        raise ValueError(f"unknown built-in task {BUILTIN_PREFIX}{name}; known tasks: "
+                         f"{', '.join(BUILTIN_PREFIX + n for n in sorted(BUILTIN_TASKS))}")
+    paths = {}
+    for split, num_samples in SPLIT_SIZES.items():
+        path = builtin_task_path(name, split, builtin_dir, seed)
+        if not path.exists():
+            _write_parquet_atomically(BUILTIN_TASKS[name](split, num_samples, seed), path)
+        paths[split] = path
+    return paths
+
+
+def resolve_data_files(spec, builtin_dir: str | None = None, seed: int = 1, split: str = "train") -> list[str]:
+    """Turn `data.train_files`/`val_files` (a path, `builtin://NAME`, or a list) into parquet paths.
+
+    `builtin://NAME` becomes the `split` split of that task, generated under `builtin_dir` on first
+    use. Other entries are returned as given (with `~` expanded); their existence is not checked here.
+    """
+    if split not in SPLIT_SIZES:
+        raise ValueError(f"split must be one of {sorted(SPLIT_SIZES)}, got {split!r}")
+    specs = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
+    if not specs:
+        raise ValueError("no data files given (data.train_files / data.val_files is empty)")
+    paths = []
+    for entry in specs:
+        entry = str(entry)
+        if entry.startswith(BUILTIN_PREFIX):
+            name = entry[len(BUILTIN_PREFIX):]
+            paths.append(str(generate_builtin_task(name, builtin_dir, seed)[split]))
+        else:
+            paths.append(os.path.expanduser(entry))
+    return paths

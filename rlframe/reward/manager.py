@@ -1,0 +1,195 @@
+"""Reward managers: decode responses, score them, and place each score on its last response token.
+
+Input (verl's convention): a DataProto whose batch has `responses` [bs, response_len] and
+`attention_mask` over prompt + response (optionally `prompts` and `response_mask`), and whose
+non_tensor_batch has the data source (`data.reward_fn_key`), `reward_model` (a dict with
+`ground_truth`) and optionally `extra_info`.
+
+Output: `reward_tensor` [bs, response_len] (zeros except the score at the last valid response token),
+`reward_extra_info` (per-sample lists: "score" always, plus the other keys of dict scores; NaN where
+a sample lacks a key) and `metrics` (`reward/num_scorer_errors`). A scorer that raises or returns
+a non-finite or malformed score gives that sample 0; the run goes on and the error is counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+from typing import Callable
+
+import torch
+
+from rlframe.protocol import DataProto
+from rlframe.reward.custom import load_custom_reward_function
+from rlframe.reward.scorers import default_compute_score
+
+logger = logging.getLogger(__name__)
+
+
+def normalize_score(result) -> tuple[float, dict]:
+    """A scorer's result (number, or dict with "score") -> (score, extra info); raises on anything else."""
+    extras = {}
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise ValueError(f"a dict score needs a 'score' key, got keys {sorted(result)}")
+        extras = {k: v for k, v in result.items() if k != "score"}
+        result = result["score"]
+    if isinstance(result, torch.Tensor) and result.numel() == 1:
+        result = result.item()
+    if not isinstance(result, numbers.Real):
+        raise TypeError(f"a score must be a number or a dict with a 'score' key, got {type(result).__name__}")
+    if not math.isfinite(result):
+        raise ValueError(f"score {result} is not finite")
+    return float(result), extras
+
+
+def response_lengths(data: DataProto) -> torch.Tensor:
+    """Valid length of each response: one past its last unmasked token (0 when all masked)."""
+    responses = data.batch["responses"]
+    if "response_mask" in data.batch.keys():
+        mask = data.batch["response_mask"]
+    else:
+        mask = data.batch["attention_mask"][:, -responses.shape[1]:]
+    positions = torch.arange(1, mask.shape[1] + 1, device=mask.device).expand_as(mask)
+    return (positions * (mask != 0)).max(dim=1).values
+
+
+class RewardManager:
+    """Shared decode -> score -> place logic; subclasses decide how the scorer is called."""
+
+    def __init__(self, tokenizer, compute_score: Callable | None = None, reward_fn_key: str = "data_source",
+                 num_examine: int = 0):
+        self.tokenizer = tokenizer
+        self.compute_score = compute_score
+        self.reward_fn_key = reward_fn_key
+        self.num_examine = num_examine
+        self._logged_traceback = False
+
+    def score_samples(self, data_sources, solution_strs, ground_truths, extra_infos) -> list:
+        """Per sample: the scorer's result, or the exception it raised."""
+        raise NotImplementedError
+
+    def __call__(self, data: DataProto, return_dict: bool = False):
+        """Score a batch; the reward tensor, or a dict with reward_tensor, reward_extra_info and metrics."""
+        for key in (self.reward_fn_key, "reward_model"):
+            if key not in data.non_tensor_batch:
+                raise ValueError(f"the batch has no non-tensor field {key!r} (needed for rule-based rewards); "
+                                 f"fields present: {sorted(data.non_tensor_batch)}")
+        responses = data.batch["responses"]
+        lengths = response_lengths(data).tolist()
+        solution_strs = self.tokenizer.batch_decode(
+            [responses[i, :n].tolist() for i, n in enumerate(lengths)], skip_special_tokens=True)
+        data_sources = list(data.non_tensor_batch[self.reward_fn_key])
+        ground_truths = [reward_model["ground_truth"] for reward_model in data.non_tensor_batch["reward_model"]]
+        extra_infos = list(data.non_tensor_batch.get("extra_info", [None] * len(data)))
+
+        results = self.score_samples(data_sources, solution_strs, ground_truths, extra_infos)
+        if len(results) != len(data):
+            raise ValueError(f"the scorer returned {len(results)} results for a batch of {len(data)}")
+        scores, extras, errors = [], [], []
+        for i, result in enumerate(results):
+            try:
+                if isinstance(result, BaseException):
+                    raise result
+                score, extra = normalize_score(result)
+            except Exception as error:  # noqa: BLE001 - one bad sample must not stop the run
+                errors.append((i, error))
+                score, extra = 0.0, {}
+            scores.append(score)
+            extras.append(extra)
+        self._report_errors(errors, data_sources)
+
+        reward_tensor = torch.zeros(responses.shape, dtype=torch.float32)
+        for i, (score, length) in enumerate(zip(scores, lengths)):
+            reward_tensor[i, max(length - 1, 0)] = score
+        reward_extra_info = {"score": scores}
+        for key in dict.fromkeys(k for extra in extras for k in extra):
+            reward_extra_info[key] = [extra.get(key, math.nan) for extra in extras]
+        self._examine(data_sources, solution_strs, ground_truths, scores)
+        if not return_dict:
+            return reward_tensor
+        return {"reward_tensor": reward_tensor, "reward_extra_info": reward_extra_info,
+                "metrics": {"reward/num_scorer_errors": len(errors)}}
+
+    def _report_errors(self, errors: list, data_sources: list) -> None:
+        if not errors:
+            return
+        first_index, first_error = errors[0]
+        where = f"sample {first_index}, data_source={data_sources[first_index]!r}"
+        if not self._logged_traceback:
+            self._logged_traceback = True
+            logger.error("reward scorer failed on %d of %d samples (scored 0); first failure (%s):",
+                         len(errors), len(data_sources), where, exc_info=first_error)
+        else:
+            logger.warning("reward scorer failed on %d of %d samples (scored 0); first: %s: %r",
+                           len(errors), len(data_sources), where, first_error)
+
+    def _examine(self, data_sources, solution_strs, ground_truths, scores) -> None:
+        shown: dict = {}
+        for source, solution, truth, score in zip(data_sources, solution_strs, ground_truths, scores):
+            if shown.get(source, 0) < self.num_examine:
+                shown[source] = shown.get(source, 0) + 1
+                logger.info("[%s] response=%r ground_truth=%r score=%s", source, solution, truth, score)
+
+
+def score_each(fn: Callable, data_sources, solution_strs, ground_truths, extra_infos) -> list:
+    """Call a per-sample scorer on every sample; a sample that fails gets its exception in its place."""
+    results = []
+    for data_source, solution_str, ground_truth, extra_info in zip(
+            data_sources, solution_strs, ground_truths, extra_infos):
+        try:
+            results.append(fn(data_source=data_source, solution_str=solution_str,
+                              ground_truth=ground_truth, extra_info=extra_info))
+        except Exception as error:  # noqa: BLE001 - counted and logged by the manager
+            results.append(error)
+    return results
+
+
+def default_batch_compute_score(data_sources, solution_strs, ground_truths, extra_infos) -> list:
+    """`default_compute_score` over lists (the batch manager's scorer when no custom one is set)."""
+    return score_each(default_compute_score, data_sources, solution_strs, ground_truths, extra_infos)
+
+
+class NaiveRewardManager(RewardManager):
+    """One scorer call per sample: fn(data_source=, solution_str=, ground_truth=, extra_info=)."""
+
+    def score_samples(self, data_sources, solution_strs, ground_truths, extra_infos) -> list:
+        return score_each(self.compute_score or default_compute_score,
+                          data_sources, solution_strs, ground_truths, extra_infos)
+
+
+class BatchRewardManager(RewardManager):
+    """One scorer call per batch: fn(data_sources=, solution_strs=, ground_truths=, extra_infos=) -> list.
+
+    The function may put an exception in place of a sample's result to fail only that sample;
+    if the call itself raises, every sample of the batch scores 0 and counts as an error.
+    """
+
+    def score_samples(self, data_sources, solution_strs, ground_truths, extra_infos) -> list:
+        fn = self.compute_score or default_batch_compute_score
+        try:
+            results = fn(data_sources=data_sources, solution_strs=solution_strs,
+                         ground_truths=ground_truths, extra_infos=extra_infos)
+        except Exception as error:  # noqa: BLE001 - counted and logged by the caller
+            return [error] * len(data_sources)
+        return list(results)
+
+
+REWARD_MANAGERS: dict[str, type[RewardManager]] = {"naive": NaiveRewardManager, "batch": BatchRewardManager}
+
+
+def get_reward_manager_cls(name: str) -> type[RewardManager]:
+    """The reward manager class registered as `name` (`reward_model.reward_manager`)."""
+    if name not in REWARD_MANAGERS:
+        raise ValueError(f"reward_model.reward_manager={name!r} is unknown; valid names: {', '.join(REWARD_MANAGERS)}")
+    return REWARD_MANAGERS[name]
+
+
+def load_reward_manager(config, tokenizer, num_examine: int = 0) -> RewardManager:
+    """The reward manager the full trainer config asks for, with the custom scorer if one is set."""
+    compute_score = load_custom_reward_function(config.custom_reward_function.path,
+                                                config.custom_reward_function.name)
+    manager_cls = get_reward_manager_cls(config.reward_model.reward_manager)
+    return manager_cls(tokenizer, compute_score=compute_score, reward_fn_key=config.data.reward_fn_key,
+                       num_examine=num_examine)
