@@ -64,7 +64,8 @@ def test_plan_matches_hand_computed_sizes(base, case, expected):
     assert plan.world_size == expected["world"]
     assert plan.sequences_per_step == expected["seqs"]
     a = plan.actor
-    assert (a.dp_size, a.sequences_per_gpu, a.sequences_per_dp) == (expected["dp"], expected["per_gpu"], expected["per_dp"])
+    assert (a.dp_size, a.sequences_per_gpu, a.sequences_per_dp) == (
+        expected["dp"], expected["per_gpu"], expected["per_dp"])
     assert (a.mini_batch_size_per_dp, a.num_mini_batches, a.grad_accum_steps) == (
         expected["mini_dp"], expected["num_mini"], expected["accum"])
     assert a.optimizer_steps_per_step == expected["opt_steps"]
@@ -145,7 +146,8 @@ REJECTED = [
      ["critic.forward_micro_batch_size_per_gpu = 0"]),
     ({f"{A}.use_kl_loss": True, f"{REF}.log_prob_use_dynamic_bsz": True, f"{REF}.log_prob_max_token_len_per_gpu": 50},
      [f"{REF}.log_prob_max_token_len_per_gpu", "at least 80"]),
-    ({f"{A}.use_kl_loss": True, f"{REF}.ulysses_sequence_parallel_size": 3}, [f"{REF}.ulysses_sequence_parallel_size = 3"]),
+    ({f"{A}.use_kl_loss": True, f"{REF}.ulysses_sequence_parallel_size": 3},
+     [f"{REF}.ulysses_sequence_parallel_size = 3"]),
 ]
 
 
@@ -171,9 +173,10 @@ def test_rejects_every_non_dividing_mini_batch_over_dp(base):
 
 
 def test_heads_must_divide_over_ulysses_and_tensor_parallel_ranks(base):
-    with pytest.raises(ValueError, match=r"ulysses_sequence_parallel_size = 8 must divide the model's num_attention_heads = 4"):
+    heads_error = r"{} = 8 must divide the model's num_attention_heads = 4.*divisor of both .*: 1, 2, 4"
+    with pytest.raises(ValueError, match=heads_error.format("ulysses_sequence_parallel_size")):
         make_batch_plan(cfg_of(base, gpus=8, sp=8, batch=16, mini=16, micro=1), TINY_MODEL_SHAPE)
-    with pytest.raises(ValueError, match=r"tensor_model_parallel_size = 8 must divide the model's num_attention_heads = 4"):
+    with pytest.raises(ValueError, match=heads_error.format("tensor_model_parallel_size")):
         make_batch_plan(cfg_of(base, gpus=8, tp=8, engine="vllm", batch=16, mini=16, micro=1), TINY_MODEL_SHAPE)
     assert make_batch_plan(cfg_of(base, gpus=4, sp=4, batch=16, mini=16, micro=1), TINY_MODEL_SHAPE)
 
@@ -239,3 +242,9 @@ def test_override_key_parses_hydra_syntax():
     assert override_key("++a.b=x=y") == "a.b"
     assert override_key("~a.b") is None
     assert override_key("a@pkg=v") == "a"
+
+
+def test_unknown_packing_algorithm_is_rejected_only_when_dynamic(base):
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.actor.packing_algorithm = 'best' is not a packing"):
+        make_batch_plan(cfg_of(base, f"{A}.packing_algorithm=best", dynamic=True))
+    assert make_batch_plan(cfg_of(base, f"{A}.packing_algorithm=best")).actor.packing_algorithm is None

@@ -224,8 +224,7 @@ class _Quantity:
             parts.append(str(self.value))
         return " = ".join(parts)
 
-    def __str__(self) -> str:
-        return self.equation() + (f" (with {self.where})" if self.where else "")
+    __str__ = equation
 
 
 def _paren(text: str) -> str:
@@ -283,11 +282,17 @@ def _require_multiple(total: _Quantity, parts: _Quantity, statement: str, fix: s
     remainder = total.value % parts.value
     if remainder:
         why = f" ({why})" if why else ""
-        raise ValueError(f"{statement}, but {total.value} % {parts.value} = {remainder}{why}. Fix: {fix}.")
+        where = "".join(f"; {q.where}" for q in (total, parts) if q.where)
+        raise ValueError(f"{statement}, but {total.value} % {parts.value} = {remainder}{why}{where}. Fix: {fix}.")
 
 
 def _divisor_fix(key: str, total: int) -> str:
     return f"set {key} to a divisor of {total}: {_divisors(total)}"
+
+
+def _common_divisor_fix(key: str, heads: int, world: _Quantity) -> str:
+    return (f"set {key} to a divisor of both num_attention_heads {heads} and world_size {world.value}: "
+            f"{_divisors(math.gcd(heads, world.value))}")
 
 
 def _multiple_fix(key: str, times: _Quantity, over: _Quantity) -> str:
@@ -308,7 +313,7 @@ def _sp_and_dp(cfg: DictConfig, sp_key: str, remove_padding_key: str, world: _Qu
     if model is not None and model.num_attention_heads % sp.value:
         raise ValueError(f"{sp_key} = {sp.value} must divide the model's num_attention_heads = "
                          f"{model.num_attention_heads} (each Ulysses rank attends with heads / sp of them). "
-                         f"Fix: use one of {_divisors(model.num_attention_heads)}.")
+                         f"Fix: {_common_divisor_fix(sp_key, model.num_attention_heads, world)}.")
     return sp, _div(world, sp, name="dp")
 
 
@@ -320,6 +325,15 @@ def _token_budget(cfg: DictConfig, key: str, sp: _Quantity, max_seq: _Quantity) 
         raise ValueError(f"{budget} tokens per micro-batch cannot hold one sequence of {max_seq} tokens. "
                          f"Fix: raise {key} to at least {need}.")
     return budget
+
+
+def _packing(cfg: DictConfig, key: str) -> str:
+    from rlframe.seqpack import ALLOCATE_FNS
+
+    name = _get(cfg, key)
+    if name not in ALLOCATE_FNS:
+        raise ValueError(f"{key} = {name!r} is not a packing algorithm; use one of {', '.join(ALLOCATE_FNS)}")
+    return name
 
 
 def _forward_plan(cfg: DictConfig, keys: ForwardKeys, world: _Quantity, sequences: _Quantity,
@@ -338,7 +352,7 @@ def _forward_plan(cfg: DictConfig, keys: ForwardKeys, world: _Quantity, sequence
         num_micro_batches=None if micro is None else -(-per_dp // micro),
         max_token_len_per_gpu=None if budget is None else budget.value // sp.value,
         max_token_len=None if budget is None else budget.value,
-        packing_algorithm=str(_get(cfg, keys.packing)) if dynamic else None,
+        packing_algorithm=_packing(cfg, keys.packing) if dynamic else None,
     )
 
 
@@ -375,7 +389,7 @@ def _update_plan(cfg: DictConfig, keys: UpdateKeys, world: _Quantity, train_batc
         grad_accum_steps=None if micro is None else mini_per_dp.value // micro.value,
         max_token_len_per_gpu=None if budget is None else budget.value // sp.value,
         max_token_len=None if budget is None else budget.value,
-        packing_algorithm=str(_get(cfg, keys.packing)) if dynamic else None,
+        packing_algorithm=_packing(cfg, keys.packing) if dynamic else None,
         forward=_forward_plan(cfg, keys.forward, world, sequences, max_seq, model),
     )
 
@@ -385,17 +399,18 @@ def _rollout_plan(cfg: DictConfig, world: _Quantity, sequences: _Quantity, model
     if name not in ("hf", "vllm"):
         raise ValueError(f"{ROLLOUT}.name = {name!r} is not a rollout engine; use hf or vllm")
     tp_key = f"{ROLLOUT}.tensor_model_parallel_size"
-    tp = _int(cfg, tp_key)
     micro = None
     if name == "hf":
         tp = _Quantity(1, "1", "1")  # hf generates with each worker's FSDP model; the TP key has no effect
         micro = _int(cfg, f"{ROLLOUT}.micro_batch_size").value
     else:
+        tp = _int(cfg, tp_key)
         _require_multiple(world, tp, f"{tp} must divide {world} workers into whole TP groups",
                           _divisor_fix(tp_key, world.value))
         if model is not None and model.num_attention_heads % tp.value:
             raise ValueError(f"{tp_key} = {tp.value} must divide the model's num_attention_heads = "
-                             f"{model.num_attention_heads}. Fix: use one of {_divisors(model.num_attention_heads)}.")
+                             f"{model.num_attention_heads}. Fix: "
+                             f"{_common_divisor_fix(tp_key, model.num_attention_heads, world)}.")
     dp = world.value // tp.value
     per_dp = sequences.value // dp
     return RolloutPlan(name=name, tensor_parallel_size=tp.value, dp_size=dp,
@@ -427,7 +442,8 @@ def make_batch_plan(cfg: DictConfig, model: ModelShape | None = None) -> BatchPl
     sequences = _mul(train_batch, n)
     _require_multiple(
         sequences, world, f"{sequences} sequences per step must split evenly over {world} workers",
-        _multiple_fix("data.train_batch_size", n, world), why="DP_COMPUTE_PROTO gives every worker an equal share; a remainder would be padded with "
+        _multiple_fix("data.train_batch_size", n, world),
+        why="DP_COMPUTE_PROTO gives every worker an equal share; a remainder would be padded with "
             "copies that the update trains on")
     rollout = _rollout_plan(cfg, world, sequences, model)
     actor = _update_plan(cfg, ACTOR_KEYS, world, train_batch, n, max_seq, model)

@@ -1,0 +1,66 @@
+"""The `rlframe` command: `train`, `explain`, `make-tiny-model`.
+
+Each subcommand forwards its arguments to the module that owns it, imported only when used, so
+`rlframe explain` never imports Ray or torch's distributed stack.
+"""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: rlframe COMMAND [ARGS ...]
+
+commands:
+  train KEY=VALUE ...        train (same as python -m rlframe.trainer.main_ppo KEY=VALUE ...)
+  explain KEY=VALUE ...      print the batch plan of a config, its keys in effect and ignored, and
+                             with --lengths uniform|bimodal|FILE a balancing/micro-batching simulation
+  make-tiny-model OUT_DIR    write a tiny random-init model and tokenizer (no downloads)
+
+`rlframe COMMAND --help` for the options of one command."""
+
+
+def _train(args: list[str]) -> int:
+    try:
+        from rlframe.trainer import main_ppo
+    except ModuleNotFoundError as err:
+        if err.name != "rlframe.trainer.main_ppo":
+            raise
+        print("rlframe train: the trainer entry rlframe.trainer.main_ppo is not part of this install",
+              file=sys.stderr)
+        return 1
+    sys.argv = ["rlframe train", *args]  # Hydra reads its overrides from sys.argv
+    main_ppo.main()
+    return 0
+
+
+def _explain(args: list[str]) -> int:
+    from rlframe.utils.explain import main as explain_main
+
+    return explain_main(args)
+
+
+def _make_tiny_model(args: list[str]) -> int:
+    from rlframe.utils.tiny_model import main as tiny_main
+
+    tiny_main(args)
+    return 0
+
+
+COMMANDS = {"train": _train, "explain": _explain, "make-tiny-model": _make_tiny_model}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch `rlframe COMMAND ARGS...` to the command's module."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0
+    command, args = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"rlframe: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return COMMANDS[command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
