@@ -1,0 +1,16 @@
+"""The Ray implementation of the single controller: resource pools, worker groups, colocation."""
+
+from rlframe.single_controller.ray.base import RayClassWithInitArgs, RayWorkerGroup, init_ray
+from rlframe.single_controller.ray.colocate import ColocatedWorker, create_colocated_worker_cls
+from rlframe.single_controller.ray.future import WorkerGroupFuture
+from rlframe.single_controller.ray.resource_pool import RayResourcePool
+
+__all__ = [
+    "ColocatedWorker",
+    "RayClassWithInitArgs",
+    "RayResourcePool",
+    "RayWorkerGroup",
+    "WorkerGroupFuture",
+    "create_colocated_worker_cls",
+    "init_ray",
+]

@@ -1,0 +1,129 @@
+"""Worker: the base class of every process a worker group manages (one per device)."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from datetime import timedelta
+
+import torch
+
+from rlframe.single_controller.decorator import DpCoords
+from rlframe.single_controller.errors import WorkerError
+from rlframe.single_controller.transport import pack_value, unpack_value
+
+# Environment a worker group sets on each worker process before its class is constructed.
+RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class Worker:
+    """One process of a worker group: knows its place, sets up torch.distributed on request.
+
+    Rank, world size, local rank and the rendezvous address come from the environment the
+    group sets when it creates the process, so they are valid inside a subclass's `__init__`
+    (which may call `init_process_group` right away). Outside a group they default to a
+    single process.
+    """
+
+    @property
+    def rank(self) -> int:
+        """Global rank of this process in its worker group."""
+        return int(os.environ.get("RANK", 0))
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes in the worker group."""
+        return int(os.environ.get("WORLD_SIZE", 1))
+
+    @property
+    def local_rank(self) -> int:
+        """Index of this process among the group's processes on its node."""
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def local_world_size(self) -> int:
+        """Number of the group's processes on this node."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+    @property
+    def master_addr(self) -> str:
+        """IP of rank 0's node, where torch.distributed rendezvouses."""
+        return os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+    @property
+    def master_port(self) -> int:
+        """Port on rank 0's node for the rendezvous (free when the group was built)."""
+        return int(os.environ.get("MASTER_PORT", 29500))
+
+    @property
+    def device(self) -> torch.device:
+        """This worker's accelerator: the one CUDA device Ray assigned it, else the CPU."""
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        # Ray narrows CUDA_VISIBLE_DEVICES to this process's GPU(s); with one visible it is index 0.
+        index = 0 if torch.cuda.device_count() == 1 else self.local_rank
+        return torch.device("cuda", index)
+
+    def init_process_group(self, backend: str | None = None, timeout_s: float = 600.0) -> None:
+        """Join the group's default process group (gloo on CPU, nccl on CUDA); no-op if joined."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return
+        if backend is None:
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(backend=backend, init_method=f"tcp://{self.master_addr}:{self.master_port}",
+                                rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
+
+    def register_dp_coords(self, dp_rank: int, dp_size: int, is_collector: bool = True) -> None:
+        """Tell dispatch which data shard this worker takes and whether its output is kept.
+
+        Tensor/sequence-parallel peers register the same `dp_rank`; exactly one of them is the
+        collector. Without a registration every worker is its own dp rank (dp_size = world_size).
+        """
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank} (worker rank {self.rank})")
+        self._dp_coords = DpCoords(int(dp_rank), int(dp_size), bool(is_collector))
+
+    @property
+    def dp_coords(self) -> DpCoords:
+        """This worker's registered dp coordinates (default: its own dp rank, dp_size = world_size)."""
+        return getattr(self, "_dp_coords", None) or DpCoords(self.rank, self.world_size, True)
+
+    # ------------------------------------------------------------------ called by the worker group
+    def _rlframe_target(self, role: str | None):
+        """The object whose methods the group calls: the worker itself (roles: see ColocatedWorker)."""
+        if role is not None:
+            raise ValueError(f"{type(self).__name__} hosts no roles, asked for role {role!r}")
+        return self
+
+    def _rlframe_call(self, role: str | None, method: str, expected_coords: DpCoords | None, *args, **kwargs):
+        """Run `method` on the role's object; a failure comes back as a WorkerError with this rank.
+
+        `expected_coords` are the dp coordinates the driver split the data by (data-parallel
+        modes only); a worker that re-registered since would silently get the wrong shard.
+        """
+        target = self._rlframe_target(role)
+        qualified = f"{type(target).__name__}.{method}"
+        try:
+            if expected_coords is not None and target.dp_coords != expected_coords:
+                raise RuntimeError(f"dp coordinates are {target.dp_coords}, but the driver split the data by "
+                                   f"{expected_coords}, read before they were re-registered; call "
+                                   f"wg.refresh_dp_coords() after registering new ones")
+            args = tuple(unpack_value(a) for a in args)
+            kwargs = {k: unpack_value(v) for k, v in kwargs.items()}
+            return pack_value(getattr(target, method)(*args, **kwargs))
+        except Exception:  # noqa: BLE001 - every failure must reach the driver with its rank
+            raise WorkerError(self.rank, qualified, traceback.format_exc()) from None
+
+    def _rlframe_dp_coords(self, role: str | None) -> DpCoords:
+        return self._rlframe_target(role).dp_coords
+
+    def _rlframe_info(self) -> dict:
+        """Where this process runs (for checks and tests)."""
+        import ray
+
+        return {"rank": self.rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                **{key: os.environ.get(key) for key in RANK_ENV}}

@@ -1,0 +1,384 @@
+"""Single controller on a small local Ray cluster: dispatch modes, order, errors, colocation."""
+
+import inspect
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from rlframe.protocol import DataProto
+from rlframe.single_controller import (Dispatch, DpCoords, Execute, Worker, WorkerDiedError, WorkerError,
+                                       WorkerGroupError, register)
+from rlframe.single_controller.decorator import RegisterSpec, plan_call
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+# Ray workers cannot import this test module (tests/ is not on their path): ship its classes by value.
+ray_cloudpickle = pytest.importorskip("ray.cloudpickle")
+ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+WORLD_SIZE = 4
+
+
+def make_data(n: int) -> DataProto:
+    return DataProto.from_dict({"x": torch.arange(n, dtype=torch.float32).unsqueeze(1).repeat(1, 3)},
+                               {"uid": [f"s{i}" for i in range(n)]}, {"temperature": 0.7})
+
+
+class EchoWorker(Worker):
+    """Returns what it got, tagged with its rank, one method per dispatch mode."""
+
+    def __init__(self, offset: float = 0.0):
+        self.offset = offset
+        self.last_seen = None
+
+    @register(Dispatch.ONE_TO_ALL)
+    def whoami(self, tag):
+        return {"rank": self.rank, "tag": tag, "world_size": self.world_size, "local_rank": self.local_rank,
+                "master": (self.master_addr, self.master_port)}
+
+    @register(Dispatch.ALL_TO_ALL)
+    def take(self, item):
+        return (self.rank, item)
+
+    @register(Dispatch.DP_COMPUTE)
+    def dp_take(self, item):
+        return (self.rank, item)
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def add_offset(self, data: DataProto) -> DataProto:
+        """Add the constructor offset to x, in place, and tag each sample with this rank."""
+        self.last_seen = data.non_tensor_batch["uid"].tolist()
+        data.batch["x"] += 1.0 + self.offset
+        data.batch["rank"] = torch.full((len(data),), self.rank)
+        return data
+
+    @register(Dispatch.DP_COMPUTE_PROTO_WITH_FUNC)
+    def apply(self, fn, data: DataProto) -> DataProto:
+        return fn(data)
+
+    @register(Dispatch.DP_COMPUTE_METRIC)
+    def metric(self, data: DataProto):
+        return {"rank": self.rank, "sum": float(data.batch["x"][:, 0].sum()), "n": len(data)}
+
+    @register(Dispatch.RANK_ZERO)
+    def rank_zero_answer(self):
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO)
+    def only_rank_zero_runs(self):
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL, blocking=False)
+    def sleepy(self, seconds):
+        time.sleep(seconds)
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def set_tensor_parallel(self, tp: int):
+        self.register_dp_coords(dp_rank=self.rank // tp, dp_size=self.world_size // tp,
+                                is_collector=self.rank % tp == 0)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def get_last_seen(self):
+        return self.last_seen
+
+    @register(Dispatch.ONE_TO_ALL)
+    def fail_on(self, rank):
+        if self.rank == rank:
+            raise ValueError(f"boom from {rank}")
+        return "ok"
+
+    @register(Dispatch.ONE_TO_ALL)
+    def all_reduce_rank(self):
+        import torch.distributed as dist
+
+        self.init_process_group()
+        value = torch.tensor([float(self.rank)])
+        dist.all_reduce(value)
+        return value.item()
+
+
+class CrashWorker(Worker):
+    def __init__(self):
+        self.init_process_group(timeout_s=60)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def crash_one_while_peers_wait(self, crash_rank):
+        import torch.distributed as dist
+
+        if self.rank == crash_rank:
+            os._exit(1)
+        dist.barrier()  # never completes: the peer is gone
+        return "unreachable"
+
+
+class ActorRole(Worker):
+    def __init__(self, scale):
+        self.scale = scale
+
+    @register(Dispatch.ONE_TO_ALL)
+    def name(self):
+        return ("actor", self.scale, os.getpid())
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        return DataProto.from_dict({"log_prob": data.batch["x"][:, 0] * self.scale})
+
+
+class CriticRole(Worker):
+    def __init__(self, scale):
+        self.scale = scale
+
+    @register(Dispatch.ONE_TO_ALL)
+    def name(self):
+        return ("critic", self.scale, os.getpid())
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_values(self, data: DataProto) -> DataProto:
+        return DataProto.from_dict({"values": data.batch["x"][:, 0] + self.scale})
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    from rlframe.single_controller.ray import init_ray
+
+    init_ray(num_cpus=4, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+def small_pool(n: int):
+    from rlframe.single_controller.ray import RayResourcePool
+
+    return RayResourcePool([n], num_cpus_per_process=0.25)
+
+
+@pytest.fixture(scope="module")
+def group(ray_cluster):
+    from rlframe.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
+
+    pool = small_pool(WORLD_SIZE)
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(EchoWorker, offset=0.0), call_timeout_s=120)
+    yield wg
+    wg.shutdown()
+    pool.remove()
+
+
+# ---------------------------------------------------------------------------------- no Ray needed
+@pytest.mark.parametrize("n", [1, 3, 5, 7, 8, 13])
+def test_plan_pads_splits_and_restores_order(n):
+    data = make_data(n)
+    spec = RegisterSpec(Dispatch.DP_COMPUTE_PROTO, Execute.ALL, True)
+    coords = [DpCoords(r, WORLD_SIZE, True) for r in range(WORLD_SIZE)]
+    plan = plan_call(spec, "f", (data,), {}, WORLD_SIZE, coords)
+    shard_sizes = {len(args[0]) for args in plan.args}
+    assert len(shard_sizes) == 1  # equal shards keep every rank in lock-step
+    out = plan.collect([args[0] for args in plan.args])
+    assert out.non_tensor_batch["uid"].tolist() == data.non_tensor_batch["uid"].tolist()
+    assert torch.equal(out.batch["x"], data.batch["x"])
+
+
+def test_register_rejects_rank_zero_execution_of_sharded_modes():
+    with pytest.raises(ValueError, match="DP_COMPUTE_PROTO"):
+        register(Dispatch.DP_COMPUTE_PROTO, execute_mode=Execute.RANK_ZERO)
+    with pytest.raises(ValueError, match="Dispatch member"):
+        register("dp_compute_proto")
+
+
+def test_dp_layout_needs_one_collector_per_dp_rank():
+    spec = RegisterSpec(Dispatch.DP_COMPUTE, Execute.ALL, True)
+    coords = [DpCoords(0, 2, True), DpCoords(0, 2, True), DpCoords(1, 2, True), DpCoords(1, 2, False)]
+    with pytest.raises(ValueError, match=r"exactly one collector per dp rank.*\[0\]"):
+        plan_call(spec, "f", ([1, 2],), {}, 4, coords)
+
+
+# ---------------------------------------------------------------------------------- dispatch modes
+def test_workers_know_rank_world_size_and_rendezvous(group):
+    infos = group.whoami("hi")
+    assert [i["rank"] for i in infos] == list(range(WORLD_SIZE))
+    assert {i["world_size"] for i in infos} == {WORLD_SIZE}
+    assert [i["local_rank"] for i in infos] == list(range(WORLD_SIZE))
+    assert len({i["master"] for i in infos}) == 1
+    assert {i["tag"] for i in infos} == {"hi"}
+
+
+def test_one_gloo_group_spans_the_workers(group):
+    assert group.all_reduce_rank() == [float(sum(range(WORLD_SIZE)))] * WORLD_SIZE
+
+
+def test_all_to_all_gives_item_i_to_rank_i(group):
+    assert group.take(["a", "b", "c", "d"]) == [(0, "a"), (1, "b"), (2, "c"), (3, "d")]
+
+
+def test_dp_compute_gives_item_d_to_dp_rank_d(group):
+    assert group.dp_take([10, 11, 12, 13]) == [(0, 10), (1, 11), (2, 12), (3, 13)]
+
+
+@pytest.mark.parametrize("n", [5, 7, 8, 9])
+def test_dp_compute_proto_preserves_order_through_padding(group, n):
+    data = make_data(n)
+    out = group.add_offset(data)
+    assert len(out) == n
+    assert out.non_tensor_batch["uid"].tolist() == [f"s{i}" for i in range(n)]
+    assert torch.equal(out.batch["x"], data.batch["x"] + 1.0)  # the driver's copy is untouched
+    per_rank = -(-n // WORLD_SIZE)  # padded shard size
+    assert out.batch["rank"].tolist() == [i // per_rank for i in range(n)]
+    assert out.meta_info["temperature"] == 0.7
+
+
+def test_dp_compute_proto_with_func_sends_the_function_to_every_rank(group):
+    out = group.apply(lambda d: DataProto.from_dict({"y": d.batch["x"][:, 0] * 2}), make_data(6))
+    assert out.batch["y"].tolist() == [2.0 * i for i in range(6)]
+
+
+def test_dp_compute_metric_returns_one_output_per_dp_rank(group):
+    metrics = group.metric(make_data(8))
+    assert [m["rank"] for m in metrics] == [0, 1, 2, 3]
+    assert [m["sum"] for m in metrics] == [1.0, 5.0, 9.0, 13.0]
+    with pytest.raises(ValueError, match="does not pad"):
+        group.metric(make_data(7))
+
+
+def test_rank_zero_modes(group):
+    assert group.rank_zero_answer() == 0
+    assert group.only_rank_zero_runs() == [0]
+    assert group.execute_rank_zero("whoami", "x")["rank"] == 0
+    assert [i["rank"] for i in group.execute_all("whoami", "x")] == list(range(WORLD_SIZE))
+
+
+def test_non_blocking_call_returns_a_future(group):
+    from rlframe.single_controller.ray import WorkerGroupFuture
+
+    future = group.sleepy(0.5)
+    assert isinstance(future, WorkerGroupFuture)
+    assert future.get(timeout_s=60) == list(range(WORLD_SIZE))
+    assert future.done()
+
+
+def test_ranks_that_do_not_answer_in_time_are_named(group):
+    from rlframe.single_controller import WorkerTimeoutError
+
+    with pytest.raises(WorkerTimeoutError, match=r"ranks \[0, 1, 2, 3\] did not answer within 0.2s"):
+        group.sleepy(1.5).get(timeout_s=0.2)
+
+
+def test_tensor_parallel_peers_share_a_shard_and_only_collectors_count(group, monkeypatch):
+    import ray
+
+    group.set_tensor_parallel(2)
+    try:
+        with pytest.raises(WorkerError, match="refresh_dp_coords"):
+            group.add_offset(make_data(4))  # coords were read before the re-registration
+        group.refresh_dp_coords()
+        puts = []
+        real_put = ray.put
+        monkeypatch.setattr(ray, "put", lambda value, **kw: puts.append(value) or real_put(value, **kw))
+        out = group.add_offset(make_data(5))
+        monkeypatch.undo()
+        assert len(puts) == 2  # one object per dp shard, though four workers read them
+        # Peers wrote into their inputs in place; each must have had its own copy (x + 1, not + 2).
+        assert torch.equal(out.batch["x"], make_data(5).batch["x"] + 1.0)
+        assert out.batch["rank"].tolist() == [0, 0, 0, 2, 2]
+        seen = group.get_last_seen()
+        assert seen[0] == seen[1] == ["s0", "s1", "s2"]
+        assert seen[2] == seen[3] == ["s3", "s4", "s0"]  # padding repeats leading samples
+        assert group.dp_take(["a", "b"]) == [(0, "a"), (2, "b")]
+    finally:
+        group.set_tensor_parallel(1)
+        group.refresh_dp_coords()
+
+
+def test_group_methods_carry_the_worker_signature_and_doc(group):
+    method = group.add_offset
+    assert method.__self__ is group
+    assert method.__wrapped__ is EchoWorker.add_offset
+    assert list(inspect.signature(method).parameters) == ["data"]
+    assert "constructor offset" in method.__doc__
+    assert "def add_offset" in inspect.getsource(method)
+
+
+# ---------------------------------------------------------------------------------- errors
+def test_exception_on_one_worker_reaches_driver_with_its_rank(group):
+    with pytest.raises(WorkerError) as info:
+        group.fail_on(2)
+    assert info.value.rank == 2
+    assert "EchoWorker.fail_on" in str(info.value)
+    assert "ValueError: boom from 2" in info.value.traceback_text
+    assert group.fail_on(-1) == ["ok"] * WORLD_SIZE  # the group survives a raised exception
+
+
+def test_non_dataproto_argument_is_rejected_before_dispatch(group):
+    with pytest.raises(TypeError, match=r"add_offset\(\).*positional argument 0 must be a DataProto.*got dict"):
+        group.add_offset({"x": torch.zeros(3)})
+
+
+def test_shard_list_of_the_wrong_size_names_the_dp_size(group):
+    with pytest.raises(ValueError, match=r"4 items for this group's dp_size=4.*length 3"):
+        group.dp_take([1, 2, 3])
+    with pytest.raises(ValueError, match=r"world_size=4.*length 2"):
+        group.take(["a", "b"])
+
+
+def test_asking_for_more_processes_than_the_cluster_has_fails_before_scheduling(ray_cluster):
+    from ray.util import placement_group_table
+
+    from rlframe.single_controller.ray import RayResourcePool
+
+    before = len(placement_group_table())
+    pool = RayResourcePool([3, 3], num_cpus_per_process=1.0)
+    with pytest.raises(ValueError, match=r"2 node\(s\) × \[3, 3\] processes.*1 alive node.*CPU=4"):
+        pool.placement_groups()
+    assert len(placement_group_table()) == before
+    with pytest.raises(ValueError, match="GPU"):
+        RayResourcePool([1], use_gpu=True).placement_groups()
+
+
+def test_dead_worker_is_reported_with_its_rank_not_waited_on(ray_cluster):
+    from rlframe.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
+
+    pool = small_pool(2)
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(CrashWorker), call_timeout_s=90)
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError) as info:
+            wg.crash_one_while_peers_wait(1)
+        assert info.value.rank == 1
+        assert time.monotonic() - start < 60
+    finally:
+        wg.shutdown()
+        pool.remove()
+    with pytest.raises(WorkerGroupError, match="shut down"):
+        wg.crash_one_while_peers_wait(1)
+
+
+# ---------------------------------------------------------------------------------- colocation
+def test_colocated_roles_call_their_own_methods_in_shared_processes(ray_cluster):
+    from rlframe.single_controller.ray import (RayClassWithInitArgs, RayWorkerGroup,
+                                               create_colocated_worker_cls)
+
+    pool = small_pool(2)
+    colocated = create_colocated_worker_cls({"actor": RayClassWithInitArgs(ActorRole, scale=2.0),
+                                             "critic": RayClassWithInitArgs(CriticRole, scale=10.0)})
+    wg = RayWorkerGroup(pool, colocated)
+    try:
+        roles = wg.spawn({"actor", "critic"})
+        actor, critic = roles["actor"], roles["critic"]
+        actor_names, critic_names = actor.name(), critic.name()
+        assert [n[:2] for n in actor_names] == [("actor", 2.0)] * 2
+        assert [n[:2] for n in critic_names] == [("critic", 10.0)] * 2
+        assert [n[2] for n in actor_names] == [n[2] for n in critic_names]  # same processes
+        data = make_data(3)
+        assert actor.compute_log_prob(data).batch["log_prob"].tolist() == [0.0, 2.0, 4.0]
+        assert critic.compute_values(data).batch["values"].tolist() == [10.0, 11.0, 12.0]
+        assert not hasattr(actor, "compute_values") and not hasattr(critic, "compute_log_prob")
+        with pytest.raises(ValueError, match="unknown roles"):
+            wg.spawn({"reward"})
+    finally:
+        wg.shutdown()
+        pool.remove()
