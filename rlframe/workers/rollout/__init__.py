@@ -1,0 +1,91 @@
+"""Rollout engines: prompts in, responses out, inside the worker processes that train.
+
+`build_rollout` picks the engine named by `actor_rollout_ref.rollout.name`; both engines honour
+the same contract (`BaseRollout.generate_sequences`). `generate_in_tp_group` is the worker-side
+step around it: gather the TP group's prompts, generate once for the group with a shared RNG
+seed, and keep this rank's share.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.distributed as dist
+
+from rlframe.protocol import DataProto, all_gather_data_proto
+from rlframe.workers.rollout.base import (BaseRollout, RolloutSettings, SamplingParams, build_rollout_output,
+                                          check_prompts, response_metrics)
+from rlframe.workers.rollout.tp import group_rank_and_size
+
+__all__ = ["BaseRollout", "ROLLOUT_NAMES", "RolloutSettings", "SamplingParams", "build_rollout",
+           "build_rollout_output", "check_prompts", "check_rollout_name", "generate_in_tp_group"]
+
+# name -> "module:class"; modules are imported only when chosen (vllm is an optional extra)
+_REGISTRY = {
+    "hf": "rlframe.workers.rollout.hf_rollout:HFRollout",
+    "vllm": "rlframe.workers.rollout.vllm_rollout:VLLMRollout",
+}
+ROLLOUT_NAMES = tuple(_REGISTRY)
+
+
+def check_rollout_name(name: str) -> None:
+    """Raise a ValueError listing the valid engines when `name` is not one of them."""
+    if name not in _REGISTRY:
+        raise ValueError(f"actor_rollout_ref.rollout.name={name!r} is not a rollout engine; "
+                         f"choose one of {', '.join(ROLLOUT_NAMES)}")
+
+
+def build_rollout(name: str, rollout_cfg, model_path: str, tokenizer, device_type: str, tp_group=None, *,
+                  trust_remote_code: bool = False, override_config: dict | None = None) -> BaseRollout:
+    """Build the engine `name` from `actor_rollout_ref.rollout` for one worker process.
+
+    `tp_group` is this rank's tensor-parallel process group (size `tensor_model_parallel_size`);
+    None means TP=1. Initial weights are read from `model_path`; later ones come through
+    `update_weights`.
+    """
+    check_rollout_name(name)
+    settings = RolloutSettings.from_config(rollout_cfg)
+    module_name, class_name = _REGISTRY[name].split(":")
+    engine = getattr(importlib.import_module(module_name), class_name)
+    extra = {}
+    if name == "vllm":
+        extra = {key: rollout_cfg[key] for key in ("gpu_memory_utilization", "max_num_batched_tokens",
+                                                     "enforce_eager")}
+    return engine(settings, model_path, tokenizer, device_type, tp_group, trust_remote_code=trust_remote_code,
+                  override_config=override_config, **extra)
+
+
+def generate_in_tp_group(rollout: BaseRollout, prompts: DataProto, tp_group=None) -> DataProto:
+    """Generate this rank's prompts together with its TP peers' and return this rank's share.
+
+    Every TP rank must run the engine on identical input with identical RNG state (TP shards one
+    model; different tokens would corrupt the all-reduces and different stopping steps would hang
+    them). So the group's prompts are all-gathered in rank order, and generation runs under a seed
+    drawn from TP rank 0's torch RNG. DP ranks keep independent seeds. With no group (TP=1) the same
+    seeding applies, so sampled outputs do not depend on the TP degree.
+    """
+    rank, size = group_rank_and_size(tp_group)
+    seed = int(torch.randint(0, 2**62, ()).item())
+    counts = [len(prompts)]
+    if size > 1:
+        shared = [seed]
+        dist.broadcast_object_list(shared, group_src=0, group=tp_group)
+        seed = shared[0]
+        counts = [None] * size
+        dist.all_gather_object(counts, len(prompts), group=tp_group)
+        prompts = all_gather_data_proto(prompts, tp_group)
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        output = rollout.generate_sequences(prompts)
+    if size == 1:
+        return output
+    start = sum(counts[:rank])
+    share = output.select_idxs(slice(start, start + counts[rank]))
+    # length statistics describe this rank's share; timing and throughput the group's generation
+    metrics = dict(output.meta_info["metrics"])
+    eos_ids, _ = rollout.special_tokens_for(prompts.meta_info)
+    metrics.update(response_metrics(share.batch["response_mask"], share.batch["responses"], eos_ids))
+    share.meta_info = {"metrics": metrics}
+    return share

@@ -1,0 +1,248 @@
+"""The rollout contract shared by every engine: sampling settings, input checks, output layout, metrics.
+
+An engine only has to turn left-padded prompt rows into generated token rows (`_generate`);
+everything around it — which sampling parameters apply to this call, rejecting malformed prompts,
+building the padded `responses`/`response_mask`/`input_ids`/`attention_mask`/`position_ids`
+tensors and the metrics — lives here, so `hf` and `vllm` cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, replace
+from typing import Iterable
+
+import torch
+
+from rlframe.protocol import DataProto
+
+PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
+KEY = "actor_rollout_ref.rollout"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one call's responses; `greedy` when do_sample is off or temperature is 0."""
+
+    temperature: float
+    top_p: float
+    top_k: int            # -1 (or 0) = off
+    n: int                # responses per prompt; repetition happens on the driver, engines see n copies
+    do_sample: bool
+    response_length: int  # max generated tokens
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0
+
+    @classmethod
+    def from_config(cls, rollout_cfg, validate: bool = False) -> "SamplingParams":
+        """Training sampling from `rollout.*`, or validation sampling from `rollout.val_kwargs.*`."""
+        source, prefix = (rollout_cfg.val_kwargs, f"{KEY}.val_kwargs") if validate else (rollout_cfg, KEY)
+        params = cls(temperature=float(source.temperature), top_p=float(source.top_p), top_k=int(source.top_k),
+                     n=int(source.n), do_sample=bool(source.do_sample),
+                     response_length=int(rollout_cfg.response_length))
+        params.check(prefix)
+        return params
+
+    def check(self, prefix: str = KEY) -> None:
+        """Raise a ValueError naming the key for any value an engine cannot use."""
+        if self.n < 1:
+            raise ValueError(f"{prefix}.n={self.n}: the number of responses per prompt must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"{prefix}.temperature={self.temperature}: must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"{prefix}.top_p={self.top_p}: must be in (0, 1] (1 = off)")
+        if self.top_k < -1:
+            raise ValueError(f"{prefix}.top_k={self.top_k}: must be -1 or 0 (off) or a positive int")
+        if self.response_length < 1:
+            raise ValueError(f"{KEY}.response_length={self.response_length}: must be >= 1")
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """Engine-independent plain values of `actor_rollout_ref.rollout`, read once."""
+
+    prompt_length: int
+    response_length: int
+    micro_batch_size: int
+    tensor_parallel_size: int
+    dtype: str
+    calculate_log_probs: bool
+    free_cache_engine: bool
+    train: SamplingParams
+    val: SamplingParams
+
+    @classmethod
+    def from_config(cls, rollout_cfg) -> "RolloutSettings":
+        settings = cls(prompt_length=int(rollout_cfg.prompt_length),
+                       response_length=int(rollout_cfg.response_length),
+                       micro_batch_size=int(rollout_cfg.micro_batch_size),
+                       tensor_parallel_size=int(rollout_cfg.tensor_model_parallel_size),
+                       dtype=str(rollout_cfg.dtype), calculate_log_probs=bool(rollout_cfg.calculate_log_probs),
+                       free_cache_engine=bool(rollout_cfg.free_cache_engine),
+                       train=SamplingParams.from_config(rollout_cfg, validate=False),
+                       val=SamplingParams.from_config(rollout_cfg, validate=True))
+        for name in ("prompt_length", "micro_batch_size", "tensor_parallel_size"):
+            if getattr(settings, name) < 1:
+                key = "tensor_model_parallel_size" if name == "tensor_parallel_size" else name
+                raise ValueError(f"{KEY}.{key}={getattr(settings, name)}: must be >= 1")
+        return settings
+
+
+def default_special_tokens(tokenizer, model_path: str) -> tuple[list[int], int]:
+    """EOS ids (tokenizer eos plus the model's generation_config eos list) and the pad id."""
+    eos: list[int] = []
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.append(int(tokenizer.eos_token_id))
+    try:
+        from transformers import GenerationConfig
+
+        extra = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except (OSError, ValueError):  # no generation_config.json: the tokenizer decides
+        extra = None
+    for token in [extra] if isinstance(extra, int) else (extra or []):
+        if int(token) not in eos:
+            eos.append(int(token))
+    if not eos:
+        raise ValueError(f"no EOS token: neither the tokenizer nor {model_path}/generation_config.json names one")
+    pad = tokenizer.pad_token_id if tokenizer is not None else None
+    return eos, int(eos[0] if pad is None else pad)
+
+
+def check_prompts(prompts: DataProto, prompt_length: int) -> None:
+    """Reject prompts the contract does not allow, with the offending sizes in the message."""
+    missing = [k for k in PROMPT_KEYS if k not in prompts.batch_keys]
+    if missing:
+        raise ValueError(f"rollout prompts need batch keys {list(PROMPT_KEYS)}; missing {missing} "
+                         f"(got {prompts.batch_keys})")
+    input_ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+    if input_ids.dim() != 2 or input_ids.shape != mask.shape:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(mask.shape)} must be "
+                         "equal [batch, prompt_len] shapes")
+    if input_ids.shape[1] > prompt_length:
+        lengths = mask.sum(-1)
+        raise ValueError(f"prompts are {input_ids.shape[1]} tokens wide (longest real prompt {int(lengths.max())}) "
+                         f"but {KEY}.prompt_length={prompt_length} (= data.max_prompt_length); filter or "
+                         "truncate them in the dataset (data.filter_overlong_prompts, data.truncation)")
+    if len(prompts) and not bool(mask[:, -1].all()):
+        rows = torch.nonzero(mask[:, -1] == 0).flatten()[:5].tolist()
+        raise ValueError(f"prompts must be left-padded with at least one real token: rows {rows} end in "
+                         "padding (attention_mask[:, -1] == 0)")
+
+
+def response_mask_from_tokens(responses: torch.Tensor, lengths: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
+    """1 for generated tokens up to and including the first EOS, 0 after it and past `lengths`."""
+    width = responses.shape[1]
+    generated = torch.arange(width, device=responses.device)[None, :] < lengths[:, None]
+    is_eos = torch.isin(responses, torch.tensor(eos_ids, device=responses.device)) & generated
+    after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0   # strictly after the first EOS
+    return (generated & ~after_eos).long()
+
+
+def build_rollout_output(prompts: DataProto, responses: torch.Tensor, lengths: torch.Tensor, response_length: int,
+                         eos_ids: list[int], pad_id: int, log_probs: torch.Tensor | None = None) -> DataProto:
+    """Lay out generated tokens in the rollout contract.
+
+    `responses` [B, W] (W <= response_length) holds generated ids, `lengths` [B] how many of them the
+    engine produced. Tokens after the first EOS become `pad_id`; response positions continue from
+    each prompt's last position; `non_tensor_batch` passes through.
+    """
+    num, width = responses.shape
+    if width > response_length:
+        raise ValueError(f"engine returned {width} tokens per response, more than response_length={response_length}")
+    device = prompts.batch["input_ids"].device
+    padded = torch.full((num, response_length), pad_id, dtype=torch.long, device=device)
+    padded[:, :width] = responses.to(device)
+    response_mask = response_mask_from_tokens(padded, lengths.to(device), eos_ids)
+    padded = torch.where(response_mask.bool(), padded, torch.full_like(padded, pad_id))
+    prompt_ids, prompt_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+    prompt_pos = prompts.batch["position_ids"]
+    offsets = torch.arange(1, response_length + 1, device=device, dtype=prompt_pos.dtype)
+    tensors = {
+        "prompts": prompt_ids,
+        "responses": padded,
+        "input_ids": torch.cat([prompt_ids, padded], dim=-1),
+        "attention_mask": torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=-1),
+        "position_ids": torch.cat([prompt_pos, prompt_pos[:, -1:] + offsets], dim=-1),
+        "response_mask": response_mask,
+    }
+    if log_probs is not None:
+        full = torch.zeros(num, response_length, dtype=torch.float32, device=device)
+        full[:, :log_probs.shape[1]] = log_probs.to(device, torch.float32)
+        tensors["rollout_log_probs"] = full * response_mask
+    return DataProto.from_dict(tensors, dict(prompts.non_tensor_batch))
+
+
+def response_metrics(response_mask: torch.Tensor, responses: torch.Tensor, eos_ids: list[int]) -> dict[str, float]:
+    """Length statistics; clip_ratio counts responses stopped by the length limit rather than by EOS."""
+    lengths = response_mask.sum(-1).float()
+    if lengths.numel() == 0:
+        return {}
+    last = (lengths.long() - 1).clamp(min=0)
+    ended_with_eos = torch.isin(responses.gather(1, last[:, None]).squeeze(1),
+                                torch.tensor(eos_ids, device=responses.device)) & (lengths > 0)
+    clipped = (lengths == responses.shape[1]) & ~ended_with_eos
+    return {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
+            "response_length/min": float(lengths.min()), "response_length/clip_ratio": float(clipped.float().mean())}
+
+
+class BaseRollout(ABC):
+    """A generation engine living in a worker process; `generate_sequences` is the whole contract.
+
+    Lifecycle inside the hybrid engine, per step: `resume()` → `update_weights(actor weights)` →
+    `generate_sequences(prompts)` → `release()` → training. `release()` honours
+    `free_cache_engine`: when it is false the engine keeps its memory and `release`/`resume` do nothing.
+    """
+
+    def __init__(self, settings: RolloutSettings, eos_ids: list[int], pad_id: int):
+        self.settings, self.eos_ids, self.pad_id = settings, list(eos_ids), int(pad_id)
+
+    def sampling_for(self, meta_info: dict) -> SamplingParams:
+        """This call's sampling: val_kwargs when `validate`, then `do_sample` / `temperature` overrides."""
+        params = self.settings.val if meta_info.get("validate", False) else self.settings.train
+        if "do_sample" in meta_info:
+            params = replace(params, do_sample=bool(meta_info["do_sample"]))
+        if "temperature" in meta_info:
+            params = replace(params, temperature=float(meta_info["temperature"]))
+        params.check()
+        return params
+
+    def special_tokens_for(self, meta_info: dict) -> tuple[list[int], int]:
+        eos = meta_info.get("eos_token_id", self.eos_ids)
+        eos = [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
+        return eos, int(meta_info.get("pad_token_id", self.pad_id))
+
+    @torch.no_grad()
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Left-padded prompts in, the rollout contract out (see `build_rollout_output`), with metrics."""
+        check_prompts(prompts, self.settings.prompt_length)
+        params = self.sampling_for(prompts.meta_info)
+        eos_ids, pad_id = self.special_tokens_for(prompts.meta_info)
+        start = time.perf_counter()
+        responses, lengths, log_probs = self._generate(prompts, params, eos_ids, pad_id)
+        elapsed = time.perf_counter() - start
+        out = build_rollout_output(prompts, responses, lengths, params.response_length, eos_ids, pad_id,
+                                   log_probs if self.settings.calculate_log_probs else None)
+        num_tokens = int(out.batch["response_mask"].sum())
+        metrics = response_metrics(out.batch["response_mask"], out.batch["responses"], eos_ids)
+        metrics["timing_s/generate"] = elapsed
+        metrics["perf/rollout_tokens_per_s"] = num_tokens / max(elapsed, 1e-9)
+        out.meta_info["metrics"] = metrics
+        return out
+
+    @abstractmethod
+    def _generate(self, prompts: DataProto, params: SamplingParams, eos_ids: list[int],
+                  pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Generate for every prompt row: (token ids [B, W], generated counts [B], log-probs [B, W] or None)."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full (unsharded) actor tensors by their HF parameter names."""
+
+    def release(self) -> None:
+        """Free generation memory before training (no-op unless free_cache_engine)."""
+
+    def resume(self) -> None:
+        """Restore what `release` freed, before `update_weights` and generation."""

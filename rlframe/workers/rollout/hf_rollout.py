@@ -1,0 +1,166 @@
+"""Generation with Hugging Face `generate` on a plain (non-FSDP) replica of the actor.
+
+The replica is not the FSDP training module on purpose: with FSDP every forward all-gathers
+parameters, and `generate` stops a batch when all its rows hit EOS, so DP ranks would run different
+numbers of forwards and deadlock. The replica takes the actor's weights through `update_weights`
+(full tensors); with `tensor_model_parallel_size > 1` it is sharded with DTensor plans over the TP
+group (see `tp.py`), and all TP ranks see the same prompts and RNG, hence the same stopping step.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from rlframe.protocol import DataProto
+from rlframe.workers.fsdp_utils import resolve_dtype
+from rlframe.workers.rollout.base import BaseRollout, RolloutSettings, SamplingParams, default_special_tokens
+from rlframe.workers.rollout.tp import (apply_tensor_parallel, group_rank_and_size, load_full_tensors,
+                                        tp_mesh_from_group)
+
+
+class _LogProbRecorder:
+    """Logits processor recording log p(chosen token) under softmax(logits / temperature).
+
+    HF runs custom processors before its temperature/top-k/top-p warpers, so `scores` are raw
+    logits here; the token chosen at step t is only known at step t+1 (or after generate), so
+    one step's log-softmax is kept pending. Memory: one [batch, vocab] tensor, not one per step.
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature, self.pending, self.steps = temperature, None, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.pending is not None:
+            self._take(input_ids[:, -1])
+        self.pending = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        self.steps.append(self.pending.gather(1, tokens[:, None]).squeeze(1))
+        self.pending = None
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        if self.pending is not None:
+            self._take(sequences[:, -1])
+        return torch.stack(self.steps, dim=1) if self.steps else sequences.new_zeros(sequences.shape[0], 0).float()
+
+
+class HFRollout(BaseRollout):
+    """`model.generate` over micro-batches, on a replica that `update_weights` keeps in sync with the actor."""
+
+    def __init__(self, settings: RolloutSettings, model_path: str, tokenizer, device_type: str, tp_group=None, *,
+                 trust_remote_code: bool = False, override_config: dict | None = None):
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+        eos_ids, pad_id = default_special_tokens(tokenizer, model_path)
+        super().__init__(settings, eos_ids, pad_id)
+        _, tp_size = group_rank_and_size(tp_group)
+        if tp_size != settings.tensor_parallel_size:
+            raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={settings.tensor_parallel_size} "
+                             f"but the rollout was given a TP group of size {tp_size}")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        for key, value in (override_config or {}).items():
+            setattr(config, key, value)
+        model = AutoModelForCausalLM.from_pretrained(model_path, config=config,
+                                                     dtype=resolve_dtype(settings.dtype, device_type),
+                                                     attn_implementation="sdpa", trust_remote_code=trust_remote_code)
+        # A blank generation config: sampling comes from rlframe's config alone, never from a
+        # checkpoint's generation_config.json (Qwen ships top_k=20, repetition_penalty=1.1, ...).
+        model.generation_config = GenerationConfig(pad_token_id=pad_id, eos_token_id=eos_ids)
+        model.requires_grad_(False).eval().to(self.device)
+        if self.device.type == "cpu":  # own, resizable storage: loaded CPU weights may be file-backed
+            for param in model.parameters():
+                param.data = param.data.clone()
+        if tp_size > 1:
+            apply_tensor_parallel(model, tp_mesh_from_group(tp_group, device_type))
+        self.model = model
+        self._targets = dict(model.state_dict(keep_vars=True))
+        self._params = dict(model.named_parameters(remove_duplicate=False))  # tied names both listed
+        self._storages = _unique_storages(self._params.values())
+        self._missing: set[str] = set()
+        self._released = False
+
+    # ------------------------------------------------------------------ weights and memory
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy full actor tensors into the replica (each TP rank keeps its shard)."""
+        if self._released:
+            raise RuntimeError("hf rollout: update_weights after release(); call resume() first")
+        loaded = load_full_tensors(self._targets, named_tensors)
+        for name in loaded:  # a tied weight arrives under one name and fills every alias
+            param = self._targets[name]
+            self._missing -= {n for n, p in self._params.items() if p is param}
+
+    def release(self) -> None:
+        """With free_cache_engine, free the replica's parameter memory (storage resized to 0).
+
+        The next generation then needs `resume()` plus a full `update_weights`; generating before
+        every parameter was reloaded raises instead of using garbage.
+        """
+        if not self.settings.free_cache_engine or self._released:
+            return
+        for storage, _ in self._storages:
+            storage.resize_(0)
+        self._released, self._missing = True, set(self._params)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume(self) -> None:
+        """Re-allocate the freed parameter memory (uninitialized until update_weights)."""
+        if not self._released:
+            return
+        for storage, nbytes in self._storages:
+            storage.resize_(nbytes)
+        self._released = False
+
+    # ------------------------------------------------------------------ generation
+    def _generate(self, prompts: DataProto, params: SamplingParams, eos_ids: list[int], pad_id: int):
+        if self._released or self._missing:
+            missing = sorted(self._missing)
+            raise RuntimeError(f"hf rollout weights were released and not reloaded ({len(missing)} parameters "
+                               f"missing, e.g. {missing[:3]}); call resume() and update_weights() with the full "
+                               "actor state before generating")
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        input_ids = prompts.batch["input_ids"].to(self.device)
+        attention_mask = prompts.batch["attention_mask"].to(self.device)
+        gen_kwargs = dict(max_new_tokens=params.response_length, eos_token_id=eos_ids, pad_token_id=pad_id,
+                          do_sample=not params.greedy, use_cache=True, return_dict_in_generate=True)
+        if not params.greedy:
+            # top_k=0 switches HF's top-k off (its global default would be 50)
+            gen_kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0))
+        generation_config = GenerationConfig(**gen_kwargs)
+        temperature = 1.0 if params.greedy else params.temperature
+        tokens, lengths, log_probs = [], [], []
+        for start in range(0, len(prompts), self.settings.micro_batch_size):
+            ids = input_ids[start:start + self.settings.micro_batch_size]
+            mask = attention_mask[start:start + self.settings.micro_batch_size]
+            first = int(mask.any(0).long().argmax())  # columns padded in every row cost compute, not results
+            ids, mask = ids[:, first:], mask[:, first:]
+            recorder = _LogProbRecorder(temperature) if self.settings.calculate_log_probs else None
+            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config,
+                                      logits_processor=LogitsProcessorList([recorder] if recorder else []))
+            new = out.sequences[:, ids.shape[1]:]
+            tokens.append(_pad_right(new, params.response_length, pad_id))
+            lengths.append(torch.full((new.shape[0],), new.shape[1], dtype=torch.long))
+            if recorder is not None:
+                log_probs.append(_pad_right(recorder.finish(out.sequences), params.response_length, 0.0))
+        return torch.cat(tokens), torch.cat(lengths), torch.cat(log_probs) if log_probs else None
+
+
+def _pad_right(x: torch.Tensor, width: int, value) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+
+def _unique_storages(params) -> list[tuple[torch.UntypedStorage, int]]:
+    """Each parameter storage once (tied weights share one), with its size in bytes."""
+    seen, out = set(), []
+    for param in params:
+        local = param.to_local() if hasattr(param, "to_local") else param
+        storage = local.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            out.append((storage, storage.nbytes()))
+    return out

@@ -1,0 +1,200 @@
+"""Generation with vLLM, one engine shard per TP rank inside the training processes (SPMD).
+
+vLLM's `external_launcher` executor runs the engine in the calling process and reuses the
+torch.distributed world the FSDP workers already set up: each rank holds one TP shard, and the TP
+ranks of a group, fed the same prompts and seeds (see `generate_in_tp_group`), schedule and sample
+identically without talking to each other outside the model's own all-reduces. vLLM groups TP ranks
+as consecutive global ranks, so the worker's rollout mesh must be `(dp, tp)` with `tp` innermost.
+
+Memory around training: with `free_cache_engine`, `release()` puts the engine to sleep (level 1:
+weights offloaded to CPU, KV cache freed); `resume()` wakes the weights only, `update_weights`
+streams the new actor weights in buckets, and the KV cache is woken at the next generation, so the
+weight copy and the KV cache never peak together.
+
+Nothing here imports vllm at module import time: it is an optional extra (`pip install -e '.[gpu]'`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from rlframe.protocol import DataProto
+from rlframe.workers.fsdp_utils import resolve_dtype
+from rlframe.workers.rollout.base import BaseRollout, RolloutSettings, SamplingParams, default_special_tokens
+from rlframe.workers.rollout.tp import group_rank_and_size
+
+INSTALL_HINT = ("install the 'gpu' extra with `pip install -e '.[gpu]'` (or `bash scripts/setup.sh gpu`), "
+                "or use actor_rollout_ref.rollout.name=hf")
+WEIGHT_BUCKET_BYTES = 512 << 20   # bound on the extra GPU memory of one weight-sync step
+SLEEP_LEVEL = 1                    # 1 keeps a CPU copy of the weights; 2 would drop them (all must be re-sent)
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+def import_vllm():
+    """Import vllm, or explain how to install it."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(f"actor_rollout_ref.rollout.name=vllm needs the vllm package, which is not installed "
+                          f"({err}); {INSTALL_HINT}") from err
+    return vllm
+
+
+def check_vllm_usable(device_type: str) -> None:
+    """vllm importable and a CUDA device in use; otherwise a message naming the fix."""
+    import_vllm()
+    if device_type != "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"actor_rollout_ref.rollout.name=vllm needs a CUDA device (trainer.device={device_type!r}, "
+                         f"CUDA available: {torch.cuda.is_available()}); on a GPU machine {INSTALL_HINT}")
+
+
+class VLLMRollout(BaseRollout):
+    """A vLLM `LLM` engine shard in this process; weights synced from the FSDP actor after each update."""
+
+    def __init__(self, settings: RolloutSettings, model_path: str, tokenizer, device_type: str, tp_group=None, *,
+                 trust_remote_code: bool = False, override_config: dict | None = None,
+                 gpu_memory_utilization: float = 0.5, max_num_batched_tokens: int = 8192, enforce_eager: bool = True):
+        check_vllm_usable(device_type)
+        from vllm import LLM
+
+        eos_ids, pad_id = default_special_tokens(tokenizer, model_path)
+        super().__init__(settings, eos_ids, pad_id)
+        _, tp_size = group_rank_and_size(tp_group)
+        if tp_size != settings.tensor_parallel_size:
+            raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={settings.tensor_parallel_size} "
+                             f"but the rollout was given a TP group of size {tp_size}")
+        if tp_size > 1:
+            _check_consecutive_ranks(tp_group, tp_size)
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"actor_rollout_ref.rollout.gpu_memory_utilization={gpu_memory_utilization}: "
+                             "must be in (0, 1]")
+        # The engine must live in this process (not a V1 engine-core subprocess) so that
+        # update_weights can reach the model; external_launcher requires it too.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        self.dtype = resolve_dtype(settings.dtype, device_type)
+        engine_kwargs = dict(
+            model=model_path, skip_tokenizer_init=True, trust_remote_code=trust_remote_code,
+            tensor_parallel_size=tp_size, distributed_executor_backend="external_launcher",
+            dtype=_DTYPE_NAMES[self.dtype], seed=0,  # same engine seed on every TP rank
+            gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=settings.prompt_length + settings.response_length, enforce_eager=enforce_eager,
+            enable_sleep_mode=settings.free_cache_engine, enable_prefix_caching=True,
+            hf_overrides=dict(override_config) if override_config else None,
+        )
+        try:  # log-probs after temperature (what the actor computes), where this vLLM supports choosing
+            self.llm = LLM(**engine_kwargs, logprobs_mode="processed_logprobs")
+        except TypeError:
+            self.llm = LLM(**engine_kwargs)
+        self._released = False
+        self._kv_cache_asleep = False
+
+    # ------------------------------------------------------------------ weights and memory
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Stream full actor tensors into the engine in buckets of ~WEIGHT_BUCKET_BYTES."""
+        model = self._model()
+        device = torch.device("cuda", torch.cuda.current_device())
+        bucket, bucket_bytes = [], 0
+        for name, tensor in named_tensors:
+            tensor = tensor.to(device, self.dtype if tensor.is_floating_point() else tensor.dtype, non_blocking=True)
+            bucket.append((name, tensor))
+            bucket_bytes += tensor.numel() * tensor.element_size()
+            if bucket_bytes >= WEIGHT_BUCKET_BYTES:
+                model.load_weights(bucket)
+                bucket, bucket_bytes = [], 0
+        if bucket:
+            model.load_weights(bucket)
+        del bucket
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        torch.cuda.synchronize()
+
+    def release(self) -> None:
+        """Sleep: offload weights to CPU, free the KV cache (only with free_cache_engine)."""
+        if not self.settings.free_cache_engine or self._released:
+            return
+        self.llm.sleep(level=SLEEP_LEVEL)
+        self._released = True
+
+    def resume(self) -> None:
+        """Wake the weights now and the KV cache at the next generation (lower peak during the weight sync)."""
+        if not self._released:
+            return
+        try:
+            self.llm.wake_up(tags=["weights"])
+            self._kv_cache_asleep = True
+        except TypeError:  # vLLM without wake-up tags: wake everything
+            self.llm.wake_up()
+        self._released = False
+
+    def _model(self):
+        """The engine's torch model (reached in-process; the attribute path moved across vLLM versions)."""
+        executor = self.llm.llm_engine.model_executor
+        for path in ("driver_worker.worker.model_runner.model", "driver_worker.model_runner.model"):
+            obj = executor
+            try:
+                for attr in path.split("."):
+                    obj = getattr(obj, attr)
+                return obj
+            except AttributeError:
+                continue
+        import vllm
+
+        raise RuntimeError(f"cannot reach the model inside vLLM {vllm.__version__}'s engine for weight sync; "
+                           "VLLM_ENABLE_V1_MULTIPROCESSING must be 0 and the executor external_launcher")
+
+    # ------------------------------------------------------------------ generation
+    def _generate(self, prompts: DataProto, params: SamplingParams, eos_ids: list[int], pad_id: int):
+        if self._released:
+            raise RuntimeError("vllm rollout is asleep: call resume() (and update_weights) before generating")
+        if self._kv_cache_asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._kv_cache_asleep = False
+        ids, mask = prompts.batch["input_ids"].cpu(), prompts.batch["attention_mask"].cpu().bool()
+        prompt_token_ids = [row[keep].tolist() for row, keep in zip(ids, mask)]
+        # Per-request seeds drawn from torch's RNG: reproducible given the worker's seed, and equal on
+        # all TP ranks because generate_in_tp_group seeds them identically.
+        base_seed = int(torch.randint(0, 2**31 - len(prompt_token_ids) - 1, ()).item())
+        sampling = [self._sampling_params(params, eos_ids, base_seed + i) for i in range(len(prompt_token_ids))]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_token_ids], sampling_params=sampling,
+                                    use_tqdm=False)
+        width = params.response_length
+        tokens = torch.full((len(outputs), width), pad_id, dtype=torch.long)
+        log_probs = torch.zeros(len(outputs), width) if self.settings.calculate_log_probs else None
+        lengths = torch.zeros(len(outputs), dtype=torch.long)
+        for i, output in enumerate(outputs):
+            completion = output.outputs[0]
+            generated = list(completion.token_ids)
+            stop = getattr(completion, "stop_reason", None)
+            if isinstance(stop, int) and stop in eos_ids and (not generated or generated[-1] != stop):
+                generated.append(stop)  # the contract keeps the EOS token (masked in); never drop it
+            generated = generated[:width]
+            tokens[i, :len(generated)] = torch.tensor(generated, dtype=torch.long)
+            lengths[i] = len(generated)
+            if log_probs is not None and completion.logprobs:
+                log_probs[i, :len(generated)] = torch.tensor(
+                    [step[token].logprob for step, token in zip(completion.logprobs, generated)])
+        return tokens, lengths, log_probs
+
+    def _sampling_params(self, params: SamplingParams, eos_ids: list[int], seed: int):
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        kwargs = dict(n=1, max_tokens=params.response_length, stop_token_ids=list(eos_ids), detokenize=False)
+        if params.greedy:
+            kwargs["temperature"] = 0.0
+        else:
+            kwargs.update(temperature=params.temperature, top_p=params.top_p,
+                          top_k=params.top_k if params.top_k > 0 else -1, seed=seed)
+        if self.settings.calculate_log_probs:
+            kwargs["logprobs"] = 0   # the sampled token's log-prob only
+        return VLLMSamplingParams(**kwargs)
+
+
+def _check_consecutive_ranks(tp_group, tp_size: int) -> None:
+    """vLLM builds TP groups from consecutive global ranks; ours must be the same groups."""
+    ranks = [dist.get_global_rank(tp_group, r) for r in range(tp_size)]
+    if ranks != list(range(ranks[0], ranks[0] + tp_size)) or ranks[0] % tp_size:
+        raise ValueError(f"the vllm rollout's TP group must be consecutive ranks aligned to tp={tp_size} "
+                         f"(vLLM's layout), got ranks {ranks}; build the rollout mesh as (dp, tp) with tp innermost")

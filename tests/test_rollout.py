@@ -1,0 +1,310 @@
+"""Rollout engines: the output contract, greedy equality with `model.generate`, TP=2 == TP=1, weight sync.
+
+CPU tests use the HF engine on the tiny model; vLLM tests are marked `gpu`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from rlframe.protocol import DataProto
+from rlframe.utils.config import load_config, resolved
+from rlframe.workers.rollout import (ROLLOUT_NAMES, SamplingParams, build_rollout, check_rollout_name,
+                                     generate_in_tp_group)
+
+PROMPT_LEN, RESPONSE_LEN = 8, 6
+PROMPT_LENGTHS = (8, 3, 5, 1, 7)
+
+
+def rollout_config(*overrides: str):
+    cfg = load_config([f"data.max_prompt_length={PROMPT_LEN}", f"data.max_response_length={RESPONSE_LEN}",
+                       "actor_rollout_ref.rollout.micro_batch_size=2", *overrides])
+    return resolved(cfg).actor_rollout_ref.rollout
+
+
+def make_prompts(lengths=PROMPT_LENGTHS, width: int = PROMPT_LEN, seed: int = 0, **meta) -> DataProto:
+    """Left-padded prompts (pad id 0) of the given real lengths, with a uid per row."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 300, (len(lengths), width), generator=gen)
+    mask = torch.zeros_like(ids)
+    for i, length in enumerate(lengths):
+        mask[i, width - length:] = 1
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    return DataProto.from_dict({"input_ids": ids * mask, "attention_mask": mask, "position_ids": position_ids},
+                               {"uid": [f"p{i}" for i in range(len(lengths))]}, meta)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def reference_generate(model, prompts: DataProto, eos_id: int, max_new_tokens: int = RESPONSE_LEN) -> torch.Tensor:
+    """Plain greedy `model.generate`, right-padded with 0 to `max_new_tokens`."""
+    with torch.no_grad():
+        out = model.generate(input_ids=prompts.batch["input_ids"], attention_mask=prompts.batch["attention_mask"],
+                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, eos_token_id=eos_id,
+                             top_k=None, top_p=None, temperature=None)
+    new = out[:, prompts.batch["input_ids"].shape[1]:]
+    return torch.nn.functional.pad(new, (0, max_new_tokens - new.shape[1]), value=0)
+
+
+@pytest.fixture(scope="module")
+def hf_rollout(tiny_model_path):
+    cfg = rollout_config("actor_rollout_ref.rollout.calculate_log_probs=true")
+    return build_rollout("hf", cfg, tiny_model_path, load_tokenizer(tiny_model_path), "cpu")
+
+
+# ---------------------------------------------------------------------------------------- contract
+def test_hf_rollout_output_contract_shapes_masks_and_log_probs(hf_rollout, tiny_model_path):
+    prompts = make_prompts(do_sample=False)
+    greedy = hf_rollout.generate_sequences(prompts).batch["responses"]
+    # Make a token of row 0 the EOS so that rows stop early and the masks have structure.
+    eos = int(greedy[0, 2])
+    out = hf_rollout.generate_sequences(make_prompts(do_sample=False, eos_token_id=eos))
+    b = out.batch
+    n = len(PROMPT_LENGTHS)
+    assert b["prompts"].shape == (n, PROMPT_LEN) and b["responses"].shape == (n, RESPONSE_LEN)
+    for key in ("input_ids", "attention_mask", "position_ids"):
+        assert b[key].shape == (n, PROMPT_LEN + RESPONSE_LEN), key
+    assert torch.equal(b["input_ids"], torch.cat([prompts.batch["input_ids"], b["responses"]], -1))
+    assert torch.equal(b["attention_mask"], torch.cat([prompts.batch["attention_mask"], b["response_mask"]], -1))
+    last = prompts.batch["position_ids"][:, -1:]
+    assert torch.equal(b["position_ids"][:, PROMPT_LEN:], last + torch.arange(1, RESPONSE_LEN + 1))
+    mask = b["response_mask"]
+    assert mask[0].tolist() == [1, 1, 1, 0, 0, 0]           # up to and including the EOS at index 2
+    for row in range(n):
+        length = int(mask[row].sum())
+        assert mask[row, :length].all() and not mask[row, length:].any()   # a prefix of ones
+        eos_at = (greedy[row] == eos).nonzero().flatten()
+        expected = int(eos_at[0]) + 1 if len(eos_at) else RESPONSE_LEN
+        assert length == expected
+        assert torch.equal(b["responses"][row, :length], greedy[row, :length])
+        assert (b["responses"][row, length:] == 0).all()     # padded with pad_token_id
+    assert list(out.non_tensor_batch["uid"]) == list(prompts.non_tensor_batch["uid"])
+    metrics = out.meta_info["metrics"]
+    lengths = mask.sum(-1).float()
+    assert metrics["response_length/mean"] == pytest.approx(float(lengths.mean()))
+    assert metrics["response_length/max"] == float(lengths.max())
+    assert metrics["response_length/min"] == float(lengths.min())
+    assert metrics["response_length/clip_ratio"] == pytest.approx(float((lengths == RESPONSE_LEN).float().mean()))
+    assert metrics["timing_s/generate"] > 0 and metrics["perf/rollout_tokens_per_s"] > 0
+    # rollout_log_probs are the log-probs a teacher-forced forward of the actor gives the same tokens
+    model = load_model(tiny_model_path)
+    with torch.no_grad():
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                       position_ids=b["position_ids"]).logits[:, PROMPT_LEN - 1:-1]
+    expected = torch.log_softmax(logits, -1).gather(-1, b["responses"][..., None]).squeeze(-1) * mask
+    torch.testing.assert_close(b["rollout_log_probs"], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_hf_greedy_matches_model_generate_token_for_token(hf_rollout, tiny_model_path):
+    prompts = make_prompts(seed=1, do_sample=False)       # 5 rows, micro_batch_size 2: three micro-batches
+    out = hf_rollout.generate_sequences(prompts)
+    expected = reference_generate(load_model(tiny_model_path), prompts, hf_rollout.eos_ids[0])
+    assert torch.equal(out.batch["responses"], expected)
+
+
+def test_validate_uses_val_kwargs_greedy_and_sampling_is_seed_reproducible(hf_rollout):
+    prompts = make_prompts(seed=2)
+    greedy = hf_rollout.generate_sequences(make_prompts(seed=2, do_sample=False)).batch["responses"]
+    torch.manual_seed(0)
+    validation = hf_rollout.generate_sequences(make_prompts(seed=2, validate=True)).batch["responses"]
+    assert torch.equal(validation, greedy)
+    runs = []
+    for seed in (5, 5, 6):
+        torch.manual_seed(seed)
+        runs.append(generate_in_tp_group(hf_rollout, prompts).batch["responses"])
+    assert torch.equal(runs[0], runs[1])
+    assert not torch.equal(runs[0], runs[2])
+    assert not torch.equal(runs[0], greedy)
+
+
+# ---------------------------------------------------------------------------------------- weights
+def test_generation_uses_weights_from_the_latest_optimizer_step(tiny_model_path):
+    from rlframe.workers.fsdp_utils import full_state_dict
+
+    rollout = build_rollout("hf", rollout_config(), tiny_model_path, load_tokenizer(tiny_model_path), "cpu")
+    actor = load_model(tiny_model_path)
+    prompts = make_prompts(seed=3, do_sample=False)
+    before = rollout.generate_sequences(prompts).batch["responses"]
+    # One SGD step that makes token 7 the argmax everywhere: greedy outputs must change.
+    optimizer = torch.optim.SGD(actor.parameters(), lr=5.0)
+    logits = actor(input_ids=prompts.batch["input_ids"], attention_mask=prompts.batch["attention_mask"]).logits
+    (-torch.log_softmax(logits, -1)[..., 7].mean()).backward()
+    optimizer.step()
+    expected = reference_generate(actor, prompts, rollout.eos_ids[0])
+    assert not torch.equal(expected, before)
+
+    rollout.release()                                       # training happens here
+    rollout.resume()
+    with pytest.raises(RuntimeError, match="not reloaded"):
+        rollout.generate_sequences(prompts)                 # freed weights are never used silently
+    rollout.update_weights(full_state_dict(actor).items())
+    after = rollout.generate_sequences(prompts).batch["responses"]
+    assert torch.equal(after, expected)
+
+
+# ---------------------------------------------------------------------------------------- TP
+def _tp_worker(rank: int, port: int, model_path: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        cfg = rollout_config("actor_rollout_ref.rollout.tensor_model_parallel_size=2")
+        rollout = build_rollout("hf", cfg, model_path, load_tokenizer(model_path), "cpu", tp_group=dist.group.WORLD)
+        prompts = make_prompts(seed=4)
+        share = prompts.select_idxs(slice(0, 3) if rank == 0 else slice(3, None))   # unequal shares
+        result = {}
+        share.meta_info = {"do_sample": False}
+        result["greedy"] = generate_in_tp_group(rollout, share, dist.group.WORLD).batch["responses"]
+        share.meta_info = {}
+        torch.manual_seed(7 if rank == 0 else 1234)      # TP peers seeded differently: rank 0's seed must win
+        result["sampled"] = generate_in_tp_group(rollout, share, dist.group.WORLD).batch["responses"]
+        rollout.release()
+        rollout.resume()
+        rollout.update_weights(_perturbed_state(model_path).items())
+        share.meta_info = {"do_sample": False}
+        result["updated"] = generate_in_tp_group(rollout, share, dist.group.WORLD).batch["responses"]
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _perturbed_state(model_path: str) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {k: v + 0.2 * torch.randn(v.shape, generator=gen) for k, v in load_model(model_path).state_dict().items()}
+
+
+@pytest.mark.slow
+def test_tp2_matches_tp1_greedy_sampled_and_after_weight_update(tiny_model_path, tmp_path):
+    torch.multiprocessing.spawn(_tp_worker, args=(free_port(), tiny_model_path, str(tmp_path)), nprocs=2, join=True)
+    shares = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    tp2 = {k: torch.cat([s[k] for s in shares]) for k in shares[0]}
+
+    rollout = build_rollout("hf", rollout_config(), tiny_model_path, load_tokenizer(tiny_model_path), "cpu")
+    prompts = make_prompts(seed=4)
+    prompts.meta_info = {"do_sample": False}
+    assert torch.equal(tp2["greedy"], generate_in_tp_group(rollout, prompts).batch["responses"])
+    prompts.meta_info = {}
+    torch.manual_seed(7)
+    assert torch.equal(tp2["sampled"], generate_in_tp_group(rollout, prompts).batch["responses"])
+    rollout.update_weights(_perturbed_state(tiny_model_path).items())
+    prompts.meta_info = {"do_sample": False}
+    updated = generate_in_tp_group(rollout, prompts).batch["responses"]
+    assert not torch.equal(updated, tp2["greedy"])
+    assert torch.equal(tp2["updated"], updated)
+
+
+# ---------------------------------------------------------------------------------------- bad input
+def test_n_below_one_is_rejected_naming_the_key():
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.rollout\.n=0"):
+        SamplingParams.from_config(rollout_config("actor_rollout_ref.rollout.n=0"))
+    with pytest.raises(ValueError, match=r"rollout\.val_kwargs\.n=-1"):
+        SamplingParams.from_config(rollout_config("actor_rollout_ref.rollout.val_kwargs.n=-1"), validate=True)
+
+
+def test_validation_sampling_defaults_to_greedy():
+    params = SamplingParams.from_config(rollout_config(), validate=True)
+    assert params.greedy and params.n == 1 and params.response_length == RESPONSE_LEN
+
+
+def test_prompts_wider_than_prompt_length_or_right_padded_are_rejected(hf_rollout):
+    with pytest.raises(ValueError, match=r"10 tokens wide .*prompt_length=8"):
+        hf_rollout.generate_sequences(make_prompts(lengths=(10, 4), width=10))
+    right_padded = make_prompts(lengths=(3, 8))
+    for key in ("input_ids", "attention_mask"):
+        right_padded.batch[key][0] = right_padded.batch[key][0].flip(0)
+    with pytest.raises(ValueError, match="left-padded"):
+        hf_rollout.generate_sequences(right_padded)
+
+
+def test_unknown_rollout_name_lists_valid_names():
+    assert ROLLOUT_NAMES == ("hf", "vllm")
+    with pytest.raises(ValueError, match="choose one of hf, vllm"):
+        check_rollout_name("sglang")
+    with pytest.raises(ValueError, match="'sglang'"):
+        build_rollout("sglang", rollout_config(), "/nonexistent", None, "cpu")
+
+
+def test_vllm_without_vllm_or_cuda_says_how_to_install(tiny_model_path):
+    try:
+        import vllm  # noqa: F401
+        if torch.cuda.is_available():
+            pytest.skip("vllm and CUDA are both available here")
+    except ImportError:
+        pass
+    with pytest.raises((ImportError, ValueError)) as err:
+        build_rollout("vllm", rollout_config(), tiny_model_path, load_tokenizer(tiny_model_path), "cpu")
+    assert "pip install -e '.[gpu]'" in str(err.value) and "scripts/setup.sh gpu" in str(err.value)
+
+
+def test_tp_size_must_match_group_and_divide_heads(tiny_model_path):
+    from transformers import AutoConfig
+
+    from rlframe.workers.rollout.tp import check_tp_shapes
+
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=2 but .* group of size 1"):
+        build_rollout("hf", rollout_config("actor_rollout_ref.rollout.tensor_model_parallel_size=2"),
+                      tiny_model_path, load_tokenizer(tiny_model_path), "cpu")
+    with pytest.raises(ValueError, match="num_key_value_heads=2"):
+        check_tp_shapes(AutoConfig.from_pretrained(tiny_model_path), 4)
+
+
+# ---------------------------------------------------------------------------------------- GPU (vLLM)
+@pytest.fixture
+def single_rank_env(monkeypatch):
+    """vLLM's external launcher reads the torch.distributed env of a (here 1-process) world."""
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.mark.gpu
+def test_vllm_greedy_matches_hf_greedy(tiny_model_path, single_rank_env):
+    cfg = rollout_config("actor_rollout_ref.rollout.dtype=fp32", "actor_rollout_ref.rollout.gpu_memory_utilization=0.3")
+    tokenizer = load_tokenizer(tiny_model_path)
+    hf = build_rollout("hf", cfg, tiny_model_path, tokenizer, "cuda")
+    engine = build_rollout("vllm", cfg, tiny_model_path, tokenizer, "cuda")
+    prompts = make_prompts(seed=5, do_sample=False)
+    expected, got = hf.generate_sequences(prompts).batch, engine.generate_sequences(prompts).batch
+    for key in ("responses", "response_mask", "input_ids", "attention_mask", "position_ids"):
+        assert torch.equal(got[key].cpu(), expected[key].cpu()), key
+
+
+@pytest.mark.gpu
+def test_vllm_weight_sync_changes_outputs_like_hf(tiny_model_path, single_rank_env):
+    cfg = rollout_config("actor_rollout_ref.rollout.dtype=fp32", "actor_rollout_ref.rollout.gpu_memory_utilization=0.3")
+    tokenizer = load_tokenizer(tiny_model_path)
+    hf = build_rollout("hf", cfg, tiny_model_path, tokenizer, "cuda")
+    engine = build_rollout("vllm", cfg, tiny_model_path, tokenizer, "cuda")
+    prompts = make_prompts(seed=6, do_sample=False)
+    before = engine.generate_sequences(prompts).batch["responses"].cpu()
+    state = _perturbed_state(tiny_model_path)
+    engine.release()
+    engine.resume()
+    engine.update_weights(state.items())
+    hf.update_weights(state.items())
+    after = engine.generate_sequences(prompts).batch["responses"].cpu()
+    assert not torch.equal(after, before)
+    assert torch.equal(after, hf.generate_sequences(prompts).batch["responses"].cpu())
