@@ -1,0 +1,150 @@
+"""The PPO actor on one rank: log-probs and the policy update over mini- and micro-batches.
+
+The math lives in `rlframe.trainer.core_algos` (pure functions); this class only cuts batches,
+runs the model and steps the optimizer. Losses are normalized by the token/sequence counts of the
+whole mini-batch summed over DP ranks, and multiplied by `dp_size` because FSDP averages gradients
+over ranks: the accumulated gradient is exactly the single-process full-batch gradient, whatever
+dp, sp, micro-batch size or micro-batching mode.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rlframe.protocol import DataProto
+from rlframe.trainer import core_algos
+from rlframe.workers.batching import (MicroBatching, dp_sum, global_counts, response_mask_of, restore_order,
+                                      split_micro_batches)
+from rlframe.workers.fsdp_utils import clip_grad_norm
+from rlframe.workers.model_forward import forward_micro_batch
+
+MODEL_INPUTS = ("responses", "input_ids", "attention_mask", "position_ids")
+
+
+@dataclass(frozen=True)
+class ActorSettings:
+    """Plain values for one actor, read once from the config and the batch plan."""
+
+    mini_batch_size: int                  # sequences per optimizer step on this DP rank
+    update: MicroBatching                 # micro-batching of the update
+    log_prob: MicroBatching               # micro-batching of forward-only log-probs
+    ppo_epochs: int
+    shuffle: bool
+    grad_clip: float
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float
+    loss_agg_mode: str
+    policy_loss: str
+    entropy_coeff: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+    use_remove_padding: bool
+
+
+class PPOActor:
+    """Computes log-probs and updates a (possibly FSDP-wrapped) causal LM."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, settings: ActorSettings,
+                 dp_group=None, sp_group=None, dp_size: int = 1, lr_scheduler=None, seed: int = 0):
+        self.module, self.optimizer, self.settings = module, optimizer, settings
+        self.dp_group, self.sp_group, self.dp_size = dp_group, sp_group, dp_size
+        self.lr_scheduler = lr_scheduler
+        self.policy_loss_fn = core_algos.get_policy_loss_fn(settings.policy_loss)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def _forward(self, micro: dict, temperature: float, calculate_entropy: bool) -> dict:
+        return forward_micro_batch(self.module, micro, response_length=micro["responses"].shape[-1],
+                                   temperature=temperature, use_remove_padding=self.settings.use_remove_padding,
+                                   sp_group=self.sp_group, calculate_entropy=calculate_entropy)
+
+    @torch.no_grad()
+    def compute_log_prob(self, data: DataProto, calculate_entropy: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-response-token log-probs [bs, resp_len] (and entropy) in the input order."""
+        self.module.eval()
+        temperature = data.meta_info.get("temperature", 1.0)
+        batch = data.batch.select(*MODEL_INPUTS)
+        micro_batches, reverse_idx = split_micro_batches(batch, self.settings.log_prob, self.dp_group)
+        log_probs, entropies = [], []
+        for micro in micro_batches:
+            out = self._forward(micro, temperature, calculate_entropy)
+            log_probs.append(out["log_probs"])
+            if calculate_entropy:
+                entropies.append(out["entropy"])
+        entropy = restore_order(entropies, reverse_idx) if calculate_entropy else None
+        return restore_order(log_probs, reverse_idx), entropy
+
+    def update_policy(self, data: DataProto) -> dict[str, list[float]]:
+        """`ppo_epochs` passes of mini-batch optimizer steps; returns metric lists (one value per step)."""
+        s = self.settings
+        self.module.train()
+        temperature = data.meta_info.get("temperature", 1.0)
+        keys = list(MODEL_INPUTS) + ["old_log_probs", "advantages"]
+        if s.use_kl_loss:
+            keys.append("ref_log_prob")
+        if "response_mask" in data.batch.keys():
+            keys.append("response_mask")
+        batch = data.batch.select(*keys)
+        metrics: dict[str, list[float]] = {}
+        for _ in range(s.ppo_epochs):
+            if s.shuffle:
+                batch = batch[torch.randperm(len(batch), generator=self.generator)]
+            for mini in batch.split(s.mini_batch_size):
+                for name, value in self._optimizer_step(mini, temperature).items():
+                    metrics.setdefault(name, []).append(value)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return metrics
+
+    def _optimizer_step(self, mini, temperature: float) -> dict[str, float]:
+        s = self.settings
+        num_tokens, num_seqs = global_counts(response_mask_of(mini), self.dp_group)
+        norm = dict(global_num_tokens=num_tokens, global_num_seqs=num_seqs,
+                    norm_factor=mini["responses"].shape[-1])
+        micro_batches, _ = split_micro_batches(mini, s.update, self.dp_group)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for micro in micro_batches:
+            response_mask = response_mask_of(micro)
+            out = self._forward(micro, temperature, calculate_entropy=s.entropy_coeff != 0)
+            pg_loss, pg_metrics = self.policy_loss_fn(
+                micro["old_log_probs"], out["log_probs"], micro["advantages"], response_mask,
+                s.clip_ratio_low, s.clip_ratio_high, s.clip_ratio_c, s.loss_agg_mode, **norm)
+            loss = pg_loss
+            if s.entropy_coeff != 0:
+                entropy = core_algos.agg_loss(out["entropy"], response_mask, s.loss_agg_mode, **norm)
+                loss = loss - s.entropy_coeff * entropy
+                _add(sums, "actor/entropy_loss", entropy)
+            if s.use_kl_loss:
+                kl = core_algos.kl_penalty(out["log_probs"], micro["ref_log_prob"], s.kl_loss_type)
+                kl_loss = core_algos.agg_loss(kl, response_mask, s.loss_agg_mode, **norm)
+                loss = loss + s.kl_loss_coef * kl_loss
+                _add(sums, "actor/kl_loss", kl_loss)
+            # FSDP averages gradients over the dp ranks; the counts above are already global.
+            (loss * self.dp_size).backward()
+            _add(sums, "actor/pg_loss", pg_loss)
+            # token-weighted metrics: local means weighted by this micro-batch's share of global tokens
+            share = response_mask.sum() / num_tokens.clamp(min=1)
+            for name in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
+                _add(sums, f"actor/{name}", pg_metrics[name] * share)
+        grad_norm = float(clip_grad_norm(self.module, s.grad_clip))
+        step_metrics = dp_sum(sums, self.dp_group)
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            step_metrics["actor/skipped_steps"] = 0.0
+        else:  # a non-finite norm would poison the weights: drop this step and report it
+            self.optimizer.zero_grad(set_to_none=True)
+            step_metrics["actor/skipped_steps"] = 1.0
+        step_metrics["actor/grad_norm"] = grad_norm
+        step_metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        return step_metrics
+
+
+def _add(sums: dict[str, float], name: str, value) -> None:
+    sums[name] = sums.get(name, 0.0) + float(value.detach() if isinstance(value, torch.Tensor) else value)

@@ -1,0 +1,82 @@
+"""Mini/micro-batch cutting shared by actor and critic, and the global counts that make losses exact.
+
+Static micro-batching splits by sequence count, so every rank runs the same number of micro-batches
+by construction. Dynamic micro-batching packs by a token budget through
+`rlframe.seqpack.rearrange_micro_batches`, which all-reduces the micro-batch count over the DP group
+(unequal counts would deadlock FSDP's collectives) and returns the index lists that put outputs
+back in the caller's order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+
+from rlframe.seqpack import get_reverse_idx, rearrange_micro_batches
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How one role cuts a batch into micro-batches (values come from the batch plan)."""
+
+    use_dynamic_bsz: bool
+    micro_batch_size: int | None     # sequences per micro-batch (static)
+    max_token_len: int | None        # tokens per micro-batch, already × sp (dynamic)
+    packing_algorithm: str = "kk"
+
+
+def split_micro_batches(batch: TensorDict, spec: MicroBatching, dp_group=None
+                        ) -> tuple[list[TensorDict], list[int] | None]:
+    """Micro-batches of `batch`, plus the reverse index that restores order (None when order is kept)."""
+    if not spec.use_dynamic_bsz:
+        return list(batch.split(spec.micro_batch_size)), None
+    micro_batches, index_lists = rearrange_micro_batches(
+        batch, max_token_len=spec.max_token_len, dp_group=dp_group, same_micro_num_in_dp=True,
+        packing_algorithm=spec.packing_algorithm)
+    order = [i for indices in index_lists for i in indices]
+    return micro_batches, get_reverse_idx(order)
+
+
+def restore_order(outputs: list[torch.Tensor], reverse_idx: list[int] | None) -> torch.Tensor:
+    """Concatenate per-micro-batch outputs and undo the dynamic packing's reordering."""
+    out = torch.cat(outputs, dim=0)
+    if reverse_idx is not None:
+        out = out[torch.as_tensor(reverse_idx, device=out.device)]
+    return out
+
+
+def global_counts(response_mask: torch.Tensor, dp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Valid tokens and non-empty sequences of a whole mini-batch, summed over the DP group.
+
+    These are the denominators of every loss aggregation mode, so that summing micro-batch losses
+    over gradient accumulation and DP ranks gives exactly the full-batch loss.
+    """
+    counts = torch.stack([response_mask.sum(), (response_mask.sum(-1) > 0).sum()]).to(torch.float64)
+    if dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=dp_group)
+    return counts[0], counts[1]
+
+
+def dp_sum(values: dict[str, float], dp_group=None) -> dict[str, float]:
+    """Sum scalar metrics over the DP group (one collective for all of them)."""
+    if not values:
+        return {}
+    keys = sorted(values)
+    tensor = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    if dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
+        backend = dist.get_backend(dp_group)
+        device = "cuda" if backend == "nccl" else "cpu"
+        tensor = tensor.to(device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=dp_group)
+    return dict(zip(keys, tensor.cpu().tolist()))
+
+
+def response_mask_of(batch: TensorDict) -> torch.Tensor:
+    """The response mask: given explicitly, or the last response_length columns of attention_mask."""
+    if "response_mask" in batch.keys():
+        return batch["response_mask"]
+    response_length = batch["responses"].shape[-1]
+    return batch["attention_mask"][:, -response_length:]

@@ -1,0 +1,234 @@
+"""FSDP plumbing: devices, meshes, loading HF models, wrapping (FSDP2/FSDP1), offload, state dicts.
+
+The recipe reads top to bottom in `build_fsdp_module`: load the HF model, optionally turn on
+gradient checkpointing, shard every decoder layer, then the root. The same code runs with gloo
+on CPU and nccl on CUDA; only the device type and the default dtype change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+STRATEGIES = ("fsdp2", "fsdp")
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
+
+
+def resolve_device(device: str) -> str:
+    """`trainer.device` (auto|cpu|cuda) to a torch device type."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"trainer.device={device!r} is not one of auto, cpu, cuda")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
+    return device
+
+
+def resolve_dtype(name: str, device_type: str) -> torch.dtype:
+    """`param_dtype: auto` means bf16 on GPU and fp32 on CPU (CPU bf16 matmuls are slow and inexact)."""
+    if name == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def check_model_path(path: str, key: str = "actor_rollout_ref.model.path") -> None:
+    """Fail early, naming the key, when a model directory has no config or no weights."""
+    if not os.path.isdir(path):
+        raise ValueError(f"{key}={path!r} is not a directory; point it at a local Hugging Face model folder")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{key}={path!r} has no config.json; it is not a Hugging Face model folder")
+    names = os.listdir(path)
+    if not any(n.endswith((".safetensors", ".bin")) for n in names):
+        raise ValueError(f"{key}={path!r} has a config.json but no weights (*.safetensors or *.bin)")
+
+
+def model_shape(path: str) -> dict:
+    """hidden size, heads and layers from a model folder's config.json."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    return {k: cfg.get(k) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                     "num_hidden_layers", "vocab_size", "intermediate_size")}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to load and how: plain values read once from the config."""
+
+    path: str
+    role: str                      # "actor" (causal LM) or "critic" (scalar value head)
+    dtype: torch.dtype
+    use_remove_padding: bool
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    override_config: dict | None = None
+
+
+def load_hf_model(spec: ModelSpec) -> nn.Module:
+    """Load a causal LM (actor/ref) or a token-classification value model (critic) on CPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from rlframe.distributed.attention import register_varlen_attention
+
+    config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
+    for key, value in (spec.override_config or {}).items():
+        setattr(config, key, value)
+    attn = register_varlen_attention() if spec.use_remove_padding else "sdpa"
+    kwargs = dict(config=config, dtype=spec.dtype, attn_implementation=attn,
+                  trust_remote_code=spec.trust_remote_code)
+    if spec.role == "critic":
+        config.num_labels = 1
+        config.classifier_dropout = 0.0
+        model = AutoModelForTokenClassification.from_pretrained(spec.path, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(spec.path, **kwargs)
+    model.config.use_cache = False
+    if spec.gradient_checkpointing:
+        # transformers 5 renamed gradient_checkpointing_enable; accept both
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks, the unit each FSDP shard gathers at a time."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:  # fall back to the conventional HF location
+        inner = getattr(model, "model", model)
+        layers = list(getattr(inner, "layers", []))
+    return layers
+
+
+@dataclass(frozen=True)
+class FSDPSpec:
+    strategy: str                  # fsdp2 | fsdp
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    param_offload: bool
+    reshard_after_forward: bool
+
+
+def wrap_fsdp(model: nn.Module, spec: FSDPSpec, mesh, device_type: str) -> nn.Module:
+    """Shard `model` over the 1-D `mesh` with FSDP2 (`fully_shard`) or FSDP1."""
+    if spec.strategy not in STRATEGIES:
+        raise ValueError(f"strategy={spec.strategy!r} is not one of {', '.join(STRATEGIES)} "
+                         "(actor_rollout_ref.actor.strategy / critic.strategy)")
+    if spec.strategy == "fsdp2":
+        return _wrap_fsdp2(model, spec, mesh, device_type)
+    return _wrap_fsdp1(model, spec, mesh, device_type)
+
+
+def _wrap_fsdp2(model, spec, mesh, device_type):
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    kwargs = {"mesh": mesh, "reshard_after_forward": spec.reshard_after_forward}
+    if spec.param_dtype != torch.float32 or spec.reduce_dtype != torch.float32:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype,
+                                                   cast_forward_inputs=True)
+    if spec.param_offload:
+        # pin_memory needs a GPU; on CPU the policy still keeps the gathered copies off the "device"
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type == "cuda")
+    if device_type == "cuda" and not spec.param_offload:
+        model.to(torch.device("cuda", torch.cuda.current_device()))
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def _wrap_fsdp1(model, spec, mesh, device_type):
+    import functools
+
+    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+    layer_types = {type(layer) for layer in decoder_layers(model)}
+    policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: type(m) in layer_types)
+    mixed = None
+    if spec.param_dtype != torch.float32 or spec.reduce_dtype != torch.float32:
+        mixed = MixedPrecision(param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype,
+                               buffer_dtype=torch.float32)
+    return FSDP(model, process_group=mesh.get_group(), auto_wrap_policy=policy, mixed_precision=mixed,
+                cpu_offload=CPUOffload(offload_params=spec.param_offload),
+                sharding_strategy=ShardingStrategy.FULL_SHARD if spec.reshard_after_forward
+                else ShardingStrategy.SHARD_GRAD_OP,
+                device_id=torch.cuda.current_device() if device_type == "cuda" else torch.device("cpu"),
+                use_orig_params=True, sync_module_states=False)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Global grad norm across shards, clipped in place; returns the norm before clipping."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if isinstance(model, FSDP):
+        return model.clip_grad_norm_(max_norm)
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return norm
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A CPU copy of the unsharded parameters (every rank calls; every rank gets them)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not dist.is_initialized() or not _is_fsdp(model):
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    # FSDP1's CPU-offload gather crashes on CPU (DESIGN §5): gather first, then move.
+    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    return {k: v.detach().cpu() for k, v in get_model_state_dict(model, options=options).items()}
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return isinstance(model, FSDP) or any(hasattr(p, "device_mesh") for p in model.parameters())
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: str | torch.device) -> None:
+    """Move optimizer state tensors (optimizer_offload): to CPU after a step, back before the next."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and key != "step":
+                state[key] = value.to(device, non_blocking=True)
+
+
+def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
+                             weight_decay=optim_cfg.weight_decay)
+
+
+def build_lr_scheduler(optimizer, optim_cfg, total_steps: int):
+    """Linear warmup, then constant or cosine down to min_lr_ratio · lr."""
+    import math
+
+    warmup = optim_cfg.lr_warmup_steps
+    if warmup is None or warmup < 0:
+        warmup = int(optim_cfg.lr_warmup_steps_ratio * max(total_steps, 0))
+    style = optim_cfg.warmup_style
+    if style not in ("constant", "cosine"):
+        raise ValueError(f"optim.warmup_style={style!r} is not one of constant, cosine")
+    min_ratio = optim_cfg.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if warmup > 0 and step < warmup:
+            return (step + 1) / warmup
+        if style == "constant" or total_steps <= warmup:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

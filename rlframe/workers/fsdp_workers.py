@@ -1,0 +1,277 @@
+"""The FSDP worker processes: actor + rollout + reference in one process (hybrid engine), and critic.
+
+Every data method is dispatched per worker (DP_COMPUTE_PROTO, each worker its own share); inside,
+a Ulysses group all-gathers its members' shares so every SP peer runs the same sequences, and
+chunks the result back on the way out (DESIGN §1). Sizes come from the driver's batch plan; the
+config is read once into plain settings and never mutated.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from rlframe.protocol import DataProto, all_gather_data_proto
+from rlframe.single_controller import Dispatch, Worker, register
+from rlframe.utils.batch_plan import BatchPlan, ForwardPlan, UpdatePlan
+from rlframe.workers import checkpoint as ckpt
+from rlframe.workers.actor import ActorSettings, PPOActor
+from rlframe.workers.batching import MicroBatching
+from rlframe.workers.critic import CriticSettings, PPOCritic
+from rlframe.workers.fsdp_utils import (FSDPSpec, ModelSpec, build_lr_scheduler, build_optimizer, full_state_dict,
+                                        load_hf_model, move_optimizer_state, resolve_device, resolve_dtype,
+                                        wrap_fsdp)
+
+
+def micro_batching(plan: ForwardPlan | UpdatePlan) -> MicroBatching:
+    return MicroBatching(plan.use_dynamic_bsz, plan.micro_batch_size, plan.max_token_len,
+                         plan.packing_algorithm or "kk")
+
+
+def actor_settings(actor_cfg: DictConfig, plan: UpdatePlan, use_remove_padding: bool) -> ActorSettings:
+    return ActorSettings(
+        mini_batch_size=plan.mini_batch_size_per_dp, update=micro_batching(plan), log_prob=micro_batching(plan.forward),
+        ppo_epochs=plan.ppo_epochs, shuffle=bool(actor_cfg.shuffle), grad_clip=float(actor_cfg.grad_clip),
+        clip_ratio_low=float(actor_cfg.clip_ratio_low), clip_ratio_high=float(actor_cfg.clip_ratio_high),
+        clip_ratio_c=float(actor_cfg.clip_ratio_c), loss_agg_mode=str(actor_cfg.loss_agg_mode),
+        policy_loss=str(actor_cfg.policy_loss.loss_mode), entropy_coeff=float(actor_cfg.entropy_coeff),
+        use_kl_loss=bool(actor_cfg.use_kl_loss), kl_loss_coef=float(actor_cfg.kl_loss_coef),
+        kl_loss_type=str(actor_cfg.kl_loss_type), use_remove_padding=use_remove_padding)
+
+
+def critic_settings(critic_cfg: DictConfig, plan: UpdatePlan) -> CriticSettings:
+    return CriticSettings(
+        mini_batch_size=plan.mini_batch_size_per_dp, update=micro_batching(plan), forward=micro_batching(plan.forward),
+        ppo_epochs=plan.ppo_epochs, shuffle=bool(critic_cfg.shuffle), grad_clip=float(critic_cfg.grad_clip),
+        cliprange_value=float(critic_cfg.cliprange_value), loss_agg_mode=str(critic_cfg.loss_agg_mode),
+        use_remove_padding=bool(critic_cfg.model.use_remove_padding))
+
+
+class _FSDPWorker(Worker):
+    """Shared set-up: process group, meshes, FSDP-wrapped models, SP gather/scatter."""
+
+    def __init__(self, config: dict, plan: BatchPlan):
+        super().__init__()
+        self.config = OmegaConf.create(config)
+        OmegaConf.set_readonly(self.config, True)
+        self.plan = plan
+        self.device_type = resolve_device(self.config.trainer.device)
+        self.sp_group = None
+        self.dp_group = None
+
+    def _init_dist(self, sp: int):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.init_process_group(timeout_s=float(self.config.trainer.worker_timeout_s))
+        torch.manual_seed(int(self.config.data.seed))  # fresh heads (critic) start equal on every rank
+        world = self.world_size
+        self.fsdp_mesh = init_device_mesh(self.device_type, (world,), mesh_dim_names=("fsdp",))
+        self.sp_mesh = init_device_mesh(self.device_type, (world // sp, sp), mesh_dim_names=("dp", "sp"))
+        self.sp_size, self.dp_size = sp, world // sp
+        self.dp_group = self.sp_mesh["dp"].get_group()
+        self.sp_group = self.sp_mesh["sp"].get_group() if sp > 1 else None
+
+    def _build(self, model_cfg, fsdp_cfg, role: str, use_remove_padding: bool):
+        dtype = resolve_dtype(str(fsdp_cfg.get("param_dtype", "auto")), self.device_type)
+        model = load_hf_model(ModelSpec(
+            path=model_cfg.path, role=role, dtype=torch.float32, use_remove_padding=use_remove_padding,
+            gradient_checkpointing=bool(model_cfg.get("enable_gradient_checkpointing", False)),
+            trust_remote_code=bool(model_cfg.get("trust_remote_code", False)),
+            override_config=OmegaConf.to_container(model_cfg.override_config)))
+        spec = FSDPSpec(strategy=self._strategy, param_dtype=dtype,
+                        reduce_dtype=resolve_dtype(str(fsdp_cfg.get("reduce_dtype", "fp32")), self.device_type),
+                        param_offload=bool(fsdp_cfg.param_offload),
+                        reshard_after_forward=bool(fsdp_cfg.get("reshard_after_forward", True)))
+        return wrap_fsdp(model, spec, self.fsdp_mesh, self.device_type)
+
+    def _to_device(self, data: DataProto) -> DataProto:
+        return data.to(self.device_type if self.device_type == "cpu" else torch.cuda.current_device())
+
+    def _gather_sp(self, data: DataProto) -> DataProto:
+        """Ulysses peers need the same sequences: concatenate the SP group's shares."""
+        return data if self.sp_group is None else all_gather_data_proto(data, self.sp_group)
+
+    def _scatter_sp(self, data: DataProto) -> DataProto:
+        """Keep this rank's share of an SP-gathered result."""
+        if self.sp_group is None:
+            return data
+        rank = torch.distributed.get_rank(self.sp_group)
+        meta = data.meta_info
+        out = data.chunk(self.sp_size)[rank]
+        out.meta_info = meta
+        return out
+
+
+class ActorRolloutRefWorker(_FSDPWorker):
+    """Actor, rollout and reference policy in one process; `role` picks which of them it hosts."""
+
+    ROLES = ("actor_rollout", "actor_rollout_ref", "ref", "actor")
+
+    def __init__(self, config: dict, plan: BatchPlan, role: str = "actor_rollout_ref"):
+        super().__init__(config, plan)
+        if role not in self.ROLES:
+            raise ValueError(f"ActorRolloutRefWorker role {role!r} is not one of {', '.join(self.ROLES)}")
+        self.role = role
+        self.has_actor = role in ("actor_rollout", "actor_rollout_ref", "actor")
+        self.has_rollout = role in ("actor_rollout", "actor_rollout_ref")
+        self.has_ref = role in ("actor_rollout_ref", "ref")
+        self._strategy = str(self.config.actor_rollout_ref.actor.strategy)
+        self._weights_dirty = True
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self, total_training_steps: int) -> None:
+        from transformers import AutoTokenizer
+
+        cfg = self.config.actor_rollout_ref
+        self._init_dist(self.plan.actor.sequence_parallel_size)
+        use_rmpad = bool(cfg.model.use_remove_padding)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.config.data.tokenizer or cfg.model.path)
+        if self.has_actor:
+            self.actor_module = self._build(cfg.model, cfg.actor.fsdp_config, "actor", use_rmpad)
+            self.optimizer = build_optimizer(self.actor_module, cfg.actor.optim)
+            self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.actor.optim, total_training_steps)
+            self.actor = PPOActor(self.actor_module, self.optimizer,
+                                  actor_settings(cfg.actor, self.plan.actor, use_rmpad),
+                                  self.dp_group, self.sp_group, self.dp_size, self.lr_scheduler,
+                                  seed=int(self.config.data.seed))
+            self._offload_optimizer()
+        if self.has_ref:
+            ref_module = self._build(cfg.model, cfg.ref.fsdp_config, "actor", use_rmpad)
+            ref_module.requires_grad_(False)
+            ref_settings = replace(actor_settings(cfg.actor, self.plan.actor, use_rmpad),
+                                   log_prob=micro_batching(self.plan.ref))
+            self.ref = PPOActor(ref_module, None, ref_settings, self.dp_group, self.sp_group, self.dp_size)
+        if self.has_rollout:
+            self._init_rollout(cfg)
+
+    def _init_rollout(self, cfg) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from rlframe.workers.rollout import build_rollout
+
+        tp = self.plan.rollout.tensor_parallel_size
+        tp_group = None
+        if tp > 1:
+            mesh = init_device_mesh(self.device_type, (self.world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+            tp_group = mesh["tp"].get_group()
+        self.tp_group = tp_group
+        self.rollout = build_rollout(str(cfg.rollout.name), cfg.rollout, cfg.model.path, self.tokenizer,
+                                     self.device_type, tp_group,
+                                     trust_remote_code=bool(cfg.model.trust_remote_code),
+                                     override_config=OmegaConf.to_container(cfg.model.override_config))
+
+    def _offload_optimizer(self) -> None:
+        if self.config.actor_rollout_ref.actor.fsdp_config.optimizer_offload:
+            move_optimizer_state(self.optimizer, "cpu")
+
+    def _load_optimizer(self) -> None:
+        if self.config.actor_rollout_ref.actor.fsdp_config.optimizer_offload and self.device_type == "cuda":
+            move_optimizer_state(self.optimizer, torch.cuda.current_device())
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Sync the actor's current weights into the rollout engine, then generate."""
+        from rlframe.workers.rollout import generate_in_tp_group
+
+        start = time.perf_counter()
+        self.rollout.resume()
+        if self._weights_dirty:
+            self.rollout.update_weights(full_state_dict(self.actor_module).items())
+            self._weights_dirty = False
+        sync_s = time.perf_counter() - start
+        output = generate_in_tp_group(self.rollout, self._to_device(prompts), self.tp_group)
+        if self.rollout.settings.free_cache_engine:
+            self.rollout.release()
+            self._weights_dirty = True
+        output.meta_info.setdefault("metrics", {})["timing_s/weight_sync"] = sync_s
+        return output.to("cpu")
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        """Old log-probs under the current actor (and their entropy, for the metrics)."""
+        data = self._gather_sp(self._to_device(data))
+        log_probs, entropy = self.actor.compute_log_prob(data, calculate_entropy=True)
+        out = DataProto.from_dict({"old_log_probs": log_probs, "entropys": entropy})
+        return self._scatter_sp(out).to("cpu")
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        data = self._gather_sp(self._to_device(data))
+        log_probs, _ = self.ref.compute_log_prob(data)
+        return self._scatter_sp(DataProto.from_dict({"ref_log_prob": log_probs})).to("cpu")
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_actor(self, data: DataProto) -> DataProto:
+        data = self._gather_sp(self._to_device(data))
+        self._load_optimizer()
+        start = time.perf_counter()
+        metrics = self.actor.update_policy(data)
+        metrics["timing_s/update_actor_worker"] = [time.perf_counter() - start]
+        self._offload_optimizer()
+        self._weights_dirty = True
+        return DataProto(meta_info={"metrics": metrics})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        contents = list(self.config.actor_rollout_ref.actor.checkpoint.save_contents)
+        ckpt.save_checkpoint(path, self.actor_module, self.optimizer, self.lr_scheduler, contents, self.tokenizer,
+                             self.rank, self.world_size)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        ckpt.load_checkpoint(path, self.actor_module, self.optimizer, self.lr_scheduler, self.rank, self.world_size)
+        self._weights_dirty = True
+
+
+class CriticWorker(_FSDPWorker):
+    """The value model: compute_values and update_critic."""
+
+    def __init__(self, config: dict, plan: BatchPlan):
+        super().__init__(config, plan)
+        self._strategy = str(self.config.critic.strategy)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self, total_training_steps: int) -> None:
+        from transformers import AutoTokenizer
+
+        cfg = self.config.critic
+        self._init_dist(self.plan.critic.sequence_parallel_size)
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path)
+        self.critic_module = self._build(cfg.model, cfg.model.fsdp_config, "critic",
+                                         bool(cfg.model.use_remove_padding))
+        self.optimizer = build_optimizer(self.critic_module, cfg.optim)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optim, total_training_steps)
+        self.critic = PPOCritic(self.critic_module, self.optimizer, critic_settings(cfg, self.plan.critic),
+                                self.dp_group, self.sp_group, self.dp_size, self.lr_scheduler,
+                                seed=int(self.config.data.seed))
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_values(self, data: DataProto) -> DataProto:
+        data = self._gather_sp(self._to_device(data))
+        values = self.critic.compute_values(data)
+        return self._scatter_sp(DataProto.from_dict({"values": values})).to("cpu")
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_critic(self, data: DataProto) -> DataProto:
+        data = self._gather_sp(self._to_device(data))
+        metrics = self.critic.update_critic(data)
+        return DataProto(meta_info={"metrics": metrics})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        contents = list(self.config.critic.checkpoint.save_contents)
+        ckpt.save_checkpoint(path, self.critic_module, self.optimizer, self.lr_scheduler, contents, self.tokenizer,
+                             self.rank, self.world_size)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        ckpt.load_checkpoint(path, self.critic_module, self.optimizer, self.lr_scheduler, self.rank, self.world_size)
+
+
+def worker_env() -> dict:
+    """Environment every worker process needs (offline HF, quiet tokenizers)."""
+    return {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}

@@ -1,0 +1,183 @@
+"""Run the actor/critic on N gloo processes with FSDP and compare against a single-process reference.
+
+Each scenario: the same fixed RL batch, one mini-batch, no clipping; the optimizer records the full
+(unsharded) accumulated gradient right before its step. Gradients are compared directly rather
+than as parameter deltas: a delta `(p - lr·g) - p` loses the low bits of `g` whenever |p| >> |lr·g|
+(norm weights sit at 1.0), which would put a rounding floor above the 1e-5 we want to check.
+Rank 0 writes the gradients, every rank the outputs of its DP shard; the test reassembles them.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from rlframe.protocol import DataProto
+from rlframe.workers.actor import ActorSettings, PPOActor
+from rlframe.workers.batching import MicroBatching
+from rlframe.workers.critic import CriticSettings, PPOCritic
+from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, load_hf_model, wrap_fsdp
+
+PROMPT_LEN, RESPONSE_LEN = 8, 8
+
+
+@dataclass(frozen=True)
+class Scenario:
+    world: int = 1
+    sp: int = 1
+    strategy: str = "fsdp2"                # fsdp2 | fsdp | none (plain module, single process)
+    use_remove_padding: bool = True
+    use_dynamic_bsz: bool = False
+    micro_batch_size: int = 2
+    max_token_len: int = 64                # per GPU, before × sp
+    loss_agg_mode: str = "token-mean"
+    role: str = "actor"
+    mini_batch_size: int | None = None     # sequences per optimizer step, global; None = whole batch
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.sp
+
+
+def make_batch(vocab_size: int, num_seqs: int = 8, seed: int = 0, skew: bool = False) -> DataProto:
+    """Left-padded prompts + right-padded responses of random lengths, with PPO inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt_lens = torch.randint(2, PROMPT_LEN + 1, (num_seqs,), generator=gen)
+    response_lens = torch.randint(1, RESPONSE_LEN + 1, (num_seqs,), generator=gen)
+    if skew:  # first half all short, second half all long: DP ranks get very different loads
+        half = num_seqs // 2
+        prompt_lens[:half], response_lens[:half] = 2, 1
+        prompt_lens[half:], response_lens[half:] = PROMPT_LEN, RESPONSE_LEN
+    ids = torch.randint(3, vocab_size, (num_seqs, PROMPT_LEN + RESPONSE_LEN), generator=gen)
+    mask = torch.zeros_like(ids)
+    for i in range(num_seqs):
+        mask[i, PROMPT_LEN - prompt_lens[i]:PROMPT_LEN + response_lens[i]] = 1
+    ids = ids * mask  # pad id 0
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    responses = ids[:, PROMPT_LEN:]
+    tensors = {
+        "input_ids": ids, "attention_mask": mask, "position_ids": position_ids, "responses": responses,
+        "old_log_probs": -5.0 + 0.3 * torch.randn(num_seqs, RESPONSE_LEN, generator=gen),
+        "ref_log_prob": -5.0 + 0.3 * torch.randn(num_seqs, RESPONSE_LEN, generator=gen),
+        "advantages": torch.randn(num_seqs, RESPONSE_LEN, generator=gen),
+        "values": torch.randn(num_seqs, RESPONSE_LEN, generator=gen),
+        "returns": torch.randn(num_seqs, RESPONSE_LEN, generator=gen),
+    }
+    return DataProto.from_dict(tensors, meta_info={"temperature": 1.0})
+
+
+def settings_for(sc: Scenario, num_seqs: int):
+    mini_global = sc.mini_batch_size or num_seqs
+    update = MicroBatching(sc.use_dynamic_bsz, sc.micro_batch_size, sc.max_token_len * sc.sp)
+    if sc.role == "critic":
+        return CriticSettings(mini_batch_size=mini_global // sc.dp, update=update, forward=update, ppo_epochs=1,
+                              shuffle=False, grad_clip=1e9, cliprange_value=0.5, loss_agg_mode=sc.loss_agg_mode,
+                              use_remove_padding=sc.use_remove_padding)
+    base = ActorSettings(mini_batch_size=mini_global // sc.dp, update=update, log_prob=update, ppo_epochs=1,
+                         shuffle=False, grad_clip=1e9, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
+                         loss_agg_mode=sc.loss_agg_mode, policy_loss="vanilla", entropy_coeff=0.01,
+                         use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl",
+                         use_remove_padding=sc.use_remove_padding)
+    return replace(base, **sc.extra)
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD that keeps a full copy of the gradient it is about to apply (a collective under FSDP)."""
+
+    def __init__(self, model, lr: float = 1.0):
+        super().__init__(model.parameters(), lr=lr)
+        self.model = model
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def step(self, closure=None):
+        self.grads = full_grads(self.model)
+        return super().step(closure)
+
+
+def full_grads(model) -> dict[str, torch.Tensor]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if isinstance(model, FSDP):
+        with FSDP.summon_full_params(model, with_grads=True, writeback=False):
+            named = [(n, p.grad) for n, p in model.named_parameters()]
+    else:
+        named = [(n, p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                 for n, p in model.named_parameters() if p.grad is not None]
+    return {n.replace("_fsdp_wrapped_module.", ""): g.detach().to("cpu", copy=True) for n, g in named
+            if g is not None}
+
+
+def run_scenario(sc: Scenario, model_path: str, data: DataProto, dp_rank: int = 0, dp_group=None, sp_group=None,
+                 mesh=None) -> dict:
+    """One rank's part of a scenario: outputs of its DP shard, metrics and the full gradient."""
+    spec = ModelSpec(path=model_path, role=sc.role, dtype=torch.float32, use_remove_padding=sc.use_remove_padding)
+    torch.manual_seed(0)  # the critic's fresh value head must start equal everywhere
+    model = load_hf_model(spec)
+    if sc.strategy != "none":
+        model = wrap_fsdp(model, FSDPSpec(sc.strategy, torch.float32, torch.float32, False, True), mesh, "cpu")
+    optimizer = RecordingSGD(model)
+    shard = data.chunk(sc.dp)[dp_rank]
+    settings = settings_for(sc, len(data))
+    if sc.role == "critic":
+        critic = PPOCritic(model, optimizer, settings, dp_group, sp_group, dp_size=sc.dp)
+        outputs = {"values": critic.compute_values(shard)}
+        metrics = critic.update_critic(shard)
+    else:
+        actor = PPOActor(model, optimizer, settings, dp_group, sp_group, dp_size=sc.dp)
+        log_probs, entropy = actor.compute_log_prob(shard, calculate_entropy=True)
+        outputs = {"log_probs": log_probs, "entropy": entropy}
+        metrics = actor.update_policy(shard)
+    return {"outputs": outputs, "metrics": metrics, "grads": optimizer.grads}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, sc: Scenario, port: int, model_path: str, data_path: str, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=sc.world)
+    try:
+        mesh = init_device_mesh("cpu", (sc.dp, sc.sp), mesh_dim_names=("dp", "sp"))
+        fsdp_mesh = init_device_mesh("cpu", (sc.world,), mesh_dim_names=("fsdp",))
+        dp_group = mesh["dp"].get_group()
+        sp_group = mesh["sp"].get_group() if sc.sp > 1 else None
+        dp_rank = mesh.get_local_rank("dp")
+        result = run_scenario(sc, model_path, DataProto.load_from_disk(data_path), dp_rank, dp_group, sp_group,
+                              fsdp_mesh)
+        if rank != 0:
+            result.pop("grads")
+        result["dp_rank"], result["sp_rank"] = dp_rank, mesh.get_local_rank("sp")
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(sc: Scenario, model_path: str, data: DataProto, out_dir: str) -> dict:
+    """Spawn `sc.world` gloo processes; return outputs re-assembled in the input order, metrics, grads."""
+    data_path = os.path.join(out_dir, "data.pkl")
+    data.save_to_disk(data_path)
+    torch.multiprocessing.spawn(_worker, args=(sc, free_port(), model_path, data_path, out_dir), nprocs=sc.world,
+                                join=True)
+    results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(sc.world)]
+    collectors = sorted((r for r in results if r["sp_rank"] == 0), key=lambda r: r["dp_rank"])
+    outputs = {k: torch.cat([r["outputs"][k] for r in collectors]) for k in collectors[0]["outputs"]}
+    return {"outputs": outputs, "metrics": results[0]["metrics"], "grads": results[0]["grads"],
+            "all_metrics": [r["metrics"] for r in results]}
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """‖a − b‖ / ‖b‖ (0 when both are 0)."""
+    denom = b.double().norm()
+    diff = (a.double() - b.double()).norm()
+    return float(diff / denom) if denom > 0 else float(diff)
