@@ -1,0 +1,179 @@
+"""Entry point: `python -m rlframe.trainer.main_ppo key=value ...` (or `rlframe train key=value ...`).
+
+Everything that can be checked is checked before Ray starts: the config's arithmetic (the batch
+plan), names of algorithms and engines, the model folder, the datasets (columns, prompt lengths).
+Then the worker groups are created, and the trainer runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from omegaconf import DictConfig, OmegaConf
+
+from rlframe.utils.config import load_config
+
+BUILTIN_MODEL = "builtin://tiny"
+
+
+def _cache_dir() -> str:
+    return os.environ.get("RLFRAME_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rlframe"))
+
+
+def resolve_model_path(path: str) -> str:
+    """`builtin://tiny` is built offline on first use; anything else is used as given."""
+    if path != BUILTIN_MODEL:
+        return os.path.expanduser(path)
+    from rlframe.utils.tiny_model import make_tiny_model
+
+    target = os.path.join(_cache_dir(), "models", "tiny-qwen2-v1")
+    if not os.path.isfile(os.path.join(target, "config.json")):
+        tmp = f"{target}.tmp.{os.getpid()}"
+        make_tiny_model(tmp)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.replace(tmp, target)
+    return target
+
+
+def normalize_config(cfg: DictConfig) -> DictConfig:
+    """Resolve interpolations and built-in paths once; the result is read-only from here on."""
+    container = OmegaConf.to_container(cfg, resolve=True)
+    model = container["actor_rollout_ref"]["model"]
+    original = model["path"]
+    model["path"] = resolve_model_path(original)
+    for section, key in (("critic", "path"), ("critic", "tokenizer_path")):
+        if container[section]["model"][key] == original:
+            container[section]["model"][key] = model["path"]
+    if container["critic"]["model"]["path"] == BUILTIN_MODEL:
+        container["critic"]["model"]["path"] = model["path"]
+    if container["reward_model"]["model"]["input_tokenizer"] == original:
+        container["reward_model"]["model"]["input_tokenizer"] = model["path"]
+    out = OmegaConf.create(container)
+    OmegaConf.set_readonly(out, True)
+    return out
+
+
+def check_names(cfg: DictConfig) -> None:
+    """Unknown algorithm/engine names fail here, each listing what is accepted."""
+    from rlframe.reward.manager import get_reward_manager_cls
+    from rlframe.trainer import core_algos
+    from rlframe.workers.checkpoint import SAVE_CONTENTS
+    from rlframe.workers.fsdp_utils import STRATEGIES, check_model_path
+    from rlframe.workers.rollout import check_rollout_name
+
+    core_algos.get_adv_estimator_fn(cfg.algorithm.adv_estimator)
+    core_algos.get_policy_loss_fn(cfg.actor_rollout_ref.actor.policy_loss.loss_mode)
+    core_algos.get_kl_penalty_fn(cfg.algorithm.kl_penalty)
+    core_algos.get_kl_penalty_fn(cfg.actor_rollout_ref.actor.kl_loss_type)
+    if cfg.actor_rollout_ref.actor.loss_agg_mode not in core_algos.LOSS_AGG_MODES:
+        raise ValueError(f"actor_rollout_ref.actor.loss_agg_mode={cfg.actor_rollout_ref.actor.loss_agg_mode!r}; "
+                         f"valid: {', '.join(core_algos.LOSS_AGG_MODES)}")
+    if cfg.algorithm.kl_ctrl.type not in ("fixed", "adaptive"):
+        raise ValueError(f"algorithm.kl_ctrl.type={cfg.algorithm.kl_ctrl.type!r}; valid: fixed, adaptive")
+    get_reward_manager_cls(cfg.reward_model.reward_manager)
+    check_rollout_name(cfg.actor_rollout_ref.rollout.name)
+    for key in ("actor_rollout_ref.actor.strategy", "critic.strategy"):
+        value = OmegaConf.select(cfg, key)
+        if value not in STRATEGIES:
+            raise ValueError(f"{key}={value!r}; valid: {', '.join(STRATEGIES)}")
+    for key in ("actor_rollout_ref.actor.checkpoint.save_contents", "critic.checkpoint.save_contents"):
+        unknown = [c for c in OmegaConf.select(cfg, key) if c not in SAVE_CONTENTS]
+        if unknown:
+            raise ValueError(f"{key} has unknown entries {unknown}; valid: {', '.join(SAVE_CONTENTS)}")
+    check_model_path(cfg.actor_rollout_ref.model.path)
+    if cfg.algorithm.adv_estimator == "remax":
+        raise ValueError("algorithm.adv_estimator=remax needs a greedy baseline rollout per prompt, which "
+                         "the trainer does not generate yet; use grpo, rloo, reinforce_plus_plus(_baseline) or gae")
+
+
+def build_data(cfg: DictConfig, tokenizer):
+    """Datasets and dataloaders; built before Ray so bad data fails fast."""
+    from rlframe.data.builtin_tasks import resolve_data_files
+    from rlframe.data.dataloader import make_dataloader
+    from rlframe.data.dataset import RLHFDataset
+
+    data = cfg.data
+    def files(spec):  # a path or a list of paths
+        return spec if isinstance(spec, str) else list(spec)
+
+    train_files = resolve_data_files(files(data.train_files), data.builtin_dir, data.seed, split="train")
+    val_files = resolve_data_files(files(data.val_files), data.builtin_dir, data.seed, split="val")
+    train = RLHFDataset(train_files, tokenizer, data)
+    val = RLHFDataset(val_files, tokenizer, data)
+    train_loader = make_dataloader(train, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
+    val_batch = data.val_batch_size or len(val)
+    val_loader = make_dataloader(val, val_batch, shuffle=False, seed=data.seed, drop_last=False)
+    if len(train_loader) == 0:
+        raise ValueError(f"the training set has {len(train)} prompts after filtering, fewer than "
+                         f"data.train_batch_size={data.train_batch_size}")
+    return train_loader, val_loader
+
+
+def total_steps(cfg: DictConfig, train_loader) -> int:
+    """trainer.total_training_steps when set, else total_epochs passes over the training set."""
+    if cfg.trainer.total_training_steps is not None:
+        return int(cfg.trainer.total_training_steps)
+    return len(train_loader) * int(cfg.trainer.total_epochs)
+
+
+def prepare(overrides: list[str]) -> dict:
+    """Compose the config from `overrides` and check everything that can fail before Ray starts."""
+    from transformers import AutoTokenizer
+
+    from rlframe.reward.manager import load_reward_manager
+    from rlframe.utils.batch_plan import make_batch_plan, read_model_shape, warn_ignored_keys
+
+    composed = load_config(overrides)
+    warn_ignored_keys(composed, overrides)
+    cfg = normalize_config(composed)
+    check_names(cfg)
+    model_shape = read_model_shape(cfg.actor_rollout_ref.model.path)
+    plan = make_batch_plan(cfg, model_shape)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path)
+    train_loader, val_loader = build_data(cfg, tokenizer)
+    return {"cfg": cfg, "plan": plan, "tokenizer": tokenizer, "train_loader": train_loader,
+            "val_loader": val_loader, "steps": total_steps(cfg, train_loader),
+            "hidden_size": model_shape.hidden_size if model_shape else None,
+            "reward_fn": load_reward_manager(cfg, tokenizer, num_examine=0),
+            "val_reward_fn": load_reward_manager(cfg, tokenizer, num_examine=int(cfg.trainer.log_val_generations))}
+
+
+def train(run: dict) -> dict:
+    """Save and print the resolved config, create the worker groups and run the trainer."""
+    from rlframe.trainer.launch import create_worker_groups, shutdown
+    from rlframe.trainer.ray_trainer import RayPPOTrainer
+
+    cfg, steps = run["cfg"], run["steps"]
+    os.makedirs(cfg.trainer.default_local_dir, exist_ok=True)
+    OmegaConf.save(cfg, os.path.join(cfg.trainer.default_local_dir, "config.yaml"))
+    print(OmegaConf.to_yaml(cfg), flush=True)
+    print(f"[rlframe] {steps} training steps; run folder {cfg.trainer.default_local_dir}", flush=True)
+    groups, num_devices = create_worker_groups(cfg, run["plan"], steps)
+    try:
+        trainer = RayPPOTrainer(cfg, run["plan"], run["tokenizer"], run["train_loader"], run["val_loader"],
+                                run["reward_fn"], run["val_reward_fn"], groups, steps, num_devices,
+                                hidden_size=run["hidden_size"])
+        return trainer.fit()
+    finally:
+        shutdown(groups)
+
+
+def run_ppo(overrides: list[str]) -> dict:
+    """Check, launch and train; returns the last step's metrics."""
+    return train(prepare(overrides))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Hydra-style `key=value` overrides on the command line."""
+    overrides = sys.argv[1:] if argv is None else list(argv)
+    try:
+        run = prepare(overrides)
+    except ValueError as err:  # config and data errors: one clear message, before any work starts
+        print(f"rlframe: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    train(run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""RayPPOTrainer: the driver's training loop, one short named step after another.
+
+`fit` reads top to bottom: repeat prompts n times → generate → balance across DP ranks → reward →
+old log-probs → reference → values → advantages → critic update → actor update → validate →
+checkpoint → log. Heavy work runs on the worker groups; the driver only does O(batch) math.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from rlframe.protocol import DataProto
+from rlframe.seqpack import calculate_workload, get_seqlen_balanced_partitions, packing_metrics
+from rlframe.trainer import core_algos
+from rlframe.trainer.checkpointing import TrainerCheckpointer
+from rlframe.trainer.metrics import (compute_data_metrics, compute_throughput_metrics, compute_timing_metrics,
+                                     reduce_metrics)
+from rlframe.utils.batch_plan import BatchPlan
+from rlframe.utils.tracking import Tracking
+
+PROMPT_KEYS = ["input_ids", "attention_mask", "position_ids"]
+
+
+@contextmanager
+def timer(name: str, timings: dict):
+    start = time.perf_counter()
+    yield
+    timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+
+
+class RayPPOTrainer:
+    """Drives PPO/GRPO: owns the data, the reward function and the worker groups."""
+
+    def __init__(self, config: DictConfig, plan: BatchPlan, tokenizer, train_dataloader, val_dataloader,
+                 reward_fn, val_reward_fn, worker_groups: dict, total_training_steps: int, num_devices: int,
+                 hidden_size: int | None = None):
+        self.config, self.plan, self.tokenizer = config, plan, tokenizer
+        self.train_dataloader, self.val_dataloader = train_dataloader, val_dataloader
+        self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn
+        self.actor_rollout_wg = worker_groups["actor_rollout"]
+        self.critic_wg = worker_groups.get("critic")
+        self.use_critic = plan.critic is not None
+        self.use_reference = plan.ref is not None
+        self.total_training_steps = total_training_steps
+        self.num_devices = num_devices
+        self.hidden_size = hidden_size
+        algo = config.algorithm
+        self.kl_ctrl = core_algos.make_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef,
+                                                     algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
+        self.checkpointer = TrainerCheckpointer(config.trainer)
+        self.global_step = 0
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> dict:
+        """Train until total_training_steps; returns the last step's metrics."""
+        cfg = self.config.trainer
+        self.tracker = Tracking(cfg.project_name, cfg.experiment_name, list(cfg.logger), cfg.default_local_dir,
+                                OmegaConf.to_container(self.config))
+        driver_state = self.checkpointer.maybe_resume(self.actor_rollout_wg, self.critic_wg,
+                                                      self.train_dataloader)
+        if driver_state is not None:
+            self.global_step = driver_state["global_step"]
+            self.kl_ctrl.value = driver_state["kl_coef"]
+        if self.val_reward_fn is not None and cfg.val_before_train and self.global_step == 0:
+            self.tracker.log(self._validate(), step=0)
+        last_metrics: dict = {}
+        progress = _progress_bar(self.total_training_steps, self.global_step)
+        while self.global_step < self.total_training_steps:
+            for batch_dict in self.train_dataloader:
+                self.global_step += 1
+                last_metrics = self._train_step(DataProto.from_single_dict(batch_dict))
+                is_last = self.global_step >= self.total_training_steps
+                if self.val_reward_fn is not None and (is_last or (cfg.test_freq > 0
+                                                                   and self.global_step % cfg.test_freq == 0)):
+                    last_metrics.update(self._validate())
+                if cfg.save_freq > 0 and (is_last or self.global_step % cfg.save_freq == 0):
+                    start = time.perf_counter()
+                    self.checkpointer.save(self.global_step, self.actor_rollout_wg, self.critic_wg,
+                                           self.train_dataloader, self._driver_state())
+                    last_metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
+                self.tracker.log(last_metrics, step=self.global_step)
+                progress.update(last_metrics)
+                if is_last:
+                    break
+        progress.close()
+        self.tracker.finish()
+        return last_metrics
+
+    def _train_step(self, batch: DataProto) -> dict:
+        metrics, timings = {}, {}
+        step_start = time.perf_counter()
+        batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
+        batch = batch.repeat(self.plan.n, interleave=True)
+        with timer("gen", timings):
+            batch = self._generate(batch, metrics)
+        if self.plan.balance_batch:
+            with timer("balance", timings):
+                self._balance_batch(batch, metrics)
+        with timer("reward", timings):
+            self._compute_reward(batch, metrics)
+        with timer("old_log_prob", timings):
+            old = self.actor_rollout_wg.compute_log_prob(batch)
+            entropy = old.pop(batch_keys=["entropys"]).batch["entropys"]
+            metrics["actor/entropy"] = float(core_algos.masked_mean(entropy, batch.batch["response_mask"]))
+            batch = batch.union(old)
+        if self.use_reference:
+            with timer("ref", timings):
+                batch = batch.union(self.actor_rollout_wg.compute_ref_log_prob(batch))
+        if self.use_critic:
+            with timer("values", timings):
+                batch = batch.union(self.critic_wg.compute_values(batch))
+        with timer("adv", timings):
+            self._compute_advantage(batch, metrics)
+        if self.use_critic:
+            with timer("update_critic", timings):
+                out = self.critic_wg.update_critic(batch)
+                metrics.update(reduce_metrics(out.meta_info["metrics"]))
+        if self.global_step > self.config.trainer.critic_warmup:
+            with timer("update_actor", timings):
+                out = self.actor_rollout_wg.update_actor(batch)
+                metrics.update(reduce_metrics(out.meta_info["metrics"]))
+        timings["step"] = time.perf_counter() - step_start
+        metrics.update(compute_data_metrics(batch, self.use_critic))
+        num_tokens = int(batch.batch["attention_mask"].sum())
+        metrics.update(compute_timing_metrics(timings, {"gen": int(batch.batch["response_mask"].sum()),
+                                                        "update_actor": num_tokens}))
+        metrics.update(compute_throughput_metrics(num_tokens, timings["step"], self.num_devices))
+        metrics["training/global_step"] = self.global_step
+        return metrics
+
+    def _driver_state(self) -> dict:
+        return {"global_step": self.global_step, "kl_coef": self.kl_ctrl.value}
+
+    # ------------------------------------------------------------------ the steps
+    def _generate(self, batch: DataProto, metrics: dict) -> DataProto:
+        """Send the prompts to the rollout; merge the responses back into the batch."""
+        gen_batch = batch.pop(batch_keys=PROMPT_KEYS)
+        gen_batch.meta_info = {"validate": False}
+        output = self.actor_rollout_wg.generate_sequences(gen_batch)
+        metrics.update(reduce_metrics(output.meta_info.pop("metrics", {})))
+        output.meta_info = {}
+        return batch.union(output)
+
+    def _balance_batch(self, batch: DataProto, metrics: dict) -> None:
+        """Reorder so each DP rank's share of the step costs about the same (Karmarkar–Karp, equal sizes).
+
+        The workload of a sequence grows with its length plus an attention term in length², with the
+        linear coefficient taken from the model's hidden size.
+        """
+        k = self.plan.balance_partitions
+        seqlens = batch.batch["attention_mask"].sum(-1).tolist()
+        workload = calculate_workload(seqlens, hidden_size=self.hidden_size) if self.hidden_size else \
+            calculate_workload(seqlens)
+        partitions = get_seqlen_balanced_partitions(list(map(float, workload)), k_partitions=k, equal_size=True)
+        order = [i for part in partitions for i in part]
+        # each DP rank's tokens before (contiguous shares) and after balancing
+        share = len(seqlens) // k
+        before = [sum(seqlens[r * share:(r + 1) * share]) for r in range(k)]
+        after = [sum(seqlens[i] for i in part) for part in partitions]
+        batch.reorder(torch.tensor(order))
+        metrics.update({"global_seqlen/min": min(before), "global_seqlen/max": max(before),
+                        "global_seqlen/minmax_diff": max(before) - min(before),
+                        "global_seqlen/balanced_min": min(after), "global_seqlen/balanced_max": max(after),
+                        "global_seqlen/mean": float(np.mean(after))})
+        metrics.update({f"global_seqlen/{k_}": v for k_, v in packing_metrics(after).items()})
+
+    def _compute_reward(self, batch: DataProto, metrics: dict) -> None:
+        result = self.reward_fn(batch, return_dict=True)
+        batch.batch["token_level_scores"] = result["reward_tensor"]
+        metrics.update(result.get("metrics", {}))
+        for key, values in result.get("reward_extra_info", {}).items():
+            values = np.asarray(values, dtype=float)
+            if np.isfinite(values).any():
+                metrics[f"reward/{key}/mean"] = float(np.nanmean(values))
+
+    def _compute_advantage(self, batch: DataProto, metrics: dict) -> None:
+        algo = self.config.algorithm
+        response_mask = batch.batch["response_mask"]
+        if algo.use_kl_in_reward:
+            rewards, kl_metrics = core_algos.apply_kl_penalty(
+                batch.batch["token_level_scores"], batch.batch["old_log_probs"], batch.batch["ref_log_prob"],
+                response_mask, self.kl_ctrl, algo.kl_penalty)
+            batch.batch["token_level_rewards"] = rewards
+            metrics.update(kl_metrics)
+        else:
+            batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+        inputs = {"token_level_rewards": batch.batch["token_level_rewards"], "response_mask": response_mask,
+                  "index": batch.non_tensor_batch["uid"], "gamma": algo.gamma, "lam": algo.lam,
+                  "norm_adv_by_std_in_grpo": algo.norm_adv_by_std_in_grpo}
+        if self.use_critic:
+            inputs["values"] = batch.batch["values"]
+        advantages, returns = core_algos.compute_advantage(algo.adv_estimator, **inputs)
+        batch.batch["advantages"], batch.batch["returns"] = advantages, returns
+
+    def _validate(self) -> dict:
+        """Greedy (val_kwargs) generation on the validation set; mean reward per data source."""
+        scores: dict[str, list[float]] = {}
+        for batch_dict in self.val_dataloader:
+            batch = DataProto.from_single_dict(batch_dict)
+            n = int(self.config.actor_rollout_ref.rollout.val_kwargs.n)
+            batch = batch.repeat(n, interleave=True)
+            gen_batch = batch.pop(batch_keys=PROMPT_KEYS)
+            gen_batch.meta_info = {"validate": True}
+            output = self.actor_rollout_wg.generate_sequences(gen_batch)  # dispatch pads and unpads
+            output.meta_info = {}
+            batch = batch.union(output)
+            result = self.val_reward_fn(batch, return_dict=True)
+            sources = batch.non_tensor_batch[self.config.data.reward_fn_key]
+            for source, score in zip(sources, result["reward_tensor"].sum(-1).tolist()):
+                scores.setdefault(str(source), []).append(score)
+        return {f"val-core/{source}/reward/mean@1": float(np.mean(v)) for source, v in scores.items()}
+
+
+class _progress_bar:
+    """A tqdm bar with step, reward and step time (stderr), when tqdm is available."""
+
+    def __init__(self, total: int, initial: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, desc="training", unit="step", dynamic_ncols=True)
+
+    def update(self, metrics: dict) -> None:
+        self.bar.set_postfix({"reward": f"{metrics.get('critic/score/mean', float('nan')):.3f}",
+                              "step_s": f"{metrics.get('timing_s/step', float('nan')):.1f}"})
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
