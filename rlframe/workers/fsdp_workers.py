@@ -183,7 +183,12 @@ class ActorRolloutRefWorker(_FSDPWorker):
             self.rollout.update_weights(full_state_dict(self.actor_module).items())
             self._weights_dirty = False
         sync_s = time.perf_counter() - start
-        output = generate_in_tp_group(self.rollout, self._to_device(prompts), self.tp_group)
+        if prompts.meta_info.get("validate", False):
+            # validation must not advance the training RNG stream, or resuming would diverge
+            with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.device_type == "cuda" else []):
+                output = generate_in_tp_group(self.rollout, self._to_device(prompts), self.tp_group)
+        else:
+            output = generate_in_tp_group(self.rollout, self._to_device(prompts), self.tp_group)
         if self.rollout.settings.free_cache_engine:
             self.rollout.release()
             self._weights_dirty = True

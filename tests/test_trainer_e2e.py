@@ -1,0 +1,138 @@
+"""End to end: `python -m rlframe.trainer.main_ppo` on the tiny model with CPU Ray workers."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+
+from rlframe.data.builtin_tasks import countdown_add_rows
+
+pytestmark = pytest.mark.slow
+
+COMMON = [
+    "actor_rollout_ref.actor.optim.lr=3e-3",
+    "trainer.logger=[jsonl]",
+    "trainer.val_before_train=false",
+    "trainer.resume_mode=disable",
+    "data.train_batch_size=4",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+    "data.max_response_length=8",
+]
+
+
+def run_main(overrides, cache_dir, timeout=900):
+    env = {**os.environ, "RLFRAME_CACHE": str(cache_dir), "RAY_DEDUP_LOGS": "0"}
+    return subprocess.run([sys.executable, "-m", "rlframe.trainer.main_ppo", *overrides], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def read_metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("rlframe_cache")
+
+
+def test_grpo_dp2_sp2_remove_padding_dynamic_bsz(tmp_path, cache_dir):
+    out = run_main(COMMON + [
+        f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=2", "trainer.n_gpus_per_node=4",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64",
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+    ], cache_dir)
+    assert out.returncode == 0, out.stderr[-4000:]
+    metrics = read_metrics(tmp_path)
+    steps = [m for m in metrics if m["step"] > 0 and "actor/pg_loss" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean", "timing_s/gen",
+                    "global_seqlen/balanced_max", "response_length/mean", "perf/throughput"):
+            assert key in m, key
+    assert "val-core/countdown_add/reward/mean@1" in steps[-1]
+    assert os.path.isfile(os.path.join(tmp_path, "config.yaml"))
+
+
+def failing_scorer_file(tmp_path):
+    path = tmp_path / "scorer.py"
+    path.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if extra_info['index'] % 2 == 0:\n"
+        "        raise RuntimeError('scorer bug on even prompts')\n"
+        "    return 1.0 if solution_str.strip().startswith(str(ground_truth)) else 0.0\n")
+    return path
+
+
+def test_ppo_with_critic_and_a_failing_reward_function(tmp_path, cache_dir):
+    scorer = failing_scorer_file(tmp_path)
+    run_dir = tmp_path / "run"
+    out = run_main(COMMON + [
+        f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=2",
+        "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3",
+        f"custom_reward_function.path={scorer}",
+    ], cache_dir)
+    assert out.returncode == 0, out.stderr[-4000:]
+    steps = [m for m in read_metrics(run_dir) if "critic/vf_loss" in m]
+    assert len(steps) == 2
+    assert all(m["reward/num_scorer_errors"] > 0 for m in steps)  # counted, and the run went on
+    assert "scorer bug on even prompts" in out.stdout + out.stderr  # first traceback logged
+
+
+def test_bad_config_fails_before_ray_with_the_equation(tmp_path, cache_dir):
+    out = run_main([f"trainer.default_local_dir={tmp_path}", "data.train_batch_size=6",
+                    "actor_rollout_ref.actor.ppo_mini_batch_size=4"], cache_dir, timeout=300)
+    assert out.returncode == 2
+    assert "actor_rollout_ref.actor.ppo_mini_batch_size" in out.stderr and "data.train_batch_size" in out.stderr
+    assert "%" in out.stderr or "=" in out.stderr
+    assert "Started a local Ray instance" not in out.stdout + out.stderr
+
+
+def _small_dataset(tmp_path, num_prompts: int) -> str:
+    path = tmp_path / "train.parquet"
+    pd.DataFrame(countdown_add_rows("train", num_prompts, seed=3)).to_parquet(path)
+    return str(path)
+
+
+def _actor_shards(step_dir):
+    actor = os.path.join(step_dir, "actor")
+    return {name: torch.load(os.path.join(actor, name), weights_only=False)
+            for name in sorted(os.listdir(actor)) if name.startswith("model_")}
+
+
+def test_resume_from_step_k_equals_uninterrupted_run(tmp_path, cache_dir):
+    # 8 prompts / batch 4 = 2 steps per epoch: resuming at step 2 crosses an epoch boundary,
+    # and step 3 is resumed mid-epoch when run B stops there.
+    train = _small_dataset(tmp_path, 8)
+    base = COMMON + [f"data.train_files={train}", "trainer.total_epochs=3", "trainer.save_freq=1",
+                     "trainer.test_freq=-1", "actor_rollout_ref.rollout.free_cache_engine=false"]
+    run_a = tmp_path / "a"
+    out = run_main(base + [f"trainer.default_local_dir={run_a}"], cache_dir)
+    assert out.returncode == 0, out.stderr[-4000:]
+    for k in (2, 3):  # crash after step k: drop later checkpoints, point "latest" at k, resume
+        run_b = tmp_path / f"b{k}"
+        shutil.copytree(run_a, run_b)
+        for step in range(k + 1, 7):
+            shutil.rmtree(run_b / f"global_step_{step}")
+        (run_b / "latest_checkpointed_iteration.txt").write_text(str(k))
+        out = run_main(base + [f"trainer.default_local_dir={run_b}", "trainer.resume_mode=auto"], cache_dir)
+        assert out.returncode == 0, out.stderr[-4000:]
+        assert f"resuming from {run_b / f'global_step_{k}'}" in out.stdout
+        final_a, final_b = _actor_shards(run_a / "global_step_6"), _actor_shards(run_b / "global_step_6")
+        assert final_a.keys() == final_b.keys()
+        for shard in final_a:
+            for name, tensor in final_a[shard].items():
+                a = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+                b = final_b[shard][name]
+                b = b.to_local() if hasattr(b, "to_local") else b
+                assert torch.equal(a, b), f"{shard}:{name} differs after resuming from step {k}"
