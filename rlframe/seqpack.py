@@ -571,36 +571,34 @@ def packing_metrics(group_loads, capacity=None) -> dict:
 
 @dataclass(frozen=True)
 class MicroBatchSpec:
-    """The dynamic micro-batching choice of one worker role, validated once, read-only afterwards.
+    """How one role cuts a batch into micro-batches, validated once and read-only afterwards.
 
-    `key_prefix` and `token_len_key` say where the values live in the Hydra config, so that errors
-    name the exact key (e.g. actor_rollout_ref.actor.packing_algorithm). This dataclass holds the
-    default for `packing_algorithm`; the YAML need not repeat it.
+    Static: `micro_batch_size` sequences each. Dynamic (`use_dynamic_bsz`): at most `max_token_len`
+    tokens each (the per-GPU budget × sp), packed by `packing_algorithm` through
+    `rearrange_micro_batches`. `token_len_key` is the role's budget key, e.g.
+    `actor_rollout_ref.actor.ppo_max_token_len_per_gpu`, so errors name the exact setting. The
+    values come from the batch plan; the YAML holds their defaults.
     """
 
-    max_token_len_per_gpu: int
-    packing_algorithm: str = "kk"
-    key_prefix: str = "actor_rollout_ref.actor"
-    token_len_key: str = "ppo_max_token_len_per_gpu"
+    use_dynamic_bsz: bool
+    micro_batch_size: int | None
+    max_token_len: int | None
+    packing_algorithm: str | None
+    token_len_key: str = DEFAULT_TOKEN_LEN_KEY
 
     def __post_init__(self) -> None:
+        prefix = self.token_len_key.rsplit(".", 1)[0]
+        if not self.use_dynamic_bsz:
+            _check_positive_int(self.micro_batch_size, "micro_batch_size (static micro-batching)")
+            return
         if self.packing_algorithm not in ALLOCATE_FNS:
             raise ValueError(
-                f"{self.key_prefix}.packing_algorithm={self.packing_algorithm!r} is not a packing "
+                f"{prefix}.packing_algorithm={self.packing_algorithm!r} is not a packing "
                 f"algorithm; valid values: {', '.join(ALLOCATE_FNS)}"
             )
-        value = self.max_token_len_per_gpu
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-            raise ValueError(f"{self.token_len_config_key}={value!r} must be a positive integer")
+        _check_positive_int(self.max_token_len, self.token_len_key)
 
-    @property
-    def token_len_config_key(self) -> str:
-        return f"{self.key_prefix}.{self.token_len_key}"
 
-    @classmethod
-    def from_config(cls, section, key_prefix: str, token_len_key: str = "ppo_max_token_len_per_gpu"):
-        """Read a config section (dict or OmegaConf), e.g. `config.actor_rollout_ref.actor`."""
-        if token_len_key not in section:
-            raise ValueError(f"{key_prefix}.{token_len_key} is required when use_dynamic_bsz=True")
-        algorithm = section["packing_algorithm"] if "packing_algorithm" in section else cls.packing_algorithm
-        return cls(section[token_len_key], algorithm, key_prefix, token_len_key)
+def _check_positive_int(value, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive integer")

@@ -17,7 +17,7 @@ import torch
 
 from rlframe.protocol import DataProto
 from rlframe.workers.actor import ActorSettings, PPOActor
-from rlframe.workers.batching import MicroBatching
+from rlframe.seqpack import MicroBatchSpec
 from rlframe.workers.critic import CriticSettings, PPOCritic
 from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, load_hf_model, wrap_fsdp
 
@@ -72,7 +72,7 @@ def make_batch(vocab_size: int, num_seqs: int = 8, seed: int = 0, skew: bool = F
 
 def settings_for(sc: Scenario, num_seqs: int):
     mini_global = sc.mini_batch_size or num_seqs
-    update = MicroBatching(sc.use_dynamic_bsz, sc.micro_batch_size, sc.max_token_len * sc.sp)
+    update = MicroBatchSpec(sc.use_dynamic_bsz, sc.micro_batch_size, sc.max_token_len * sc.sp, "kk")
     if sc.role == "critic":
         return CriticSettings(mini_batch_size=mini_global // sc.dp, update=update, forward=update, ppo_epochs=1,
                               shuffle=False, grad_clip=1e9, cliprange_value=0.5, loss_agg_mode=sc.loss_agg_mode,

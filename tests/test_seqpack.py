@@ -349,17 +349,12 @@ def test_packing_metrics_hand_checked():
 
 
 def test_micro_batch_spec_validates_and_names_the_key():
-    from omegaconf import OmegaConf
-
-    section = OmegaConf.create({"ppo_max_token_len_per_gpu": 4096})
-    spec = MicroBatchSpec.from_config(section, "actor_rollout_ref.actor")
-    assert spec.packing_algorithm == "kk" and spec.max_token_len_per_gpu == 4096
-    section = {"log_prob_max_token_len_per_gpu": 2048, "packing_algorithm": "ffd"}
-    spec = MicroBatchSpec.from_config(section, "actor_rollout_ref.ref", "log_prob_max_token_len_per_gpu")
-    assert spec.packing_algorithm == "ffd"
+    spec = MicroBatchSpec(True, None, 4096, "ffd")
+    assert spec.packing_algorithm == "ffd" and spec.max_token_len == 4096
+    assert MicroBatchSpec(False, 2, None, None).micro_batch_size == 2  # static ignores packing
     with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.packing_algorithm='bfd'.*kk, ffd"):
-        MicroBatchSpec(4096, packing_algorithm="bfd")
+        MicroBatchSpec(True, None, 4096, "bfd")
     with pytest.raises(ValueError, match=r"critic\.ppo_max_token_len_per_gpu=0"):
-        MicroBatchSpec(0, key_prefix="critic")
-    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.ppo_max_token_len_per_gpu is required"):
-        MicroBatchSpec.from_config({}, "actor_rollout_ref.actor")
+        MicroBatchSpec(True, None, 0, "kk", token_len_key="critic.ppo_max_token_len_per_gpu")
+    with pytest.raises(ValueError, match=r"micro_batch_size"):
+        MicroBatchSpec(False, 0, None, None)

@@ -80,9 +80,12 @@ def test_ppo_with_critic_and_a_failing_reward_function(tmp_path, cache_dir):
     out = run_main(COMMON + [
         f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=2",
         "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3",
-        f"custom_reward_function.path={scorer}",
+        f"custom_reward_function.path={scorer}", f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
     ], cache_dir)
     assert out.returncode == 0, out.stderr[-4000:]
+    with open(tmp_path / "rollouts" / "2.jsonl") as f:
+        dumped = [json.loads(line) for line in f]
+    assert len(dumped) == 8 and {"prompt", "response", "score", "uid"} <= set(dumped[0])
     steps = [m for m in read_metrics(run_dir) if "critic/vf_loss" in m]
     assert len(steps) == 2
     assert all(m["reward/num_scorer_errors"] > 0 for m in steps)  # counted, and the run went on
@@ -136,3 +139,24 @@ def test_resume_from_step_k_equals_uninterrupted_run(tmp_path, cache_dir):
                 b = final_b[shard][name]
                 b = b.to_local() if hasattr(b, "to_local") else b
                 assert torch.equal(a, b), f"{shard}:{name} differs after resuming from step {k}"
+
+
+def test_grpo_with_a_reward_model_worker(tmp_path, cache_dir):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from rlframe.utils.tiny_model import make_tiny_model
+
+    policy = make_tiny_model(str(tmp_path / "policy"))
+    rm_dir = tmp_path / "rm"
+    AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1).save_pretrained(rm_dir)
+    AutoTokenizer.from_pretrained(policy).save_pretrained(rm_dir)
+    run_dir = tmp_path / "run"
+    out = run_main(COMMON + [
+        f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=1",
+        f"actor_rollout_ref.model.path={policy}", "reward_model.enable=true", f"reward_model.model.path={rm_dir}",
+    ], cache_dir)
+    assert out.returncode == 0, out.stderr[-4000:]
+    (step,) = [m for m in read_metrics(run_dir) if "critic/score/mean" in m]
+    assert "reward/rule_score/mean" in step
+    # a random reward model gives non-zero, non-rule scores
+    assert step["critic/score/max"] != step["critic/score/min"]

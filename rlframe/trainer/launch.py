@@ -19,13 +19,14 @@ def _num_cpus_for_local_ray(cfg: DictConfig, world_size: int, device_type: str) 
 
 
 def create_worker_groups(cfg: DictConfig, plan: BatchPlan, total_training_steps: int) -> tuple[dict, int]:
-    """Actor/rollout(/ref) and critic share each worker process; returns ({role: group}, num_devices)."""
+    """Actor/rollout(/ref), critic and reward model share each worker process; ({role: group}, num_devices)."""
     import ray
 
     from rlframe.single_controller.ray import (RayClassWithInitArgs, RayResourcePool, RayWorkerGroup,
                                                create_colocated_worker_cls, init_ray)
     from rlframe.workers.fsdp_utils import resolve_device
     from rlframe.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker, worker_env
+    from rlframe.workers.reward_model import RewardModelWorker
 
     device_type = resolve_device(cfg.trainer.device)
     started_here = not ray.is_initialized()
@@ -39,6 +40,8 @@ def create_worker_groups(cfg: DictConfig, plan: BatchPlan, total_training_steps:
     roles = {"actor_rollout": RayClassWithInitArgs(ActorRolloutRefWorker, config, plan, role=role)}
     if plan.critic is not None:
         roles["critic"] = RayClassWithInitArgs(CriticWorker, config, plan)
+    if cfg.reward_model.enable:
+        roles["rm"] = RayClassWithInitArgs(RewardModelWorker, config, plan)
     group = RayWorkerGroup(pool, create_colocated_worker_cls(roles),
                            call_timeout_s=float(cfg.trainer.worker_timeout_s))
     groups = group.spawn(list(roles))

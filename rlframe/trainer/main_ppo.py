@@ -82,6 +82,17 @@ def check_names(cfg: DictConfig) -> None:
         if unknown:
             raise ValueError(f"{key} has unknown entries {unknown}; valid: {', '.join(SAVE_CONTENTS)}")
     check_model_path(cfg.actor_rollout_ref.model.path)
+    ref_sp = cfg.actor_rollout_ref.ref.ulysses_sequence_parallel_size
+    actor_sp = cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size
+    if ref_sp != actor_sp:
+        raise ValueError(f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={ref_sp} must equal "
+                         f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={actor_sp}: actor and reference "
+                         "share worker processes and their Ulysses group")
+    if cfg.reward_model.enable:
+        if not cfg.reward_model.model.path:
+            raise ValueError("reward_model.enable=true needs reward_model.model.path "
+                             "(a sequence-classification model folder)")
+        check_model_path(cfg.reward_model.model.path, key="reward_model.model.path")
     if cfg.algorithm.adv_estimator == "remax":
         raise ValueError("algorithm.adv_estimator=remax needs a greedy baseline rollout per prompt, which "
                          "the trainer does not generate yet; use grpo, rloo, reinforce_plus_plus(_baseline) or gae")

@@ -7,6 +7,8 @@ checkpoint → log. Heavy work runs on the worker groups; the driver only does O
 
 from __future__ import annotations
 
+import json
+import os
 import time
 import uuid
 from contextlib import contextmanager
@@ -45,6 +47,7 @@ class RayPPOTrainer:
         self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn
         self.actor_rollout_wg = worker_groups["actor_rollout"]
         self.critic_wg = worker_groups.get("critic")
+        self.rm_wg = worker_groups.get("rm")
         self.use_critic = plan.critic is not None
         self.use_reference = plan.ref is not None
         self.total_training_steps = total_training_steps
@@ -104,6 +107,8 @@ class RayPPOTrainer:
                 self._balance_batch(batch, metrics)
         with timer("reward", timings):
             self._compute_reward(batch, metrics)
+        if self.config.trainer.rollout_data_dir:
+            self._dump_rollouts(batch, str(self.config.trainer.rollout_data_dir))
         with timer("old_log_prob", timings):
             old = self.actor_rollout_wg.compute_log_prob(batch)
             entropy = old.pop(batch_keys=["entropys"]).batch["entropys"]
@@ -171,13 +176,33 @@ class RayPPOTrainer:
         metrics.update({f"global_seqlen/{k_}": v for k_, v in packing_metrics(after).items()})
 
     def _compute_reward(self, batch: DataProto, metrics: dict) -> None:
+        """Rule-based scores; with a reward model enabled, its scores are the reward (as in verl)."""
         result = self.reward_fn(batch, return_dict=True)
         batch.batch["token_level_scores"] = result["reward_tensor"]
+        if self.rm_wg is not None:
+            rm_scores = self.rm_wg.compute_rm_score(batch).batch["rm_scores"]
+            batch.batch["token_level_scores"] = rm_scores
+            metrics["reward/rule_score/mean"] = float(result["reward_tensor"].sum(-1).mean())
         metrics.update(result.get("metrics", {}))
         for key, values in result.get("reward_extra_info", {}).items():
             values = np.asarray(values, dtype=float)
             if np.isfinite(values).any():
                 metrics[f"reward/{key}/mean"] = float(np.nanmean(values))
+
+    def _dump_rollouts(self, batch: DataProto, folder: str) -> None:
+        """One jsonl file per step: prompt, response, score and uid of every sample."""
+        os.makedirs(folder, exist_ok=True)
+        response_length = batch.batch["responses"].shape[-1]
+        prompts = self.tokenizer.batch_decode(
+            [ids[mask.bool()] for ids, mask in zip(batch.batch["input_ids"][:, :-response_length],
+                                                   batch.batch["attention_mask"][:, :-response_length])])
+        responses = self.tokenizer.batch_decode(
+            [ids[mask.bool()] for ids, mask in zip(batch.batch["responses"], batch.batch["response_mask"])])
+        scores = batch.batch["token_level_scores"].sum(-1).tolist()
+        with open(os.path.join(folder, f"{self.global_step}.jsonl"), "w") as f:
+            for prompt, response, score, uid in zip(prompts, responses, scores, batch.non_tensor_batch["uid"]):
+                f.write(json.dumps({"step": self.global_step, "uid": uid, "prompt": prompt, "response": response,
+                                    "score": score}) + "\n")
 
     def _compute_advantage(self, batch: DataProto, metrics: dict) -> None:
         algo = self.config.algorithm

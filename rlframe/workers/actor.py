@@ -17,7 +17,8 @@ from torch import nn
 
 from rlframe.protocol import DataProto
 from rlframe.trainer import core_algos
-from rlframe.workers.batching import (MicroBatching, dp_sum, global_counts, response_mask_of, restore_order,
+from rlframe.seqpack import MicroBatchSpec
+from rlframe.workers.batching import (dp_sum, global_counts, response_mask_of, restore_order,
                                       split_micro_batches)
 from rlframe.workers.fsdp_utils import clip_grad_norm
 from rlframe.workers.model_forward import forward_micro_batch
@@ -30,8 +31,8 @@ class ActorSettings:
     """Plain values for one actor, read once from the config and the batch plan."""
 
     mini_batch_size: int                  # sequences per optimizer step on this DP rank
-    update: MicroBatching                 # micro-batching of the update
-    log_prob: MicroBatching               # micro-batching of forward-only log-probs
+    update: MicroBatchSpec                 # micro-batching of the update
+    log_prob: MicroBatchSpec               # micro-batching of forward-only log-probs
     ppo_epochs: int
     shuffle: bool
     grad_clip: float

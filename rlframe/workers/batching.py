@@ -9,33 +9,27 @@ back in the caller's order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from rlframe.seqpack import get_reverse_idx, rearrange_micro_batches
+from rlframe.seqpack import MicroBatchSpec, get_reverse_idx, rearrange_micro_batches
 
 
-@dataclass(frozen=True)
-class MicroBatching:
-    """How one role cuts a batch into micro-batches (values come from the batch plan)."""
-
-    use_dynamic_bsz: bool
-    micro_batch_size: int | None     # sequences per micro-batch (static)
-    max_token_len: int | None        # tokens per micro-batch, already × sp (dynamic)
-    packing_algorithm: str = "kk"
+def micro_batch_spec(plan, token_len_key: str) -> MicroBatchSpec:
+    """The MicroBatchSpec of one role's ForwardPlan/UpdatePlan (see rlframe.utils.batch_plan)."""
+    return MicroBatchSpec(plan.use_dynamic_bsz, plan.micro_batch_size, plan.max_token_len, plan.packing_algorithm,
+                          token_len_key)
 
 
-def split_micro_batches(batch: TensorDict, spec: MicroBatching, dp_group=None
+def split_micro_batches(batch: TensorDict, spec: MicroBatchSpec, dp_group=None
                         ) -> tuple[list[TensorDict], list[int] | None]:
     """Micro-batches of `batch`, plus the reverse index that restores order (None when order is kept)."""
     if not spec.use_dynamic_bsz:
         return list(batch.split(spec.micro_batch_size)), None
     micro_batches, index_lists = rearrange_micro_batches(
         batch, max_token_len=spec.max_token_len, dp_group=dp_group, same_micro_num_in_dp=True,
-        packing_algorithm=spec.packing_algorithm)
+        packing_algorithm=spec.packing_algorithm, config_key=spec.token_len_key)
     order = [i for indices in index_lists for i in indices]
     return micro_batches, get_reverse_idx(order)
 

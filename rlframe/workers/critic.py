@@ -10,7 +10,8 @@ from torch import nn
 
 from rlframe.protocol import DataProto
 from rlframe.trainer import core_algos
-from rlframe.workers.batching import (MicroBatching, dp_sum, global_counts, response_mask_of, restore_order,
+from rlframe.seqpack import MicroBatchSpec
+from rlframe.workers.batching import (dp_sum, global_counts, response_mask_of, restore_order,
                                       split_micro_batches)
 from rlframe.workers.fsdp_utils import clip_grad_norm
 from rlframe.workers.model_forward import forward_micro_batch
@@ -23,8 +24,8 @@ class CriticSettings:
     """Plain values for one critic, read once from the config and the batch plan."""
 
     mini_batch_size: int                  # sequences per optimizer step on this DP rank
-    update: MicroBatching
-    forward: MicroBatching
+    update: MicroBatchSpec
+    forward: MicroBatchSpec
     ppo_epochs: int
     shuffle: bool
     grad_clip: float

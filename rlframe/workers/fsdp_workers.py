@@ -17,24 +17,20 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlframe.protocol import DataProto, all_gather_data_proto
 from rlframe.single_controller import Dispatch, Worker, register
-from rlframe.utils.batch_plan import BatchPlan, ForwardPlan, UpdatePlan
+from rlframe.utils.batch_plan import ACTOR_KEYS, CRITIC_KEYS, REF_KEYS, BatchPlan, UpdatePlan
 from rlframe.workers import checkpoint as ckpt
 from rlframe.workers.actor import ActorSettings, PPOActor
-from rlframe.workers.batching import MicroBatching
+from rlframe.workers.batching import micro_batch_spec
 from rlframe.workers.critic import CriticSettings, PPOCritic
 from rlframe.workers.fsdp_utils import (FSDPSpec, ModelSpec, build_lr_scheduler, build_optimizer, full_state_dict,
                                         load_hf_model, move_optimizer_state, resolve_device, resolve_dtype,
                                         wrap_fsdp)
 
 
-def micro_batching(plan: ForwardPlan | UpdatePlan) -> MicroBatching:
-    return MicroBatching(plan.use_dynamic_bsz, plan.micro_batch_size, plan.max_token_len,
-                         plan.packing_algorithm or "kk")
-
-
 def actor_settings(actor_cfg: DictConfig, plan: UpdatePlan, use_remove_padding: bool) -> ActorSettings:
     return ActorSettings(
-        mini_batch_size=plan.mini_batch_size_per_dp, update=micro_batching(plan), log_prob=micro_batching(plan.forward),
+        mini_batch_size=plan.mini_batch_size_per_dp, update=micro_batch_spec(plan, ACTOR_KEYS.max_token_len),
+        log_prob=micro_batch_spec(plan.forward, ACTOR_KEYS.forward.max_token_len),
         ppo_epochs=plan.ppo_epochs, shuffle=bool(actor_cfg.shuffle), grad_clip=float(actor_cfg.grad_clip),
         clip_ratio_low=float(actor_cfg.clip_ratio_low), clip_ratio_high=float(actor_cfg.clip_ratio_high),
         clip_ratio_c=float(actor_cfg.clip_ratio_c), loss_agg_mode=str(actor_cfg.loss_agg_mode),
@@ -45,13 +41,14 @@ def actor_settings(actor_cfg: DictConfig, plan: UpdatePlan, use_remove_padding: 
 
 def critic_settings(critic_cfg: DictConfig, plan: UpdatePlan) -> CriticSettings:
     return CriticSettings(
-        mini_batch_size=plan.mini_batch_size_per_dp, update=micro_batching(plan), forward=micro_batching(plan.forward),
+        mini_batch_size=plan.mini_batch_size_per_dp, update=micro_batch_spec(plan, CRITIC_KEYS.max_token_len),
+        forward=micro_batch_spec(plan.forward, CRITIC_KEYS.forward.max_token_len),
         ppo_epochs=plan.ppo_epochs, shuffle=bool(critic_cfg.shuffle), grad_clip=float(critic_cfg.grad_clip),
         cliprange_value=float(critic_cfg.cliprange_value), loss_agg_mode=str(critic_cfg.loss_agg_mode),
         use_remove_padding=bool(critic_cfg.model.use_remove_padding))
 
 
-class _FSDPWorker(Worker):
+class FSDPWorkerBase(Worker):
     """Shared set-up: process group, meshes, FSDP-wrapped models, SP gather/scatter."""
 
     def __init__(self, config: dict, plan: BatchPlan):
@@ -106,7 +103,7 @@ class _FSDPWorker(Worker):
         return out
 
 
-class ActorRolloutRefWorker(_FSDPWorker):
+class ActorRolloutRefWorker(FSDPWorkerBase):
     """Actor, rollout and reference policy in one process; `role` picks which of them it hosts."""
 
     ROLES = ("actor_rollout", "actor_rollout_ref", "ref", "actor")
@@ -143,7 +140,7 @@ class ActorRolloutRefWorker(_FSDPWorker):
             ref_module = self._build(cfg.model, cfg.ref.fsdp_config, "actor", use_rmpad)
             ref_module.requires_grad_(False)
             ref_settings = replace(actor_settings(cfg.actor, self.plan.actor, use_rmpad),
-                                   log_prob=micro_batching(self.plan.ref))
+                                   log_prob=micro_batch_spec(self.plan.ref, REF_KEYS.max_token_len))
             self.ref = PPOActor(ref_module, None, ref_settings, self.dp_group, self.sp_group, self.dp_size)
         if self.has_rollout:
             self._init_rollout(cfg)
@@ -232,7 +229,7 @@ class ActorRolloutRefWorker(_FSDPWorker):
         self._weights_dirty = True
 
 
-class CriticWorker(_FSDPWorker):
+class CriticWorker(FSDPWorkerBase):
     """The value model: compute_values and update_critic."""
 
     def __init__(self, config: dict, plan: BatchPlan):

@@ -1,0 +1,93 @@
+"""Reward model worker: a sequence-classification model scores each (prompt, response).
+
+The model is loaded as token classification with one label: a sequence-classification checkpoint's
+`score` head loads into it unchanged, and the per-token logits let us read the score at each row's
+last valid token whatever the padding side. The score goes on the last valid response token (`rm_scores` [bs, response_length]), the same
+place rule-based rewards go. When the reward model's tokenizer differs from the policy's, the
+conversation is rebuilt from the raw chat (`data.return_raw_chat=true`) plus the decoded response,
+and re-tokenized with the reward model's own chat template.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlframe.protocol import DataProto
+from rlframe.single_controller import Dispatch, register
+from rlframe.workers.fsdp_utils import FSDPSpec, resolve_dtype, wrap_fsdp
+from rlframe.workers.fsdp_workers import FSDPWorkerBase
+
+
+def last_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Score [bs] read at each row's last valid token (rows may be left- and right-padded)."""
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=False).logits[..., 0]
+    last = attention_mask.shape[1] - 1 - attention_mask.flip(-1).long().argmax(-1)
+    return logits[torch.arange(logits.shape[0], device=logits.device), last].float()
+
+
+def place_on_last_response_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[bs] scores -> [bs, response_length] with each score at its last valid response token."""
+    out = torch.zeros(response_mask.shape, dtype=torch.float32, device=scores.device)
+    lengths = response_mask.long().sum(-1)
+    rows = torch.nonzero(lengths > 0).squeeze(-1)
+    out[rows, lengths[rows] - 1] = scores[rows]
+    return out
+
+
+class RewardModelWorker(FSDPWorkerBase):
+    """FSDP-sharded reward model; `compute_rm_score` returns `rm_scores`."""
+
+    def __init__(self, config: dict, plan):
+        super().__init__(config, plan)
+        self._strategy = str(self.config.actor_rollout_ref.actor.strategy)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self, total_training_steps: int) -> None:
+        from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
+
+        rm_cfg = self.config.reward_model
+        self._init_dist(1)
+        path = str(rm_cfg.model.path)
+        self.rm_tokenizer = AutoTokenizer.from_pretrained(path)
+        self.policy_tokenizer = AutoTokenizer.from_pretrained(str(rm_cfg.model.input_tokenizer))
+        self.same_tokenizer = self.rm_tokenizer.get_vocab() == self.policy_tokenizer.get_vocab()
+        config = AutoConfig.from_pretrained(path, num_labels=1)
+        model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32,
+                                                                attn_implementation="sdpa")
+        model.requires_grad_(False).eval()
+        dtype = resolve_dtype("auto", self.device_type)
+        spec = FSDPSpec(strategy=self._strategy, param_dtype=dtype, reduce_dtype=torch.float32,
+                        param_offload=False, reshard_after_forward=True)
+        self.module = wrap_fsdp(model, spec, self.fsdp_mesh, self.device_type)
+        self.micro_batch_size = int(rm_cfg.micro_batch_size_per_gpu)
+
+    def _rm_inputs(self, data: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.same_tokenizer:
+            return data.batch["input_ids"], data.batch["attention_mask"]
+        if "raw_prompt" not in data.non_tensor_batch:
+            raise ValueError("the reward model's tokenizer differs from the policy's: set "
+                             "data.return_raw_chat=true so conversations can be re-tokenized")
+        responses = self.policy_tokenizer.batch_decode(
+            [r[m.bool()] for r, m in zip(data.batch["responses"], data.batch["response_mask"])],
+            skip_special_tokens=True)
+        chats = [list(prompt) + [{"role": "assistant", "content": text}]
+                 for prompt, text in zip(data.non_tensor_batch["raw_prompt"], responses)]
+        texts = [self.rm_tokenizer.apply_chat_template(chat, tokenize=False) for chat in chats]
+        encoded = self.rm_tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        return encoded["input_ids"], encoded["attention_mask"]
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_rm_score(self, data: DataProto) -> DataProto:
+        device = "cpu" if self.device_type == "cpu" else torch.cuda.current_device()
+        input_ids, attention_mask = self._rm_inputs(data)
+        scores = []
+        with torch.no_grad():
+            for start in range(0, len(input_ids), self.micro_batch_size):
+                rows = slice(start, start + self.micro_batch_size)
+                scores.append(last_token_scores(self.module, input_ids[rows].to(device),
+                                                attention_mask[rows].to(device)).cpu())
+        rm_scores = place_on_last_response_token(torch.cat(scores), data.batch["response_mask"])
+        return DataProto.from_dict({"rm_scores": rm_scores})
+
