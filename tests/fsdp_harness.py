@@ -36,6 +36,8 @@ class Scenario:
     loss_agg_mode: str = "token-mean"
     role: str = "actor"
     mini_batch_size: int | None = None     # sequences per optimizer step, global; None = whole batch
+    param_offload: bool = False
+    gradient_checkpointing: bool = False
     extra: dict = field(default_factory=dict)
 
     @property
@@ -114,11 +116,13 @@ def full_grads(model) -> dict[str, torch.Tensor]:
 def run_scenario(sc: Scenario, model_path: str, data: DataProto, dp_rank: int = 0, dp_group=None, sp_group=None,
                  mesh=None) -> dict:
     """One rank's part of a scenario: outputs of its DP shard, metrics and the full gradient."""
-    spec = ModelSpec(path=model_path, role=sc.role, dtype=torch.float32, use_remove_padding=sc.use_remove_padding)
+    spec = ModelSpec(path=model_path, role=sc.role, dtype=torch.float32, use_remove_padding=sc.use_remove_padding,
+                     gradient_checkpointing=sc.gradient_checkpointing)
     torch.manual_seed(0)  # the critic's fresh value head must start equal everywhere
     model = load_hf_model(spec)
     if sc.strategy != "none":
-        model = wrap_fsdp(model, FSDPSpec(sc.strategy, torch.float32, torch.float32, False, True), mesh, "cpu")
+        spec = FSDPSpec(sc.strategy, torch.float32, torch.float32, sc.param_offload, True)
+        model = wrap_fsdp(model, spec, mesh, "cpu")
     optimizer = RecordingSGD(model)
     shard = data.chunk(sc.dp)[dp_rank]
     settings = settings_for(sc, len(data))

@@ -74,12 +74,13 @@ def failing_scorer_file(tmp_path):
     return path
 
 
-def test_ppo_with_critic_and_a_failing_reward_function(tmp_path, cache_dir):
+def test_ppo_with_critic_kl_in_reward_and_a_failing_reward_function(tmp_path, cache_dir):
     scorer = failing_scorer_file(tmp_path)
     run_dir = tmp_path / "run"
     out = run_main(COMMON + [
         f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=2",
-        "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3",
+        "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.type=adaptive",
         f"custom_reward_function.path={scorer}", f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
     ], cache_dir)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -89,6 +90,7 @@ def test_ppo_with_critic_and_a_failing_reward_function(tmp_path, cache_dir):
     steps = [m for m in read_metrics(run_dir) if "critic/vf_loss" in m]
     assert len(steps) == 2
     assert all(m["reward/num_scorer_errors"] > 0 for m in steps)  # counted, and the run went on
+    assert all("actor/reward_kl_penalty" in m for m in steps)  # reference model + KL in reward
     assert "scorer bug on even prompts" in out.stdout + out.stderr  # first traceback logged
 
 

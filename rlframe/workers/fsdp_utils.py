@@ -160,8 +160,11 @@ def _wrap_fsdp1(model, spec, mesh, device_type):
     if spec.param_dtype != torch.float32 or spec.reduce_dtype != torch.float32:
         mixed = MixedPrecision(param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype,
                                buffer_dtype=torch.float32)
+    # On a CPU host the parameters already live in host memory, and FSDP1's offload path asks for an
+    # accelerator: offloading is a no-op there, so it is not requested.
+    offload = spec.param_offload and device_type == "cuda"
     return FSDP(model, process_group=mesh.get_group(), auto_wrap_policy=policy, mixed_precision=mixed,
-                cpu_offload=CPUOffload(offload_params=spec.param_offload),
+                cpu_offload=CPUOffload(offload_params=offload),
                 sharding_strategy=ShardingStrategy.FULL_SHARD if spec.reshard_after_forward
                 else ShardingStrategy.SHARD_GRAD_OP,
                 device_id=torch.cuda.current_device() if device_type == "cuda" else torch.device("cpu"),

@@ -1,0 +1,78 @@
+"""Bad input fails in `main_ppo.prepare`, before Ray starts, with the key, the value and what is accepted."""
+
+import json
+
+import pytest
+
+from rlframe.trainer.main_ppo import prepare
+from rlframe.utils.tracking import Tracking
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLFRAME_CACHE", str(tmp_path / "cache"))
+
+
+def _prepare(tmp_path, *overrides):
+    return prepare([f"trainer.default_local_dir={tmp_path / 'run'}", f"data.builtin_dir={tmp_path / 'data'}",
+                    *overrides])
+
+
+def test_defaults_prepare_a_plan_and_data(tmp_path):
+    run = _prepare(tmp_path)
+    assert run["plan"].world_size == 2 and run["steps"] == len(run["train_loader"])
+    assert run["cfg"].actor_rollout_ref.model.path.endswith("tiny-qwen2-v1")
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("algorithm.adv_estimator=ppo2", r"adv.*'ppo2'.*grpo"),
+    ("actor_rollout_ref.actor.policy_loss.loss_mode=clipx", r"'clipx'.*vanilla"),
+    ("actor_rollout_ref.actor.loss_agg_mode=mean", r"loss_agg_mode='mean'.*token-mean"),
+    ("actor_rollout_ref.rollout.name=sglang", r"rollout.name='sglang'.*hf, vllm"),
+    ("reward_model.reward_manager=prime", r"reward_manager='prime'.*naive"),
+    ("actor_rollout_ref.actor.strategy=deepspeed", r"strategy='deepspeed'.*fsdp2, fsdp"),
+    ("algorithm.kl_ctrl.type=pid", r"kl_ctrl.type='pid'.*fixed, adaptive"),
+    ("actor_rollout_ref.ref.ulysses_sequence_parallel_size=2", r"ref.ulysses_sequence_parallel_size=2 must equal"),
+])
+def test_unknown_names_are_rejected_with_the_valid_ones(tmp_path, override, expected):
+    with pytest.raises(ValueError, match=expected):
+        _prepare(tmp_path, override)
+
+
+def test_model_folder_without_weights_names_the_key(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.model.path=.*no weights"):
+        _prepare(tmp_path, f"actor_rollout_ref.model.path={folder}")
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.model.path=.*not a directory"):
+        _prepare(tmp_path, f"actor_rollout_ref.model.path={tmp_path / 'missing'}")
+
+
+def test_ulysses_degree_must_divide_heads(tmp_path):
+    # the tiny model has 4 heads: sp=8 cannot split them (world 8)
+    with pytest.raises(ValueError, match=r"ulysses_sequence_parallel_size"):
+        _prepare(tmp_path, "trainer.n_gpus_per_node=8", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=8",
+                 "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8")
+
+
+def test_token_budget_smaller_than_one_sequence_names_the_key(tmp_path):
+    with pytest.raises(ValueError, match=r"ppo_max_token_len_per_gpu"):
+        _prepare(tmp_path, "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                 "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40")
+
+
+def test_reward_model_without_path_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match=r"reward_model.model.path"):
+        _prepare(tmp_path, "reward_model.enable=true")
+
+
+def test_tracking_writes_jsonl_always_and_rejects_unknown_backends(tmp_path, capsys):
+    tracker = Tracking("p", "e", ["console"], str(tmp_path))
+    tracker.log({"critic/score/mean": 0.5, "n": 3}, step=1)
+    tracker.finish()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert rows[0]["step"] == 1 and rows[0]["critic/score/mean"] == 0.5
+    assert "step:1" in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"trainer.logger.*mlflow.*console, jsonl"):
+        Tracking("p", "e", ["mlflow"], str(tmp_path))
