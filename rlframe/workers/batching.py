@@ -9,11 +9,15 @@ back in the caller's order.
 
 from __future__ import annotations
 
+import math
+from typing import Iterator
+
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
 from rlframe.seqpack import MicroBatchSpec, get_reverse_idx, rearrange_micro_batches
+from rlframe.workers.fsdp_utils import clip_grad_norm
 
 
 def micro_batch_spec(plan, token_len_key: str) -> MicroBatchSpec:
@@ -74,3 +78,24 @@ def response_mask_of(batch: TensorDict) -> torch.Tensor:
         return batch["response_mask"]
     response_length = batch["responses"].shape[-1]
     return batch["attention_mask"][:, -response_length:]
+
+
+def mini_batches(batch: TensorDict, mini_batch_size: int, ppo_epochs: int, shuffle: bool,
+                 generator: torch.Generator) -> Iterator[TensorDict]:
+    """`ppo_epochs` passes over `batch` in mini-batches (reshuffled each pass when `shuffle`)."""
+    for _ in range(ppo_epochs):
+        if shuffle:
+            batch = batch[torch.randperm(len(batch), generator=generator)]
+        yield from batch.split(mini_batch_size)
+
+
+def apply_gradients(module, optimizer, grad_clip: float, prefix: str) -> dict[str, float]:
+    """Clip to `grad_clip` and step; a non-finite norm would poison the weights, so it skips the step."""
+    grad_norm = float(clip_grad_norm(module, grad_clip))
+    skipped = not math.isfinite(grad_norm)
+    if skipped:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
+    return {f"{prefix}/grad_norm": grad_norm, f"{prefix}/skipped_steps": float(skipped),
+            f"{prefix}/lr": optimizer.param_groups[0]["lr"]}

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from rlframe.protocol import DataProto
-from rlframe.trainer import core_algos
 from rlframe.seqpack import MicroBatchSpec
-from rlframe.workers.batching import (dp_sum, global_counts, response_mask_of, restore_order,
-                                      split_micro_batches)
-from rlframe.workers.fsdp_utils import clip_grad_norm
+from rlframe.trainer import core_algos
+from rlframe.workers.batching import (apply_gradients, dp_sum, global_counts, response_mask_of, restore_order,
+                                      mini_batches, split_micro_batches)
 from rlframe.workers.model_forward import forward_micro_batch
 
 MODEL_INPUTS = ("responses", "input_ids", "attention_mask", "position_ids")
@@ -66,12 +64,9 @@ class PPOCritic:
             keys.append("response_mask")
         batch = data.batch.select(*keys)
         metrics: dict[str, list[float]] = {}
-        for _ in range(s.ppo_epochs):
-            if s.shuffle:
-                batch = batch[torch.randperm(len(batch), generator=self.generator)]
-            for mini in batch.split(s.mini_batch_size):
-                for name, value in self._optimizer_step(mini).items():
-                    metrics.setdefault(name, []).append(value)
+        for mini in mini_batches(batch, s.mini_batch_size, s.ppo_epochs, s.shuffle, self.generator):
+            for name, value in self._optimizer_step(mini).items():
+                metrics.setdefault(name, []).append(value)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         return metrics
@@ -96,14 +91,6 @@ class PPOCritic:
             sums["critic/vf_clipfrac"] = sums.get("critic/vf_clipfrac", 0.0) + float(vf_clipfrac * share)
             vpred_mean = core_algos.masked_mean(vpreds.detach(), response_mask)
             sums["critic/vpred_mean"] = sums.get("critic/vpred_mean", 0.0) + float(vpred_mean * share)
-        grad_norm = float(clip_grad_norm(self.module, s.grad_clip))
         step_metrics = dp_sum(sums, self.dp_group)
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-            step_metrics["critic/skipped_steps"] = 0.0
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-            step_metrics["critic/skipped_steps"] = 1.0
-        step_metrics["critic/grad_norm"] = grad_norm
-        step_metrics["critic/lr"] = self.optimizer.param_groups[0]["lr"]
+        step_metrics.update(apply_gradients(self.module, self.optimizer, s.grad_clip, "critic"))
         return step_metrics
