@@ -17,11 +17,12 @@ import random
 from pathlib import Path
 from typing import Callable
 
+from rlframe.utils.cache import cache_dir
+
 # Bump when a generator's output changes, so cached parquet files are regenerated, not reused.
 GENERATOR_VERSION = 1
 SPLIT_SIZES = {"train": 1024, "val": 64}
 BUILTIN_PREFIX = "builtin://"
-DEFAULT_BUILTIN_DIR = os.path.join("~", ".cache", "rlframe", "data")
 
 
 def countdown_add_rows(split: str, num_samples: int, seed: int) -> list[dict]:
@@ -49,7 +50,7 @@ BUILTIN_TASKS: dict[str, Callable[[str, int, int], list[dict]]] = {
 
 def builtin_task_path(name: str, split: str, builtin_dir: str | None, seed: int) -> Path:
     """Where the parquet file of one split of a built-in task lives (generated or not)."""
-    root = Path(os.path.expanduser(builtin_dir or DEFAULT_BUILTIN_DIR))
+    root = Path(os.path.expanduser(builtin_dir or os.path.join(cache_dir(), "data")))
     return root / f"{name}-v{GENERATOR_VERSION}" / f"seed{seed}" / f"{split}.parquet"
 
 

@@ -12,13 +12,10 @@ import sys
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlframe.utils.cache import cache_dir
 from rlframe.utils.config import load_config
 
 BUILTIN_MODEL = "builtin://tiny"
-
-
-def _cache_dir() -> str:
-    return os.environ.get("RLFRAME_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rlframe"))
 
 
 def resolve_model_path(path: str) -> str:
@@ -27,7 +24,7 @@ def resolve_model_path(path: str) -> str:
         return os.path.expanduser(path)
     from rlframe.utils.tiny_model import make_tiny_model
 
-    target = os.path.join(_cache_dir(), "models", "tiny-qwen2-v1")
+    target = os.path.join(cache_dir(), "models", "tiny-qwen2-v1")
     if not os.path.isfile(os.path.join(target, "config.json")):
         tmp = f"{target}.tmp.{os.getpid()}"
         make_tiny_model(tmp)
