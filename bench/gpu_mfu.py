@@ -1,0 +1,193 @@
+"""Actor forward+backward tokens/s and MFU on one GPU: a Qwen2.5-0.5B-shaped model with remove-padding.
+
+    python bench/gpu_mfu.py                              # bf16, 64 sequences of the GPU bimodal mix
+    python bench/gpu_mfu.py --quick                      # 16 sequences, 2 timed steps
+    RLFRAME_PEAK_TFLOPS=400 python bench/gpu_mfu.py      # a device missing from PEAK_BF16_TFLOPS
+    python bench/gpu_mfu.py --smoke                      # tiny model on CPU: checks the code path only
+
+The model is random-init from a Qwen2Config with Qwen2.5-0.5B's shape (no download): hidden 896,
+24 layers, 14 heads (2 kv), intermediate 4864, vocab 151936, tied embeddings. One step is what the
+actor does per mini-batch minus the optimizer: dynamic micro-batches of at most `--max-token-len`
+tokens, each packed into one row (`forward_micro_batch`, `rlframe_varlen` attention: flash-attn's
+varlen kernel when installed, torch SDPA per sequence otherwise) and a backward of its log-probs.
+Lengths are the GPU mix of `bench/_common.py` (30% responses 800–2048 tokens, the rest 50–200).
+
+MFU = model FLOPs per second / the device's dense bf16 peak, with model FLOPs counted as below
+(recomputation from gradient checkpointing is not counted, by the usual MFU convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from _common import CPU_MIX, GPU_MIX, make_rl_batch, median, padding_stats, print_table, sample_lengths, timed
+
+from rlframe.seqpack import MicroBatchSpec
+from rlframe.workers.batching import split_micro_batches
+from rlframe.workers.model_forward import forward_micro_batch
+
+QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                  intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+                  max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+SMOKE = dict(QWEN25_05B, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128, vocab_size=512)
+
+# Dense (no sparsity) bf16 tensor-core peak, TFLOP/s, from the vendors' datasheets. Matched as a
+# substring of torch.cuda.get_device_name(), first match wins, so specific names come first.
+PEAK_BF16_TFLOPS = [
+    ("GB200", 2500.0), ("B200", 2250.0), ("H200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0),
+    ("H100", 989.0), ("H800", 989.0), ("H20", 148.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
+    ("L40", 181.0), ("L4", 121.0), ("A10", 125.0), ("RTX 4090", 165.0), ("MI325X", 1307.0), ("MI300X", 1307.0),
+]
+PEAK_ENV = "RLFRAME_PEAK_TFLOPS"
+
+
+def matmul_params(model: torch.nn.Module) -> int:
+    """Parameters that take part in a matmul per token: all but the embedding lookup.
+
+    The input embedding is a gather (no FLOPs); the LM head is a [hidden x vocab] matmul. With
+    tied embeddings they are one tensor, counted once here, for the head.
+    """
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    total = sum(p.numel() for p in model.parameters())
+    return total if head is embedding else total - embedding.numel()
+
+
+def train_flops(num_matmul_params: int, num_layers: int, attn_width: int, seqlens: list[int]) -> float:
+    """Forward+backward FLOPs of a packed batch: 6·N·tokens + 12·L·d·Σ s²/2.
+
+    Dense part: a matmul with N weights costs 2N FLOPs per token forward (multiply + add) and 4N
+    backward (gradients of the input and of the weight): 6N per token.
+    Attention part (not in N): per layer and head, QKᵀ is [s, d_h] x [d_h, s] = 2·s²·d_h FLOPs and
+    PV the same, so 4·s²·d forward over all heads (d = heads · head_dim, query heads: GQA shares
+    K/V but not this work) and 12·s²·d with backward. A causal kernel (flash-attn varlen) computes
+    only the lower triangle, half of it: 12·L·d·s²/2 per sequence, summed per packed sequence
+    (packing never attends across sequences, so it is Σ s², not (Σ s)²).
+    """
+    tokens = sum(seqlens)
+    return 6.0 * num_matmul_params * tokens + 12.0 * num_layers * attn_width * sum(s * s for s in seqlens) / 2
+
+
+def device_peak_tflops(device_name: str, override: float | None) -> tuple[float | None, str]:
+    """(peak bf16 TFLOP/s, where it came from); None when unknown."""
+    if override:
+        return override, "--peak-tflops"
+    if os.environ.get(PEAK_ENV):
+        return float(os.environ[PEAK_ENV]), f"${PEAK_ENV}"
+    for pattern, peak in PEAK_BF16_TFLOPS:
+        if pattern in device_name:
+            return peak, f"table ({pattern})"
+    return None, f"unknown device: set {PEAK_ENV}"
+
+
+def attention_kernel(device: str) -> str:
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is None:
+        return "torch SDPA per sequence (flash-attn not installed: attention is slower than it should be)"
+    return "flash-attn varlen" if device == "cuda" else "torch SDPA per sequence"
+
+
+def build_model(shape: dict, device: str, dtype: torch.dtype, gradient_checkpointing: bool) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from rlframe.distributed.attention import register_varlen_attention
+
+    config = Qwen2Config(**shape, use_cache=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=register_varlen_attention())
+    if gradient_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5 name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+def timed_on(device: str, fn) -> float:
+    """Seconds of one call of `fn`, measured with CUDA events on a GPU (queued work included)."""
+    if device != "cuda":
+        return timed(fn)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1000
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="16 sequences, 2 timed steps")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny model and CPU lengths, fp32 on CPU: runs the code path, measures nothing")
+    parser.add_argument("--num-seqs", type=int, default=64)
+    parser.add_argument("--max-token-len", type=int, default=16384, help="tokens per micro-batch (dynamic)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--peak-tflops", type=float, default=None, help=f"overrides the table and ${PEAK_ENV}")
+    args = parser.parse_args(argv)
+    mix = GPU_MIX
+    if args.quick:
+        args.num_seqs, args.steps = 16, 2
+    if args.smoke:
+        device, dtype, shape, mix = "cpu", torch.float32, SMOKE, CPU_MIX
+        args.num_seqs, args.steps = 8, 1
+    elif torch.cuda.is_available():
+        device, dtype, shape = "cuda", torch.bfloat16, QWEN25_05B
+    else:
+        sys.exit("bench/gpu_mfu.py needs a CUDA GPU (none visible); nothing was measured. "
+                 "Use --smoke to check the code path on CPU.")
+
+    device_name = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke run)"
+    model = build_model(shape, device, dtype, args.gradient_checkpointing)
+    num_matmul = matmul_params(model)
+    num_params = sum(p.numel() for p in model.parameters())
+
+    prompt_lens, response_lens = sample_lengths(mix, args.num_seqs)
+    data = make_rl_batch(prompt_lens, response_lens, mix.prompt_width, mix.response_width,
+                         shape["vocab_size"])
+    real, padded = padding_stats(data)
+    seqlens = data.batch["attention_mask"].sum(-1).tolist()
+    batch = data.batch.select("input_ids", "attention_mask", "position_ids", "responses").to(device)
+    micro_batches, _ = split_micro_batches(batch, MicroBatchSpec(True, None, args.max_token_len, "kk"))
+    flops = train_flops(num_matmul, shape["num_hidden_layers"], shape["hidden_size"], seqlens)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        for micro in micro_batches:
+            out = forward_micro_batch(model, micro, mix.response_width)
+            (out["log_probs"].sum() / real).backward()
+
+    step()  # warm-up: kernels, allocator
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = [timed_on(device, step) for _ in range(args.steps)]
+    step_s = median(times)
+
+    peak, peak_source = device_peak_tflops(device_name, args.peak_tflops)
+    achieved = flops / step_s / 1e12
+    attn_share = 1 - 6.0 * num_matmul * real / flops
+    print(f"{device_name}: {num_params / 1e6:.1f}M params ({num_matmul / 1e6:.1f}M in matmuls), {dtype}, "
+          f"attention: {attention_kernel(device)}"
+          f"{', gradient checkpointing' if args.gradient_checkpointing else ''}")
+    print(f"{args.num_seqs} sequences, {mix.describe()}: {real} real tokens ({padded / real:.2f}x padded), "
+          f"{len(micro_batches)} micro-batches of <= {args.max_token_len} tokens; median of {args.steps} steps\n")
+    rows = [["step s", f"{step_s:.3f}"], ["tokens/s", f"{real / step_s:,.0f}"],
+            ["model TFLOPs/step", f"{flops / 1e12:.1f} (attention {attn_share:.0%})"],
+            ["achieved TFLOP/s", f"{achieved:.1f}"],
+            ["peak bf16 TFLOP/s", f"{peak:.0f} [{peak_source}]" if peak else peak_source],
+            ["MFU", f"{achieved / peak:.1%}" if peak and device == "cuda" else "n/a"]]
+    if device == "cuda":
+        rows.append(["peak memory GiB", f"{torch.cuda.max_memory_allocated() / 2**30:.1f}"])
+    print_table(["metric", "value"], rows)
+
+
+if __name__ == "__main__":
+    main()
