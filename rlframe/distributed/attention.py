@@ -52,9 +52,11 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     bounds = cu_seqlens.tolist()
     if bounds[0] != 0 or bounds[-1] != q.shape[1]:
         raise ValueError(f"cu_seqlens {bounds[0]}..{bounds[-1]} does not cover the packed row of {q.shape[1]} tokens")
+    # A leading batch dim matters: on 3-D inputs SDPA picks its math kernel, which keeps the full
+    # [heads, T, T] attention weights for backward (bench/ulysses_memory.py: 3.6× the memory).
     outs = [
-        F.scaled_dot_product_attention(q[:, s:e], k[:, s:e], v[:, s:e], dropout_p=dropout, is_causal=True,
-                                       scale=scaling)
+        F.scaled_dot_product_attention(q[None, :, s:e], k[None, :, s:e], v[None, :, s:e], dropout_p=dropout,
+                                       is_causal=True, scale=scaling)[0]
         for s, e in zip(bounds[:-1], bounds[1:]) if e > s
     ]
     return torch.cat(outs, dim=1).transpose(0, 1)

@@ -200,6 +200,21 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in get_model_state_dict(model, options=options).items()}
 
 
+def iter_full_params(model: nn.Module):
+    """(name, full tensor) one parameter at a time, on the model's device: the weight-sync stream.
+
+    Under FSDP2 each DTensor is all-gathered on its own (every rank walks the same state-dict order),
+    so at most one unsharded tensor is alive at a time, instead of a full CPU copy of the model.
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if isinstance(model, FSDP):  # FSDP1 has no per-tensor gather: fall back to the full state dict
+        yield from full_state_dict(model).items()
+        return
+    for name, tensor in model.state_dict().items():
+        yield name, (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
+
+
 def _is_fsdp(model: nn.Module) -> bool:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 

@@ -22,7 +22,7 @@ from rlframe.workers import checkpoint as ckpt
 from rlframe.workers.actor import ActorSettings, PPOActor
 from rlframe.workers.batching import micro_batch_spec
 from rlframe.workers.critic import CriticSettings, PPOCritic
-from rlframe.workers.fsdp_utils import (FSDPSpec, ModelSpec, build_lr_scheduler, build_optimizer, full_state_dict,
+from rlframe.workers.fsdp_utils import (FSDPSpec, ModelSpec, build_lr_scheduler, build_optimizer, iter_full_params,
                                         load_hf_model, move_optimizer_state, resolve_device, resolve_dtype,
                                         wrap_fsdp)
 
@@ -177,7 +177,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         start = time.perf_counter()
         self.rollout.resume()
         if self._weights_dirty:
-            self.rollout.update_weights(full_state_dict(self.actor_module).items())
+            self.rollout.update_weights(iter_full_params(self.actor_module))
             self._weights_dirty = False
         sync_s = time.perf_counter() - start
         if prompts.meta_info.get("validate", False):
