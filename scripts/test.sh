@@ -4,7 +4,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${RLFRAME_VENV:-$ROOT/.venv}"
-bash "$ROOT/scripts/setup.sh" test
+bash "$ROOT/scripts/setup.sh" test,tensorboard,wandb
 cd "$ROOT"
 export RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 exec "$VENV/bin/python" -m pytest "$@"

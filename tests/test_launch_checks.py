@@ -76,3 +76,22 @@ def test_tracking_writes_jsonl_always_and_rejects_unknown_backends(tmp_path, cap
     assert "step:1" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"trainer.logger.*mlflow.*console, jsonl"):
         Tracking("p", "e", ["mlflow"], str(tmp_path))
+
+
+def test_tensorboard_backend_writes_event_files(tmp_path):
+    pytest.importorskip("tensorboard")
+    tracker = Tracking("p", "e", ["tensorboard"], str(tmp_path))
+    tracker.log({"critic/score/mean": 0.25}, step=3)
+    tracker.finish()
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+
+
+def test_wandb_backend_runs_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tracker = Tracking("rlframe-test", "offline-run", ["wandb"], str(tmp_path), config={"a": 1})
+    tracker.log({"critic/score/mean": 0.25}, step=1)
+    tracker.finish()
+    assert list((tmp_path / "wandb").glob("offline-run-*"))

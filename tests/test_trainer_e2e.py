@@ -50,9 +50,21 @@ def test_grpo_dp2_sp2_remove_padding_dynamic_bsz(tmp_path, cache_dir):
         "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64",
         "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
-        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.use_kl_loss=true", "trainer.save_freq=2",
+        "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
     ], cache_dir)
     assert out.returncode == 0, out.stderr[-4000:]
+    # the Hugging Face export of the FSDP-sharded actor loads as a plain model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export = tmp_path / "global_step_2" / "actor" / "huggingface"
+    model = AutoModelForCausalLM.from_pretrained(export)
+    assert AutoTokenizer.from_pretrained(export).pad_token_id is not None
+    shards = [torch.load(tmp_path / "global_step_2" / "actor" / f"model_world_size_4_rank_{r}.pt", weights_only=False)
+              for r in range(4)]
+    name = "model.layers.0.mlp.up_proj.weight"
+    gathered = torch.cat([s[name].to_local() for s in shards])
+    assert torch.equal(gathered, model.state_dict()[name])
     metrics = read_metrics(tmp_path)
     steps = [m for m in metrics if m["step"] > 0 and "actor/pg_loss" in m]
     assert [m["step"] for m in steps] == [1, 2]
