@@ -156,6 +156,11 @@ def train(run: dict) -> dict:
     os.makedirs(cfg.trainer.default_local_dir, exist_ok=True)
     OmegaConf.save(cfg, os.path.join(cfg.trainer.default_local_dir, "config.yaml"))
     print(OmegaConf.to_yaml(cfg), flush=True)
+    for name in ("train_loader", "val_loader"):
+        dataset = run[name].dataset
+        print(f"[rlframe] {name.split('_')[0]}: {len(dataset)} prompts"
+              f" ({dataset.num_filtered} longer than data.max_prompt_length={cfg.data.max_prompt_length} filtered out)",
+              flush=True)
     print(f"[rlframe] {steps} training steps; run folder {cfg.trainer.default_local_dir}", flush=True)
     groups, num_devices = create_worker_groups(cfg, run["plan"], steps)
     try:

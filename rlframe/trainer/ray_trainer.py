@@ -24,7 +24,9 @@ from rlframe.trainer.checkpointing import TrainerCheckpointer
 from rlframe.trainer.metrics import (compute_data_metrics, compute_throughput_metrics, compute_timing_metrics,
                                      reduce_metrics)
 from rlframe.utils.batch_plan import BatchPlan
+from rlframe.utils.flops import device_peak_tflops, train_flops
 from rlframe.utils.tracking import Tracking
+from rlframe.workers.fsdp_utils import resolve_device
 
 PROMPT_KEYS = ["input_ids", "attention_mask", "position_ids"]
 
@@ -58,6 +60,10 @@ class RayPPOTrainer:
                                                      algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
         self.checkpointer = TrainerCheckpointer(config.trainer)
         self.global_step = 0
+        self.flops_info, self.peak_tflops = None, None
+        if resolve_device(config.trainer.device) == "cuda":  # MFU is a GPU metric
+            self.flops_info = self.actor_rollout_wg.flops_info()
+            self.peak_tflops, _ = device_peak_tflops(self.flops_info["device_name"])
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
@@ -136,8 +142,18 @@ class RayPPOTrainer:
         metrics.update(compute_timing_metrics(timings, {"gen": int(batch.batch["response_mask"].sum()),
                                                         "update_actor": num_tokens}))
         metrics.update(compute_throughput_metrics(num_tokens, timings["step"], self.num_devices))
+        if self.peak_tflops and "update_actor" in timings:
+            metrics["perf/mfu/actor"] = self._actor_mfu(batch, timings["update_actor"])
         metrics["training/global_step"] = self.global_step
         return metrics
+
+    def _actor_mfu(self, batch: DataProto, seconds: float) -> float:
+        """Model FLOPs of the actor update (ppo_epochs passes) per second, over the devices' bf16 peak."""
+        info = self.flops_info
+        seqlens = batch.batch["attention_mask"].sum(-1).tolist()
+        flops = train_flops(info["matmul_params"], info["num_layers"], info["attn_width"], seqlens)
+        flops *= self.plan.actor.ppo_epochs
+        return flops / (seconds * self.num_devices * self.peak_tflops * 1e12)
 
     def _driver_state(self) -> dict:
         return {"global_step": self.global_step, "kl_coef": self.kl_ctrl.value}

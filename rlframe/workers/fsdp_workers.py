@@ -16,8 +16,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlframe.protocol import DataProto, all_gather_data_proto
-from rlframe.single_controller import Dispatch, Worker, register
+from rlframe.single_controller import Dispatch, Execute, Worker, register
 from rlframe.utils.batch_plan import ACTOR_KEYS, CRITIC_KEYS, REF_KEYS, BatchPlan, UpdatePlan
+from rlframe.utils.flops import model_flops_info
 from rlframe.workers import checkpoint as ckpt
 from rlframe.workers.actor import ActorSettings, PPOActor
 from rlframe.workers.batching import micro_batch_spec
@@ -79,6 +80,7 @@ class FSDPWorkerBase(Worker):
             gradient_checkpointing=bool(model_cfg.get("enable_gradient_checkpointing", False)),
             trust_remote_code=bool(model_cfg.get("trust_remote_code", False)),
             override_config=OmegaConf.to_container(model_cfg.override_config)))
+        self.model_flops = model_flops_info(model)
         spec = FSDPSpec(strategy=self._strategy, param_dtype=dtype,
                         reduce_dtype=resolve_dtype(str(fsdp_cfg.get("reduce_dtype", "fp32")), self.device_type),
                         param_offload=bool(fsdp_cfg.param_offload),
@@ -129,6 +131,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.data.tokenizer or cfg.model.path)
         if self.has_actor:
             self.actor_module = self._build(cfg.model, cfg.actor.fsdp_config, "actor", use_rmpad)
+            self.actor_flops = self.model_flops
             self.optimizer = build_optimizer(self.actor_module, cfg.actor.optim)
             self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.actor.optim, total_training_steps)
             self.actor = PPOActor(self.actor_module, self.optimizer,
@@ -168,6 +171,12 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
     def _load_optimizer(self) -> None:
         if self.config.actor_rollout_ref.actor.fsdp_config.optimizer_offload and self.device_type == "cuda":
             move_optimizer_state(self.optimizer, torch.cuda.current_device())
+
+    @register(dispatch_mode=Dispatch.RANK_ZERO, execute_mode=Execute.RANK_ZERO)
+    def flops_info(self) -> dict:
+        """The actor's FLOP-count inputs and the device name, for perf/mfu/actor on the driver."""
+        name = torch.cuda.get_device_name() if self.device_type == "cuda" else "cpu"
+        return {**self.actor_flops, "device_name": name}
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
