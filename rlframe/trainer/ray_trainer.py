@@ -242,10 +242,9 @@ class RayPPOTrainer:
     def _validate(self) -> dict:
         """Greedy (val_kwargs) generation on the validation set; mean reward per data source."""
         scores: dict[str, list[float]] = {}
+        n = int(self.config.actor_rollout_ref.rollout.val_kwargs.n)
         for batch_dict in self.val_dataloader:
-            batch = DataProto.from_single_dict(batch_dict)
-            n = int(self.config.actor_rollout_ref.rollout.val_kwargs.n)
-            batch = batch.repeat(n, interleave=True)
+            batch = DataProto.from_single_dict(batch_dict).repeat(n, interleave=True)
             gen_batch = batch.pop(batch_keys=PROMPT_KEYS)
             gen_batch.meta_info = {"validate": True}
             output = self.actor_rollout_wg.generate_sequences(gen_batch)  # dispatch pads and unpads
@@ -255,7 +254,7 @@ class RayPPOTrainer:
             sources = batch.non_tensor_batch[self.config.data.reward_fn_key]
             for source, score in zip(sources, result["reward_tensor"].sum(-1).tolist()):
                 scores.setdefault(str(source), []).append(score)
-        return {f"val-core/{source}/reward/mean@1": float(np.mean(v)) for source, v in scores.items()}
+        return {f"val-core/{source}/reward/mean@{n}": float(np.mean(v)) for source, v in scores.items()}
 
 
 class _progress_bar:
