@@ -174,3 +174,12 @@ def test_grpo_with_a_reward_model_worker(tmp_path, cache_dir):
     assert "reward/rule_score/mean" in step
     # a random reward model gives non-zero, non-rule scores
     assert step["critic/score/max"] != step["critic/score/min"]
+
+
+@pytest.mark.parametrize("estimator", ["remax", "rloo", "reinforce_plus_plus_baseline"])
+def test_other_estimators_run_a_step(tmp_path, cache_dir, estimator):
+    out = run_main(COMMON + [f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=1",
+                             f"algorithm.adv_estimator={estimator}"], cache_dir)
+    assert out.returncode == 0, out.stderr[-4000:]
+    (step,) = [m for m in read_metrics(tmp_path) if "actor/pg_loss" in m]
+    assert ("timing_s/gen_max" in step) == (estimator == "remax")

@@ -90,9 +90,6 @@ def check_names(cfg: DictConfig) -> None:
             raise ValueError("reward_model.enable=true needs reward_model.model.path "
                              "(a sequence-classification model folder)")
         check_model_path(cfg.reward_model.model.path, key="reward_model.model.path")
-    if cfg.algorithm.adv_estimator == "remax":
-        raise ValueError("algorithm.adv_estimator=remax needs a greedy baseline rollout per prompt, which "
-                         "the trainer does not generate yet; use grpo, rloo, reinforce_plus_plus(_baseline) or gae")
 
 
 def build_data(cfg: DictConfig, tokenizer):

@@ -105,6 +105,9 @@ class RayPPOTrainer:
         metrics, timings = {}, {}
         step_start = time.perf_counter()
         batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
+        if self.config.algorithm.adv_estimator == "remax":
+            with timer("gen_max", timings):
+                batch.batch["reward_baselines"] = self._remax_baselines(batch)
         batch = batch.repeat(self.plan.n, interleave=True)
         with timer("gen", timings):
             batch = self._generate(batch, metrics)
@@ -167,6 +170,16 @@ class RayPPOTrainer:
         metrics.update(reduce_metrics(output.meta_info.pop("metrics", {})))
         output.meta_info = {}
         return batch.union(output)
+
+    def _remax_baselines(self, prompts: DataProto) -> torch.Tensor:
+        """ReMax: the score of one greedy response per prompt, the baseline of that prompt's samples."""
+        greedy = prompts.select(deepcopy=True)
+        gen_batch = greedy.pop(batch_keys=PROMPT_KEYS)
+        gen_batch.meta_info = {"validate": False, "do_sample": False}
+        output = self.actor_rollout_wg.generate_sequences(gen_batch)  # dispatch pads and unpads
+        output.meta_info = {}
+        greedy = greedy.union(output)
+        return self.reward_fn(greedy, return_dict=True)["reward_tensor"].sum(-1)
 
     def _balance_batch(self, batch: DataProto, metrics: dict) -> None:
         """Reorder so each DP rank's share of the step costs about the same (Karmarkar–Karp, equal sizes).
@@ -236,6 +249,8 @@ class RayPPOTrainer:
                   "norm_adv_by_std_in_grpo": algo.norm_adv_by_std_in_grpo}
         if self.use_critic:
             inputs["values"] = batch.batch["values"]
+        if algo.adv_estimator == "remax":
+            inputs["reward_baselines"] = batch.batch["reward_baselines"]
         advantages, returns = core_algos.compute_advantage(algo.adv_estimator, **inputs)
         batch.batch["advantages"], batch.batch["returns"] = advantages, returns
 
