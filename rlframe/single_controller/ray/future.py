@@ -33,26 +33,37 @@ def wait_all(refs: list, ranks: list[int], method: str, timeout_s: float | None,
             rank = pending.pop(ref)
             try:
                 outputs[rank] = unpack_value(_get_one(ref, rank, method), copy=copy)
-            except Exception:
-                _drain(list(pending))
+            except WorkerDiedError:
+                _drain(pending, method)
+                raise
+            except Exception as first:
+                died = _drain(pending, method)
+                if died is not None:  # the root cause: its peers failed in collectives with it
+                    raise died from first
                 raise
     return [outputs[rank] for rank in ranks]
 
 
-def _drain(refs: list, grace_s: float = 1.0) -> None:
-    """Fetch (and drop) the results other ranks deliver shortly after a failure.
+def _drain(pending: dict, method: str, grace_s: float = 5.0) -> WorkerDiedError | None:
+    """Fetch the results other ranks deliver shortly after a failure; return a death among them.
 
     Ranks often fail together (same bad input); fetching their errors here keeps Ray from
-    logging each one later as an "unhandled error" next to the one already raised.
+    logging each one later as an "unhandled error" next to the one already raised. When one of
+    them died, its peers usually fail first with connection errors in a collective; the death is
+    the error worth reporting.
     """
-    if not refs:
-        return
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=grace_s)
+    if not pending:
+        return None
+    ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=grace_s)
+    died = None
     for ref in ready:
         try:
-            ray.get(ref)
+            _get_one(ref, pending[ref], method)
+        except WorkerDiedError as err:
+            died = died or err
         except Exception:  # noqa: BLE001 - already reporting the first failure
             pass
+    return died
 
 
 def _get_one(ref, rank: int, method: str):
