@@ -11,19 +11,32 @@ import os
 import sys
 
 from omegaconf import DictConfig, OmegaConf
+from transformers import AutoTokenizer
 
+from rlframe.data.builtin_tasks import resolve_data_files
+from rlframe.data.dataloader import make_dataloader
+from rlframe.data.dataset import RLHFDataset
+from rlframe.reward.manager import get_reward_manager_cls, load_reward_manager
+from rlframe.trainer import core_algos
+from rlframe.trainer.launch import create_worker_groups, shutdown
+from rlframe.trainer.ray_trainer import RayPPOTrainer
+from rlframe.utils.batch_plan import make_batch_plan, read_model_shape, warn_ignored_keys
 from rlframe.utils.cache import cache_dir
 from rlframe.utils.config import load_config
+from rlframe.utils.tiny_model import make_tiny_model
+from rlframe.workers.checkpoint import SAVE_CONTENTS
+from rlframe.workers.fsdp_utils import STRATEGIES, check_model_path
+from rlframe.workers.rollout import check_rollout_name
 
 BUILTIN_MODEL = "builtin://tiny"
 
 
 def resolve_model_path(path: str) -> str:
     """`builtin://tiny` is built offline on first use; anything else is used as given."""
-    if path != BUILTIN_MODEL:
+    if not path.startswith("builtin://"):
         return os.path.expanduser(path)
-    from rlframe.utils.tiny_model import make_tiny_model
-
+    if path != BUILTIN_MODEL:
+        raise ValueError(f"model path {path!r} is not a built-in model; the built-in one is {BUILTIN_MODEL}")
     target = os.path.join(cache_dir(), "models", "tiny-qwen2-v1")
     if not os.path.isfile(os.path.join(target, "config.json")):
         tmp = f"{target}.tmp.{os.getpid()}"
@@ -33,32 +46,24 @@ def resolve_model_path(path: str) -> str:
     return target
 
 
+# Keys that may name the built-in tiny model (directly or through an interpolation).
+MODEL_PATH_KEYS = ("actor_rollout_ref.model.path", "critic.model.path", "critic.model.tokenizer_path",
+                   "reward_model.model.input_tokenizer", "data.tokenizer")
+
+
 def normalize_config(cfg: DictConfig) -> DictConfig:
     """Resolve interpolations and built-in paths once; the result is read-only from here on."""
-    container = OmegaConf.to_container(cfg, resolve=True)
-    model = container["actor_rollout_ref"]["model"]
-    original = model["path"]
-    model["path"] = resolve_model_path(original)
-    for section, key in (("critic", "path"), ("critic", "tokenizer_path")):
-        if container[section]["model"][key] == original:
-            container[section]["model"][key] = model["path"]
-    if container["critic"]["model"]["path"] == BUILTIN_MODEL:
-        container["critic"]["model"]["path"] = model["path"]
-    if container["reward_model"]["model"]["input_tokenizer"] == original:
-        container["reward_model"]["model"]["input_tokenizer"] = model["path"]
-    out = OmegaConf.create(container)
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    for key in MODEL_PATH_KEYS:
+        value = OmegaConf.select(out, key)
+        if isinstance(value, str):
+            OmegaConf.update(out, key, resolve_model_path(value))
     OmegaConf.set_readonly(out, True)
     return out
 
 
 def check_names(cfg: DictConfig) -> None:
     """Unknown algorithm/engine names fail here, each listing what is accepted."""
-    from rlframe.reward.manager import get_reward_manager_cls
-    from rlframe.trainer import core_algos
-    from rlframe.workers.checkpoint import SAVE_CONTENTS
-    from rlframe.workers.fsdp_utils import STRATEGIES, check_model_path
-    from rlframe.workers.rollout import check_rollout_name
-
     core_algos.get_adv_estimator_fn(cfg.algorithm.adv_estimator)
     core_algos.get_policy_loss_fn(cfg.actor_rollout_ref.actor.policy_loss.loss_mode)
     core_algos.get_kl_penalty_fn(cfg.algorithm.kl_penalty)
@@ -94,10 +99,6 @@ def check_names(cfg: DictConfig) -> None:
 
 def build_data(cfg: DictConfig, tokenizer):
     """Datasets and dataloaders; built before Ray so bad data fails fast."""
-    from rlframe.data.builtin_tasks import resolve_data_files
-    from rlframe.data.dataloader import make_dataloader
-    from rlframe.data.dataset import RLHFDataset
-
     data = cfg.data
     def files(spec):  # a path or a list of paths
         return spec if isinstance(spec, str) else list(spec)
@@ -124,10 +125,6 @@ def total_steps(cfg: DictConfig, train_loader) -> int:
 
 def prepare(overrides: list[str]) -> dict:
     """Compose the config from `overrides` and check everything that can fail before Ray starts."""
-    from transformers import AutoTokenizer
-
-    from rlframe.reward.manager import load_reward_manager
-    from rlframe.utils.batch_plan import make_batch_plan, read_model_shape, warn_ignored_keys
 
     composed = load_config(overrides)
     warn_ignored_keys(composed, overrides)
@@ -146,9 +143,6 @@ def prepare(overrides: list[str]) -> dict:
 
 def train(run: dict) -> dict:
     """Save and print the resolved config, create the worker groups and run the trainer."""
-    from rlframe.trainer.launch import create_worker_groups, shutdown
-    from rlframe.trainer.ray_trainer import RayPPOTrainer
-
     cfg, steps = run["cfg"], run["steps"]
     os.makedirs(cfg.trainer.default_local_dir, exist_ok=True)
     OmegaConf.save(cfg, os.path.join(cfg.trainer.default_local_dir, "config.yaml"))
