@@ -96,7 +96,12 @@ def _forward_packed(model, input_ids, attention_mask, position_ids, temperature,
 
 def _score(logits: torch.Tensor, labels: torch.Tensor, temperature: float, calculate_entropy: bool,
            value_head: bool) -> dict[str, torch.Tensor]:
-    """Per-token log-probs of `labels` (and entropy) from `logits` [..., vocab], or values from [..., 1]."""
+    """Per-token log-probs of `labels` (and entropy) from `logits` [..., vocab], or values from [..., 1].
+
+    Computed in fp32 whatever the model's compute dtype: bf16 log-softmax and ratios are too coarse
+    for PPO's importance weights and for the value loss.
+    """
+    logits = logits.float()
     if value_head:
         return {"values": logits[..., 0]}
     if temperature != 1.0:
