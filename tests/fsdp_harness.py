@@ -19,7 +19,7 @@ from rlframe.protocol import DataProto
 from rlframe.workers.actor import ActorSettings, PPOActor
 from rlframe.seqpack import MicroBatchSpec
 from rlframe.workers.critic import CriticSettings, PPOCritic
-from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, load_hf_model, wrap_fsdp
+from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, build_fsdp_mesh, load_hf_model, wrap_fsdp
 
 PROMPT_LEN, RESPONSE_LEN = 8, 8
 
@@ -37,6 +37,7 @@ class Scenario:
     role: str = "actor"
     mini_batch_size: int | None = None     # sequences per optimizer step, global; None = whole batch
     param_offload: bool = False
+    fsdp_size: int = -1                    # -1: shard over all ranks; else hybrid sharding (HSDP)
     gradient_checkpointing: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -153,7 +154,7 @@ def _worker(rank: int, sc: Scenario, port: int, model_path: str, data_path: str,
     dist.init_process_group("gloo", rank=rank, world_size=sc.world)
     try:
         mesh = init_device_mesh("cpu", (sc.dp, sc.sp), mesh_dim_names=("dp", "sp"))
-        fsdp_mesh = init_device_mesh("cpu", (sc.world,), mesh_dim_names=("fsdp",))
+        fsdp_mesh = build_fsdp_mesh("cpu", sc.world, sc.fsdp_size)
         dp_group = mesh["dp"].get_group()
         sp_group = mesh["sp"].get_group() if sc.sp > 1 else None
         dp_rank = mesh.get_local_rank("dp")

@@ -84,6 +84,8 @@ DISTRIBUTED = {
     "dp2_fsdp1": Scenario(world=2, strategy="fsdp", micro_batch_size=3),
     "dp2_padded": Scenario(world=2, use_remove_padding=False, micro_batch_size=4),
     "dp4": Scenario(world=4, micro_batch_size=1),
+    "dp4_hsdp_fsdp2": Scenario(world=4, fsdp_size=2, micro_batch_size=2),
+    "dp4_hsdp_fsdp1": Scenario(world=4, fsdp_size=2, strategy="fsdp", micro_batch_size=2),
     "dp2_offload_grad_ckpt": Scenario(world=2, micro_batch_size=2, param_offload=True, gradient_checkpointing=True),
     "dp2_fsdp1_offload": Scenario(world=2, strategy="fsdp", micro_batch_size=4, param_offload=True),
     "sp2_dp1": Scenario(world=2, sp=2, micro_batch_size=3),

@@ -111,6 +111,29 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+def build_fsdp_mesh(device_type: str, world_size: int, fsdp_size: int, key: str = "fsdp_config.fsdp_size"):
+    """1-D mesh over all ranks (fsdp_size -1 or world size), else (replicas, fsdp_size): hybrid sharding.
+
+    With two dims, FSDP shards within groups of `fsdp_size` ranks and replicates across groups
+    (HSDP), keeping the all-gathers inside a node; gradients are averaged over both dims, so the
+    math is the same as with one dim.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if fsdp_size in (-1, world_size):
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("fsdp",))
+    check_fsdp_size(fsdp_size, world_size, key)
+    return init_device_mesh(device_type, (world_size // fsdp_size, fsdp_size), mesh_dim_names=("ddp", "fsdp"))
+
+
+def check_fsdp_size(fsdp_size: int, world_size: int, key: str) -> None:
+    if fsdp_size == -1:
+        return
+    if fsdp_size < 1 or world_size % fsdp_size:
+        raise ValueError(f"{key}={fsdp_size} must be -1 (shard over all {world_size} ranks) or a divisor of "
+                         f"world_size = trainer.nnodes × trainer.n_gpus_per_node = {world_size}")
+
+
 @dataclass(frozen=True)
 class FSDPSpec:
     strategy: str                  # fsdp2 | fsdp
@@ -168,10 +191,14 @@ def _wrap_fsdp1(model, spec, mesh, device_type):
     # On a CPU host the parameters already live in host memory, and FSDP1's offload path asks for an
     # accelerator: offloading is a no-op there, so it is not requested.
     offload = spec.param_offload and device_type == "cuda"
-    return FSDP(model, process_group=mesh.get_group(), auto_wrap_policy=policy, mixed_precision=mixed,
-                cpu_offload=CPUOffload(offload_params=offload),
-                sharding_strategy=ShardingStrategy.FULL_SHARD if spec.reshard_after_forward
-                else ShardingStrategy.SHARD_GRAD_OP,
+    if mesh.ndim == 2:  # hybrid: shard within a group, replicate across groups
+        groups = {"device_mesh": mesh}
+        strategy = ShardingStrategy.HYBRID_SHARD if spec.reshard_after_forward else ShardingStrategy._HYBRID_SHARD_ZERO2
+    else:
+        groups = {"process_group": mesh.get_group()}
+        strategy = ShardingStrategy.FULL_SHARD if spec.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+    return FSDP(model, **groups, auto_wrap_policy=policy, mixed_precision=mixed,
+                cpu_offload=CPUOffload(offload_params=offload), sharding_strategy=strategy,
                 device_id=torch.cuda.current_device() if device_type == "cuda" else torch.device("cpu"),
                 use_orig_params=True, sync_module_states=False)
 

@@ -8,6 +8,7 @@ config is read once into plain settings and never mutated.
 
 from __future__ import annotations
 
+import importlib
 import os
 import time
 from dataclasses import replace
@@ -23,7 +24,7 @@ from rlframe.workers import checkpoint as ckpt
 from rlframe.workers.actor import ActorSettings, PPOActor
 from rlframe.workers.batching import micro_batch_spec
 from rlframe.workers.critic import CriticSettings, PPOCritic
-from rlframe.workers.fsdp_utils import (FSDPSpec, ModelSpec, build_lr_scheduler, build_optimizer, iter_full_params,
+from rlframe.workers.fsdp_utils import (FSDPSpec, ModelSpec, build_fsdp_mesh, build_lr_scheduler, build_optimizer, iter_full_params,
                                         load_hf_model, move_optimizer_state, resolve_device, resolve_dtype,
                                         wrap_fsdp)
 
@@ -61,30 +62,32 @@ class FSDPWorkerBase(Worker):
         self.sp_group = None
         self.dp_group = None
 
-    def _init_dist(self, sp: int):
+    def _init_dist(self, sp: int, fsdp_size: int = -1):
         from torch.distributed.device_mesh import init_device_mesh
 
         self.init_process_group(timeout_s=float(self.config.trainer.worker_timeout_s))
         torch.manual_seed(int(self.config.data.seed))  # fresh heads (critic) start equal on every rank
         world = self.world_size
-        self.fsdp_mesh = init_device_mesh(self.device_type, (world,), mesh_dim_names=("fsdp",))
+        self.fsdp_mesh = build_fsdp_mesh(self.device_type, world, fsdp_size)
         self.sp_mesh = init_device_mesh(self.device_type, (world // sp, sp), mesh_dim_names=("dp", "sp"))
         self.sp_size, self.dp_size = sp, world // sp
         self.dp_group = self.sp_mesh["dp"].get_group()
         self.sp_group = self.sp_mesh["sp"].get_group() if sp > 1 else None
 
     def _build(self, model_cfg, fsdp_cfg, role: str, use_remove_padding: bool):
-        dtype = resolve_dtype(str(fsdp_cfg.get("param_dtype", "auto")), self.device_type)
+        if model_cfg.external_lib:  # registers custom model classes with transformers' Auto* factories
+            importlib.import_module(model_cfg.external_lib)
+        dtype = resolve_dtype(str(fsdp_cfg.param_dtype), self.device_type)
         model = load_hf_model(ModelSpec(
             path=model_cfg.path, role=role, dtype=torch.float32, use_remove_padding=use_remove_padding,
-            gradient_checkpointing=bool(model_cfg.get("enable_gradient_checkpointing", False)),
-            trust_remote_code=bool(model_cfg.get("trust_remote_code", False)),
+            gradient_checkpointing=bool(model_cfg.enable_gradient_checkpointing),
+            trust_remote_code=bool(model_cfg.trust_remote_code),
             override_config=OmegaConf.to_container(model_cfg.override_config)))
         self.model_flops = model_flops_info(model)
         spec = FSDPSpec(strategy=self._strategy, param_dtype=dtype,
-                        reduce_dtype=resolve_dtype(str(fsdp_cfg.get("reduce_dtype", "fp32")), self.device_type),
+                        reduce_dtype=resolve_dtype(str(fsdp_cfg.reduce_dtype), self.device_type),
                         param_offload=bool(fsdp_cfg.param_offload),
-                        reshard_after_forward=bool(fsdp_cfg.get("reshard_after_forward", True)))
+                        reshard_after_forward=bool(fsdp_cfg.reshard_after_forward))
         return wrap_fsdp(model, spec, self.fsdp_mesh, self.device_type)
 
     def _to_device(self, data: DataProto) -> DataProto:
@@ -126,7 +129,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         from transformers import AutoTokenizer
 
         cfg = self.config.actor_rollout_ref
-        self._init_dist(self.plan.actor.sequence_parallel_size)
+        self._init_dist(self.plan.actor.sequence_parallel_size, int(cfg.actor.fsdp_config.fsdp_size))
         use_rmpad = bool(cfg.model.use_remove_padding)
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.data.tokenizer or cfg.model.path)
         if self.has_actor:
@@ -250,7 +253,7 @@ class CriticWorker(FSDPWorkerBase):
         from transformers import AutoTokenizer
 
         cfg = self.config.critic
-        self._init_dist(self.plan.critic.sequence_parallel_size)
+        self._init_dist(self.plan.critic.sequence_parallel_size, int(cfg.model.fsdp_config.fsdp_size))
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path)
         self.critic_module = self._build(cfg.model, cfg.model.fsdp_config, "critic",
                                          bool(cfg.model.use_remove_padding))
