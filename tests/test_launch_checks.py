@@ -35,6 +35,7 @@ def test_defaults_prepare_a_plan_and_data(tmp_path):
     ("actor_rollout_ref.ref.ulysses_sequence_parallel_size=2", r"ref.ulysses_sequence_parallel_size=2 must equal"),
     ("actor_rollout_ref.actor.fsdp_config.fsdp_size=3", r"fsdp_size=3 must be -1 .* divisor of world_size"),
     ("actor_rollout_ref.hybrid_engine=false", r"hybrid_engine=false"),
+    ("trainer.device=tpu", r"trainer.device='tpu' is not one of auto, cpu, cuda"),
 ])
 def test_unknown_names_are_rejected_with_the_valid_ones(tmp_path, override, expected):
     with pytest.raises(ValueError, match=expected):

@@ -25,7 +25,7 @@ from rlframe.utils.cache import cache_dir
 from rlframe.utils.config import load_config
 from rlframe.utils.tiny_model import make_tiny_model
 from rlframe.workers.checkpoint import SAVE_CONTENTS
-from rlframe.workers.fsdp_utils import STRATEGIES, check_fsdp_size, check_model_path
+from rlframe.workers.fsdp_utils import STRATEGIES, check_fsdp_size, check_model_path, resolve_device
 from rlframe.workers.rollout import check_rollout_name
 
 BUILTIN_MODEL = "builtin://tiny"
@@ -84,6 +84,7 @@ def check_names(cfg: DictConfig) -> None:
         if unknown:
             raise ValueError(f"{key} has unknown entries {unknown}; valid: {', '.join(SAVE_CONTENTS)}")
     check_model_path(cfg.actor_rollout_ref.model.path)
+    resolve_device(cfg.trainer.device)  # trainer.device=cuda without a visible GPU fails here
     if not cfg.actor_rollout_ref.hybrid_engine:
         raise ValueError("actor_rollout_ref.hybrid_engine=false: rlframe always runs actor, rollout and reference "
                          "in the same worker processes; set it to true (or leave it out)")
