@@ -7,7 +7,6 @@ on CPU and nccl on CUDA; only the device type and the default dtype change.
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from dataclasses import dataclass
@@ -50,14 +49,6 @@ def check_model_path(path: str, key: str = "actor_rollout_ref.model.path") -> No
     names = os.listdir(path)
     if not any(n.endswith((".safetensors", ".bin")) for n in names):
         raise ValueError(f"{key}={path!r} has a config.json but no weights (*.safetensors or *.bin)")
-
-
-def model_shape(path: str) -> dict:
-    """hidden size, heads and layers from a model folder's config.json."""
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    return {k: cfg.get(k) for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
-                                     "num_hidden_layers", "vocab_size", "intermediate_size")}
 
 
 @dataclass(frozen=True)
