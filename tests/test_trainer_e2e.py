@@ -27,8 +27,8 @@ COMMON = [
 ]
 
 
-def run_main(overrides, cache_dir, timeout=900):
-    env = {**os.environ, "RLFRAME_CACHE": str(cache_dir), "RAY_DEDUP_LOGS": "0"}
+def run_main(overrides, cache_dir, timeout=900, extra_env=None):
+    env = {**os.environ, "RLFRAME_CACHE": str(cache_dir), "RAY_DEDUP_LOGS": "0", **(extra_env or {})}
     return subprocess.run([sys.executable, "-m", "rlframe.trainer.main_ppo", *overrides], capture_output=True,
                           text=True, timeout=timeout, env=env)
 
@@ -89,12 +89,18 @@ def failing_scorer_file(tmp_path):
 def test_ppo_with_critic_kl_in_reward_and_a_failing_reward_function(tmp_path, cache_dir):
     scorer = failing_scorer_file(tmp_path)
     run_dir = tmp_path / "run"
+    # external_lib: a module every worker imports before loading its model
+    (tmp_path / "rlframe_marker_lib.py").write_text(
+        "import os, pathlib\n"
+        "pathlib.Path(os.environ['MARKER_DIR'], f'imported-{os.getpid()}').touch()\n")
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "MARKER_DIR": str(tmp_path)}
     out = run_main(COMMON + [
+        "actor_rollout_ref.model.external_lib=rlframe_marker_lib",
         f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=2",
         "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "algorithm.use_kl_in_reward=true",
         "algorithm.kl_ctrl.type=adaptive",
         f"custom_reward_function.path={scorer}", f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
-    ], cache_dir)
+    ], cache_dir, extra_env=env)
     assert out.returncode == 0, out.stderr[-4000:]
     with open(tmp_path / "rollouts" / "2.jsonl") as f:
         dumped = [json.loads(line) for line in f]
@@ -104,6 +110,7 @@ def test_ppo_with_critic_kl_in_reward_and_a_failing_reward_function(tmp_path, ca
     assert all(m["reward/num_scorer_errors"] > 0 for m in steps)  # counted, and the run went on
     assert all("actor/reward_kl_penalty" in m for m in steps)  # reference model + KL in reward
     assert "scorer bug on even prompts" in out.stdout + out.stderr  # first traceback logged
+    assert len(list(tmp_path.glob("imported-*"))) == 2  # both worker processes imported external_lib
 
 
 def test_bad_config_fails_before_ray_with_the_equation(tmp_path, cache_dir):
