@@ -42,6 +42,11 @@ def test_unknown_names_are_rejected_with_the_valid_ones(tmp_path, override, expe
         _prepare(tmp_path, override)
 
 
+def test_a_misspelled_key_is_named_with_the_closest_real_ones(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown config key 'trainer.n_gpu_per_node'.*trainer.n_gpus_per_node"):
+        _prepare(tmp_path, "trainer.n_gpu_per_node=8")
+
+
 def test_model_folder_without_weights_names_the_key(tmp_path):
     folder = tmp_path / "model"
     folder.mkdir()

@@ -24,16 +24,39 @@ def load_config(overrides: list[str] | None = None, config_name: str = CONFIG_NA
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    from hydra.errors import ConfigCompositionException
+
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=config_dir(), version_base=None):
-        cfg = compose(config_name=config_name, overrides=list(overrides or []))
-    return cfg
+        try:
+            return compose(config_name=config_name, overrides=list(overrides or []))
+        except ConfigCompositionException as err:
+            unknown = _unknown_key(list(overrides or []), compose(config_name=config_name))
+            if unknown is None:
+                raise ValueError(f"bad override: {err}") from None
+            raise ValueError(unknown) from None
 
 
-def resolved(cfg: DictConfig) -> DictConfig:
-    """A resolved, read-only copy: interpolations evaluated once, nothing mutated afterwards."""
-    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-    OmegaConf.set_readonly(out, True)
-    return out
+def _unknown_key(overrides: list[str], cfg: DictConfig) -> str | None:
+    """A message for the first override whose key is not in the config, with the closest keys."""
+    import difflib
 
+    keys = _leaf_keys(OmegaConf.to_container(cfg, resolve=False))
+    for override in overrides:
+        key = override.split("=", 1)[0]
+        if key.startswith(("+", "~")) or key in keys or any(k.startswith(key + ".") for k in keys):
+            continue
+        close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
+        hint = f" Did you mean {' or '.join(close)}?" if close else ""
+        return (f"unknown config key {key!r} (from the override {override!r}).{hint} "
+                f"`rlframe explain` lists the keys; to add a new key on purpose, write +{override}")
+    return None
+
+
+def _leaf_keys(node: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for name, value in node.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        keys.extend(_leaf_keys(value, key) if isinstance(value, dict) and value else [key])
+    return keys
