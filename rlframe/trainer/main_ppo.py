@@ -22,7 +22,7 @@ from rlframe.trainer.launch import create_worker_groups, shutdown
 from rlframe.trainer.ray_trainer import RayPPOTrainer
 from rlframe.utils.batch_plan import make_batch_plan, read_model_shape, warn_ignored_keys
 from rlframe.utils.cache import cache_dir
-from rlframe.utils.config import load_config
+from rlframe.utils.config import config_dir, load_config
 from rlframe.utils.tiny_model import make_tiny_model
 from rlframe.workers.checkpoint import SAVE_CONTENTS
 from rlframe.workers.fsdp_utils import STRATEGIES, check_fsdp_size, check_model_path, resolve_device
@@ -178,7 +178,11 @@ def run_ppo(overrides: list[str]) -> dict:
 def main(argv: list[str] | None = None) -> None:
     """Hydra-style `key=value` overrides on the command line."""
     overrides = sys.argv[1:] if argv is None else list(argv)
-    try:
+    if any(arg in ("-h", "--help") for arg in overrides):
+        print("usage: python -m rlframe.trainer.main_ppo KEY=VALUE ...   (or: rlframe train KEY=VALUE ...)\n"
+              f"keys and their defaults: {os.path.join(config_dir(), 'ppo_trainer.yaml')}\n"
+              "to see how a config's batch flows to each GPU: rlframe explain KEY=VALUE ...")
+        return
         run = prepare(overrides)
     except ValueError as err:  # config and data errors: one clear message, before any work starts
         print(f"rlframe: error: {err}", file=sys.stderr)
