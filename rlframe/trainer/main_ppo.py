@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
               f"keys and their defaults: {os.path.join(config_dir(), 'ppo_trainer.yaml')}\n"
               "to see how a config's batch flows to each GPU: rlframe explain KEY=VALUE ...")
         return
+    try:
         run = prepare(overrides)
     except ValueError as err:  # config and data errors: one clear message, before any work starts
         print(f"rlframe: error: {err}", file=sys.stderr)
