@@ -117,3 +117,20 @@ def test_distributed_critic_matches_single_process(tiny_model_path, batch, tmp_p
     ref = _reference(tiny_model_path, batch, "critic", "token-mean")
     sc = Scenario(world=2, sp=2, role="critic", use_dynamic_bsz=True, max_token_len=20)
     assert_matches(run_distributed(sc, tiny_model_path, batch, str(tmp_path)), ref)
+
+
+@pytest.mark.slow
+def test_several_mini_batches_and_epochs_match_across_dp(tiny_model_path, batch, tmp_path):
+    # 2 mini-batches of 4 sequences × 2 epochs = 4 optimizer steps. DP rank r holds rows 4r..4r+3 and
+    # cuts them into minis of 2, so global mini k is rows {2k, 2k+1, 4+2k, 4+2k+1}: the reference
+    # sees the batch in that order, so its contiguous minis are the same sets.
+    order = [0, 1, 4, 5, 2, 3, 6, 7]
+    epochs = {"ppo_epochs": 2}
+    ref = run_scenario(Scenario(strategy="none", use_remove_padding=False, micro_batch_size=4, mini_batch_size=4,
+                                extra=epochs), tiny_model_path, batch.select_idxs(order))
+    inverse = torch.argsort(torch.tensor(order))
+    ref["outputs"] = {name: out[inverse] for name, out in ref["outputs"].items()}
+    sc = Scenario(world=2, micro_batch_size=1, mini_batch_size=4, extra=epochs)
+    result = run_distributed(sc, tiny_model_path, batch, str(tmp_path))
+    assert len(result["metrics"]["actor/pg_loss"]) == 4
+    assert_matches(result, ref)  # the gradient compared is the last (4th) step's
