@@ -70,7 +70,8 @@ def test_grpo_dp2_sp2_remove_padding_dynamic_bsz(tmp_path, cache_dir):
     assert [m["step"] for m in steps] == [1, 2]
     for m in steps:
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean", "timing_s/gen",
-                    "global_seqlen/balanced_max", "response_length/mean", "perf/throughput"):
+                    "global_seqlen/balanced_max", "response_length/mean", "perf/throughput",
+                    "actor/micro_batch/utilization", "actor/micro_batch/imbalance_ratio"):
             assert key in m, key
     assert "val-core/countdown_add/reward/mean@1" in steps[-1]
     assert os.path.isfile(os.path.join(tmp_path, "config.yaml"))

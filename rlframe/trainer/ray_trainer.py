@@ -202,7 +202,9 @@ class RayPPOTrainer:
                         "global_seqlen/minmax_diff": max(before) - min(before),
                         "global_seqlen/balanced_min": min(after), "global_seqlen/balanced_max": max(after),
                         "global_seqlen/mean": float(np.mean(after))})
-        metrics.update({f"global_seqlen/{k_}": v for k_, v in packing_metrics(after).items()})
+        balanced = packing_metrics(after)
+        metrics.update({f"global_seqlen/balanced_{name}": balanced[name]
+                        for name in ("imbalance_ratio", "std", "cv", "max_over_mean")})
 
     def _compute_reward(self, batch: DataProto, metrics: dict) -> None:
         """Rule-based scores; with a reward model enabled, its scores are the reward (as in verl)."""

@@ -17,8 +17,8 @@ from torch import nn
 from rlframe.protocol import DataProto
 from rlframe.seqpack import MicroBatchSpec
 from rlframe.trainer import core_algos
-from rlframe.workers.batching import (apply_gradients, dp_sum, global_counts, response_mask_of, restore_order,
-                                      mini_batches, split_micro_batches)
+from rlframe.workers.batching import (apply_gradients, dp_sum, global_counts, micro_batch_metrics, mini_batches,
+                                      response_mask_of, restore_order, split_micro_batches)
 from rlframe.workers.model_forward import forward_micro_batch
 
 MODEL_INPUTS = ("responses", "input_ids", "attention_mask", "position_ids")
@@ -130,6 +130,7 @@ class PPOActor:
             for name in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
                 _add(sums, f"actor/{name}", pg_metrics[name] * share)
         step_metrics = dp_sum(sums, self.dp_group)
+        step_metrics.update(micro_batch_metrics(micro_batches, s.update, "actor"))
         step_metrics.update(apply_gradients(self.module, self.optimizer, s.grad_clip, "actor"))
         return step_metrics
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
-from rlframe.seqpack import MicroBatchSpec, get_reverse_idx, rearrange_micro_batches
+from rlframe.seqpack import MicroBatchSpec, get_reverse_idx, packing_metrics, rearrange_micro_batches
 from rlframe.workers.fsdp_utils import clip_grad_norm
 
 
@@ -36,6 +36,16 @@ def split_micro_batches(batch: TensorDict, spec: MicroBatchSpec, dp_group=None
         packing_algorithm=spec.packing_algorithm, config_key=spec.token_len_key)
     order = [i for indices in index_lists for i in indices]
     return micro_batches, get_reverse_idx(order)
+
+
+def micro_batch_metrics(micro_batches: list[TensorDict], spec: MicroBatchSpec, prefix: str) -> dict[str, float]:
+    """Token loads of one mini-batch's dynamic micro-batches against the budget (the second balancing level)."""
+    if not spec.use_dynamic_bsz:
+        return {}
+    loads = [int(micro["attention_mask"].sum()) for micro in micro_batches]
+    packed = packing_metrics(loads, capacity=spec.max_token_len)
+    return {f"{prefix}/micro_batch/{name}": float(packed[name])
+            for name in ("num_groups", "max", "imbalance_ratio", "max_over_mean", "utilization", "wasted_tokens")}
 
 
 def restore_order(outputs: list[torch.Tensor], reverse_idx: list[int] | None) -> torch.Tensor:

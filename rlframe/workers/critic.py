@@ -10,8 +10,8 @@ from torch import nn
 from rlframe.protocol import DataProto
 from rlframe.seqpack import MicroBatchSpec
 from rlframe.trainer import core_algos
-from rlframe.workers.batching import (apply_gradients, dp_sum, global_counts, response_mask_of, restore_order,
-                                      mini_batches, split_micro_batches)
+from rlframe.workers.batching import (apply_gradients, dp_sum, global_counts, micro_batch_metrics, mini_batches,
+                                      response_mask_of, restore_order, split_micro_batches)
 from rlframe.workers.model_forward import forward_micro_batch
 
 MODEL_INPUTS = ("responses", "input_ids", "attention_mask", "position_ids")
@@ -92,5 +92,6 @@ class PPOCritic:
             vpred_mean = core_algos.masked_mean(vpreds.detach(), response_mask)
             sums["critic/vpred_mean"] = sums.get("critic/vpred_mean", 0.0) + float(vpred_mean * share)
         step_metrics = dp_sum(sums, self.dp_group)
+        step_metrics.update(micro_batch_metrics(micro_batches, s.update, "critic"))
         step_metrics.update(apply_gradients(self.module, self.optimizer, s.grad_clip, "critic"))
         return step_metrics
