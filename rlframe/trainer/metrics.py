@@ -35,7 +35,7 @@ def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]
         var_returns = torch.var(returns)
         metrics["critic/vf_explained_var"] = float(1.0 - torch.var(returns - values) / (var_returns + 1e-5))
     metrics.update(_stats("response_length", response_lens))
-    metrics["response_length/clip_ratio"] = float((response_lens == response_length).float().mean())
+    # response_length/clip_ratio comes from the rollout, which knows whether a full-length response ended in EOS
     metrics.update(_stats("prompt_length", prompt_lens))
     return metrics
 
