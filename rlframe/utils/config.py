@@ -60,3 +60,10 @@ def _leaf_keys(node: dict, prefix: str = "") -> list[str]:
         key = f"{prefix}.{name}" if prefix else str(name)
         keys.extend(_leaf_keys(value, key) if isinstance(value, dict) and value else [key])
     return keys
+
+
+def resolved(cfg: DictConfig) -> DictConfig:
+    """A resolved, read-only copy: interpolations evaluated once, nothing mutated afterwards."""
+    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    OmegaConf.set_readonly(out, True)
+    return out

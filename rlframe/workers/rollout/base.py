@@ -16,6 +16,7 @@ from typing import Iterable
 import torch
 
 from rlframe.protocol import DataProto
+from rlframe.workers.rollout.tp import group_rank_and_size
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 KEY = "actor_rollout_ref.rollout"
@@ -196,8 +197,13 @@ class BaseRollout(ABC):
     `free_cache_engine`: when it is false the engine keeps its memory and `release`/`resume` do nothing.
     """
 
-    def __init__(self, settings: RolloutSettings, eos_ids: list[int], pad_id: int):
+    def __init__(self, settings: RolloutSettings, tokenizer, model_path: str, tp_group=None):
+        eos_ids, pad_id = default_special_tokens(tokenizer, model_path)
         self.settings, self.eos_ids, self.pad_id = settings, list(eos_ids), int(pad_id)
+        _, self.tp_size = group_rank_and_size(tp_group)
+        if self.tp_size != settings.tensor_parallel_size:
+            raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={settings.tensor_parallel_size} "
+                             f"but the rollout was given a TP group of size {self.tp_size}")
 
     def sampling_for(self, meta_info: dict) -> SamplingParams:
         """This call's sampling: val_kwargs when `validate`, then `do_sample` / `temperature` overrides."""

@@ -15,9 +15,8 @@ import torch
 
 from rlframe.protocol import DataProto
 from rlframe.workers.fsdp_utils import resolve_dtype
-from rlframe.workers.rollout.base import BaseRollout, RolloutSettings, SamplingParams, default_special_tokens
-from rlframe.workers.rollout.tp import (apply_tensor_parallel, group_rank_and_size, load_full_tensors,
-                                        tp_mesh_from_group)
+from rlframe.workers.rollout.base import BaseRollout, RolloutSettings, SamplingParams
+from rlframe.workers.rollout.tp import apply_tensor_parallel, load_full_tensors, tp_mesh_from_group
 
 
 class _LogProbRecorder:
@@ -54,12 +53,8 @@ class HFRollout(BaseRollout):
                  trust_remote_code: bool = False, override_config: dict | None = None):
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-        eos_ids, pad_id = default_special_tokens(tokenizer, model_path)
-        super().__init__(settings, eos_ids, pad_id)
-        _, tp_size = group_rank_and_size(tp_group)
-        if tp_size != settings.tensor_parallel_size:
-            raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={settings.tensor_parallel_size} "
-                             f"but the rollout was given a TP group of size {tp_size}")
+        super().__init__(settings, tokenizer, model_path, tp_group)
+        tp_size = self.tp_size
         self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         for key, value in (override_config or {}).items():
@@ -69,7 +64,7 @@ class HFRollout(BaseRollout):
                                                      attn_implementation="sdpa", trust_remote_code=trust_remote_code)
         # A blank generation config: sampling comes from rlframe's config alone, never from a
         # checkpoint's generation_config.json (Qwen ships top_k=20, repetition_penalty=1.1, ...).
-        model.generation_config = GenerationConfig(pad_token_id=pad_id, eos_token_id=eos_ids)
+        model.generation_config = GenerationConfig(pad_token_id=self.pad_id, eos_token_id=self.eos_ids)
         model.requires_grad_(False).eval().to(self.device)
         if self.device.type == "cpu":  # own, resizable storage: loaded CPU weights may be file-backed
             for param in model.parameters():

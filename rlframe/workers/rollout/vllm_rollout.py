@@ -24,8 +24,7 @@ import torch.distributed as dist
 
 from rlframe.protocol import DataProto
 from rlframe.workers.fsdp_utils import resolve_dtype
-from rlframe.workers.rollout.base import BaseRollout, RolloutSettings, SamplingParams, default_special_tokens
-from rlframe.workers.rollout.tp import group_rank_and_size
+from rlframe.workers.rollout.base import BaseRollout, RolloutSettings, SamplingParams
 
 INSTALL_HINT = ("install the 'gpu' extra with `pip install -e '.[gpu]'` (or `bash scripts/setup.sh gpu`), "
                 "or use actor_rollout_ref.rollout.name=hf")
@@ -61,12 +60,8 @@ class VLLMRollout(BaseRollout):
         check_vllm_usable(device_type)
         from vllm import LLM
 
-        eos_ids, pad_id = default_special_tokens(tokenizer, model_path)
-        super().__init__(settings, eos_ids, pad_id)
-        _, tp_size = group_rank_and_size(tp_group)
-        if tp_size != settings.tensor_parallel_size:
-            raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={settings.tensor_parallel_size} "
-                             f"but the rollout was given a TP group of size {tp_size}")
+        super().__init__(settings, tokenizer, model_path, tp_group)
+        tp_size = self.tp_size
         if tp_size > 1:
             _check_consecutive_ranks(tp_group, tp_size)
         if not 0 < gpu_memory_utilization <= 1:
