@@ -23,7 +23,6 @@ import torch
 
 from rlframe.protocol import DataProto
 from rlframe.single_controller import Dispatch, Worker, register
-from rlframe.single_controller.decorator import _split_even
 from rlframe.single_controller.transport import pack
 
 
@@ -44,7 +43,7 @@ def make_batch(num_seqs: int, seq_len: int) -> DataProto:
 
 def pickle_seconds(data: DataProto, parts: int, packed: bool = True) -> float:
     """Time to pickle `data`'s `parts` shards as they cross the object store (shards made beforehand)."""
-    shards = _split_even(data, parts) if packed else data.chunk(parts)
+    shards = data.chunk(parts)
     start = time.perf_counter()
     for shard in shards:
         if packed:  # what the library sends: tensors as out-of-band buffers, the rest in-band

@@ -20,16 +20,9 @@ commands:
 
 
 def _train(args: list[str]) -> int:
-    try:
-        from rlframe.trainer import main_ppo
-    except ModuleNotFoundError as err:
-        if err.name != "rlframe.trainer.main_ppo":
-            raise
-        print("rlframe train: the trainer entry rlframe.trainer.main_ppo is not part of this install",
-              file=sys.stderr)
-        return 1
-    sys.argv = ["rlframe train", *args]  # Hydra reads its overrides from sys.argv
-    main_ppo.main()
+    from rlframe.trainer import main_ppo
+
+    main_ppo.main(args)
     return 0
 
 

@@ -45,7 +45,7 @@ def _as_object_array(values: Any, key: str) -> np.ndarray:
 def _index_to_array(idx: Any, length: int) -> np.ndarray:
     """Normalize a slice/int list/array/tensor index into an int64 numpy array."""
     if isinstance(idx, slice):
-        return np.arange(length)[idx]
+        return np.ascontiguousarray(np.arange(length)[idx])  # torch.from_numpy rejects negative strides
     if isinstance(idx, torch.Tensor):
         if idx.dtype == torch.bool:
             return np.nonzero(idx.cpu().numpy())[0]
@@ -92,12 +92,12 @@ class DataProto:
         non_tensors = {k: _as_object_array(v, k) for k, v in (non_tensors or {}).items()}
         batch = None
         if tensors:
-            sizes = {k: (v.shape[0] if v.dim() > 0 else None) for k, v in tensors.items()}
             for k, v in tensors.items():
                 if not isinstance(v, torch.Tensor):
                     raise TypeError(f"tensors[{k!r}] must be a torch.Tensor, got {type(v).__name__}")
                 if v.dim() == 0:
                     raise ValueError(f"tensors[{k!r}] is a scalar; every tensor needs a batch dimension")
+            sizes = {k: v.shape[0] for k, v in tensors.items()}
             if len(set(sizes.values())) != 1:
                 raise ValueError(f"tensors have different batch sizes: {sizes}")
             batch = TensorDict(tensors, batch_size=[next(iter(sizes.values()))])
@@ -152,7 +152,14 @@ class DataProto:
         return [] if self.batch is None else list(self.batch.keys())
 
     def select_idxs(self, idxs) -> "DataProto":
-        """Samples at `idxs` (slice, int list/array, bool mask or tensor), in that order."""
+        """Samples at `idxs` (slice, int list/array, bool mask or tensor), in that order.
+
+        A slice gives views of the tensors (no copy), like slicing a tensor; index arrays copy.
+        """
+        if isinstance(idxs, slice) and (idxs.step is None or idxs.step > 0):  # torch has no negative steps
+            batch = None if self.batch is None else self.batch[idxs]
+            non_tensor = {k: v[idxs] for k, v in self.non_tensor_batch.items()}
+            return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(self.meta_info))
         index = _index_to_array(idxs, len(self))
         n = len(self)
         if index.size and (index.min() < -n or index.max() >= n):

@@ -47,6 +47,16 @@ def test_a_misspelled_key_is_named_with_the_closest_real_ones(tmp_path):
         _prepare(tmp_path, "trainer.n_gpu_per_node=8")
 
 
+def test_custom_reward_file_is_executed_once_for_training_and_validation(tmp_path):
+    scorer = tmp_path / "scorer.py"
+    scorer.write_text(f"open({str(tmp_path / 'loads')!r}, 'a').write('x')\n"
+                      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return 0.0\n")
+    run = _prepare(tmp_path, f"custom_reward_function.path={scorer}")
+    assert (tmp_path / "loads").read_text() == "x"
+    assert run["val_reward_fn"].compute_score is run["reward_fn"].compute_score
+
+
 def test_model_folder_without_weights_names_the_key(tmp_path):
     folder = tmp_path / "model"
     folder.mkdir()

@@ -37,6 +37,11 @@ def test_mismatched_lengths_between_batch_and_non_tensor_is_valueerror():
         DataProto.from_dict({"x": torch.zeros(3, 1)}, {"uid": ["a", "b"]})
 
 
+def test_non_tensor_in_tensors_is_typeerror_naming_the_key():
+    with pytest.raises(TypeError, match="tensors\\['x'\\] must be a torch.Tensor, got ndarray"):
+        DataProto.from_dict({"x": np.zeros((2, 1))})
+
+
 def test_tensors_with_different_batch_sizes_is_valueerror():
     with pytest.raises(ValueError, match="different batch sizes"):
         DataProto.from_dict({"x": torch.zeros(3), "y": torch.zeros(2)})
@@ -93,6 +98,14 @@ def test_chunk_sizes_differ_by_at_most_one_and_keep_order(n, k):
 def test_chunk_rejects_non_positive(bad):
     with pytest.raises(ValueError, match="chunk"):
         make().chunk(bad)
+
+
+def test_chunks_and_slices_are_views_not_copies():
+    data = make(6)
+    first = data.chunk(3)[0]
+    assert first.batch["input_ids"].data_ptr() == data.batch["input_ids"].data_ptr()
+    assert data[2:4].batch["mask"].data_ptr() == data.batch["mask"][2:4].data_ptr()
+    assert data[::-1].non_tensor_batch["uid"].tolist() == [f"u{i}" for i in range(5, -1, -1)]  # still works
 
 
 def test_split_by_size():

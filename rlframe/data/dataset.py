@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from rlframe.distributed.padding import position_ids_from_mask
+
 logger = logging.getLogger(__name__)
 
 TRUNCATION_MODES = ("error", "left", "right")
@@ -51,9 +53,7 @@ def left_pad(ids: list[int], length: int, pad_token_id: int) -> tuple[torch.Tens
     num_pad = length - len(ids)
     input_ids = torch.tensor([pad_token_id] * num_pad + list(ids), dtype=torch.long)
     attention_mask = torch.tensor([0] * num_pad + [1] * len(ids), dtype=torch.long)
-    # Position 0 at the first real token; padding positions are clipped to 0 (they are masked).
-    position_ids = torch.clamp(torch.cumsum(attention_mask, dim=0) - 1, min=0)
-    return input_ids, attention_mask, position_ids
+    return input_ids, attention_mask, position_ids_from_mask(attention_mask)
 
 
 class RLHFDataset(torch.utils.data.Dataset):

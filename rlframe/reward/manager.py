@@ -186,10 +186,16 @@ def get_reward_manager_cls(name: str) -> type[RewardManager]:
     return REWARD_MANAGERS[name]
 
 
-def load_reward_manager(config, tokenizer, num_examine: int = 0) -> RewardManager:
-    """The reward manager the full trainer config asks for, with the custom scorer if one is set."""
-    compute_score = load_custom_reward_function(config.custom_reward_function.path,
-                                                config.custom_reward_function.name)
+def load_reward_manager(config, tokenizer, num_examine: int = 0,
+                        compute_score: Callable | None = None) -> RewardManager:
+    """The reward manager the full trainer config asks for, with the custom scorer if one is set.
+
+    Pass `compute_score` (e.g. another manager's) to reuse a scorer instead of executing the
+    user's file again.
+    """
+    if compute_score is None:
+        compute_score = load_custom_reward_function(config.custom_reward_function.path,
+                                                    config.custom_reward_function.name)
     manager_cls = get_reward_manager_cls(config.reward_model.reward_manager)
     return manager_cls(tokenizer, compute_score=compute_score, reward_fn_key=config.data.reward_fn_key,
                        num_examine=num_examine)

@@ -39,8 +39,6 @@ class Execute(enum.Enum):
 
 DP_MODES = frozenset({Dispatch.DP_COMPUTE, Dispatch.DP_COMPUTE_PROTO, Dispatch.DP_COMPUTE_PROTO_WITH_FUNC,
                       Dispatch.DP_COMPUTE_METRIC})
-PROTO_MODES = frozenset({Dispatch.DP_COMPUTE_PROTO, Dispatch.DP_COMPUTE_PROTO_WITH_FUNC,
-                         Dispatch.DP_COMPUTE_METRIC})
 
 
 @dataclass(frozen=True)
@@ -145,7 +143,7 @@ def plan_call(spec: RegisterSpec, method: str, args: tuple, kwargs: dict, world_
         if length is not None:
             pad_size = (-length) % dp_size
         collect = _keep(collectors, lambda outputs: _concat_unpad(method, outputs, length, pad_size))
-    shards = {name: _split_even(_pad(value, dp_size), dp_size) for name, value in _named(args, kwargs)}
+    shards = {name: _pad(value, dp_size).chunk(dp_size) for name, value in _named(args, kwargs)}
     shard_args = [func_args + tuple(shards[i][d] for i in range(len(args))) for d in range(dp_size)]
     shard_kwargs = [{k: shards[k][d] for k in kwargs} for d in range(dp_size)]
     plan = _dp_plan(ranks, dp_rank_of, shard_args, shard_kwargs, collect)
@@ -218,18 +216,6 @@ def _check_protos(method, mode, args, kwargs) -> int | None:
 
 def _pad(data: DataProto, divisor: int) -> DataProto:
     return pad_dataproto_to_divisor(data, divisor)[0]
-
-
-def _split_even(data: DataProto, parts: int) -> list[DataProto]:
-    """`parts` equal contiguous slices; views, not copies (unlike DataProto.chunk's index select)."""
-    size = len(data) // parts
-    out = []
-    for i in range(parts):
-        window = slice(i * size, (i + 1) * size)
-        batch = None if data.batch is None else data.batch[window]
-        non_tensor = {k: v[window] for k, v in data.non_tensor_batch.items()}
-        out.append(DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(data.meta_info)))
-    return out
 
 
 def _concat_unpad(method: str, outputs: list, length: int | None, pad_size: int):

@@ -36,8 +36,7 @@ def create_worker_groups(cfg: DictConfig, plan: BatchPlan, total_training_steps:
     pool = RayResourcePool([int(cfg.trainer.n_gpus_per_node)] * int(cfg.trainer.nnodes),
                            use_gpu=device_type == "cuda")
     config = OmegaConf.to_container(cfg)
-    role = "actor_rollout_ref" if plan.ref is not None else "actor_rollout"
-    roles = {"actor_rollout": RayClassWithInitArgs(ActorRolloutRefWorker, config, plan, role=role)}
+    roles = {"actor_rollout": RayClassWithInitArgs(ActorRolloutRefWorker, config, plan, with_ref=plan.ref is not None)}
     if plan.critic is not None:
         roles["critic"] = RayClassWithInitArgs(CriticWorker, config, plan)
     if cfg.reward_model.enable:

@@ -141,11 +141,13 @@ def prepare(overrides: list[str]) -> dict:
     plan = make_batch_plan(cfg, model_shape)
     tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path)
     train_loader, val_loader = build_data(cfg, tokenizer)
+    reward_fn = load_reward_manager(cfg, tokenizer, num_examine=0)
+    val_reward_fn = load_reward_manager(cfg, tokenizer, num_examine=int(cfg.trainer.log_val_generations),
+                                        compute_score=reward_fn.compute_score)  # the user's file runs once
     return {"cfg": cfg, "plan": plan, "tokenizer": tokenizer, "train_loader": train_loader,
             "val_loader": val_loader, "steps": total_steps(cfg, train_loader),
-            "hidden_size": model_shape.hidden_size if model_shape else None,
-            "reward_fn": load_reward_manager(cfg, tokenizer, num_examine=0),
-            "val_reward_fn": load_reward_manager(cfg, tokenizer, num_examine=int(cfg.trainer.log_val_generations))}
+            "hidden_size": model_shape.hidden_size,  # check_names made sure config.json exists
+            "reward_fn": reward_fn, "val_reward_fn": val_reward_fn}
 
 
 def train(run: dict) -> dict:

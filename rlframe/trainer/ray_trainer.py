@@ -43,7 +43,7 @@ class RayPPOTrainer:
 
     def __init__(self, config: DictConfig, plan: BatchPlan, tokenizer, train_dataloader, val_dataloader,
                  reward_fn, val_reward_fn, worker_groups: dict, total_training_steps: int, num_devices: int,
-                 hidden_size: int | None = None):
+                 hidden_size: int):
         self.config, self.plan, self.tokenizer = config, plan, tokenizer
         self.train_dataloader, self.val_dataloader = train_dataloader, val_dataloader
         self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn
@@ -110,7 +110,8 @@ class RayPPOTrainer:
                 batch.batch["reward_baselines"] = self._remax_baselines(batch)
         batch = batch.repeat(self.plan.n, interleave=True)
         with timer("gen", timings):
-            batch = self._generate(batch, metrics)
+            batch, gen_metrics = self._generate(batch, validate=False)
+            metrics.update(gen_metrics)
         if self.plan.balance_batch:
             with timer("balance", timings):
                 self._balance_batch(batch, metrics)
@@ -162,23 +163,18 @@ class RayPPOTrainer:
         return {"global_step": self.global_step, "kl_coef": self.kl_ctrl.value}
 
     # ------------------------------------------------------------------ the steps
-    def _generate(self, batch: DataProto, metrics: dict) -> DataProto:
-        """Send the prompts to the rollout; merge the responses back into the batch."""
+    def _generate(self, batch: DataProto, **meta_info) -> tuple[DataProto, dict]:
+        """Send the batch's prompts to the rollout; merge the responses back. Returns (batch, metrics)."""
         gen_batch = batch.pop(batch_keys=PROMPT_KEYS)
-        gen_batch.meta_info = {"validate": False}
-        output = self.actor_rollout_wg.generate_sequences(gen_batch)
-        metrics.update(reduce_metrics(output.meta_info.pop("metrics", {})))
+        gen_batch.meta_info = meta_info
+        output = self.actor_rollout_wg.generate_sequences(gen_batch)  # dispatch pads and unpads
+        metrics = reduce_metrics(output.meta_info.pop("metrics", {}))
         output.meta_info = {}
-        return batch.union(output)
+        return batch.union(output), metrics
 
     def _remax_baselines(self, prompts: DataProto) -> torch.Tensor:
         """ReMax: the score of one greedy response per prompt, the baseline of that prompt's samples."""
-        greedy = prompts.select(deepcopy=True)
-        gen_batch = greedy.pop(batch_keys=PROMPT_KEYS)
-        gen_batch.meta_info = {"validate": False, "do_sample": False}
-        output = self.actor_rollout_wg.generate_sequences(gen_batch)  # dispatch pads and unpads
-        output.meta_info = {}
-        greedy = greedy.union(output)
+        greedy, _ = self._generate(prompts.select(deepcopy=True), validate=False, do_sample=False)
         return self.reward_fn(greedy, return_dict=True)["reward_tensor"].sum(-1)
 
     def _balance_batch(self, batch: DataProto, metrics: dict) -> None:
@@ -189,8 +185,7 @@ class RayPPOTrainer:
         """
         k = self.plan.balance_partitions
         seqlens = batch.batch["attention_mask"].sum(-1).tolist()
-        workload = calculate_workload(seqlens, hidden_size=self.hidden_size) if self.hidden_size else \
-            calculate_workload(seqlens)
+        workload = calculate_workload(seqlens, hidden_size=self.hidden_size)
         partitions = get_seqlen_balanced_partitions(list(map(float, workload)), k_partitions=k, equal_size=True)
         order = [i for part in partitions for i in part]
         # each DP rank's tokens before (contiguous shares) and after balancing
@@ -261,12 +256,8 @@ class RayPPOTrainer:
         scores: dict[str, list[float]] = {}
         n = int(self.config.actor_rollout_ref.rollout.val_kwargs.n)
         for batch_dict in self.val_dataloader:
-            batch = DataProto.from_single_dict(batch_dict).repeat(n, interleave=True)
-            gen_batch = batch.pop(batch_keys=PROMPT_KEYS)
-            gen_batch.meta_info = {"validate": True}
-            output = self.actor_rollout_wg.generate_sequences(gen_batch)  # dispatch pads and unpads
-            output.meta_info = {}
-            batch = batch.union(output)
+            batch, _ = self._generate(DataProto.from_single_dict(batch_dict).repeat(n, interleave=True),
+                                      validate=True)
             result = self.val_reward_fn(batch, return_dict=True)
             sources = batch.non_tensor_batch[self.config.data.reward_fn_key]
             for source, score in zip(sources, result["reward_tensor"].sum(-1).tolist()):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
@@ -74,17 +75,19 @@ class FSDPWorkerBase(Worker):
         self.dp_group = self.sp_mesh["dp"].get_group()
         self.sp_group = self.sp_mesh["sp"].get_group() if sp > 1 else None
 
-    def _build(self, model_cfg, fsdp_cfg, role: str, use_remove_padding: bool):
+    def _load(self, model_cfg, role: str, use_remove_padding: bool):
+        """The HF model on CPU in fp32 (FSDP's mixed precision casts for compute)."""
         if model_cfg.external_lib:  # registers custom model classes with transformers' Auto* factories
             importlib.import_module(model_cfg.external_lib)
-        dtype = resolve_dtype(str(fsdp_cfg.param_dtype), self.device_type)
-        model = load_hf_model(ModelSpec(
+        return load_hf_model(ModelSpec(
             path=model_cfg.path, role=role, dtype=torch.float32, use_remove_padding=use_remove_padding,
             gradient_checkpointing=bool(model_cfg.enable_gradient_checkpointing),
             trust_remote_code=bool(model_cfg.trust_remote_code),
             override_config=OmegaConf.to_container(model_cfg.override_config)))
-        self.model_flops = model_flops_info(model)
-        spec = FSDPSpec(strategy=self._strategy, param_dtype=dtype,
+
+    def _wrap(self, model, fsdp_cfg):
+        spec = FSDPSpec(strategy=self._strategy,
+                        param_dtype=resolve_dtype(str(fsdp_cfg.param_dtype), self.device_type),
                         reduce_dtype=resolve_dtype(str(fsdp_cfg.reduce_dtype), self.device_type),
                         param_offload=bool(fsdp_cfg.param_offload),
                         reshard_after_forward=bool(fsdp_cfg.reshard_after_forward))
@@ -101,26 +104,15 @@ class FSDPWorkerBase(Worker):
         """Keep this rank's share of an SP-gathered result."""
         if self.sp_group is None:
             return data
-        rank = torch.distributed.get_rank(self.sp_group)
-        meta = data.meta_info
-        out = data.chunk(self.sp_size)[rank]
-        out.meta_info = meta
-        return out
+        return data.chunk(self.sp_size)[torch.distributed.get_rank(self.sp_group)]
 
 
 class ActorRolloutRefWorker(FSDPWorkerBase):
-    """Actor, rollout and reference policy in one process; `role` picks which of them it hosts."""
+    """Actor and rollout in one process (hybrid engine), plus the reference policy when `with_ref`."""
 
-    ROLES = ("actor_rollout", "actor_rollout_ref", "ref", "actor")
-
-    def __init__(self, config: dict, plan: BatchPlan, role: str = "actor_rollout_ref"):
+    def __init__(self, config: dict, plan: BatchPlan, with_ref: bool):
         super().__init__(config, plan)
-        if role not in self.ROLES:
-            raise ValueError(f"ActorRolloutRefWorker role {role!r} is not one of {', '.join(self.ROLES)}")
-        self.role = role
-        self.has_actor = role in ("actor_rollout", "actor_rollout_ref", "actor")
-        self.has_rollout = role in ("actor_rollout", "actor_rollout_ref")
-        self.has_ref = role in ("actor_rollout_ref", "ref")
+        self.with_ref = with_ref
         self._strategy = str(self.config.actor_rollout_ref.actor.strategy)
         self._weights_dirty = True
 
@@ -132,24 +124,23 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         self._init_dist(self.plan.actor.sequence_parallel_size, int(cfg.actor.fsdp_config.fsdp_size))
         use_rmpad = bool(cfg.model.use_remove_padding)
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.data.tokenizer or cfg.model.path)
-        if self.has_actor:
-            self.actor_module = self._build(cfg.model, cfg.actor.fsdp_config, "actor", use_rmpad)
-            self.actor_flops = self.model_flops
-            self.optimizer = build_optimizer(self.actor_module, cfg.actor.optim)
-            self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.actor.optim, total_training_steps)
-            self.actor = PPOActor(self.actor_module, self.optimizer,
-                                  actor_settings(cfg.actor, self.plan.actor, use_rmpad),
-                                  self.dp_group, self.sp_group, self.dp_size, self.lr_scheduler,
-                                  seed=int(self.config.data.seed))
-            self._offload_optimizer()
-        if self.has_ref:
-            ref_module = self._build(cfg.model, cfg.ref.fsdp_config, "actor", use_rmpad)
+        model = self._load(cfg.model, "actor", use_rmpad)
+        self.actor_flops = model_flops_info(model)  # read before sharding
+        self.actor_module = self._wrap(model, cfg.actor.fsdp_config)
+        self.optimizer = build_optimizer(self.actor_module, cfg.actor.optim)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.actor.optim, total_training_steps)
+        self.actor = PPOActor(self.actor_module, self.optimizer,
+                              actor_settings(cfg.actor, self.plan.actor, use_rmpad),
+                              self.dp_group, self.sp_group, self.dp_size, self.lr_scheduler,
+                              seed=int(self.config.data.seed))
+        self._offload_optimizer()
+        if self.with_ref:
+            ref_module = self._wrap(self._load(cfg.model, "actor", use_rmpad), cfg.ref.fsdp_config)
             ref_module.requires_grad_(False)
             ref_settings = replace(actor_settings(cfg.actor, self.plan.actor, use_rmpad),
                                    log_prob=micro_batch_spec(self.plan.ref, REF_KEYS.max_token_len))
             self.ref = PPOActor(ref_module, None, ref_settings, self.dp_group, self.sp_group, self.dp_size)
-        if self.has_rollout:
-            self._init_rollout(cfg)
+        self._init_rollout(cfg)
 
     def _init_rollout(self, cfg) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -192,11 +183,10 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             self.rollout.update_weights(iter_full_params(self.actor_module))
             self._weights_dirty = False
         sync_s = time.perf_counter() - start
-        if prompts.meta_info.get("validate", False):
-            # validation must not advance the training RNG stream, or resuming would diverge
-            with torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.device_type == "cuda" else []):
-                output = generate_in_tp_group(self.rollout, self._to_device(prompts), self.tp_group)
-        else:
+        # validation must not advance the training RNG stream, or resuming would diverge
+        devices = [torch.cuda.current_device()] if self.device_type == "cuda" else []
+        rng = torch.random.fork_rng(devices=devices) if prompts.meta_info.get("validate", False) else nullcontext()
+        with rng:
             output = generate_in_tp_group(self.rollout, self._to_device(prompts), self.tp_group)
         if self.rollout.settings.free_cache_engine:
             self.rollout.release()
@@ -207,20 +197,20 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """Old log-probs under the current actor (and their entropy, for the metrics)."""
-        data = self._gather_sp(self._to_device(data))
+        data = self._to_device(self._gather_sp(data))
         log_probs, entropy = self.actor.compute_log_prob(data, calculate_entropy=True)
         out = DataProto.from_dict({"old_log_probs": log_probs, "entropys": entropy})
         return self._scatter_sp(out).to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
-        data = self._gather_sp(self._to_device(data))
+        data = self._to_device(self._gather_sp(data))
         log_probs, _ = self.ref.compute_log_prob(data)
         return self._scatter_sp(DataProto.from_dict({"ref_log_prob": log_probs})).to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
-        data = self._gather_sp(self._to_device(data))
+        data = self._to_device(self._gather_sp(data))
         self._load_optimizer()
         start = time.perf_counter()
         metrics = self.actor.update_policy(data)
@@ -255,8 +245,8 @@ class CriticWorker(FSDPWorkerBase):
         cfg = self.config.critic
         self._init_dist(self.plan.critic.sequence_parallel_size, int(cfg.model.fsdp_config.fsdp_size))
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path)
-        self.critic_module = self._build(cfg.model, cfg.model.fsdp_config, "critic",
-                                         bool(cfg.model.use_remove_padding))
+        self.critic_module = self._wrap(self._load(cfg.model, "critic", bool(cfg.model.use_remove_padding)),
+                                        cfg.model.fsdp_config)
         self.optimizer = build_optimizer(self.critic_module, cfg.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optim, total_training_steps)
         self.critic = PPOCritic(self.critic_module, self.optimizer, critic_settings(cfg, self.plan.critic),
@@ -265,13 +255,13 @@ class CriticWorker(FSDPWorkerBase):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
-        data = self._gather_sp(self._to_device(data))
+        data = self._to_device(self._gather_sp(data))
         values = self.critic.compute_values(data)
         return self._scatter_sp(DataProto.from_dict({"values": values})).to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
-        data = self._gather_sp(self._to_device(data))
+        data = self._to_device(self._gather_sp(data))
         metrics = self.critic.update_critic(data)
         return DataProto(meta_info={"metrics": metrics})
 

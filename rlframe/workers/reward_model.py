@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from rlframe.distributed.padding import position_ids_from_mask
 from rlframe.protocol import DataProto
 from rlframe.single_controller import Dispatch, register
 from rlframe.workers.fsdp_utils import FSDPSpec, resolve_dtype, wrap_fsdp
@@ -20,8 +21,8 @@ from rlframe.workers.fsdp_workers import FSDPWorkerBase
 
 def last_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Score [bs] read at each row's last valid token (rows may be left- and right-padded)."""
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=position_ids_from_mask(attention_mask),
                    use_cache=False).logits[..., 0]
     last = attention_mask.shape[1] - 1 - attention_mask.flip(-1).long().argmax(-1)
     return logits[torch.arange(logits.shape[0], device=logits.device), last].float()

@@ -223,7 +223,6 @@ def _group_method(name: str, spec: RegisterSpec, worker_fn):
     signature = inspect.signature(worker_fn)
     group_method.__signature__ = signature.replace(
         parameters=[p for p in signature.parameters.values() if p.name != "_ray_trace_ctx"])
-    group_method.__rlframe_dispatch__ = spec
     return group_method
 
 
