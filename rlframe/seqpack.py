@@ -340,6 +340,12 @@ def calculate_workload(seqlens, hidden_size: int = 4096):
     return 12 * hidden_size * lengths + lengths * lengths
 
 
+def balance_dp_partitions(seqlens, k_partitions: int, hidden_size: int = 4096) -> list[list[int]]:
+    """The driver's `_balance_batch`: equal-count Karmarkar–Karp over attention-aware workloads."""
+    workloads = calculate_workload(np.asarray(seqlens, dtype=np.int64), hidden_size=hidden_size)
+    return get_seqlen_balanced_partitions(workloads.tolist(), k_partitions, equal_size=True)
+
+
 # ─────────────────────────────── capacity-bounded group allocation ───────────────────────────────
 
 

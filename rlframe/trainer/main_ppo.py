@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, read_write
 from transformers import AutoTokenizer
 
 from rlframe.data.builtin_tasks import resolve_data_files
@@ -22,14 +22,11 @@ from rlframe.trainer.launch import create_worker_groups, shutdown
 from rlframe.trainer.ray_trainer import RayPPOTrainer
 from rlframe.utils.batch_plan import make_batch_plan, read_model_shape, warn_ignored_keys
 from rlframe.utils.cache import cache_dir
-from rlframe.utils.config import config_dir, load_config
-from rlframe.utils.tiny_model import make_tiny_model
+from rlframe.utils.config import config_dir, load_config, resolved
+from rlframe.utils.tiny_model import BUILTIN_MODEL, make_tiny_model
 from rlframe.workers.checkpoint import SAVE_CONTENTS
 from rlframe.workers.fsdp_utils import STRATEGIES, check_fsdp_size, check_model_path, resolve_device
 from rlframe.workers.rollout import check_rollout_name
-
-BUILTIN_MODEL = "builtin://tiny"
-
 
 def resolve_model_path(path: str) -> str:
     """`builtin://tiny` is built offline on first use; anything else is used as given."""
@@ -53,12 +50,12 @@ MODEL_PATH_KEYS = ("actor_rollout_ref.model.path", "critic.model.path", "critic.
 
 def normalize_config(cfg: DictConfig) -> DictConfig:
     """Resolve interpolations and built-in paths once; the result is read-only from here on."""
-    out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-    for key in MODEL_PATH_KEYS:
-        value = OmegaConf.select(out, key)
-        if isinstance(value, str):
-            OmegaConf.update(out, key, resolve_model_path(value))
-    OmegaConf.set_readonly(out, True)
+    out = resolved(cfg)
+    with read_write(out):
+        for key in MODEL_PATH_KEYS:
+            value = OmegaConf.select(out, key)
+            if isinstance(value, str):
+                OmegaConf.update(out, key, resolve_model_path(value))
     return out
 
 
@@ -107,19 +104,13 @@ def check_names(cfg: DictConfig) -> None:
 def build_data(cfg: DictConfig, tokenizer):
     """Datasets and dataloaders; built before Ray so bad data fails fast."""
     data = cfg.data
-    def files(spec):  # a path or a list of paths
-        return spec if isinstance(spec, str) else list(spec)
-
-    train_files = resolve_data_files(files(data.train_files), data.builtin_dir, data.seed, split="train")
-    val_files = resolve_data_files(files(data.val_files), data.builtin_dir, data.seed, split="val")
+    train_files = resolve_data_files(data.train_files, data.builtin_dir, data.seed, split="train")
+    val_files = resolve_data_files(data.val_files, data.builtin_dir, data.seed, split="val")
     train = RLHFDataset(train_files, tokenizer, data)
     val = RLHFDataset(val_files, tokenizer, data)
     train_loader = make_dataloader(train, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
     val_batch = data.val_batch_size or len(val)
     val_loader = make_dataloader(val, val_batch, shuffle=False, seed=data.seed, drop_last=False)
-    if len(train_loader) == 0:
-        raise ValueError(f"the training set has {len(train)} prompts after filtering, fewer than "
-                         f"data.train_batch_size={data.train_batch_size}")
     return train_loader, val_loader
 
 

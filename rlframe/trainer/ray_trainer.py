@@ -18,7 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlframe.protocol import DataProto
-from rlframe.seqpack import calculate_workload, get_seqlen_balanced_partitions, packing_metrics
+from rlframe.seqpack import balance_dp_partitions, packing_metrics
 from rlframe.trainer import core_algos
 from rlframe.trainer.checkpointing import TrainerCheckpointer
 from rlframe.trainer.metrics import (compute_data_metrics, compute_throughput_metrics, compute_timing_metrics,
@@ -185,8 +185,7 @@ class RayPPOTrainer:
         """
         k = self.plan.balance_partitions
         seqlens = batch.batch["attention_mask"].sum(-1).tolist()
-        workload = calculate_workload(seqlens, hidden_size=self.hidden_size)
-        partitions = get_seqlen_balanced_partitions(list(map(float, workload)), k_partitions=k, equal_size=True)
+        partitions = balance_dp_partitions(seqlens, k, hidden_size=self.hidden_size)
         order = [i for part in partitions for i in part]
         # each DP rank's tokens before (contiguous shares) and after balancing
         share = len(seqlens) // k

@@ -25,6 +25,9 @@ from typing import Any, TextIO
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlframe.utils.config import leaves
+from rlframe.utils.tiny_model import BUILTIN_MODEL, TINY_SHAPE
+
 ACTOR = "actor_rollout_ref.actor"
 ROLLOUT = "actor_rollout_ref.rollout"
 REF = "actor_rollout_ref.ref"
@@ -185,13 +188,13 @@ class ModelShape:
     num_key_value_heads: int
 
 
-# The defaults of rlframe.utils.tiny_model.make_tiny_model, which builtin://tiny builds.
-TINY_MODEL_SHAPE = ModelShape(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+TINY_MODEL_SHAPE = ModelShape(hidden_size=TINY_SHAPE["hidden_size"], num_attention_heads=TINY_SHAPE["num_heads"],
+                              num_key_value_heads=TINY_SHAPE["num_kv_heads"])
 
 
 def read_model_shape(path: str | None) -> ModelShape | None:
     """Hidden size and heads from `<path>/config.json` (or the tiny model); None when not readable."""
-    if path == "builtin://tiny":
+    if path == BUILTIN_MODEL:
         return TINY_MODEL_SHAPE
     config_file = os.path.join(path or "", "config.json")
     if not path or not os.path.isfile(config_file):
@@ -574,16 +577,6 @@ def _rules(cfg: DictConfig) -> list[KeyStatus]:
 _INTERPOLATION = re.compile(r"\$\{([\w.]+)\}")
 
 
-def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
-    """Dotted key → raw value (interpolations unresolved) for every leaf of a config container."""
-    if isinstance(node, dict):
-        out = {}
-        for key, value in node.items():
-            out.update(_leaves(value, f"{prefix}.{key}" if prefix else str(key)))
-        return out or {prefix: node}
-    return {prefix: node}
-
-
 def _under(key: str, section: str) -> bool:
     return key == section or key.startswith(section + ".")
 
@@ -594,7 +587,7 @@ def _dead_leaves(cfg: DictConfig, rows: list[KeyStatus]) -> tuple[dict[str, str]
     A key that is ignored by its own rule can still matter through `${...}`: the critic's token
     budget interpolates the actor's, so with a static actor and a dynamic critic the actor key is live.
     """
-    raw = _leaves(OmegaConf.to_container(cfg, resolve=False))
+    raw = leaves(OmegaConf.to_container(cfg, resolve=False))
     ignored = [row for row in rows if not row.in_effect]
 
     def covering(leaf: str) -> KeyStatus | None:
@@ -643,13 +636,13 @@ def override_key(override: str) -> str | None:
 def ignored_keys(cfg: DictConfig, overrides: list[str]) -> list[tuple[str, str]]:
     """(key, reason) for each key set in `overrides` that has no effect in this config."""
     dead, _ = _dead_leaves(cfg, _rules(cfg))
-    leaves = _leaves(OmegaConf.to_container(cfg, resolve=False))
+    all_leaves = leaves(OmegaConf.to_container(cfg, resolve=False))
     out = []
     for override in overrides:
         key = override_key(override)
         if key is None:
             continue
-        under = [leaf for leaf in leaves if _under(leaf, key)] or [key]
+        under = [leaf for leaf in all_leaves if _under(leaf, key)] or [key]
         reasons = [dead.get(leaf) for leaf in under]
         if all(reasons):
             out.append((key, reasons[0]))

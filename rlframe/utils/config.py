@@ -42,7 +42,7 @@ def _unknown_key(overrides: list[str], cfg: DictConfig) -> str | None:
     """A message for the first override whose key is not in the config, with the closest keys."""
     import difflib
 
-    keys = _leaf_keys(OmegaConf.to_container(cfg, resolve=False))
+    keys = list(leaves(OmegaConf.to_container(cfg, resolve=False)))
     for override in overrides:
         key = override.split("=", 1)[0]
         if key.startswith(("+", "~")) or key in keys or any(k.startswith(key + ".") for k in keys):
@@ -54,12 +54,14 @@ def _unknown_key(overrides: list[str], cfg: DictConfig) -> str | None:
     return None
 
 
-def _leaf_keys(node: dict, prefix: str = "") -> list[str]:
-    keys = []
-    for name, value in node.items():
-        key = f"{prefix}.{name}" if prefix else str(name)
-        keys.extend(_leaf_keys(value, key) if isinstance(value, dict) and value else [key])
-    return keys
+def leaves(node, prefix: str = "") -> dict:
+    """Dotted key → value for every leaf of a config container (an empty dict counts as a leaf)."""
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            out.update(leaves(value, f"{prefix}.{key}" if prefix else str(key)))
+        return out or {prefix: node}
+    return {prefix: node}
 
 
 def resolved(cfg: DictConfig) -> DictConfig:

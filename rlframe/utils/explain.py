@@ -142,14 +142,12 @@ def sequence_lengths(spec: str, plan: BatchPlan, seed: int = 0) -> tuple[np.ndar
 
 def balance_ranks(seqlens, num_ranks: int, hidden_size: int | None = None, balance: bool = True) -> list[list[int]]:
     """Each DP rank's sequence indices: Karmarkar–Karp on workloads (balance) or dispatch order."""
-    from rlframe.seqpack import calculate_workload, get_seqlen_balanced_partitions
+    from rlframe.seqpack import balance_dp_partitions
 
     if not balance:
         per_rank = len(seqlens) // num_ranks
         return [list(range(r * per_rank, (r + 1) * per_rank)) for r in range(num_ranks)]
-    kwargs = {} if hidden_size is None else {"hidden_size": hidden_size}
-    workloads = calculate_workload(np.asarray(seqlens, dtype=np.int64), **kwargs)
-    return get_seqlen_balanced_partitions(list(np.asarray(workloads).tolist()), num_ranks, equal_size=True)
+    return balance_dp_partitions(seqlens, num_ranks, **({} if hidden_size is None else {"hidden_size": hidden_size}))
 
 
 def static_micro_batches(seqlens, micro_batch_size: int) -> list[list[int]]:

@@ -85,8 +85,15 @@ def build_model_config(vocab_size: int, hidden_size: int = 64, num_layers: int =
     )
 
 
-def make_tiny_model(out_dir: str, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
-                    num_kv_heads: int = 2, vocab_size: int = 512, seed: int = 0) -> str:
+BUILTIN_MODEL = "builtin://tiny"  # the model path that names this model in configs
+# The tiny model's shape, one place for make_tiny_model, its CLI and the batch plan's head checks.
+TINY_SHAPE = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "vocab_size": 512}
+
+
+def make_tiny_model(out_dir: str, hidden_size: int = TINY_SHAPE["hidden_size"],
+                    num_layers: int = TINY_SHAPE["num_layers"], num_heads: int = TINY_SHAPE["num_heads"],
+                    num_kv_heads: int = TINY_SHAPE["num_kv_heads"], vocab_size: int = TINY_SHAPE["vocab_size"],
+                    seed: int = 0) -> str:
     """Write a tiny random-init Qwen2 causal LM plus tokenizer to `out_dir`; return the path."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -110,11 +117,8 @@ def make_tiny_model(out_dir: str, hidden_size: int = 64, num_layers: int = 2, nu
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir")
-    parser.add_argument("--hidden-size", type=int, default=64)
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--num-heads", type=int, default=4)
-    parser.add_argument("--num-kv-heads", type=int, default=2)
-    parser.add_argument("--vocab-size", type=int, default=512)
+    for name, default in TINY_SHAPE.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     path = make_tiny_model(args.out_dir, args.hidden_size, args.num_layers, args.num_heads,

@@ -34,8 +34,7 @@ def split_micro_batches(batch: TensorDict, spec: MicroBatchSpec, dp_group=None
     micro_batches, index_lists = rearrange_micro_batches(
         batch, max_token_len=spec.max_token_len, dp_group=dp_group, same_micro_num_in_dp=True,
         packing_algorithm=spec.packing_algorithm, config_key=spec.token_len_key)
-    order = [i for indices in index_lists for i in indices]
-    return micro_batches, get_reverse_idx(order)
+    return micro_batches, get_reverse_idx(index_lists)
 
 
 def micro_batch_metrics(micro_batches: list[TensorDict], spec: MicroBatchSpec, prefix: str) -> dict[str, float]:
