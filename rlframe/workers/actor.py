@@ -17,8 +17,8 @@ from torch import nn
 from rlframe.protocol import DataProto
 from rlframe.seqpack import MicroBatchSpec
 from rlframe.trainer import core_algos
-from rlframe.workers.batching import (apply_gradients, dp_sum, global_counts, micro_batch_metrics, mini_batches,
-                                      response_mask_of, restore_order, split_micro_batches)
+from rlframe.workers.batching import (DataParallelModel, apply_gradients, dp_sum, global_counts,
+                                      micro_batch_metrics, response_mask_of, restore_order, split_micro_batches)
 from rlframe.workers.model_forward import forward_micro_batch
 
 MODEL_INPUTS = ("responses", "input_ids", "attention_mask", "position_ids")
@@ -46,16 +46,13 @@ class ActorSettings:
     use_remove_padding: bool
 
 
-class PPOActor:
+class PPOActor(DataParallelModel):
     """Computes log-probs and updates a (possibly FSDP-wrapped) causal LM."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, settings: ActorSettings,
                  dp_group=None, sp_group=None, dp_size: int = 1, lr_scheduler=None, seed: int = 0):
-        self.module, self.optimizer, self.settings = module, optimizer, settings
-        self.dp_group, self.sp_group, self.dp_size = dp_group, sp_group, dp_size
-        self.lr_scheduler = lr_scheduler
+        super().__init__(module, optimizer, settings, dp_group, sp_group, dp_size, lr_scheduler, seed)
         self.policy_loss_fn = core_algos.get_policy_loss_fn(settings.policy_loss)
-        self.generator = torch.Generator().manual_seed(seed)
 
     def _forward(self, micro: dict, temperature: float, calculate_entropy: bool) -> dict:
         return forward_micro_batch(self.module, micro, response_length=micro["responses"].shape[-1],
@@ -81,22 +78,13 @@ class PPOActor:
 
     def update_policy(self, data: DataProto) -> dict[str, list[float]]:
         """`ppo_epochs` passes of mini-batch optimizer steps; returns metric lists (one value per step)."""
-        s = self.settings
-        self.module.train()
         temperature = data.meta_info.get("temperature", 1.0)
         keys = list(MODEL_INPUTS) + ["old_log_probs", "advantages"]
-        if s.use_kl_loss:
+        if self.settings.use_kl_loss:
             keys.append("ref_log_prob")
         if "response_mask" in data.batch.keys():
             keys.append("response_mask")
-        batch = data.batch.select(*keys)
-        metrics: dict[str, list[float]] = {}
-        for mini in mini_batches(batch, s.mini_batch_size, s.ppo_epochs, s.shuffle, self.generator):
-            for name, value in self._optimizer_step(mini, temperature).items():
-                metrics.setdefault(name, []).append(value)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        return metrics
+        return self._train(data.batch.select(*keys), lambda mini: self._optimizer_step(mini, temperature))
 
     def _optimizer_step(self, mini, temperature: float) -> dict[str, float]:
         s = self.settings

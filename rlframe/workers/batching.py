@@ -10,7 +10,7 @@ back in the caller's order.
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -89,13 +89,31 @@ def response_mask_of(batch: TensorDict) -> torch.Tensor:
     return batch["attention_mask"][:, -response_length:]
 
 
-def mini_batches(batch: TensorDict, mini_batch_size: int, ppo_epochs: int, shuffle: bool,
-                 generator: torch.Generator) -> Iterator[TensorDict]:
-    """`ppo_epochs` passes over `batch` in mini-batches (reshuffled each pass when `shuffle`)."""
-    for _ in range(ppo_epochs):
-        if shuffle:
-            batch = batch[torch.randperm(len(batch), generator=generator)]
-        yield from batch.split(mini_batch_size)
+class DataParallelModel:
+    """What actor and critic share: the module, its optimizer, the groups it reduces over, and the
+    loop of `ppo_epochs` passes of mini-batch optimizer steps."""
+
+    def __init__(self, module, optimizer, settings, dp_group=None, sp_group=None, dp_size: int = 1,
+                 lr_scheduler=None, seed: int = 0):
+        self.module, self.optimizer, self.settings = module, optimizer, settings
+        self.dp_group, self.sp_group, self.dp_size = dp_group, sp_group, dp_size
+        self.lr_scheduler = lr_scheduler
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def _train(self, batch: TensorDict, optimizer_step: Callable[[TensorDict], dict]) -> dict[str, list[float]]:
+        """Run `optimizer_step` on every mini-batch of every epoch; metric lists, one value per step."""
+        s = self.settings
+        self.module.train()
+        metrics: dict[str, list[float]] = {}
+        for _ in range(s.ppo_epochs):
+            if s.shuffle:
+                batch = batch[torch.randperm(len(batch), generator=self.generator)]
+            for mini in batch.split(s.mini_batch_size):
+                for name, value in optimizer_step(mini).items():
+                    metrics.setdefault(name, []).append(value)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return metrics
 
 
 def apply_gradients(module, optimizer, grad_clip: float, prefix: str) -> dict[str, float]:

@@ -5,13 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from rlframe.protocol import DataProto
 from rlframe.seqpack import MicroBatchSpec
 from rlframe.trainer import core_algos
-from rlframe.workers.batching import (apply_gradients, dp_sum, global_counts, micro_batch_metrics, mini_batches,
-                                      response_mask_of, restore_order, split_micro_batches)
+from rlframe.workers.batching import (DataParallelModel, apply_gradients, dp_sum, global_counts,
+                                      micro_batch_metrics, response_mask_of, restore_order, split_micro_batches)
 from rlframe.workers.model_forward import forward_micro_batch
 
 MODEL_INPUTS = ("responses", "input_ids", "attention_mask", "position_ids")
@@ -32,15 +31,8 @@ class CriticSettings:
     use_remove_padding: bool
 
 
-class PPOCritic:
+class PPOCritic(DataParallelModel):
     """Computes values and updates a (possibly FSDP-wrapped) value model."""
-
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, settings: CriticSettings,
-                 dp_group=None, sp_group=None, dp_size: int = 1, lr_scheduler=None, seed: int = 0):
-        self.module, self.optimizer, self.settings = module, optimizer, settings
-        self.dp_group, self.sp_group, self.dp_size = dp_group, sp_group, dp_size
-        self.lr_scheduler = lr_scheduler
-        self.generator = torch.Generator().manual_seed(seed)
 
     def _values(self, micro) -> torch.Tensor:
         out = forward_micro_batch(self.module, micro, response_length=micro["responses"].shape[-1],
@@ -57,19 +49,10 @@ class PPOCritic:
         return restore_order([self._values(micro) for micro in micro_batches], reverse_idx)
 
     def update_critic(self, data: DataProto) -> dict[str, list[float]]:
-        s = self.settings
-        self.module.train()
         keys = list(MODEL_INPUTS) + ["values", "returns"]
         if "response_mask" in data.batch.keys():
             keys.append("response_mask")
-        batch = data.batch.select(*keys)
-        metrics: dict[str, list[float]] = {}
-        for mini in mini_batches(batch, s.mini_batch_size, s.ppo_epochs, s.shuffle, self.generator):
-            for name, value in self._optimizer_step(mini).items():
-                metrics.setdefault(name, []).append(value)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        return metrics
+        return self._train(data.batch.select(*keys), self._optimizer_step)
 
     def _optimizer_step(self, mini) -> dict[str, float]:
         s = self.settings
