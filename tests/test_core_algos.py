@@ -6,7 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from rlframe.trainer import core_algos as ca
+from rlframe.algorithms import advantage, masked
+from rlframe.algorithms import kl as kl_math
+from rlframe.algorithms import loss as loss_math
+from rlframe.workers import model_forward
 
 T = torch.tensor
 
@@ -22,27 +25,27 @@ def close(a, b, atol=1e-5):
 def test_masked_mean_sum_var_ignore_masked_entries_even_nan():
     values = T([[1.0, 3.0, float("nan")], [5.0, float("inf"), 7.0]])
     mask = T([[1, 1, 0], [1, 0, 0]])
-    close(ca.masked_sum(values, mask), 9.0)
-    close(ca.masked_mean(values, mask), 3.0)
-    close(ca.masked_mean(values, mask, axis=-1), [2.0, 5.0])
-    close(ca.masked_var(values, mask), 4.0)  # deviations -2, 0, 2 → 8 / (3 - 1)
-    close(ca.masked_var(values, mask, unbiased=False), 8 / 3)
+    close(masked.masked_sum(values, mask), 9.0)
+    close(masked.masked_mean(values, mask), 3.0)
+    close(masked.masked_mean(values, mask, axis=-1), [2.0, 5.0])
+    close(masked.masked_var(values, mask), 4.0)  # deviations -2, 0, 2 → 8 / (3 - 1)
+    close(masked.masked_var(values, mask, unbiased=False), 8 / 3)
 
 
 def test_masked_helpers_with_empty_mask_give_zero_not_nan():
     values, mask = torch.randn(2, 3), torch.zeros(2, 3)
-    assert ca.masked_mean(values, mask) == 0
-    assert torch.equal(ca.masked_mean(values, mask, axis=-1), torch.zeros(2))
-    assert ca.masked_var(values, mask) == 0
-    assert not ca.masked_whiten(values, mask).isnan().any()
+    assert masked.masked_mean(values, mask) == 0
+    assert torch.equal(masked.masked_mean(values, mask, axis=-1), torch.zeros(2))
+    assert masked.masked_var(values, mask) == 0
+    assert not masked.masked_whiten(values, mask).isnan().any()
 
 
 def test_masked_whiten_zero_mean_unit_var_and_shift_mean_option():
     values = T([[1.0, 2.0, 3.0, 100.0]])
     mask = T([[1, 1, 1, 0]])
-    whitened = ca.masked_whiten(values, mask)
+    whitened = masked.masked_whiten(values, mask)
     close(whitened[0, :3], [-1.0, 0.0, 1.0])  # mean 2, unbiased var 1
-    close(ca.masked_whiten(values, mask, shift_mean=False)[0, :3], [1.0, 2.0, 3.0])
+    close(masked.masked_whiten(values, mask, shift_mean=False)[0, :3], [1.0, 2.0, 3.0])
 
 
 # ───────────────────────────── advantage estimators ─────────────────────────────
@@ -50,13 +53,13 @@ def test_masked_whiten_zero_mean_unit_var_and_shift_mean_option():
 
 def test_registry_lists_valid_names_on_unknown():
     with pytest.raises(ValueError, match="gae, grpo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, rloo"):
-        ca.get_adv_estimator_fn("ppo")
+        advantage.get_adv_estimator_fn("ppo")
     with pytest.raises(ValueError, match="gspo, vanilla"):
-        ca.get_policy_loss_fn("clip")
+        loss_math.get_policy_loss_fn("clip")
     with pytest.raises(ValueError, match="abs, k1, k2, k3, kl, low_var_kl, mse"):
-        ca.kl_penalty(torch.zeros(1), torch.zeros(1), "full")
+        kl_math.kl_penalty(torch.zeros(1), torch.zeros(1), "full")
     with pytest.raises(ValueError, match="seq-mean-token-sum-norm"):
-        ca.agg_loss(torch.zeros(1, 1), torch.ones(1, 1), "mean")
+        loss_math.agg_loss(torch.zeros(1, 1), torch.ones(1, 1), "mean")
 
 
 def outcome_batch(scores, resp_len=3, lengths=None):
@@ -74,7 +77,7 @@ def outcome_batch(scores, resp_len=3, lengths=None):
 def test_grpo_two_groups_std_normalized():
     rewards, mask = outcome_batch([1, 0, 1, 1, 0], lengths=[3, 2, 1, 3, 2])
     index = np.array(["a", "a", "b", "b", "b"], dtype=object)
-    adv, ret = ca.get_adv_estimator_fn("grpo")(rewards, mask, index=index)
+    adv, ret = advantage.get_adv_estimator_fn("grpo")(rewards, mask, index=index)
     # group a: mean 0.5, std sqrt(0.5); group b: mean 2/3, std sqrt(1/3)
     s_a, s_b = math.sqrt(0.5), math.sqrt(1 / 3)
     expected = [0.5 / (s_a + 1e-6), -0.5 / (s_a + 1e-6), (1 / 3) / (s_b + 1e-6), (1 / 3) / (s_b + 1e-6),
@@ -86,22 +89,22 @@ def test_grpo_two_groups_std_normalized():
 def test_grpo_dr_grpo_does_not_divide_by_std():
     rewards, mask = outcome_batch([1, 0, 1, 1, 0])
     index = np.array([7, 7, 9, 9, 9])
-    adv, _ = ca.compute_grpo_outcome_advantage(rewards, mask, index, norm_adv_by_std_in_grpo=False)
+    adv, _ = advantage.compute_grpo_outcome_advantage(rewards, mask, index, norm_adv_by_std_in_grpo=False)
     close(adv[:, 0], [0.5, -0.5, 1 / 3, 1 / 3, -2 / 3])
 
 
 def test_grpo_singleton_group_keeps_raw_score_and_equal_scores_give_zero():
     rewards, mask = outcome_batch([2.0, 1.0, 1.0])
-    adv, _ = ca.compute_grpo_outcome_advantage(rewards, mask, np.array(["x", "y", "y"]))
+    adv, _ = advantage.compute_grpo_outcome_advantage(rewards, mask, np.array(["x", "y", "y"]))
     close(adv[:, 0], [2.0 / (1 + 1e-6), 0.0, 0.0])
 
 
 def test_rloo_leave_one_out_baseline():
     rewards, mask = outcome_batch([1, 0, 1, 4, 3])
-    adv, ret = ca.compute_rloo_outcome_advantage(rewards, mask, np.array(["a", "a", "b", "b", "b"]))
+    adv, ret = advantage.compute_rloo_outcome_advantage(rewards, mask, np.array(["a", "a", "b", "b", "b"]))
     close(adv[:, 0], [1 - 0, 0 - 1, 1 - 3.5, 4 - 2, 3 - 2.5])
     close(ret, adv)
-    adv_single, _ = ca.compute_rloo_outcome_advantage(rewards[:1], mask[:1], np.array(["z"]))
+    adv_single, _ = advantage.compute_rloo_outcome_advantage(rewards[:1], mask[:1], np.array(["z"]))
     close(adv_single, 1.0 * mask[:1])
 
 
@@ -109,26 +112,26 @@ def test_gae_three_tokens_by_hand_and_padding_is_ignored():
     values = T([[0.5, 0.2, 0.1, 9.0]])
     rewards = T([[0.0, 0.0, 1.0, 5.0]])
     mask = T([[1, 1, 1, 0]])
-    adv, ret = ca.compute_gae_advantage_return(rewards, mask, values, gamma=0.9, lam=0.8)
+    adv, ret = advantage.compute_gae_advantage_return(rewards, mask, values, gamma=0.9, lam=0.8)
     # δ2 = 1 − 0.1 = 0.9;  δ1 = 0.9·0.1 − 0.2 = −0.11;  δ0 = 0.9·0.2 − 0.5 = −0.32
     # A2 = 0.9;  A1 = −0.11 + 0.72·0.9 = 0.538;  A0 = −0.32 + 0.72·0.538 = 0.06736
     raw = T([[0.06736, 0.538, 0.9, 0.0]])
     close(ret, (raw + values) * mask)
-    close(adv, ca.masked_whiten(raw, mask) * mask)
+    close(adv, masked.masked_whiten(raw, mask) * mask)
 
 
 def test_gae_masked_hole_is_transparent():
     values, rewards = T([[0.5, 0.2, 0.1]]), T([[0.0, 0.0, 1.0]])
-    _, ret = ca.compute_gae_advantage_return(rewards, T([[1, 1, 1]]), values, gamma=0.9, lam=0.8)
+    _, ret = advantage.compute_gae_advantage_return(rewards, T([[1, 1, 1]]), values, gamma=0.9, lam=0.8)
     holed_values, holed_rewards = T([[0.5, 0.2, 7.0, 0.1]]), T([[0.0, 0.0, 0.0, 1.0]])
-    _, holed_ret = ca.compute_gae_advantage_return(holed_rewards, T([[1, 1, 0, 1]]), holed_values, 0.9, 0.8)
+    _, holed_ret = advantage.compute_gae_advantage_return(holed_rewards, T([[1, 1, 0, 1]]), holed_values, 0.9, 0.8)
     close(holed_ret[:, [0, 1, 3]], ret)
     assert holed_ret[0, 2] == 0
 
 
 def test_reinforce_plus_plus_discounted_returns_then_batch_whitening():
     rewards, mask = outcome_batch([1.0, 2.0], resp_len=3, lengths=[3, 2])
-    adv, ret = ca.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma=0.5)
+    adv, ret = advantage.compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma=0.5)
     close(ret, [[0.25, 0.5, 1.0], [1.0, 2.0, 0.0]])
     valid = T([0.25, 0.5, 1.0, 1.0, 2.0])
     expected = (valid - valid.mean()) / valid.std()
@@ -138,14 +141,14 @@ def test_reinforce_plus_plus_discounted_returns_then_batch_whitening():
 
 def test_reinforce_plus_plus_baseline_subtracts_group_mean_then_whitens():
     rewards, mask = outcome_batch([1.0, 0.0, 3.0], resp_len=2, lengths=[2, 1, 2])
-    adv, _ = ca.compute_reinforce_plus_plus_baseline_outcome_advantage(rewards, mask, np.array(["a", "a", "b"]))
+    adv, _ = advantage.compute_reinforce_plus_plus_baseline_outcome_advantage(rewards, mask, np.array(["a", "a", "b"]))
     centered = T([[0.5, 0.5], [-0.5, 0.0], [3.0, 3.0]])  # singleton group b keeps its score
-    close(adv, ca.masked_whiten(centered, mask) * mask)
+    close(adv, masked.masked_whiten(centered, mask) * mask)
 
 
 def test_remax_reward_to_go_minus_greedy_baseline():
     rewards, mask = T([[0.0, 1.0, 2.0], [3.0, 0.0, 0.0]]), T([[1, 1, 1], [1, 0, 0]])
-    adv, ret = ca.compute_remax_outcome_advantage(rewards, mask, reward_baselines=T([1.0, 0.5]))
+    adv, ret = advantage.compute_remax_outcome_advantage(rewards, mask, reward_baselines=T([1.0, 0.5]))
     close(ret, [[3.0, 3.0, 2.0], [3.0, 0.0, 0.0]])
     close(adv, [[2.0, 2.0, 1.0], [2.5, 0.0, 0.0]])
 
@@ -154,8 +157,8 @@ def test_compute_advantage_passes_only_the_inputs_each_estimator_needs():
     rewards, mask = outcome_batch([1, 0])
     inputs = dict(token_level_rewards=rewards, response_mask=mask, values=torch.zeros(2, 3), index=np.array([0, 0]),
                   gamma=1.0, lam=1.0, reward_baselines=torch.zeros(2), norm_adv_by_std_in_grpo=True)
-    for name in ca.ADV_ESTIMATORS:
-        adv, ret = ca.compute_advantage(name, **inputs)
+    for name in advantage.ADV_ESTIMATORS:
+        adv, ret = advantage.compute_advantage(name, **inputs)
         assert adv.shape == ret.shape == (2, 3), name
 
 
@@ -171,34 +174,34 @@ def test_compute_advantage_passes_only_the_inputs_each_estimator_needs():
 def test_kl_penalty_known_values(names, expected):
     logprob, ref = T([0.0, -1.0]), T([-1.0, 0.0])
     for name in names:
-        close(ca.kl_penalty(logprob, ref, name), expected)
+        close(kl_math.kl_penalty(logprob, ref, name), expected)
 
 
 def test_low_var_kl_is_clamped_and_finite():
-    kl = ca.kl_penalty(T([0.0, -100.0]), T([-100.0, 0.0]), "low_var_kl")
+    kl = kl_math.kl_penalty(T([0.0, -100.0]), T([-100.0, 0.0]), "low_var_kl")
     close(kl, [10.0, 10.0])
     assert torch.isfinite(kl).all()
 
 
 def test_adaptive_kl_controller_moves_coefficient_toward_target():
-    ctrl = ca.AdaptiveKLController(init_kl_coef=0.1, target_kl=1.0, horizon=100)
+    ctrl = kl_math.AdaptiveKLController(init_kl_coef=0.1, target_kl=1.0, horizon=100)
     ctrl.update(current_kl=1.1, n_steps=10)  # error 0.1 → × 1.01
     close(ctrl.value, 0.101)
     ctrl.update(current_kl=100.0, n_steps=10)  # error clipped to 0.2 → × 1.02
     close(ctrl.value, 0.101 * 1.02)
-    fixed = ca.make_kl_controller("fixed", 0.3)
+    fixed = kl_math.make_kl_controller("fixed", 0.3)
     fixed.update(5.0, 10)
     assert fixed.value == 0.3
     with pytest.raises(ValueError, match="adaptive, fixed"):
-        ca.make_kl_controller("pid", 0.3)
+        kl_math.make_kl_controller("pid", 0.3)
 
 
 def test_apply_kl_penalty_rewards_and_metrics():
     scores = T([[0.0, 1.0, 0.0], [2.0, 0.0, 0.0]])
     old, ref = T([[0.5, 0.5, 9.0], [1.0, 9.0, 9.0]]), T([[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     mask = T([[1, 1, 0], [1, 0, 0]])
-    ctrl = ca.FixedKLController(0.1)
-    rewards, metrics = ca.apply_kl_penalty(scores, old, ref, mask, ctrl, kl_penalty="kl")
+    ctrl = kl_math.FixedKLController(0.1)
+    rewards, metrics = kl_math.apply_kl_penalty(scores, old, ref, mask, ctrl, kl_penalty="kl")
     close(rewards, [[-0.05, 0.95, 0.0], [1.9, 0.0, 0.0]])
     close(metrics["actor/reward_kl_penalty"], (0.5 + 1.0) / 2)
     assert metrics["actor/reward_kl_penalty_coeff"] == 0.1
@@ -220,34 +223,34 @@ def random_batch(seed, bs=9, length=7):
 def test_agg_loss_local_reference_values():
     loss_mat = T([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [5.0, 6.0, 7.0]])
     mask = T([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
-    close(ca.agg_loss(loss_mat, mask, "token-mean"), 10 / 4)
-    close(ca.agg_loss(loss_mat, mask, "seq-mean-token-sum"), (6 + 4) / 2)
-    close(ca.agg_loss(loss_mat, mask, "seq-mean-token-mean"), (2 + 4) / 2)
-    close(ca.agg_loss(loss_mat, mask, "seq-mean-token-sum-norm"), 10 / (2 * 3))
-    close(ca.agg_loss(loss_mat, mask, "seq-mean-token-sum-norm", norm_factor=5), 10 / (2 * 5))
+    close(loss_math.agg_loss(loss_mat, mask, "token-mean"), 10 / 4)
+    close(loss_math.agg_loss(loss_mat, mask, "seq-mean-token-sum"), (6 + 4) / 2)
+    close(loss_math.agg_loss(loss_mat, mask, "seq-mean-token-mean"), (2 + 4) / 2)
+    close(loss_math.agg_loss(loss_mat, mask, "seq-mean-token-sum-norm"), 10 / (2 * 3))
+    close(loss_math.agg_loss(loss_mat, mask, "seq-mean-token-sum-norm", norm_factor=5), 10 / (2 * 5))
 
 
-@pytest.mark.parametrize("mode", ca.LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", loss_math.LOSS_AGG_MODES)
 @pytest.mark.parametrize("seed", range(5))
 def test_agg_loss_exact_under_random_micro_batch_splits(mode, seed):
     loss_mat, mask, gen = random_batch(seed)
-    whole = ca.agg_loss(loss_mat, mask, mode)
+    whole = loss_math.agg_loss(loss_mat, mask, mode)
     num_tokens, num_seqs = mask.sum(), (mask.sum(-1) > 0).sum()
     perm = torch.randperm(len(mask), generator=gen)
     cuts = sorted(torch.randint(1, len(mask), (3,), generator=gen).tolist())
     total = sum(
-        ca.agg_loss(loss_mat[idx], mask[idx], mode, global_num_tokens=num_tokens, global_num_seqs=num_seqs)
+        loss_math.agg_loss(loss_mat[idx], mask[idx], mode, global_num_tokens=num_tokens, global_num_seqs=num_seqs)
         for idx in torch.tensor_split(perm, cuts) if len(idx)
     )
     close(total, whole, atol=1e-12)
     assert not torch.isnan(whole)
 
 
-@pytest.mark.parametrize("mode", ca.LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", loss_math.LOSS_AGG_MODES)
 def test_agg_loss_gradient_exact_under_dp_sharding_with_dp_size_factor(mode):
     loss_param, mask, _ = random_batch(11, bs=8)
     loss_param = torch.nan_to_num(loss_param).requires_grad_()
-    ca.agg_loss(loss_param, mask, mode).backward()
+    loss_math.agg_loss(loss_param, mask, mode).backward()
     reference = loss_param.grad.clone()
 
     dp_size, num_tokens, num_seqs = 2, int(mask.sum()), int((mask.sum(-1) > 0).sum())
@@ -255,16 +258,16 @@ def test_agg_loss_gradient_exact_under_dp_sharding_with_dp_size_factor(mode):
     for rank_rows in torch.arange(8).chunk(dp_size):
         loss_param.grad = None
         for micro_rows in rank_rows.chunk(2):  # gradient accumulation
-            loss = ca.agg_loss(loss_param[micro_rows], mask[micro_rows], mode, num_tokens, num_seqs)
+            loss = loss_math.agg_loss(loss_param[micro_rows], mask[micro_rows], mode, num_tokens, num_seqs)
             (loss * dp_size).backward()
         grads.append(loss_param.grad.clone())
     close(sum(grads) / dp_size, reference, atol=1e-12)  # FSDP averages over ranks
 
 
-@pytest.mark.parametrize("mode", ca.LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", loss_math.LOSS_AGG_MODES)
 def test_agg_loss_all_empty_masks_give_zero_loss_and_finite_grad(mode):
     loss_mat = torch.randn(3, 4, requires_grad=True)
-    loss = ca.agg_loss(loss_mat, torch.zeros(3, 4), mode, global_num_tokens=0, global_num_seqs=0)
+    loss = loss_math.agg_loss(loss_mat, torch.zeros(3, 4), mode, global_num_tokens=0, global_num_seqs=0)
     loss.backward()
     assert loss == 0 and torch.isfinite(loss_mat.grad).all()
 
@@ -274,7 +277,7 @@ def test_agg_loss_all_empty_masks_give_zero_loss_and_finite_grad(mode):
 
 def vanilla(ratio, adv, low=0.2, high=0.2, c=3.0):
     log_prob = T([math.log(ratio)], dtype=torch.float64).requires_grad_()
-    loss, metrics = ca.compute_policy_loss_vanilla(torch.zeros(1, 1, dtype=torch.float64), log_prob.view(1, 1),
+    loss, metrics = loss_math.compute_policy_loss_vanilla(torch.zeros(1, 1, dtype=torch.float64), log_prob.view(1, 1),
                                                    T([[adv]], dtype=torch.float64), torch.ones(1, 1),
                                                    low, high, c, "token-mean")
     loss.backward()
@@ -320,8 +323,8 @@ def test_gspo_equals_vanilla_when_tokens_of_a_sequence_share_one_ratio():
     seq_log_ratio = T([[math.log(1.0002)], [math.log(0.9)], [math.log(1.01)]], dtype=torch.float64)
     log_prob = old + seq_log_ratio
     args = (old, log_prob, adv, mask, 3e-4, 4e-4, 3.0, "seq-mean-token-mean")
-    gspo_loss, gspo_metrics = ca.compute_policy_loss_gspo(*args)
-    vanilla_loss, vanilla_metrics = ca.compute_policy_loss_vanilla(*args)
+    gspo_loss, gspo_metrics = loss_math.compute_policy_loss_gspo(*args)
+    vanilla_loss, vanilla_metrics = loss_math.compute_policy_loss_vanilla(*args)
     close(gspo_loss, vanilla_loss)
     close(gspo_metrics["pg_clipfrac"], vanilla_metrics["pg_clipfrac"])
 
@@ -330,11 +333,11 @@ def test_gspo_token_form_has_the_gradient_of_the_sequence_objective():
     old, mask, adv, gen = gspo_inputs(1)
     low, high = 0.05, 0.08
     log_prob = (old + 0.05 * torch.randn(3, 5, generator=gen, dtype=torch.float64)).requires_grad_()
-    loss, _ = ca.compute_policy_loss_gspo(old, log_prob, adv, mask, low, high, 3.0, "seq-mean-token-mean")
+    loss, _ = loss_math.compute_policy_loss_gspo(old, log_prob, adv, mask, low, high, 3.0, "seq-mean-token-mean")
     (token_grad,) = torch.autograd.grad(loss, log_prob)
 
     # Direct sequence-level objective: s_i = exp(mean_t log π/π_old), clipped per sequence.
-    ratio = ca.masked_mean(log_prob - old, mask, axis=-1).exp()
+    ratio = masked.masked_mean(log_prob - old, mask, axis=-1).exp()
     seq_adv = adv[:, 0]
     seq_loss = torch.maximum(-seq_adv * ratio, -seq_adv * ratio.clamp(1 - low, 1 + high)).mean()
     (seq_grad,) = torch.autograd.grad(seq_loss, log_prob)
@@ -349,11 +352,11 @@ def test_value_loss_clipping_by_hand():
     vpreds, returns, values = T([[1.0, 0.5]]), T([[0.0, 0.0]]), T([[0.5, 0.4]])
     mask = T([[1, 1]])
     # token 0: unclipped 1.0, clipped to 0.7 → 0.49; max 1.0.  token 1: 0.25 vs 0.25 → 0.25
-    vf_loss, clipfrac = ca.compute_value_loss(vpreds, returns, values, mask, cliprange_value=0.2)
+    vf_loss, clipfrac = loss_math.compute_value_loss(vpreds, returns, values, mask, cliprange_value=0.2)
     close(vf_loss, 0.5 * (1.0 + 0.25) / 2)
     close(clipfrac, 0.0)
     # returns above: clipping holds v back → clipped loss is larger and taken
-    vf_loss, clipfrac = ca.compute_value_loss(T([[1.0]]), T([[2.0]]), T([[0.5]]), T([[1]]), cliprange_value=0.2)
+    vf_loss, clipfrac = loss_math.compute_value_loss(T([[1.0]]), T([[2.0]]), T([[0.5]]), T([[1]]), cliprange_value=0.2)
     close(vf_loss, 0.5 * 1.3**2)
     close(clipfrac, 1.0)
 
@@ -363,15 +366,11 @@ def test_logprobs_and_entropy_match_naive_and_are_stable_for_huge_logits():
     logits = torch.randn(2, 3, 11, generator=gen, dtype=torch.float64)
     labels = torch.randint(0, 11, (2, 3), generator=gen)
     log_probs = torch.log_softmax(logits, -1)
-    close(ca.logprobs_from_logits(logits, labels), log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1))
-    close(ca.entropy_from_logits(logits), -(log_probs.exp() * log_probs).sum(-1))
+    close(model_forward.logprobs_from_logits(logits, labels), log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1))
+    close(model_forward.entropy_from_logits(logits), -(log_probs.exp() * log_probs).sum(-1))
 
     huge = T([[1e4, 1e4, -1e4]])  # fp32: naive lse − Σ p·logit would lose ~1e-3 to cancellation
-    close(ca.entropy_from_logits(huge), [math.log(2)], atol=1e-6)
-    close(ca.logprobs_from_logits(huge.double(), T([0])), [math.log(0.5)])
-    assert torch.isfinite(ca.logprobs_from_logits(huge, T([2]))).all()
+    close(model_forward.entropy_from_logits(huge), [math.log(2)], atol=1e-6)
+    close(model_forward.logprobs_from_logits(huge.double(), T([0])), [math.log(0.5)])
+    assert torch.isfinite(model_forward.logprobs_from_logits(huge, T([2]))).all()
 
-
-def test_entropy_loss_aggregates_masked_entropy():
-    logits = torch.zeros(2, 2, 4)  # uniform: entropy log 4 everywhere
-    close(ca.compute_entropy_loss(logits, T([[1, 0], [0, 0]])), math.log(4))

@@ -137,7 +137,7 @@ def test_varlen_recovers_segments_from_position_ids_and_is_sdpa_on_padded_batche
 
 
 def test_entropy_chunking_is_exact():
-    from rlframe.trainer.core_algos import entropy_from_logits
+    from rlframe.workers.model_forward import entropy_from_logits
     from rlframe.workers.model_forward import _entropy_from_logits_chunked
 
     logits = torch.randn(3, 7, 11, requires_grad=True)

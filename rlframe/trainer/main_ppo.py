@@ -17,7 +17,9 @@ from rlframe.data.builtin_tasks import resolve_data_files
 from rlframe.data.dataloader import make_dataloader
 from rlframe.data.dataset import RLHFDataset
 from rlframe.reward.manager import get_reward_manager_cls, load_reward_manager
-from rlframe.trainer import core_algos
+from rlframe.algorithms.advantage import get_adv_estimator_fn
+from rlframe.algorithms.kl import get_kl_penalty_fn
+from rlframe.algorithms.loss import LOSS_AGG_MODES, get_policy_loss_fn
 from rlframe.trainer.launch import create_worker_groups, shutdown
 from rlframe.trainer.ray_trainer import RayPPOTrainer
 from rlframe.utils.batch_plan import make_batch_plan, read_model_shape, warn_ignored_keys
@@ -61,13 +63,13 @@ def normalize_config(cfg: DictConfig) -> DictConfig:
 
 def check_names(cfg: DictConfig) -> None:
     """Unknown algorithm/engine names fail here, each listing what is accepted."""
-    core_algos.get_adv_estimator_fn(cfg.algorithm.adv_estimator)
-    core_algos.get_policy_loss_fn(cfg.actor_rollout_ref.actor.policy_loss.loss_mode)
-    core_algos.get_kl_penalty_fn(cfg.algorithm.kl_penalty)
-    core_algos.get_kl_penalty_fn(cfg.actor_rollout_ref.actor.kl_loss_type)
-    if cfg.actor_rollout_ref.actor.loss_agg_mode not in core_algos.LOSS_AGG_MODES:
+    get_adv_estimator_fn(cfg.algorithm.adv_estimator)
+    get_policy_loss_fn(cfg.actor_rollout_ref.actor.policy_loss.loss_mode)
+    get_kl_penalty_fn(cfg.algorithm.kl_penalty)
+    get_kl_penalty_fn(cfg.actor_rollout_ref.actor.kl_loss_type)
+    if cfg.actor_rollout_ref.actor.loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"actor_rollout_ref.actor.loss_agg_mode={cfg.actor_rollout_ref.actor.loss_agg_mode!r}; "
-                         f"valid: {', '.join(core_algos.LOSS_AGG_MODES)}")
+                         f"valid: {', '.join(LOSS_AGG_MODES)}")
     if cfg.algorithm.kl_ctrl.type not in ("fixed", "adaptive"):
         raise ValueError(f"algorithm.kl_ctrl.type={cfg.algorithm.kl_ctrl.type!r}; valid: fixed, adaptive")
     get_reward_manager_cls(cfg.reward_model.reward_manager)

@@ -19,7 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlframe.protocol import DataProto
 from rlframe.seqpack import balance_dp_partitions, packing_metrics
-from rlframe.trainer import core_algos
+from rlframe.algorithms.advantage import compute_advantage
+from rlframe.algorithms.kl import apply_kl_penalty, make_kl_controller
+from rlframe.algorithms.masked import masked_mean
 from rlframe.trainer.checkpointing import TrainerCheckpointer
 from rlframe.trainer.metrics import (compute_data_metrics, compute_throughput_metrics, compute_timing_metrics,
                                      reduce_metrics)
@@ -56,8 +58,8 @@ class RayPPOTrainer:
         self.num_devices = num_devices
         self.hidden_size = hidden_size
         algo = config.algorithm
-        self.kl_ctrl = core_algos.make_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef,
-                                                     algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
+        self.kl_ctrl = make_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef,
+                                          algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
         self.checkpointer = TrainerCheckpointer(config.trainer)
         self.global_step = 0
         self.flops_info, self.peak_tflops = None, None
@@ -122,7 +124,7 @@ class RayPPOTrainer:
         with timer("old_log_prob", timings):
             old = self.actor_rollout_wg.compute_log_prob(batch)
             entropy = old.pop(batch_keys=["entropys"]).batch["entropys"]
-            metrics["actor/entropy"] = float(core_algos.masked_mean(entropy, batch.batch["response_mask"]))
+            metrics["actor/entropy"] = float(masked_mean(entropy, batch.batch["response_mask"]))
             batch = batch.union(old)
         if self.use_reference:
             with timer("ref", timings):
@@ -233,7 +235,7 @@ class RayPPOTrainer:
         algo = self.config.algorithm
         response_mask = batch.batch["response_mask"]
         if algo.use_kl_in_reward:
-            rewards, kl_metrics = core_algos.apply_kl_penalty(
+            rewards, kl_metrics = apply_kl_penalty(
                 batch.batch["token_level_scores"], batch.batch["old_log_probs"], batch.batch["ref_log_prob"],
                 response_mask, self.kl_ctrl, algo.kl_penalty)
             batch.batch["token_level_rewards"] = rewards
@@ -247,7 +249,7 @@ class RayPPOTrainer:
             inputs["values"] = batch.batch["values"]
         if algo.adv_estimator == "remax":
             inputs["reward_baselines"] = batch.batch["reward_baselines"]
-        advantages, returns = core_algos.compute_advantage(algo.adv_estimator, **inputs)
+        advantages, returns = compute_advantage(algo.adv_estimator, **inputs)
         batch.batch["advantages"], batch.batch["returns"] = advantages, returns
 
     def _validate(self) -> dict:

@@ -1,6 +1,6 @@
 """The PPO actor on one rank: log-probs and the policy update over mini- and micro-batches.
 
-The math lives in `rlframe.trainer.core_algos` (pure functions); this class only cuts batches,
+The math lives in `rlframe.algorithms` (pure functions); this class only cuts batches,
 runs the model and steps the optimizer. Losses are normalized by the token/sequence counts of the
 whole mini-batch summed over DP ranks, and multiplied by `dp_size` because FSDP averages gradients
 over ranks: the accumulated gradient is exactly the single-process full-batch gradient, whatever
@@ -16,7 +16,8 @@ from torch import nn
 
 from rlframe.protocol import DataProto
 from rlframe.seqpack import MicroBatchSpec
-from rlframe.trainer import core_algos
+from rlframe.algorithms.kl import kl_penalty
+from rlframe.algorithms.loss import agg_loss, get_policy_loss_fn
 from rlframe.workers.batching import (DataParallelModel, apply_gradients, dp_sum, global_counts,
                                       micro_batch_metrics, response_mask_of, restore_order, split_micro_batches)
 from rlframe.workers.model_forward import forward_micro_batch
@@ -52,7 +53,7 @@ class PPOActor(DataParallelModel):
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, settings: ActorSettings,
                  dp_group=None, sp_group=None, dp_size: int = 1, lr_scheduler=None, seed: int = 0):
         super().__init__(module, optimizer, settings, dp_group, sp_group, dp_size, lr_scheduler, seed)
-        self.policy_loss_fn = core_algos.get_policy_loss_fn(settings.policy_loss)
+        self.policy_loss_fn = get_policy_loss_fn(settings.policy_loss)
 
     def _forward(self, micro: dict, temperature: float, calculate_entropy: bool) -> dict:
         return forward_micro_batch(self.module, micro, response_length=micro["responses"].shape[-1],
@@ -102,12 +103,12 @@ class PPOActor(DataParallelModel):
                 s.clip_ratio_low, s.clip_ratio_high, s.clip_ratio_c, s.loss_agg_mode, **norm)
             loss = pg_loss
             if s.entropy_coeff != 0:
-                entropy = core_algos.agg_loss(out["entropy"], response_mask, s.loss_agg_mode, **norm)
+                entropy = agg_loss(out["entropy"], response_mask, s.loss_agg_mode, **norm)
                 loss = loss - s.entropy_coeff * entropy
                 _add(sums, "actor/entropy_loss", entropy)
             if s.use_kl_loss:
-                kl = core_algos.kl_penalty(out["log_probs"], micro["ref_log_prob"], s.kl_loss_type)
-                kl_loss = core_algos.agg_loss(kl, response_mask, s.loss_agg_mode, **norm)
+                kl = kl_penalty(out["log_probs"], micro["ref_log_prob"], s.kl_loss_type)
+                kl_loss = agg_loss(kl, response_mask, s.loss_agg_mode, **norm)
                 loss = loss + s.kl_loss_coef * kl_loss
                 _add(sums, "actor/kl_loss", kl_loss)
             # FSDP averages gradients over the dp ranks; the counts above are already global.

@@ -8,7 +8,8 @@ import torch
 
 from rlframe.protocol import DataProto
 from rlframe.seqpack import MicroBatchSpec
-from rlframe.trainer import core_algos
+from rlframe.algorithms.loss import compute_value_loss
+from rlframe.algorithms.masked import masked_mean
 from rlframe.workers.batching import (DataParallelModel, apply_gradients, dp_sum, global_counts,
                                       micro_batch_metrics, response_mask_of, restore_order, split_micro_batches)
 from rlframe.workers.model_forward import forward_micro_batch
@@ -65,14 +66,14 @@ class PPOCritic(DataParallelModel):
         for micro in micro_batches:
             response_mask = response_mask_of(micro)
             vpreds = self._values(micro)
-            vf_loss, vf_clipfrac = core_algos.compute_value_loss(
+            vf_loss, vf_clipfrac = compute_value_loss(
                 vpreds, micro["returns"], micro["values"], response_mask, s.cliprange_value, s.loss_agg_mode,
                 **norm)
             (vf_loss * self.dp_size).backward()
             share = response_mask.sum() / num_tokens.clamp(min=1)
             sums["critic/vf_loss"] = sums.get("critic/vf_loss", 0.0) + float(vf_loss.detach())
             sums["critic/vf_clipfrac"] = sums.get("critic/vf_clipfrac", 0.0) + float(vf_clipfrac * share)
-            vpred_mean = core_algos.masked_mean(vpreds.detach(), response_mask)
+            vpred_mean = masked_mean(vpreds.detach(), response_mask)
             sums["critic/vpred_mean"] = sums.get("critic/vpred_mean", 0.0) + float(vpred_mean * share)
         step_metrics = dp_sum(sums, self.dp_group)
         step_metrics.update(micro_batch_metrics(micro_batches, s.update, "critic"))

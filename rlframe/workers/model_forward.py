@@ -28,9 +28,26 @@ from rlframe.distributed.attention import ATTN_IMPLEMENTATION
 from rlframe.distributed.padding import pack_tensor, pad_output, unpad_input
 from rlframe.distributed.ulysses import (gather_outputs, get_ulysses_group, pad_packed_for_sp, slice_for_rank,
                                          sp_size_of)
-from rlframe.trainer.core_algos import entropy_from_logits, logprobs_from_logits
 
 ENTROPY_CHUNK_TOKENS = 1024
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[label] as gathered logit − logsumexp, never materializing log_softmax.
+
+    Pass fp32 logits for exact numbers; the result has the logits' dtype and shape[:-1].
+    """
+    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last dim: logsumexp − Σ p·logit (stable for any scale)."""
+    # Both terms are shift-invariant; shifting by the max first keeps them O(1), so their
+    # difference does not cancel catastrophically when logits are large.
+    shifted = logits - logits.amax(dim=-1, keepdim=True).detach()
+    probs = torch.softmax(shifted, dim=-1)
+    return torch.logsumexp(shifted, dim=-1) - (probs * shifted).sum(dim=-1)
 
 
 def forward_micro_batch(model: torch.nn.Module, micro_batch: dict[str, torch.Tensor], response_length: int,

@@ -1,0 +1,12 @@
+"""The math of RL for language models, as pure torch functions (no ranks, no micro-batches).
+
+- `masked`: masked sums, means, variances and whitening, and the name registries.
+- `advantage`: advantage estimators (`algorithm.adv_estimator`), looked up by name.
+- `kl`: per-token KL estimators, KL controllers and the KL penalty in the reward.
+- `loss`: loss aggregation (exact under any micro-batch or DP split), policy and value losses.
+
+Everything works on padded [batch, response_len] tensors with a 0/1 `response_mask`. Exactness under
+gradient accumulation and data parallelism comes from `loss.agg_loss` taking the *global* token and
+sequence counts of the mini-batch from its caller. Formulas are in docs/algorithms.md; an unknown
+name raises ValueError listing the valid ones.
+"""
