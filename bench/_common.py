@@ -119,7 +119,7 @@ def tiny_causal_lm(hidden_size: int, num_layers: int, num_heads: int, num_kv_hea
     from transformers import AutoModelForCausalLM
 
     from rlframe.distributed.attention import register_varlen_attention
-    from rlframe.utils.tiny_model import build_model_config
+    from rlframe.models.tiny import build_model_config
 
     config = build_model_config(vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
                                 num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,

@@ -105,7 +105,7 @@ def _trl_worker(job: dict) -> None:
     from rlframe.data.builtin_tasks import resolve_data_files
     from rlframe.reward.manager import normalize_score
     from rlframe.reward.scorers import countdown_add_score
-    from rlframe.trainer.main_ppo import resolve_model_path
+    from rlframe.models.builtin import resolve_model_path
 
     torch.set_num_threads(job["threads"])
     model_path = resolve_model_path("builtin://tiny")

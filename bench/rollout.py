@@ -19,8 +19,8 @@ import time
 import torch
 
 from rlframe.protocol import DataProto
-from rlframe.utils.config import load_config, resolved
-from rlframe.utils.tiny_model import make_tiny_model
+from rlframe.config.loader import load_config, resolved
+from rlframe.models.tiny import make_tiny_model
 from rlframe.workers.rollout import build_rollout
 
 # name -> make_tiny_model kwargs (hidden, layers, heads, kv heads); intermediate = 2 * hidden

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from rlframe.utils.config import load_config, resolved
+from rlframe.config.loader import load_config, resolved
 from rlframe.workers.rollout import build_rollout
 
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -34,7 +34,7 @@ def make_model(out_dir: str) -> str:
     """Random-init 0.5B-shaped Qwen2 plus the tiny tokenizer, saved like a real checkpoint."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from rlframe.utils.tiny_model import build_tokenizer
+    from rlframe.models.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
     config = Qwen2Config(**QWEN25_05B, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,

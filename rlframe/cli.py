@@ -27,13 +27,13 @@ def _train(args: list[str]) -> int:
 
 
 def _explain(args: list[str]) -> int:
-    from rlframe.utils.explain import main as explain_main
+    from rlframe.explain import main as explain_main
 
     return explain_main(args)
 
 
 def _make_tiny_model(args: list[str]) -> int:
-    from rlframe.utils.tiny_model import main as tiny_main
+    from rlframe.models.tiny import main as tiny_main
 
     tiny_main(args)
     return 0

@@ -21,7 +21,7 @@ from rlframe.data.builtin_tasks import resolve_data_files
 from rlframe.data.dataset import RLHFDataset, collate_fn
 from rlframe.protocol import DataProto
 from rlframe.reward.manager import NaiveRewardManager
-from rlframe.utils.config import load_config
+from rlframe.config.loader import load_config
 
 
 def response_mask_until_eos(responses: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlframe.utils.tiny_model import make_tiny_model
+    from rlframe.models.tiny import make_tiny_model
 
     cfg = load_config().data
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,6 +23,6 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory):
     """A tiny random-init Qwen2 model + tokenizer on disk, built once per test session."""
-    from rlframe.utils.tiny_model import make_tiny_model
+    from rlframe.models.tiny import make_tiny_model
 
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny_model")))

@@ -6,9 +6,9 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from rlframe.utils.batch_plan import (TINY_MODEL_SHAPE, BatchPlan, ModelShape, ignored_key_warnings, ignored_keys,
-                                      key_statuses, make_batch_plan, override_key, read_model_shape)
-from rlframe.utils.config import load_config
+from rlframe.batch_plan import TINY_MODEL_SHAPE, BatchPlan, ModelShape, make_batch_plan, read_model_shape
+from rlframe.config.key_status import ignored_key_warnings, ignored_keys, key_statuses, override_key
+from rlframe.config.loader import load_config
 
 A, R, REF = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
 SHORT = {  # short names used by the grid below

@@ -1,6 +1,7 @@
 """Data path: built-in task files, chat templating and padding, length policies, schema errors,
 and the resumable dataloader."""
 
+import io
 import logging
 import os
 
@@ -16,7 +17,7 @@ from rlframe.data.dataloader import make_dataloader
 from rlframe.data.dataset import RLHFDataset, collate_fn
 from rlframe.protocol import DataProto
 from rlframe.reward.scorers import countdown_add_score
-from rlframe.utils.config import load_config
+from rlframe.config.loader import load_config
 
 
 @pytest.fixture(scope="module")
@@ -215,29 +216,60 @@ def run(loader, num_batches):
     return out
 
 
-@pytest.mark.parametrize("stop_after", [3, 8, 11], ids=["mid_epoch", "epoch_boundary", "second_epoch"])
+def through_checkpoint(state):
+    """`state` after torch.save/torch.load, as the trainer's checkpoint stores it."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("stop_after", [3, 8, 11, 19],
+                         ids=["mid_epoch", "epoch_boundary", "second_epoch", "third_epoch"])
 def test_dataloader_resume_yields_the_batches_it_would_have(builtin_dataset, stop_after):
-    # 64 prompts, batch 8 -> 8 batches per epoch; run 20 batches straight vs stop/save/resume.
-    straight = run(make_dataloader(builtin_dataset, 8, shuffle=True, seed=3), 20)
+    # 64 prompts, batch 8 -> 8 batches per epoch; run 28 batches straight vs stop/save/resume.
+    straight = run(make_dataloader(builtin_dataset, 8, shuffle=True, seed=3), 28)
     first = make_dataloader(builtin_dataset, 8, shuffle=True, seed=3)
     before = run(first, stop_after)
-    state = first.state_dict()
+    state = through_checkpoint(first.state_dict())
     resumed = make_dataloader(builtin_dataset, 8, shuffle=True, seed=3)
     resumed.load_state_dict(state)
-    assert before + run(resumed, 20 - stop_after) == straight
+    assert before + run(resumed, 28 - stop_after) == straight
+
+
+def test_dataloader_resume_after_a_finished_epoch(builtin_dataset):
+    # The state is taken after the epoch's loop ended (StopIteration seen), not after its last batch.
+    straight = run(make_dataloader(builtin_dataset, 8, shuffle=True, seed=5), 16)
+    first = make_dataloader(builtin_dataset, 8, shuffle=True, seed=5)
+    epoch0 = [batch_ids(batch) for batch in first]
+    resumed = make_dataloader(builtin_dataset, 8, shuffle=True, seed=5)
+    resumed.load_state_dict(through_checkpoint(first.state_dict()))
+    assert epoch0 + [batch_ids(batch) for batch in resumed] == straight
 
 
 def test_dataloader_epochs_cover_the_data_in_new_orders(builtin_dataset):
     loader = make_dataloader(builtin_dataset, 8, shuffle=True, seed=3)
     assert len(loader) == 8
-    epoch0 = [i for batch in loader for i in batch_ids(batch)]
-    epoch1 = [i for batch in loader for i in batch_ids(batch)]
-    assert sorted(epoch0) == sorted(epoch1) == list(range(64))
-    assert epoch0 != epoch1 and loader.epoch == 1
+    epochs = [[i for batch in loader for i in batch_ids(batch)] for _ in range(3)]
+    assert all(sorted(epoch) == list(range(64)) for epoch in epochs)
+    assert len({tuple(epoch) for epoch in epochs}) == 3
     again = make_dataloader(builtin_dataset, 8, shuffle=True, seed=3)
-    assert [i for batch in again for i in batch_ids(batch)] == epoch0
+    assert [i for batch in again for i in batch_ids(batch)] == epochs[0]
+    other_seed = make_dataloader(builtin_dataset, 8, shuffle=True, seed=4)
+    assert [i for batch in other_seed for i in batch_ids(batch)] != epochs[0]
     unshuffled = make_dataloader(builtin_dataset, 8, shuffle=False, seed=3)
     assert [i for batch in unshuffled for i in batch_ids(batch)] == list(range(64))
+
+
+def test_dataloader_leaves_the_global_rng_alone(builtin_dataset):
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    loader = make_dataloader(builtin_dataset, 8, shuffle=True, seed=3)
+    for _ in range(2):
+        list(loader)
+    loader.state_dict()
+    assert torch.equal(torch.rand(3), expected)
 
 
 def test_dataloader_batch_is_a_dataproto_dict(builtin_dataset):

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from rlframe.utils.batch_plan import make_batch_plan
-from rlframe.utils.config import load_config
-from rlframe.utils.explain import (balance_ranks, dynamic_micro_batches, main, sequence_lengths, simulate,
+from rlframe.batch_plan import make_batch_plan
+from rlframe.config.loader import load_config
+from rlframe.explain import (balance_ranks, dynamic_micro_batches, main, sequence_lengths, simulate,
                                    static_micro_batches)
 
 WORKED_EXAMPLE = [800, 6500, 1200, 4000, 9000, 2500, 1500, 7500]

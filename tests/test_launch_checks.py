@@ -5,7 +5,7 @@ import json
 import pytest
 
 from rlframe.trainer.main_ppo import prepare
-from rlframe.utils.tracking import Tracking
+from rlframe.trainer.tracking import Tracking
 
 
 @pytest.fixture(autouse=True)

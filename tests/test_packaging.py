@@ -25,7 +25,7 @@ def test_every_module_imports_without_vllm_or_flash_attn():
 
 
 def test_config_dir_has_ppo_trainer_yaml():
-    from rlframe.utils.config import config_dir, load_config
+    from rlframe.config.loader import config_dir, load_config
 
     assert config_dir()
     cfg = load_config(["data.train_batch_size=16"])

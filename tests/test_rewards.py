@@ -17,7 +17,7 @@ from rlframe.reward import (
     load_reward_manager,
 )
 from rlframe.reward.scorers import countdown_add_score, gsm8k_score, last_boxed, math_score
-from rlframe.utils.config import load_config
+from rlframe.config.loader import load_config
 
 
 # --------------------------------------------------------------------------------------- scorers

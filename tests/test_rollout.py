@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from rlframe.protocol import DataProto
-from rlframe.utils.config import load_config, resolved
-from rlframe.workers.rollout import (ROLLOUT_NAMES, SamplingParams, build_rollout, check_rollout_name,
+from rlframe.config.loader import load_config, resolved
+from rlframe.config.checks import ROLLOUT_ENGINES, check_rollout_name
+from rlframe.workers.rollout import (SamplingParams, build_rollout,
                                      generate_in_tp_group)
 
 PROMPT_LEN, RESPONSE_LEN = 8, 6
@@ -240,7 +241,7 @@ def test_prompts_wider_than_prompt_length_or_right_padded_are_rejected(hf_rollou
 
 
 def test_unknown_rollout_name_lists_valid_names():
-    assert ROLLOUT_NAMES == ("hf", "vllm")
+    assert tuple(ROLLOUT_ENGINES) == ("hf", "vllm")
     with pytest.raises(ValueError, match="choose one of hf, vllm"):
         check_rollout_name("sglang")
     with pytest.raises(ValueError, match="'sglang'"):

@@ -34,7 +34,7 @@ def test_tiny_model_reloads_and_runs_forward(tiny_model_path):
 
 
 def test_make_tiny_model_is_deterministic(tmp_path):
-    from rlframe.utils.tiny_model import make_tiny_model
+    from rlframe.models.tiny import make_tiny_model
 
     a = AutoModelForCausalLM.from_pretrained(make_tiny_model(str(tmp_path / "a")))
     b = AutoModelForCausalLM.from_pretrained(make_tiny_model(str(tmp_path / "b")))

@@ -166,7 +166,7 @@ def test_resume_from_step_k_equals_uninterrupted_run(tmp_path, cache_dir):
 def test_grpo_with_a_reward_model_worker(tmp_path, cache_dir):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from rlframe.utils.tiny_model import make_tiny_model
+    from rlframe.models.tiny import make_tiny_model
 
     policy = make_tiny_model(str(tmp_path / "policy"))
     rm_dir = tmp_path / "rm"

@@ -110,7 +110,7 @@ def _collectives_worker(rank, world_size, out_path):
 
 @pytest.fixture(scope="module")
 def model_paths(tiny_model_path, tmp_path_factory):
-    from rlframe.utils.tiny_model import make_tiny_model
+    from rlframe.models.tiny import make_tiny_model
 
     # 4 query heads over 1 kv head: with sp=2 each kv head is repeated before the head split
     mqa = make_tiny_model(str(tmp_path_factory.mktemp("tiny_mqa")), num_kv_heads=1)

@@ -1,7 +1,7 @@
 """Built-in synthetic tasks, addressed as `builtin://NAME` in `data.train_files` / `data.val_files`.
 
 They exist so that `rlframe` trains end to end with no download: the tiny random model of
-`rlframe.utils.tiny_model` gets a little reward by chance and visibly more after a few dozen
+`rlframe.models.tiny` gets a little reward by chance and visibly more after a few dozen
 GRPO steps. Each task writes parquet files in verl's schema, so everything downstream (dataset,
 reward managers) treats them exactly like a user's data.
 

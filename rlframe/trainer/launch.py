@@ -6,7 +6,8 @@ import os
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlframe.utils.batch_plan import BatchPlan
+from rlframe.batch_plan import BatchPlan
+from rlframe.config.checks import resolve_device
 
 
 def _num_cpus_for_local_ray(cfg: DictConfig, world_size: int, device_type: str) -> int | None:
@@ -24,7 +25,6 @@ def create_worker_groups(cfg: DictConfig, plan: BatchPlan, total_training_steps:
 
     from rlframe.single_controller.ray import (RayClassWithInitArgs, RayResourcePool, RayWorkerGroup,
                                                create_colocated_worker_cls, init_ray)
-    from rlframe.workers.fsdp_utils import resolve_device
     from rlframe.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker, worker_env
     from rlframe.workers.reward_model import RewardModelWorker
 

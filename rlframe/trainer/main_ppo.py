@@ -22,28 +22,12 @@ from rlframe.algorithms.kl import get_kl_penalty_fn
 from rlframe.algorithms.loss import LOSS_AGG_MODES, get_policy_loss_fn
 from rlframe.trainer.launch import create_worker_groups, shutdown
 from rlframe.trainer.ray_trainer import RayPPOTrainer
-from rlframe.utils.batch_plan import make_batch_plan, read_model_shape, warn_ignored_keys
-from rlframe.utils.cache import cache_dir
-from rlframe.utils.config import config_dir, load_config, resolved
-from rlframe.utils.tiny_model import BUILTIN_MODEL, make_tiny_model
-from rlframe.workers.checkpoint import SAVE_CONTENTS
-from rlframe.workers.fsdp_utils import STRATEGIES, check_fsdp_size, check_model_path, resolve_device
-from rlframe.workers.rollout import check_rollout_name
-
-def resolve_model_path(path: str) -> str:
-    """`builtin://tiny` is built offline on first use; anything else is used as given."""
-    if not path.startswith("builtin://"):
-        return os.path.expanduser(path)
-    if path != BUILTIN_MODEL:
-        raise ValueError(f"model path {path!r} is not a built-in model; the built-in one is {BUILTIN_MODEL}")
-    target = os.path.join(cache_dir(), "models", "tiny-qwen2-v1")
-    if not os.path.isfile(os.path.join(target, "config.json")):
-        tmp = f"{target}.tmp.{os.getpid()}"
-        make_tiny_model(tmp)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        os.replace(tmp, target)
-    return target
-
+from rlframe.batch_plan import make_batch_plan, read_model_shape
+from rlframe.config.key_status import warn_ignored_keys
+from rlframe.config.checks import (SAVE_CONTENTS, STRATEGIES, check_fsdp_size, check_model_path, check_rollout_name,
+                                   resolve_device)
+from rlframe.config.loader import config_dir, load_config, resolved
+from rlframe.models.builtin import resolve_model_path
 
 # Keys that may name the built-in tiny model (directly or through an interpolation).
 MODEL_PATH_KEYS = ("actor_rollout_ref.model.path", "critic.model.path", "critic.model.tokenizer_path",

@@ -25,10 +25,10 @@ from rlframe.algorithms.masked import masked_mean
 from rlframe.trainer.checkpointing import TrainerCheckpointer
 from rlframe.trainer.metrics import (compute_data_metrics, compute_throughput_metrics, compute_timing_metrics,
                                      reduce_metrics)
-from rlframe.utils.batch_plan import BatchPlan
+from rlframe.batch_plan import BatchPlan
+from rlframe.config.checks import resolve_device
 from rlframe.utils.flops import device_peak_tflops, train_flops
-from rlframe.utils.tracking import Tracking
-from rlframe.workers.fsdp_utils import resolve_device
+from rlframe.trainer.tracking import Tracking
 
 PROMPT_KEYS = ["input_ids", "attention_mask", "position_ids"]
 

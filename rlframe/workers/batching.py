@@ -21,7 +21,7 @@ from rlframe.workers.fsdp_utils import clip_grad_norm
 
 
 def micro_batch_spec(plan, token_len_key: str) -> MicroBatchSpec:
-    """The MicroBatchSpec of one role's ForwardPlan/UpdatePlan (see rlframe.utils.batch_plan)."""
+    """The MicroBatchSpec of one role's ForwardPlan/UpdatePlan (see rlframe.batch_plan)."""
     return MicroBatchSpec(plan.use_dynamic_bsz, plan.micro_batch_size, plan.max_token_len, plan.packing_algorithm,
                           token_len_key)
 

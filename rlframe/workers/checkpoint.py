@@ -16,10 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rlframe.config.checks import SAVE_CONTENTS
 from rlframe.workers.fsdp_utils import full_state_dict
-
-SAVE_CONTENTS = ("model", "optimizer", "extra", "hf_model")
-
 
 def _atomic_save(obj, path: str) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"

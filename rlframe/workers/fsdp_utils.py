@@ -7,7 +7,6 @@ on CPU and nccl on CUDA; only the device type and the default dtype change.
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass
 
@@ -15,20 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-STRATEGIES = ("fsdp2", "fsdp")
+from rlframe.config.checks import STRATEGIES, check_fsdp_size
+
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
-
-
-def resolve_device(device: str) -> str:
-    """`trainer.device` (auto|cpu|cuda) to a torch device type."""
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"trainer.device={device!r} is not one of auto, cpu, cuda")
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
-    return device
 
 
 def resolve_dtype(name: str, device_type: str) -> torch.dtype:
@@ -38,17 +27,6 @@ def resolve_dtype(name: str, device_type: str) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r} is not one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]
-
-
-def check_model_path(path: str, key: str = "actor_rollout_ref.model.path") -> None:
-    """Fail early, naming the key, when a model directory has no config or no weights."""
-    if not os.path.isdir(path):
-        raise ValueError(f"{key}={path!r} is not a directory; point it at a local Hugging Face model folder")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"{key}={path!r} has no config.json; it is not a Hugging Face model folder")
-    names = os.listdir(path)
-    if not any(n.endswith((".safetensors", ".bin")) for n in names):
-        raise ValueError(f"{key}={path!r} has a config.json but no weights (*.safetensors or *.bin)")
 
 
 @dataclass(frozen=True)
@@ -115,14 +93,6 @@ def build_fsdp_mesh(device_type: str, world_size: int, fsdp_size: int, key: str 
         return init_device_mesh(device_type, (world_size,), mesh_dim_names=("fsdp",))
     check_fsdp_size(fsdp_size, world_size, key)
     return init_device_mesh(device_type, (world_size // fsdp_size, fsdp_size), mesh_dim_names=("ddp", "fsdp"))
-
-
-def check_fsdp_size(fsdp_size: int, world_size: int, key: str) -> None:
-    if fsdp_size == -1:
-        return
-    if fsdp_size < 1 or world_size % fsdp_size:
-        raise ValueError(f"{key}={fsdp_size} must be -1 (shard over all {world_size} ranks) or a divisor of "
-                         f"world_size = trainer.nnodes × trainer.n_gpus_per_node = {world_size}")
 
 
 @dataclass(frozen=True)

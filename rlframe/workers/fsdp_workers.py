@@ -19,14 +19,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlframe.protocol import DataProto, all_gather_data_proto
 from rlframe.single_controller import Dispatch, Execute, Worker, register
-from rlframe.utils.batch_plan import ACTOR_KEYS, CRITIC_KEYS, REF_KEYS, BatchPlan, UpdatePlan
+from rlframe.batch_plan import BatchPlan, UpdatePlan
+from rlframe.config.checks import resolve_device
+from rlframe.config.keys import ACTOR_KEYS, CRITIC_KEYS, REF_KEYS
 from rlframe.utils.flops import model_flops_info
 from rlframe.workers import checkpoint as ckpt
 from rlframe.workers.actor import ActorSettings, PPOActor
 from rlframe.workers.batching import micro_batch_spec
 from rlframe.workers.critic import CriticSettings, PPOCritic
 from rlframe.workers.fsdp_utils import (FSDPSpec, ModelSpec, build_fsdp_mesh, build_lr_scheduler, build_optimizer, iter_full_params,
-                                        load_hf_model, move_optimizer_state, resolve_device, resolve_dtype,
+                                        load_hf_model, move_optimizer_state, resolve_dtype,
                                         wrap_fsdp)
 
 

@@ -13,27 +13,16 @@ import importlib
 import torch
 import torch.distributed as dist
 
+from rlframe.config.checks import ROLLOUT_ENGINES, check_rollout_name
 from rlframe.protocol import DataProto, all_gather_data_proto
 from rlframe.workers.rollout.base import (BaseRollout, RolloutSettings, SamplingParams, build_rollout_output,
                                           check_prompts, response_metrics)
 from rlframe.workers.rollout.tp import group_rank_and_size
 
-__all__ = ["BaseRollout", "ROLLOUT_NAMES", "RolloutSettings", "SamplingParams", "build_rollout",
-           "build_rollout_output", "check_prompts", "check_rollout_name", "generate_in_tp_group"]
-
-# name -> "module:class"; modules are imported only when chosen (vllm is an optional extra)
-_REGISTRY = {
-    "hf": "rlframe.workers.rollout.hf_rollout:HFRollout",
-    "vllm": "rlframe.workers.rollout.vllm_rollout:VLLMRollout",
-}
-ROLLOUT_NAMES = tuple(_REGISTRY)
+__all__ = ["BaseRollout", "RolloutSettings", "SamplingParams", "build_rollout",
+           "build_rollout_output", "check_prompts", "generate_in_tp_group"]
 
 
-def check_rollout_name(name: str) -> None:
-    """Raise a ValueError listing the valid engines when `name` is not one of them."""
-    if name not in _REGISTRY:
-        raise ValueError(f"actor_rollout_ref.rollout.name={name!r} is not a rollout engine; "
-                         f"choose one of {', '.join(ROLLOUT_NAMES)}")
 
 
 def build_rollout(name: str, rollout_cfg, model_path: str, tokenizer, device_type: str, tp_group=None, *,
@@ -46,7 +35,7 @@ def build_rollout(name: str, rollout_cfg, model_path: str, tokenizer, device_typ
     """
     check_rollout_name(name)
     settings = RolloutSettings.from_config(rollout_cfg)
-    module_name, class_name = _REGISTRY[name].split(":")
+    module_name, class_name = ROLLOUT_ENGINES[name].split(":")
     engine = getattr(importlib.import_module(module_name), class_name)
     extra = {}
     if name == "vllm":

@@ -17,8 +17,8 @@ import sys
 
 import numpy as np
 
-from rlframe.utils.batch_plan import (BatchPlan, KeyStatus, ModelShape, ignored_key_warnings, key_statuses,
-                                      make_batch_plan, override_key, read_model_shape)
+from rlframe.batch_plan import BatchPlan, ModelShape, make_batch_plan, read_model_shape
+from rlframe.config.key_status import KeyStatus, ignored_key_warnings, key_statuses, override_key
 
 LENGTH_FIELDS = ("response_length", "response_lengths", "response_len", "num_response_tokens")
 PROMPT_FIELDS = ("prompt_length", "prompt_lengths", "prompt_len", "num_prompt_tokens")
@@ -282,7 +282,7 @@ def _update_lines(title: str, p, keys, plan: BatchPlan, forward_title: str) -> l
 
 def format_plan(plan: BatchPlan) -> str:
     """The flow from data.train_batch_size to one GPU's micro-batch, role by role."""
-    from rlframe.utils.batch_plan import ACTOR_KEYS, CRITIC_KEYS, REF_KEYS
+    from rlframe.config.keys import ACTOR_KEYS, CRITIC_KEYS, REF_KEYS
 
     r = plan.rollout
     lines = [
@@ -386,7 +386,7 @@ def _brief(values: list, limit: int = 8) -> str:
 
 def explain(overrides: list[str], lengths: str | None = None, fmt: str = "text", seed: int = 0) -> str:
     """The whole report for `rlframe explain`; raises ValueError (the trainer's message) on a bad config."""
-    from rlframe.utils.config import load_config
+    from rlframe.config.loader import load_config
 
     cfg = load_config(overrides)
     model_path = cfg.actor_rollout_ref.model.path

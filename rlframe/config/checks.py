@@ -1,0 +1,58 @@
+"""Names and checks of config values that need no worker code, so the launch checks run before Ray.
+
+Workers import their accepted names from here (never the other way round): the FSDP strategies,
+what a checkpoint may hold, the rollout engines (as "module:class" strings, imported only when
+chosen) and the device, model-folder and shard-size checks.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+STRATEGIES = ("fsdp2", "fsdp")
+SAVE_CONTENTS = ("model", "optimizer", "extra", "hf_model")
+# rollout name -> "module:class"; modules are imported only when chosen (vllm is an optional extra)
+ROLLOUT_ENGINES = {
+    "hf": "rlframe.workers.rollout.hf_rollout:HFRollout",
+    "vllm": "rlframe.workers.rollout.vllm_rollout:VLLMRollout",
+}
+
+
+def check_rollout_name(name: str) -> None:
+    """Raise a ValueError listing the valid engines when `name` is not one of them."""
+    if name not in ROLLOUT_ENGINES:
+        raise ValueError(f"actor_rollout_ref.rollout.name={name!r} is not a rollout engine; "
+                         f"choose one of {', '.join(ROLLOUT_ENGINES)}")
+
+
+def resolve_device(device: str) -> str:
+    """`trainer.device` (auto|cpu|cuda) to a torch device type."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"trainer.device={device!r} is not one of auto, cpu, cuda")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
+    return device
+
+
+def check_model_path(path: str, key: str = "actor_rollout_ref.model.path") -> None:
+    """Fail early, naming the key, when a model directory has no config or no weights."""
+    if not os.path.isdir(path):
+        raise ValueError(f"{key}={path!r} is not a directory; point it at a local Hugging Face model folder")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{key}={path!r} has no config.json; it is not a Hugging Face model folder")
+    names = os.listdir(path)
+    if not any(n.endswith((".safetensors", ".bin")) for n in names):
+        raise ValueError(f"{key}={path!r} has a config.json but no weights (*.safetensors or *.bin)")
+
+
+def check_fsdp_size(fsdp_size: int, world_size: int, key: str) -> None:
+    """`fsdp_size` is -1 (shard over all ranks) or a divisor of the world size (HSDP groups)."""
+    if fsdp_size == -1:
+        return
+    if fsdp_size < 1 or world_size % fsdp_size:
+        raise ValueError(f"{key}={fsdp_size} must be -1 (shard over all {world_size} ranks) or a divisor of "
+                         f"world_size = trainer.nnodes × trainer.n_gpus_per_node = {world_size}")

@@ -1,0 +1,98 @@
+"""Which config keys each role reads: the key sets of the actor update, the old/ref log-prob passes
+and the critic, and the switches that turn the reference model and the critic on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+ACTOR = "actor_rollout_ref.actor"
+ROLLOUT = "actor_rollout_ref.rollout"
+REF = "actor_rollout_ref.ref"
+MODEL = "actor_rollout_ref.model"
+
+
+# ───────────────────────────── key sets per role ─────────────────────────────
+
+
+@dataclass(frozen=True)
+class ForwardKeys:
+    """Config keys of one forward-only pass (old log-probs, ref log-probs, critic values)."""
+
+    sp: str
+    remove_padding: str
+    dynamic: str
+    micro: str
+    max_token_len: str
+    packing: str
+
+
+@dataclass(frozen=True)
+class UpdateKeys:
+    """Config keys of one model's PPO update (actor or critic) and of its forward pass."""
+
+    sp: str
+    remove_padding: str
+    mini: str
+    epochs: str
+    dynamic: str
+    micro: str
+    max_token_len: str
+    packing: str
+    forward: ForwardKeys
+
+
+ACTOR_KEYS = UpdateKeys(
+    sp=f"{ACTOR}.ulysses_sequence_parallel_size", remove_padding=f"{MODEL}.use_remove_padding",
+    mini=f"{ACTOR}.ppo_mini_batch_size", epochs=f"{ACTOR}.ppo_epochs", dynamic=f"{ACTOR}.use_dynamic_bsz",
+    micro=f"{ACTOR}.ppo_micro_batch_size_per_gpu", max_token_len=f"{ACTOR}.ppo_max_token_len_per_gpu",
+    packing=f"{ACTOR}.packing_algorithm",
+    forward=ForwardKeys(  # old log-probs: the actor model, with the rollout's log_prob_* keys
+        sp=f"{ACTOR}.ulysses_sequence_parallel_size", remove_padding=f"{MODEL}.use_remove_padding",
+        dynamic=f"{ROLLOUT}.log_prob_use_dynamic_bsz", micro=f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu",
+        max_token_len=f"{ROLLOUT}.log_prob_max_token_len_per_gpu", packing=f"{ACTOR}.packing_algorithm"),
+)
+REF_KEYS = ForwardKeys(
+    sp=f"{REF}.ulysses_sequence_parallel_size", remove_padding=f"{MODEL}.use_remove_padding",
+    dynamic=f"{REF}.log_prob_use_dynamic_bsz", micro=f"{REF}.log_prob_micro_batch_size_per_gpu",
+    max_token_len=f"{REF}.log_prob_max_token_len_per_gpu", packing=f"{ACTOR}.packing_algorithm",
+)
+CRITIC_KEYS = UpdateKeys(
+    sp="critic.ulysses_sequence_parallel_size", remove_padding="critic.model.use_remove_padding",
+    mini="critic.ppo_mini_batch_size", epochs="critic.ppo_epochs", dynamic="critic.use_dynamic_bsz",
+    micro="critic.ppo_micro_batch_size_per_gpu", max_token_len="critic.ppo_max_token_len_per_gpu",
+    packing="critic.packing_algorithm",
+    forward=ForwardKeys(
+        sp="critic.ulysses_sequence_parallel_size", remove_padding="critic.model.use_remove_padding",
+        dynamic="critic.use_dynamic_bsz", micro="critic.forward_micro_batch_size_per_gpu",
+        max_token_len="critic.forward_max_token_len_per_gpu", packing="critic.packing_algorithm"),
+)
+
+
+def get(cfg: DictConfig, key: str) -> Any:
+    """`cfg[key]` for a dotted key; a missing key is a ValueError naming it."""
+    value = OmegaConf.select(cfg, key, default="<missing>")
+    if value == "<missing>":
+        raise ValueError(f"{key} is missing from the config")
+    return value
+
+
+def get_bool(cfg: DictConfig, key: str) -> bool:
+    """A config key that must be true or false."""
+    value = get(cfg, key)
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} = {value!r} must be true or false")
+    return value
+
+
+def ref_enabled(cfg: DictConfig) -> bool:
+    """A reference model is loaded for a KL loss or a KL penalty in the reward."""
+    return get_bool(cfg, f"{ACTOR}.use_kl_loss") or get_bool(cfg, "algorithm.use_kl_in_reward")
+
+
+def critic_enabled(cfg: DictConfig) -> bool:
+    """Only GAE learns a value function."""
+    return get(cfg, "algorithm.adv_estimator") == "gae"
