@@ -1,4 +1,4 @@
-"""Parallel knobs do not change the math (DESIGN §4.1).
+"""Parallel knobs do not change the math (docs/architecture.md, invariant 1).
 
 Against a single-process, unsharded, padded, one-micro-batch reference on the same batch, the
 actor's log-probs, entropy, losses and the full gradient of one optimizer step agree to 1e-5

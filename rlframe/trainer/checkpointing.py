@@ -1,6 +1,6 @@
 """Trainer checkpoints: `global_step_N/` with actor, critic, dataloader and driver state.
 
-Nothing is lost (DESIGN §4.4): a step is written into `global_step_N.tmp`, renamed to
+Nothing is lost (docs/architecture.md, invariant 4): a step is written into `global_step_N.tmp`, renamed to
 `global_step_N` when complete, and only then is `latest_checkpointed_iteration.txt` rewritten
 (itself through a temporary file). A crash at any point leaves the previous checkpoint as latest.
 """

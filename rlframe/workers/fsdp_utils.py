@@ -183,7 +183,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     if not dist.is_initialized() or not _is_fsdp(model):
         return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-    # FSDP1's CPU-offload gather crashes on CPU (DESIGN §5): gather first, then move.
+    # FSDP1's CPU-offload gather crashes on CPU (docs/fsdp_engine.md): gather first, then move.
     options = StateDictOptions(full_state_dict=True, cpu_offload=False)
     return {k: v.detach().cpu() for k, v in get_model_state_dict(model, options=options).items()}
 
@@ -222,24 +222,34 @@ def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
                              weight_decay=optim_cfg.weight_decay)
 
 
-def build_lr_scheduler(optimizer, optim_cfg, total_steps: int):
-    """Linear warmup, then constant or cosine down to min_lr_ratio · lr."""
+def cosine_lr_factor(step: int, warmup: int, total_steps: int, min_lr_ratio: float) -> float:
+    """verl's cosine schedule (num_cycles 0.5): lr / base lr at scheduler step `step`, 0-indexed."""
     import math
 
+    if step < warmup:
+        return step / max(1, warmup)
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    # Evaluated as verl does, not as transformers' cosine helpers do (0.5·(1+cos)·(1−m) + m): the
+    # same number mathematically, but it differs in the last bit for about a third of the steps.
+    return max(min_lr_ratio, math.cos(math.pi * progress) * ((1 - min_lr_ratio) * 0.5) + (1 + min_lr_ratio) * 0.5)
+
+
+def build_lr_scheduler(optimizer, optim_cfg, total_steps: int):
+    """verl 0.9.1's schedules: linear warmup from 0, then constant or cosine down to min_lr_ratio · lr."""
+    from functools import partial
+
+    from transformers.optimization import get_constant_schedule_with_warmup
+
     warmup = optim_cfg.lr_warmup_steps
-    if warmup is None or warmup < 0:
+    if warmup is None or warmup <= 0:  # verl: 0 warmup steps also defers to the ratio
         warmup = int(optim_cfg.lr_warmup_steps_ratio * max(total_steps, 0))
     style = optim_cfg.warmup_style
-    if style not in ("constant", "cosine"):
+    if style == "constant":  # transformers' helper computes verl's values exactly: step / warmup, then 1
+        return get_constant_schedule_with_warmup(optimizer, num_warmup_steps=warmup)
+    if style != "cosine":
         raise ValueError(f"optim.warmup_style={style!r} is not one of constant, cosine")
     min_ratio = optim_cfg.min_lr_ratio
-
-    def factor(step: int) -> float:
-        if warmup > 0 and step < warmup:
-            return (step + 1) / warmup
-        if style == "constant" or total_steps <= warmup:
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
+    if not 0.0 <= min_ratio <= 1.0:
+        raise ValueError(f"optim.min_lr_ratio={min_ratio} must be in [0, 1] (the cosine floor as a fraction of lr)")
+    factor = partial(cosine_lr_factor, warmup=warmup, total_steps=total_steps, min_lr_ratio=min_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

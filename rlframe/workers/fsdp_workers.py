@@ -2,7 +2,7 @@
 
 Every data method is dispatched per worker (DP_COMPUTE_PROTO, each worker its own share); inside,
 a Ulysses group all-gathers its members' shares so every SP peer runs the same sequences, and
-chunks the result back on the way out (DESIGN §1). Sizes come from the driver's batch plan; the
+chunks the result back on the way out (docs/architecture.md). Sizes come from the driver's batch plan; the
 config is read once into plain settings and never mutated.
 """
 
