@@ -4,7 +4,6 @@ Every prompt is templated and tokenized once, up front, so that overlong prompts
 rejected before any training work starts, and `__getitem__` only pads. A row of the result:
 
     input_ids, attention_mask, position_ids   [max_prompt_length] tensors, left-padded
-    raw_prompt_ids                            the unpadded prompt token ids (for vLLM)
     raw_prompt                                the chat messages (only with data.return_raw_chat)
     index                                     extra_info["index"] when present, else the row number
     every other column                        as read (data_source, reward_model, extra_info, ...)
@@ -123,7 +122,6 @@ class RLHFDataset(torch.utils.data.Dataset):
         ids = self.prompt_ids[item]
         out["input_ids"], out["attention_mask"], out["position_ids"] = left_pad(
             ids, self.max_prompt_length, self.tokenizer.pad_token_id)
-        out["raw_prompt_ids"] = list(ids)
         if self.return_raw_chat:
             out["raw_prompt"] = messages
         extra_info = out.get("extra_info")
