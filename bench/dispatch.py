@@ -27,11 +27,11 @@ from rlframe.single_controller.transport import pack
 
 
 class NoopWorker(Worker):
-    @register(Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    @register(Dispatch.DP_COMPUTE_PROTO)
     def noop(self, data: DataProto) -> DataProto:
         return DataProto.from_dict({"ok": torch.ones(len(data), dtype=torch.int64)})
 
-    @register(Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    @register(Dispatch.DP_COMPUTE_PROTO)
     def echo(self, data: DataProto) -> DataProto:
         return data
 
@@ -54,16 +54,29 @@ def pickle_seconds(data: DataProto, parts: int, packed: bool = True) -> float:
 
 
 def time_call(method, data: DataProto) -> dict:
+    """One blocking call, split where the group starts waiting for the workers and they have all answered."""
     import ray
 
-    start = time.perf_counter()
-    future = method(data)
-    dispatched = time.perf_counter()
-    ray.wait(future.refs, num_returns=len(future.refs), fetch_local=False)
-    answered = time.perf_counter()
-    out = future.get()
-    done = time.perf_counter()
+    import rlframe.single_controller.ray.base as ray_base
+
+    marks = {}
+    library_wait_all = ray_base.wait_all
+
+    def timed_wait_all(refs, *args, **kwargs):
+        marks["dispatched"] = time.perf_counter()
+        ray.wait(refs, num_returns=len(refs), fetch_local=False)
+        marks["answered"] = time.perf_counter()
+        return library_wait_all(refs, *args, **kwargs)
+
+    ray_base.wait_all = timed_wait_all
+    try:
+        start = time.perf_counter()
+        out = method(data)
+        done = time.perf_counter()
+    finally:
+        ray_base.wait_all = library_wait_all
     assert len(out) == len(data)
+    dispatched, answered = marks["dispatched"], marks["answered"]
     return {"wall": done - start, "dispatch": dispatched - start, "wait": answered - dispatched,
             "collect": done - answered}
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from rlframe.protocol import DataProto
-from rlframe.single_controller import (Dispatch, DpCoords, Execute, Worker, WorkerDiedError, WorkerError,
-                                       WorkerGroupError, register)
+from rlframe.single_controller import (Dispatch, Execute, Worker, WorkerDiedError, WorkerError, WorkerGroupError,
+                                       WorkerTimeoutError, register)
 from rlframe.single_controller.decorator import RegisterSpec, plan_call
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -39,14 +39,6 @@ class EchoWorker(Worker):
         return {"rank": self.rank, "tag": tag, "world_size": self.world_size, "local_rank": self.local_rank,
                 "master": (self.master_addr, self.master_port)}
 
-    @register(Dispatch.ALL_TO_ALL)
-    def take(self, item):
-        return (self.rank, item)
-
-    @register(Dispatch.DP_COMPUTE)
-    def dp_take(self, item):
-        return (self.rank, item)
-
     @register(Dispatch.DP_COMPUTE_PROTO)
     def add_offset(self, data: DataProto) -> DataProto:
         """Add the constructor offset to x, in place, and tag each sample with this rank."""
@@ -54,14 +46,6 @@ class EchoWorker(Worker):
         data.batch["x"] += 1.0 + self.offset
         data.batch["rank"] = torch.full((len(data),), self.rank)
         return data
-
-    @register(Dispatch.DP_COMPUTE_PROTO_WITH_FUNC)
-    def apply(self, fn, data: DataProto) -> DataProto:
-        return fn(data)
-
-    @register(Dispatch.DP_COMPUTE_METRIC)
-    def metric(self, data: DataProto):
-        return {"rank": self.rank, "sum": float(data.batch["x"][:, 0].sum()), "n": len(data)}
 
     @register(Dispatch.RANK_ZERO)
     def rank_zero_answer(self):
@@ -71,15 +55,15 @@ class EchoWorker(Worker):
     def only_rank_zero_runs(self):
         return self.rank
 
-    @register(Dispatch.ONE_TO_ALL, blocking=False)
+    @register(Dispatch.ONE_TO_ALL)
+    def add_one_in_place(self, data: DataProto) -> DataProto:
+        data.batch["x"] += 1.0
+        return data
+
+    @register(Dispatch.ONE_TO_ALL)
     def sleepy(self, seconds):
         time.sleep(seconds)
         return self.rank
-
-    @register(Dispatch.ONE_TO_ALL)
-    def set_tensor_parallel(self, tp: int):
-        self.register_dp_coords(dp_rank=self.rank // tp, dp_size=self.world_size // tp,
-                                is_collector=self.rank % tp == 0)
 
     @register(Dispatch.ONE_TO_ALL)
     def get_last_seen(self):
@@ -173,9 +157,8 @@ def group(ray_cluster):
 @pytest.mark.parametrize("n", [1, 3, 5, 7, 8, 13])
 def test_plan_pads_splits_and_restores_order(n):
     data = make_data(n)
-    spec = RegisterSpec(Dispatch.DP_COMPUTE_PROTO, Execute.ALL, True)
-    coords = [DpCoords(r, WORLD_SIZE, True) for r in range(WORLD_SIZE)]
-    plan = plan_call(spec, "f", (data,), {}, WORLD_SIZE, coords)
+    spec = RegisterSpec(Dispatch.DP_COMPUTE_PROTO, Execute.ALL)
+    plan = plan_call(spec, "f", (data,), {}, WORLD_SIZE)
     shard_sizes = {len(args[0]) for args in plan.args}
     assert len(shard_sizes) == 1  # equal shards keep every rank in lock-step
     out = plan.collect([args[0] for args in plan.args])
@@ -188,13 +171,6 @@ def test_register_rejects_rank_zero_execution_of_sharded_modes():
         register(Dispatch.DP_COMPUTE_PROTO, execute_mode=Execute.RANK_ZERO)
     with pytest.raises(ValueError, match="Dispatch member"):
         register("dp_compute_proto")
-
-
-def test_dp_layout_needs_one_collector_per_dp_rank():
-    spec = RegisterSpec(Dispatch.DP_COMPUTE, Execute.ALL, True)
-    coords = [DpCoords(0, 2, True), DpCoords(0, 2, True), DpCoords(1, 2, True), DpCoords(1, 2, False)]
-    with pytest.raises(ValueError, match=r"exactly one collector per dp rank.*\[0\]"):
-        plan_call(spec, "f", ([1, 2],), {}, 4, coords)
 
 
 # ---------------------------------------------------------------------------------- dispatch modes
@@ -211,14 +187,6 @@ def test_one_gloo_group_spans_the_workers(group):
     assert group.all_reduce_rank() == [float(sum(range(WORLD_SIZE)))] * WORLD_SIZE
 
 
-def test_all_to_all_gives_item_i_to_rank_i(group):
-    assert group.take(["a", "b", "c", "d"]) == [(0, "a"), (1, "b"), (2, "c"), (3, "d")]
-
-
-def test_dp_compute_gives_item_d_to_dp_rank_d(group):
-    assert group.dp_take([10, 11, 12, 13]) == [(0, 10), (1, 11), (2, 12), (3, 13)]
-
-
 @pytest.mark.parametrize("n", [5, 7, 8, 9])
 def test_dp_compute_proto_preserves_order_through_padding(group, n):
     data = make_data(n)
@@ -231,66 +199,35 @@ def test_dp_compute_proto_preserves_order_through_padding(group, n):
     assert out.meta_info["temperature"] == 0.7
 
 
-def test_dp_compute_proto_with_func_sends_the_function_to_every_rank(group):
-    out = group.apply(lambda d: DataProto.from_dict({"y": d.batch["x"][:, 0] * 2}), make_data(6))
-    assert out.batch["y"].tolist() == [2.0 * i for i in range(6)]
-
-
-def test_dp_compute_metric_returns_one_output_per_dp_rank(group):
-    metrics = group.metric(make_data(8))
-    assert [m["rank"] for m in metrics] == [0, 1, 2, 3]
-    assert [m["sum"] for m in metrics] == [1.0, 5.0, 9.0, 13.0]
-    with pytest.raises(ValueError, match="does not pad"):
-        group.metric(make_data(7))
-
-
 def test_rank_zero_modes(group):
     assert group.rank_zero_answer() == 0
     assert group.only_rank_zero_runs() == [0]
-    assert group.execute_rank_zero("whoami", "x")["rank"] == 0
-    assert [i["rank"] for i in group.execute_all("whoami", "x")] == list(range(WORLD_SIZE))
 
 
-def test_non_blocking_call_returns_a_future(group):
-    from rlframe.single_controller.ray import WorkerGroupFuture
-
-    future = group.sleepy(0.5)
-    assert isinstance(future, WorkerGroupFuture)
-    assert future.get(timeout_s=60) == list(range(WORLD_SIZE))
-    assert future.done()
-
-
-def test_ranks_that_do_not_answer_in_time_are_named(group):
-    from rlframe.single_controller import WorkerTimeoutError
-
+def test_ranks_that_do_not_answer_in_time_are_named(group, monkeypatch):
+    monkeypatch.setattr(group, "call_timeout_s", 0.2)  # production sets it from trainer.worker_timeout_s
     with pytest.raises(WorkerTimeoutError, match=r"ranks \[0, 1, 2, 3\] did not answer within 0.2s"):
-        group.sleepy(1.5).get(timeout_s=0.2)
+        group.sleepy(1.5)
 
 
-def test_tensor_parallel_peers_share_a_shard_and_only_collectors_count(group, monkeypatch):
+def test_each_rank_gets_its_own_contiguous_chunk_padded_with_leading_samples(group):
+    group.add_offset(make_data(5))  # 5 samples, padded to 8: two per rank
+    assert group.get_last_seen() == [["s0", "s1"], ["s2", "s3"], ["s4", "s0"], ["s1", "s2"]]
+
+
+def test_one_to_all_data_is_put_once_and_each_rank_writes_its_own_copy(group, monkeypatch):
     import ray
 
-    group.set_tensor_parallel(2)
-    try:
-        with pytest.raises(WorkerError, match="refresh_dp_coords"):
-            group.add_offset(make_data(4))  # coords were read before the re-registration
-        group.refresh_dp_coords()
-        puts = []
-        real_put = ray.put
-        monkeypatch.setattr(ray, "put", lambda value, **kw: puts.append(value) or real_put(value, **kw))
-        out = group.add_offset(make_data(5))
-        monkeypatch.undo()
-        assert len(puts) == 2  # one object per dp shard, though four workers read them
-        # Peers wrote into their inputs in place; each must have had its own copy (x + 1, not + 2).
-        assert torch.equal(out.batch["x"], make_data(5).batch["x"] + 1.0)
-        assert out.batch["rank"].tolist() == [0, 0, 0, 2, 2]
-        seen = group.get_last_seen()
-        assert seen[0] == seen[1] == ["s0", "s1", "s2"]
-        assert seen[2] == seen[3] == ["s3", "s4", "s0"]  # padding repeats leading samples
-        assert group.dp_take(["a", "b"]) == [(0, "a"), (2, "b")]
-    finally:
-        group.set_tensor_parallel(1)
-        group.refresh_dp_coords()
+    puts = []
+    real_put = ray.put
+    monkeypatch.setattr(ray, "put", lambda value, **kw: puts.append(value) or real_put(value, **kw))
+    data = make_data(3)
+    outs = group.add_one_in_place(data)
+    monkeypatch.undo()
+    assert len(puts) == 1  # one object, though four workers read it
+    # Every rank wrote into its input in place; each must have had its own copy (x + 1, not + 4).
+    assert all(torch.equal(out.batch["x"], make_data(3).batch["x"] + 1.0) for out in outs)
+    assert torch.equal(data.batch["x"], make_data(3).batch["x"])  # the driver's copy is untouched
 
 
 def test_group_methods_carry_the_worker_signature_and_doc(group):
@@ -315,13 +252,6 @@ def test_exception_on_one_worker_reaches_driver_with_its_rank(group):
 def test_non_dataproto_argument_is_rejected_before_dispatch(group):
     with pytest.raises(TypeError, match=r"add_offset\(\).*positional argument 0 must be a DataProto.*got dict"):
         group.add_offset({"x": torch.zeros(3)})
-
-
-def test_shard_list_of_the_wrong_size_names_the_dp_size(group):
-    with pytest.raises(ValueError, match=r"4 items for this group's dp_size=4.*length 3"):
-        group.dp_take([1, 2, 3])
-    with pytest.raises(ValueError, match=r"world_size=4.*length 2"):
-        group.take(["a", "b"])
 
 
 def test_asking_for_more_processes_than_the_cluster_has_fails_before_scheduling(ray_cluster):

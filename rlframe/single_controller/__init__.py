@@ -6,13 +6,12 @@ and an `Execute` mode (which ranks run). The Ray implementation lives in
 `rlframe.single_controller.ray`.
 """
 
-from rlframe.single_controller.decorator import Dispatch, DpCoords, Execute, register
+from rlframe.single_controller.decorator import Dispatch, Execute, register
 from rlframe.single_controller.errors import WorkerDiedError, WorkerError, WorkerGroupError, WorkerTimeoutError
 from rlframe.single_controller.worker import Worker
 
 __all__ = [
     "Dispatch",
-    "DpCoords",
     "Execute",
     "Worker",
     "WorkerDiedError",

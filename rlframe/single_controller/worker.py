@@ -8,7 +8,6 @@ from datetime import timedelta
 
 import torch
 
-from rlframe.single_controller.decorator import DpCoords
 from rlframe.single_controller.errors import WorkerError
 from rlframe.single_controller.transport import pack_value, unpack_value
 
@@ -77,21 +76,6 @@ class Worker:
         dist.init_process_group(backend=backend, init_method=f"tcp://{self.master_addr}:{self.master_port}",
                                 rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
 
-    def register_dp_coords(self, dp_rank: int, dp_size: int, is_collector: bool = True) -> None:
-        """Tell dispatch which data shard this worker takes and whether its output is kept.
-
-        Tensor/sequence-parallel peers register the same `dp_rank`; exactly one of them is the
-        collector. Without a registration every worker is its own dp rank (dp_size = world_size).
-        """
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank} (worker rank {self.rank})")
-        self._dp_coords = DpCoords(int(dp_rank), int(dp_size), bool(is_collector))
-
-    @property
-    def dp_coords(self) -> DpCoords:
-        """This worker's registered dp coordinates (default: its own dp rank, dp_size = world_size)."""
-        return getattr(self, "_dp_coords", None) or DpCoords(self.rank, self.world_size, True)
-
     # ------------------------------------------------------------------ called by the worker group
     def _rlframe_target(self, role: str | None):
         """The object whose methods the group calls: the worker itself (roles: see ColocatedWorker)."""
@@ -99,30 +83,18 @@ class Worker:
             raise ValueError(f"{type(self).__name__} hosts no roles, asked for role {role!r}")
         return self
 
-    def _rlframe_call(self, role: str | None, method: str, expected_coords: DpCoords | None, *args, **kwargs):
-        """Run `method` on the role's object; a failure comes back as a WorkerError with this rank.
-
-        `expected_coords` are the dp coordinates the driver split the data by (data-parallel
-        modes only); a worker that re-registered since would silently get the wrong shard.
-        """
+    def _rlframe_call(self, role: str | None, method: str, *args, **kwargs):
+        """Run `method` on the role's object; a failure comes back as a WorkerError with this rank."""
         target = self._rlframe_target(role)
-        qualified = f"{type(target).__name__}.{method}"
         try:
-            if expected_coords is not None and target.dp_coords != expected_coords:
-                raise RuntimeError(f"dp coordinates are {target.dp_coords}, but the driver split the data by "
-                                   f"{expected_coords}, read before they were re-registered; call "
-                                   f"wg.refresh_dp_coords() after registering new ones")
             args = tuple(unpack_value(a) for a in args)
             kwargs = {k: unpack_value(v) for k, v in kwargs.items()}
             return pack_value(getattr(target, method)(*args, **kwargs))
         except Exception:  # noqa: BLE001 - every failure must reach the driver with its rank
-            raise WorkerError(self.rank, qualified, traceback.format_exc()) from None
-
-    def _rlframe_dp_coords(self, role: str | None) -> DpCoords:
-        return self._rlframe_target(role).dp_coords
+            raise WorkerError(self.rank, f"{type(target).__name__}.{method}", traceback.format_exc()) from None
 
     def _rlframe_info(self) -> dict:
-        """Where this process runs (for checks and tests)."""
+        """Where this process runs; the group asks once, so constructor failures surface at build time."""
         import ray
 
         return {"rank": self.rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),

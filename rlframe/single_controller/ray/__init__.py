@@ -2,7 +2,6 @@
 
 from rlframe.single_controller.ray.base import RayClassWithInitArgs, RayWorkerGroup, init_ray
 from rlframe.single_controller.ray.colocate import ColocatedWorker, create_colocated_worker_cls
-from rlframe.single_controller.ray.future import WorkerGroupFuture
 from rlframe.single_controller.ray.resource_pool import RayResourcePool
 
 __all__ = [
@@ -10,7 +9,6 @@ __all__ = [
     "RayClassWithInitArgs",
     "RayResourcePool",
     "RayWorkerGroup",
-    "WorkerGroupFuture",
     "create_colocated_worker_cls",
     "init_ray",
 ]

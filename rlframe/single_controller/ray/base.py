@@ -8,25 +8,22 @@ import inspect
 import os
 import socket
 import types
-from collections import Counter
 from typing import Any, Generic, Iterable, TypeVar
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from rlframe.protocol import DataProto
-from rlframe.single_controller.decorator import (DP_MODES, CallPlan, Dispatch, Execute, RegisterSpec, plan_call,
-                                                 registered_methods)
+from rlframe.single_controller.decorator import CallPlan, RegisterSpec, plan_call, registered_methods
 from rlframe.single_controller.errors import WorkerGroupError
-from rlframe.single_controller.ray.future import WorkerGroupFuture, wait_all
 from rlframe.single_controller.ray.resource_pool import RayResourcePool
+from rlframe.single_controller.ray.wait import wait_all
 from rlframe.single_controller.transport import pack_value
 from rlframe.single_controller.worker import Worker
 
 W = TypeVar("W", bound=Worker)
 
-# Values small enough to travel inline with each call; anything else shared by several ranks
-# is put into the object store once and passed by reference.
+# Values small enough to travel inline with each call; anything else is put into the object
+# store once per call and passed by reference (ONE_TO_ALL ranks all read the same copy).
 _INLINE_TYPES = (type(None), bool, int, float, str, enum.Enum)
 
 
@@ -46,23 +43,16 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **init_kwa
 
 
 class RayClassWithInitArgs(Generic[W]):
-    """A Worker subclass plus its constructor arguments and extra Ray actor options."""
+    """A Worker subclass plus its constructor arguments (resources come from the pool)."""
 
     def __init__(self, cls: type[W], *args, **kwargs):
-        metadata = getattr(cls, "__ray_metadata__", None)  # accept a @ray.remote class too
-        if metadata is not None:
-            cls = getattr(metadata.modified_class, "__ray_actor_class__", metadata.modified_class)
         if not (isinstance(cls, type) and issubclass(cls, Worker)):
-            raise TypeError(f"RayClassWithInitArgs needs a subclass of rlframe.single_controller.Worker, got {cls!r}")
+            raise TypeError(f"RayClassWithInitArgs needs a subclass of rlframe.single_controller.Worker (the "
+                            f"plain class, not a @ray.remote one), got {cls!r}")
         self.cls = cls
         self.args = args
         self.kwargs = kwargs
-        self.options: dict[str, Any] = {}
         self.roles: dict[str, type[Worker]] = {}  # role -> class, for create_colocated_worker_cls
-
-    def update_options(self, options: dict[str, Any]) -> None:
-        """Extra `actor.options(...)` such as runtime_env; resources come from the pool."""
-        self.options.update(options)
 
 
 @ray.remote(num_cpus=0)
@@ -102,7 +92,6 @@ class RayWorkerGroup(Generic[W]):
         self._workers = workers  # shared (same list) with every view spawned from this group
         self.worker_cls = worker_cls
         self.role = role
-        self._dp_coords = None
         for name, spec in registered_methods(worker_cls).items():
             if hasattr(RayWorkerGroup, name):
                 raise TypeError(f"{worker_cls.__name__}.{name} is registered, but RayWorkerGroup.{name} already "
@@ -113,11 +102,6 @@ class RayWorkerGroup(Generic[W]):
     @property
     def world_size(self) -> int:
         return len(self._workers)
-
-    @property
-    def workers(self) -> list:
-        """The Ray actor handles, by rank."""
-        return list(self._workers)
 
     def spawn(self, prefix_set: Iterable[str]) -> dict[str, "RayWorkerGroup"]:
         """Per-role groups of a colocated group: same processes, methods of each role's class."""
@@ -137,23 +121,6 @@ class RayWorkerGroup(Generic[W]):
             views[role] = view
         return views
 
-    def execute_all(self, method: str, *args, **kwargs) -> list:
-        """Call any worker method (registered or not) on every rank with the same arguments."""
-        return self._call(method, RegisterSpec(Dispatch.ONE_TO_ALL, Execute.ALL, True), args, kwargs)
-
-    def execute_rank_zero(self, method: str, *args, **kwargs) -> Any:
-        """Call any worker method on rank 0 only and return its output."""
-        return self._call(method, RegisterSpec(Dispatch.RANK_ZERO, Execute.RANK_ZERO, True), args, kwargs)
-
-    def refresh_dp_coords(self) -> None:
-        """Re-read the workers' dp coordinates before the next data-parallel call."""
-        self._dp_coords = None
-
-    def check_alive(self, timeout_s: float = 30.0) -> None:
-        """Raise WorkerDiedError / WorkerTimeoutError unless every worker answers within `timeout_s`."""
-        wait_all([w._rlframe_info.remote() for w in self._live_workers()], list(range(self.world_size)),
-                 "check_alive", timeout_s)
-
     def shutdown(self) -> None:
         """Kill every worker process (of this group and all groups spawned from it)."""
         for worker in self._workers:
@@ -166,45 +133,28 @@ class RayWorkerGroup(Generic[W]):
 
     # ------------------------------------------------------------------ one call
     def _call(self, method: str, spec: RegisterSpec, args: tuple, kwargs: dict):
+        """Dispatch one driver call, wait for every executing rank, collect their outputs."""
         workers = self._live_workers()
         qualified = f"{self.worker_cls.__name__}.{method}"
-        coords = self._read_dp_coords() if spec.dispatch_mode in DP_MODES else None
-        plan = plan_call(spec, qualified, args, kwargs, len(workers), coords)
-        refs = self._submit(workers, method, plan, coords)
-        future = WorkerGroupFuture(refs, plan.ranks, plan.collect, qualified, self.call_timeout_s,
-                                   plan.outputs_are_copied)
-        return future.get() if spec.blocking else future
+        plan = plan_call(spec, qualified, args, kwargs, len(workers))
+        refs = self._submit(workers, method, plan)
+        outputs = wait_all(refs, plan.ranks, qualified, self.call_timeout_s, copy=not plan.outputs_are_copied)
+        return plan.collect(outputs)
 
-    def _submit(self, workers: list, method: str, plan: CallPlan, coords) -> list:
-        """Send each rank its arguments; anything big shared by several ranks is put once."""
-        uses = Counter(id(v) for args, kwargs in zip(plan.args, plan.kwargs) for v in (*args, *kwargs.values()))
+    def _submit(self, workers: list, method: str, plan: CallPlan) -> list:
+        """Send each rank its arguments; each non-scalar value is put once, however many ranks read it."""
         refs_by_id: dict[int, Any] = {}
 
         def prepare(value):
-            if isinstance(value, (ray.ObjectRef, *_INLINE_TYPES)):
+            if isinstance(value, _INLINE_TYPES):
                 return value
-            if isinstance(value, DataProto) or uses[id(value)] > 1:
-                if id(value) not in refs_by_id:
-                    refs_by_id[id(value)] = ray.put(pack_value(value))
-                return refs_by_id[id(value)]
-            return value
+            if id(value) not in refs_by_id:  # the plan holds every value, so ids stay unique
+                refs_by_id[id(value)] = ray.put(pack_value(value))
+            return refs_by_id[id(value)]
 
-        refs = []
-        for rank, args, kwargs in zip(plan.ranks, plan.args, plan.kwargs):
-            expected = None if coords is None else coords[rank]
-            refs.append(workers[rank]._rlframe_call.remote(
-                self.role, method, expected, *map(prepare, args), **{k: prepare(v) for k, v in kwargs.items()}))
-        return refs
-
-    def _read_dp_coords(self):
-        # Read once, at the first data-parallel call (workers register while building their
-        # meshes, in __init__ or an init method); each call re-checks them on the worker side.
-        if self._dp_coords is None:
-            workers = self._live_workers()
-            self._dp_coords = wait_all([w._rlframe_dp_coords.remote(self.role) for w in workers],
-                                       list(range(len(workers))), f"{self.worker_cls.__name__} dp coords",
-                                       self.call_timeout_s)
-        return self._dp_coords
+        return [workers[rank]._rlframe_call.remote(self.role, method, *map(prepare, args),
+                                                   **{k: prepare(v) for k, v in kwargs.items()})
+                for rank, args, kwargs in zip(plan.ranks, plan.args, plan.kwargs)]
 
     def _live_workers(self) -> list:
         if not self._workers:
@@ -232,18 +182,14 @@ def _create_workers(pool: RayResourcePool, cls_with_init: RayClassWithInitArgs) 
     node_of_rank0 = ray.util.placement_group_table(pgs[0])["bundles_to_node_id"][0]
     master_addr, master_port = ray.get(_node_address.options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_of_rank0, soft=False)).remote(), timeout=120)
-    options = dict(cls_with_init.options)
-    runtime_env = dict(options.pop("runtime_env", None) or {})
-    user_env = dict(runtime_env.pop("env_vars", None) or {})
     remote_cls = ray.remote(cls_with_init.cls)
     workers = []
     for pg, count in zip(pgs, pool.process_on_nodes):
         for local_rank in range(count):
             env = {"RANK": len(workers), "WORLD_SIZE": pool.world_size, "LOCAL_RANK": local_rank,
                    "LOCAL_WORLD_SIZE": count, "MASTER_ADDR": master_addr, "MASTER_PORT": master_port}
-            env = {**user_env, **{k: str(v) for k, v in env.items()}}
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=local_rank)
             workers.append(remote_cls.options(
-                scheduling_strategy=strategy, runtime_env={**runtime_env, "env_vars": env},
-                **pool.actor_resources(), **options).remote(*cls_with_init.args, **cls_with_init.kwargs))
+                scheduling_strategy=strategy, runtime_env={"env_vars": {k: str(v) for k, v in env.items()}},
+                **pool.actor_resources()).remote(*cls_with_init.args, **cls_with_init.kwargs))
     return workers

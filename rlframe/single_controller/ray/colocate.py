@@ -30,17 +30,10 @@ def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> 
     """One worker class hosting every role of `class_dict`; build a RayWorkerGroup from it, then `spawn`."""
     if not class_dict:
         raise ValueError("create_colocated_worker_cls needs at least one role")
-    options: dict = {}
     for role, cls_with_init in class_dict.items():
         if not isinstance(cls_with_init, RayClassWithInitArgs):
             raise TypeError(f"role {role!r} must be a RayClassWithInitArgs, got {type(cls_with_init).__name__}")
-        for key, value in cls_with_init.options.items():
-            if key in options and options[key] != value:
-                raise ValueError(f"colocated roles share one process, but disagree on actor option {key!r}: "
-                                 f"{options[key]!r} vs {value!r} (role {role!r})")
-            options[key] = value
     specs = {role: (c.cls, c.args, c.kwargs) for role, c in class_dict.items()}
     colocated = RayClassWithInitArgs(ColocatedWorker, specs)
-    colocated.update_options(options)
     colocated.roles = {role: c.cls for role, c in class_dict.items()}
     return colocated

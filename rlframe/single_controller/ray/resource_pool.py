@@ -12,27 +12,23 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 class RayResourcePool:
     """Reserve `process_on_nodes[i]` process slots on node i (one STRICT_PACK placement group each).
 
-    Each slot is a bundle of `num_cpus_per_process` CPUs plus one GPU when `use_gpu`. Up to
-    `max_colocate_count` worker groups may share the pool: each of their processes takes a
-    `1 / max_colocate_count` share of a bundle. The cluster's capacity is checked before any
-    placement group is created, so an impossible request fails at once, naming both sides.
+    Each slot is a bundle of `num_cpus_per_process` CPUs plus one GPU when `use_gpu`, taken by
+    one worker process (roles that share a process: `create_colocated_worker_cls`). The
+    cluster's capacity is checked before any placement group is created, so an impossible
+    request fails at once, naming both sides.
     """
 
     def __init__(self, process_on_nodes: Sequence[int], use_gpu: bool = False, num_cpus_per_process: float = 1.0,
-                 max_colocate_count: int = 1, name_prefix: str = "rlframe", ready_timeout_s: float = 120.0):
+                 ready_timeout_s: float = 120.0):
         process_on_nodes = list(process_on_nodes)
         if not process_on_nodes or any(not isinstance(n, int) or n < 1 for n in process_on_nodes):
             raise ValueError(f"process_on_nodes must be a non-empty list of positive ints (processes per node), "
                              f"got {process_on_nodes!r}")
         if num_cpus_per_process <= 0:
             raise ValueError(f"num_cpus_per_process must be > 0, got {num_cpus_per_process}")
-        if max_colocate_count < 1:
-            raise ValueError(f"max_colocate_count must be >= 1, got {max_colocate_count}")
         self.process_on_nodes = process_on_nodes
         self.use_gpu = use_gpu
         self.num_cpus_per_process = float(num_cpus_per_process)
-        self.max_colocate_count = max_colocate_count
-        self.name_prefix = name_prefix
         self.ready_timeout_s = ready_timeout_s
         self._pgs: list[PlacementGroup] | None = None
 
@@ -46,16 +42,15 @@ class RayResourcePool:
         return {"CPU": self.num_cpus_per_process, **({"GPU": 1.0} if self.use_gpu else {})}
 
     def actor_resources(self) -> dict[str, float]:
-        """Ray actor options for one worker sharing a slot with up to `max_colocate_count - 1` others."""
-        share = 1.0 / self.max_colocate_count
-        return {"num_cpus": self.num_cpus_per_process * share, "num_gpus": share if self.use_gpu else 0}
+        """Ray actor options for the one worker process of a slot: the whole bundle."""
+        return {"num_cpus": self.num_cpus_per_process, "num_gpus": 1 if self.use_gpu else 0}
 
     def placement_groups(self) -> list[PlacementGroup]:
         """The pool's placement groups, one per node, created and ready on first use."""
         if self._pgs is None:
             self._check_capacity()
             pgs = [placement_group([dict(self.bundle) for _ in range(count)], strategy="STRICT_PACK",
-                                   name=f"{self.name_prefix}_pg{i}_{id(self):x}")
+                                   name=f"rlframe_pg{i}_{id(self):x}")
                    for i, count in enumerate(self.process_on_nodes)]
             ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=self.ready_timeout_s)
             if len(ready) < len(pgs):

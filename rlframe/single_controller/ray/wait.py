@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from rlframe.single_controller.errors import WorkerDiedError, WorkerError, WorkerTimeoutError
 from rlframe.single_controller.transport import unpack_value
-
-GROUP_TIMEOUT = object()  # `WorkerGroupFuture.get` default: the timeout the group was built with
 
 
 def wait_all(refs: list, ranks: list[int], method: str, timeout_s: float | None, copy: bool = True) -> list:
@@ -75,29 +73,3 @@ def _get_one(ref, rank: int, method: str):
         raise WorkerError(rank, method, str(err)) from None
     except RayActorError as err:
         raise WorkerDiedError(rank, method, str(err).strip() or type(err).__name__) from None
-
-
-class WorkerGroupFuture:
-    """The pending result of a non-blocking worker-group call; `get()` collects it."""
-
-    def __init__(self, refs: list, ranks: list[int], collect: Callable[[list], Any], method: str,
-                 timeout_s: float | None, outputs_are_copied: bool = False):
-        self.refs = refs
-        self.ranks = ranks
-        self.method = method
-        self._collect = collect
-        self._timeout_s = timeout_s
-        self._copy = not outputs_are_copied
-
-    def done(self) -> bool:
-        """True once every rank has answered (successfully or not)."""
-        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
-        return len(ready) == len(self.refs)
-
-    def get(self, timeout_s: float | None | object = GROUP_TIMEOUT) -> Any:
-        """Wait for every rank and return the collected result (default: the group's call timeout)."""
-        timeout_s = self._timeout_s if timeout_s is GROUP_TIMEOUT else timeout_s
-        return self._collect(wait_all(self.refs, self.ranks, self.method, timeout_s, copy=self._copy))
-
-    def __repr__(self) -> str:
-        return f"WorkerGroupFuture({self.method}, ranks={self.ranks}, done={self.done()})"
