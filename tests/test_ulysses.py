@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlframe.distributed.ulysses import (check_ulysses_config, gather_outputs, get_ulysses_group, head_to_seq_shard,
-                                         kv_repeat_factor, seq_to_head_shard, set_ulysses_group)
+from rlframe.distributed.ulysses import (check_ulysses_config, gather_outputs, head_to_seq_shard, kv_repeat_factor,
+                                         seq_to_head_shard)
 from rlframe.workers.model_forward import forward_micro_batch
 from test_remove_padding import RESPONSE_LEN, assert_rel_close, load, make_rl_batch
 
@@ -62,24 +62,22 @@ def score(model_path, batch, mode, sp_group=None):
                               value_head=mode == "values")
     mask = batch["attention_mask"][:, -RESPONSE_LEN:]
     sum(((x * mask) * (i + 1)).sum() for i, x in enumerate(out.values())).backward()
-    group = sp_group if sp_group is not None else get_ulysses_group()
     grads = {}
     for name, p in model.named_parameters():
-        if group is not None:
-            dist.all_reduce(p.grad, group=group)
-            p.grad /= dist.get_world_size(group)
+        if sp_group is not None:
+            dist.all_reduce(p.grad, group=sp_group)
+            p.grad /= dist.get_world_size(sp_group)
         grads[name] = p.grad
     return {k: v.detach() for k, v in out.items()}, grads
 
 
 def _model_worker(rank, world_size, model_paths, vocab_size, out_path):
-    set_ulysses_group(dist.group.WORLD)  # the worker-wide default that forward_micro_batch picks up
     results = {}
     for model_name, path in model_paths.items():
         for batch_name, lens in BATCHES.items():
             for mode in MODES:
                 batch = make_rl_batch(*lens, vocab_size=vocab_size)
-                results[model_name, batch_name, mode] = score(path, batch, mode)
+                results[model_name, batch_name, mode] = score(path, batch, mode, sp_group=dist.group.WORLD)
     if rank == 0:
         torch.save(results, out_path)
 

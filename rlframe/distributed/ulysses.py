@@ -10,6 +10,12 @@ Gradients: the all-to-all's adjoint is the same all-to-all, and `gather_outputs`
 reduce-scatter (the true adjoint of an all-gather). Every SP rank computes the same loss on the
 gathered outputs, so averaging parameter gradients over the SP group (which FSDP does over the
 whole dp x sp mesh) gives exactly the single-process gradient.
+
+The SP group is always passed explicitly (None: no SP). The two autograd functions are written
+here, not taken from torch: `torch.distributed.nn.functional` is deprecated and its all_gather
+fails on gloo for an SP group without global rank 0; the private `_functional_collectives` is
+exact but renames its API within the torch versions rlframe supports (docs/sequence_parallel.md,
+bench/ulysses_collectives.py).
 """
 
 from __future__ import annotations
@@ -21,19 +27,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 SP_SIZE_KEY = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
-
-_ULYSSES_GROUP: dist.ProcessGroup | None = None
-
-
-def set_ulysses_group(group: dist.ProcessGroup | None) -> None:
-    """Set this process's default SP group (None: no sequence parallelism)."""
-    global _ULYSSES_GROUP
-    _ULYSSES_GROUP = group
-
-
-def get_ulysses_group() -> dist.ProcessGroup | None:
-    """This process's default SP group, or None."""
-    return _ULYSSES_GROUP
 
 
 def sp_size_of(group: dist.ProcessGroup | None) -> int:

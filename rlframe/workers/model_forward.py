@@ -26,8 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlframe.distributed.attention import ATTN_IMPLEMENTATION
 from rlframe.distributed.padding import pack_tensor, pad_output, unpad_input
-from rlframe.distributed.ulysses import (gather_outputs, get_ulysses_group, pad_packed_for_sp, slice_for_rank,
-                                         sp_size_of)
+from rlframe.distributed.ulysses import gather_outputs, pad_packed_for_sp, slice_for_rank, sp_size_of
 
 ENTROPY_CHUNK_TOKENS = 1024
 
@@ -58,23 +57,22 @@ def forward_micro_batch(model: torch.nn.Module, micro_batch: dict[str, torch.Ten
 
     `micro_batch` holds `input_ids`, `attention_mask`, `position_ids` [batch, seqlen] and `responses`
     [batch, response_length]. Returns `{"log_probs"}` (plus `"entropy"` if `calculate_entropy`) for a
-    causal LM, or `{"values"}` when `value_head`; each [batch, response_length]. `sp_group` defaults
-    to `get_ulysses_group()`.
+    causal LM, or `{"values"}` when `value_head`; each [batch, response_length]. `sp_group` is the
+    Ulysses group (None: no sequence parallelism).
     """
     input_ids, attention_mask = micro_batch["input_ids"], micro_batch["attention_mask"]
     position_ids = micro_batch["position_ids"]
     responses = micro_batch["responses"]
     batch_size, seqlen = input_ids.shape
-    group = sp_group if sp_group is not None else get_ulysses_group()
 
     if use_remove_padding:
-        per_token, indices = _forward_packed(model, input_ids, attention_mask, position_ids, temperature, group,
+        per_token, indices = _forward_packed(model, input_ids, attention_mask, position_ids, temperature, sp_group,
                                              calculate_entropy, value_head)
         # [total_nnz] per token -> [batch, seqlen] -> the columns scoring the response tokens
         outputs = {name: pad_output(x, indices, batch_size, seqlen)[:, -response_length - 1:-1]
                    for name, x in per_token.items()}
     else:
-        if sp_size_of(group) > 1:
+        if sp_size_of(sp_group) > 1:
             raise ValueError("ulysses_sequence_parallel_size > 1 (actor_rollout_ref.actor./critic.) needs "
                              "use_remove_padding=True (actor_rollout_ref.model./critic.model.)")
         output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
