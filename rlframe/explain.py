@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from rlframe.batch_plan import BatchPlan, ModelShape, make_batch_plan, read_model_shape
+from rlframe.batch_plan import BatchPlan, ModelShape
 from rlframe.config.key_status import KeyStatus, ignored_key_warnings, key_statuses, override_key
 
 LENGTH_FIELDS = ("response_length", "response_lengths", "response_len", "num_response_tokens")
@@ -386,12 +386,10 @@ def _brief(values: list, limit: int = 8) -> str:
 
 def explain(overrides: list[str], lengths: str | None = None, fmt: str = "text", seed: int = 0) -> str:
     """The whole report for `rlframe explain`; raises ValueError (the trainer's message) on a bad config."""
-    from rlframe.config.loader import load_config
+    from rlframe.trainer.main_ppo import check_config
 
-    cfg = load_config(overrides)
-    model_path = cfg.actor_rollout_ref.model.path
-    model = read_model_shape(model_path)
-    plan = make_batch_plan(cfg, model)
+    cfg, resolved, model, plan = check_config(overrides)  # the trainer's own checks, in the same order
+    model_path = resolved.actor_rollout_ref.model.path
     rows = key_statuses(cfg)
     warnings = ignored_key_warnings(cfg, overrides)
     sim = source = None

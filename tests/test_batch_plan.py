@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 
 from rlframe.batch_plan import TINY_MODEL_SHAPE, BatchPlan, ModelShape, make_batch_plan, read_model_shape
 from rlframe.config.key_status import ignored_key_warnings, ignored_keys, key_statuses, override_key
-from rlframe.config.loader import load_config
+from rlframe.trainer.config import compose
 
 A, R, REF = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
 SHORT = {  # short names used by the grid below
@@ -23,7 +23,7 @@ SHORT = {  # short names used by the grid below
 
 @pytest.fixture(scope="module")
 def base():
-    return load_config([])
+    return compose([])
 
 
 def overrides_of(**kv) -> list[str]:
@@ -135,7 +135,6 @@ REJECTED = [
     (dict(dynamic=True, max_tokens=0), [f"{A}.ppo_max_token_len_per_gpu = 0"]),
     (dict(epochs=0), [f"{A}.ppo_epochs = 0"]),
     (dict(sp=0), [f"{A}.ulysses_sequence_parallel_size = 0"]),
-    (dict(mini=2.5), [f"{A}.ppo_mini_batch_size = 2.5"]),
     ({"algorithm.adv_estimator": "gae", "critic.ppo_mini_batch_size": 3}, ["critic.ppo_mini_batch_size = 3", "8 % 3"]),
     ({"algorithm.adv_estimator": "gae", "critic.ppo_micro_batch_size_per_gpu": 3},
      ["critic.ppo_micro_batch_size_per_gpu = 3", "8 % 3 = 2"]),
@@ -248,3 +247,8 @@ def test_unknown_packing_algorithm_is_rejected_only_when_dynamic(base):
     with pytest.raises(ValueError, match=r"actor_rollout_ref.actor.packing_algorithm = 'best' is not a packing"):
         make_batch_plan(cfg_of(base, f"{A}.packing_algorithm=best", dynamic=True))
     assert make_batch_plan(cfg_of(base, f"{A}.packing_algorithm=best")).actor.packing_algorithm is None
+
+
+def test_wrong_type_is_refused_when_composing_naming_the_key():
+    with pytest.raises(ValueError, match=rf"{A}.ppo_mini_batch_size=2.5 has the wrong type"):
+        compose([f"{A}.ppo_mini_batch_size=2.5"])

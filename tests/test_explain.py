@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from rlframe.batch_plan import make_batch_plan
-from rlframe.config.loader import load_config
+from rlframe.trainer.config import compose
 from rlframe.explain import (balance_ranks, dynamic_micro_batches, main, sequence_lengths, simulate,
                                    static_micro_batches)
 
@@ -57,7 +57,7 @@ def test_balancing_16_mixed_lengths_over_4_ranks_narrows_max_min_ratio():
 
 @pytest.fixture(scope="module")
 def dynamic_plan():
-    return make_batch_plan(load_config(["trainer.n_gpus_per_node=4", "data.train_batch_size=16",
+    return make_batch_plan(compose(["trainer.n_gpus_per_node=4", "data.train_batch_size=16",
                                         "actor_rollout_ref.actor.use_dynamic_bsz=true",
                                         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=160"]))
 
@@ -123,7 +123,7 @@ def test_explain_json_and_warnings(capsys):
 def test_explain_bad_config_exits_nonzero_with_the_trainers_message():
     overrides = ["trainer.n_gpus_per_node=8", "actor_rollout_ref.actor.ppo_mini_batch_size=1"]
     with pytest.raises(ValueError) as trainer_error:
-        make_batch_plan(load_config(overrides))
+        make_batch_plan(compose(overrides))
     out = subprocess.run([sys.executable, "-m", "rlframe.cli", "explain", *overrides],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0

@@ -72,15 +72,20 @@ CRITIC_KEYS = UpdateKeys(
 )
 
 
-def get(cfg: DictConfig, key: str) -> Any:
-    """`cfg[key]` for a dotted key; a missing key is a ValueError naming it."""
-    value = OmegaConf.select(cfg, key, default="<missing>")
-    if value == "<missing>":
+def get(cfg: Any, key: str) -> Any:
+    """`cfg[key]` for a dotted key of a DictConfig or a typed config; a missing key is a ValueError naming it."""
+    if isinstance(cfg, DictConfig):
+        value = OmegaConf.select(cfg, key, default="<missing>")
+    else:
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part, "<missing>")
+    if isinstance(value, str) and value == "<missing>":
         raise ValueError(f"{key} is missing from the config")
     return value
 
 
-def get_bool(cfg: DictConfig, key: str) -> bool:
+def get_bool(cfg: Any, key: str) -> bool:
     """A config key that must be true or false."""
     value = get(cfg, key)
     if not isinstance(value, bool):
@@ -88,11 +93,21 @@ def get_bool(cfg: DictConfig, key: str) -> bool:
     return value
 
 
-def ref_enabled(cfg: DictConfig) -> bool:
+def ref_enabled(cfg: Any) -> bool:
     """A reference model is loaded for a KL loss or a KL penalty in the reward."""
     return get_bool(cfg, f"{ACTOR}.use_kl_loss") or get_bool(cfg, "algorithm.use_kl_in_reward")
 
 
-def critic_enabled(cfg: DictConfig) -> bool:
+def critic_enabled(cfg: Any) -> bool:
     """Only GAE learns a value function."""
     return get(cfg, "algorithm.adv_estimator") == "gae"
+
+
+def micro_batch_inactive(cfg: Any, keys: ForwardKeys | UpdateKeys, what: str) -> dict[str, str]:
+    """Static micro size vs token budget: exactly one of the two applies ({key: reason} of the other).
+
+    `cfg` is the typed root config; the packing key is left to the caller (several passes share it).
+    """
+    if get(cfg, keys.dynamic):
+        return {keys.micro: f"{keys.dynamic}=true: {what} micro-batches are cut by {keys.max_token_len}"}
+    return {keys.max_token_len: f"{keys.dynamic}=false: {what} micro-batches are cut by {keys.micro}"}

@@ -45,12 +45,12 @@ def _unknown_key(overrides: list[str], cfg: DictConfig) -> str | None:
     keys = list(leaves(OmegaConf.to_container(cfg, resolve=False)))
     for override in overrides:
         key = override.split("=", 1)[0]
-        if key.startswith(("+", "~")) or key in keys or any(k.startswith(key + ".") for k in keys):
-            continue
+        if key.startswith(("+", "~", "hydra.")) or key in keys or any(k.startswith(key + ".") for k in keys):
+            continue  # added/deleted keys are judged against the typed schema; hydra.* is Hydra's own
         close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
         hint = f" Did you mean {' or '.join(close)}?" if close else ""
         return (f"unknown config key {key!r} (from the override {override!r}).{hint} "
-                f"`rlframe explain` lists the keys; to add a new key on purpose, write +{override}")
+                "configs/ppo_trainer.yaml documents every key")
     return None
 
 

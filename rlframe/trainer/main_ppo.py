@@ -16,17 +16,14 @@ from transformers import AutoTokenizer
 from rlframe.data.builtin_tasks import resolve_data_files
 from rlframe.data.dataloader import make_dataloader
 from rlframe.data.dataset import RLHFDataset
-from rlframe.reward.manager import get_reward_manager_cls, load_reward_manager
-from rlframe.algorithms.advantage import get_adv_estimator_fn
-from rlframe.algorithms.kl import get_kl_penalty_fn
-from rlframe.algorithms.loss import LOSS_AGG_MODES, get_policy_loss_fn
+from rlframe.reward.manager import load_reward_manager
 from rlframe.trainer.launch import create_worker_groups, shutdown
 from rlframe.trainer.ray_trainer import RayPPOTrainer
-from rlframe.batch_plan import make_batch_plan, read_model_shape
+from rlframe.batch_plan import BatchPlan, ModelShape, make_batch_plan, read_model_shape
 from rlframe.config.key_status import warn_ignored_keys
-from rlframe.config.checks import (SAVE_CONTENTS, STRATEGIES, check_fsdp_size, check_model_path, check_rollout_name,
-                                   resolve_device)
-from rlframe.config.loader import config_dir, load_config, resolved
+from rlframe.config.checks import check_model_path, resolve_device
+from rlframe.config.loader import config_dir, resolved
+from rlframe.trainer.config import compose, typed
 from rlframe.models.builtin import resolve_model_path
 
 # Keys that may name the built-in tiny model (directly or through an interpolation).
@@ -45,45 +42,11 @@ def normalize_config(cfg: DictConfig) -> DictConfig:
     return out
 
 
-def check_names(cfg: DictConfig) -> None:
-    """Unknown algorithm/engine names fail here, each listing what is accepted."""
-    get_adv_estimator_fn(cfg.algorithm.adv_estimator)
-    get_policy_loss_fn(cfg.actor_rollout_ref.actor.policy_loss.loss_mode)
-    get_kl_penalty_fn(cfg.algorithm.kl_penalty)
-    get_kl_penalty_fn(cfg.actor_rollout_ref.actor.kl_loss_type)
-    if cfg.actor_rollout_ref.actor.loss_agg_mode not in LOSS_AGG_MODES:
-        raise ValueError(f"actor_rollout_ref.actor.loss_agg_mode={cfg.actor_rollout_ref.actor.loss_agg_mode!r}; "
-                         f"valid: {', '.join(LOSS_AGG_MODES)}")
-    if cfg.algorithm.kl_ctrl.type not in ("fixed", "adaptive"):
-        raise ValueError(f"algorithm.kl_ctrl.type={cfg.algorithm.kl_ctrl.type!r}; valid: fixed, adaptive")
-    get_reward_manager_cls(cfg.reward_model.reward_manager)
-    check_rollout_name(cfg.actor_rollout_ref.rollout.name)
-    for key in ("actor_rollout_ref.actor.strategy", "critic.strategy"):
-        value = OmegaConf.select(cfg, key)
-        if value not in STRATEGIES:
-            raise ValueError(f"{key}={value!r}; valid: {', '.join(STRATEGIES)}")
-    for key in ("actor_rollout_ref.actor.checkpoint.save_contents", "critic.checkpoint.save_contents"):
-        unknown = [c for c in OmegaConf.select(cfg, key) if c not in SAVE_CONTENTS]
-        if unknown:
-            raise ValueError(f"{key} has unknown entries {unknown}; valid: {', '.join(SAVE_CONTENTS)}")
+def check_environment(cfg: DictConfig) -> None:
+    """What the config's own checks cannot see: model folders on disk and the device."""
     check_model_path(cfg.actor_rollout_ref.model.path)
     resolve_device(cfg.trainer.device)  # trainer.device=cuda without a visible GPU fails here
-    if not cfg.actor_rollout_ref.hybrid_engine:
-        raise ValueError("actor_rollout_ref.hybrid_engine=false: rlframe always runs actor, rollout and reference "
-                         "in the same worker processes; set it to true (or leave it out)")
-    world_size = int(cfg.trainer.nnodes) * int(cfg.trainer.n_gpus_per_node)
-    for key in ("actor_rollout_ref.actor.fsdp_config.fsdp_size", "critic.model.fsdp_config.fsdp_size"):
-        check_fsdp_size(int(OmegaConf.select(cfg, key)), world_size, key)
-    ref_sp = cfg.actor_rollout_ref.ref.ulysses_sequence_parallel_size
-    actor_sp = cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size
-    if ref_sp != actor_sp:
-        raise ValueError(f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={ref_sp} must equal "
-                         f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={actor_sp}: actor and reference "
-                         "share worker processes and their Ulysses group")
     if cfg.reward_model.enable:
-        if not cfg.reward_model.model.path:
-            raise ValueError("reward_model.enable=true needs reward_model.model.path "
-                             "(a sequence-classification model folder)")
         check_model_path(cfg.reward_model.model.path, key="reward_model.model.path")
 
 
@@ -107,15 +70,21 @@ def total_steps(cfg: DictConfig, train_loader) -> int:
     return len(train_loader) * int(cfg.trainer.total_epochs)
 
 
+def check_config(overrides: list[str]) -> tuple[DictConfig, DictConfig, ModelShape, BatchPlan]:
+    """The checks `rlframe train` and `rlframe explain` share: (composed, normalized, model shape, plan)."""
+    composed = compose(overrides)  # unknown keys and wrong types fail here
+    typed(composed)  # every key's and section's check: names, choices, cross-key rules
+    cfg = normalize_config(composed)
+    check_environment(cfg)
+    model_shape = read_model_shape(cfg.actor_rollout_ref.model.path)
+    return composed, cfg, model_shape, make_batch_plan(cfg, model_shape)
+
+
 def prepare(overrides: list[str]) -> dict:
     """Compose the config from `overrides` and check everything that can fail before Ray starts."""
 
-    composed = load_config(overrides)
+    composed, cfg, model_shape, plan = check_config(overrides)
     warn_ignored_keys(composed, overrides)
-    cfg = normalize_config(composed)
-    check_names(cfg)
-    model_shape = read_model_shape(cfg.actor_rollout_ref.model.path)
-    plan = make_batch_plan(cfg, model_shape)
     tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path)
     train_loader, val_loader = build_data(cfg, tokenizer)
     reward_fn = load_reward_manager(cfg, tokenizer, num_examine=0)

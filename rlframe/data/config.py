@@ -1,0 +1,32 @@
+"""The `data` section: which prompts, how they are templated and cut, how many per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from rlframe.config.schema import Section, key
+
+TRUNCATION_MODES = ("error", "left", "right")
+
+
+@dataclass
+class DataConfig(Section):
+    tokenizer: Optional[str] = key(None, "tokenizer path; null = actor_rollout_ref.model.path")
+    train_files: Any = key("builtin://countdown_add",
+                           "parquet file(s) (str or list) in verl's schema; builtin://NAME = built-in task")
+    val_files: Any = key("builtin://countdown_add", "validation parquet file(s); same schema")
+    prompt_key: str = key("prompt", "column with chat messages (list of {role, content})")
+    reward_fn_key: str = key("data_source", "column that picks the rule-based scorer")
+    max_prompt_length: int = key(64, "prompt tokens after chat template (left-padded to this)")
+    max_response_length: int = key(16, "generated tokens per response")
+    train_batch_size: int = key(8, "prompts per training step")
+    val_batch_size: Optional[int] = key(None, "prompts per validation batch; null = whole val set at once")
+    return_raw_chat: bool = key(False, "keep raw chat messages in non_tensor_batch")
+    shuffle: bool = key(True, "shuffle the training set each epoch")
+    seed: int = key(1, "seed for shuffling and the built-in task generator")
+    filter_overlong_prompts: bool = key(True, "drop prompts longer than max_prompt_length (count reported)")
+    truncation: str = key("error", "prompts over max_prompt_length (when not filtered): error|left|right",
+                          choices=TRUNCATION_MODES)
+    builtin_dir: Optional[str] = key(None, "where builtin:// tasks write their parquet; "
+                                           "null = $RLFRAME_CACHE/data (~/.cache/rlframe)")

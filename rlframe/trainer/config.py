@@ -1,0 +1,204 @@
+"""The trainer's sections (`algorithm`, `trainer`) and the root config that assembles every section.
+
+`configs/ppo_trainer.yaml` is generated from `PPOTrainerConfig` (`python -m rlframe.trainer.config`);
+`tests/test_config_schema.py` keeps the two equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from rlframe.algorithms.advantage import get_adv_estimator_fn
+from rlframe.algorithms.kl import get_kl_penalty_fn
+from rlframe.config.checks import check_fsdp_size
+from rlframe.config.keys import critic_enabled, ref_enabled
+from rlframe.config.loader import load_config
+from rlframe.config.schema import Section, key, render_yaml, section, validate, walk
+from rlframe.data.config import DataConfig
+from rlframe.reward.config import CustomRewardFunctionConfig
+from rlframe.trainer.tracking import BACKENDS
+from rlframe.workers.config import (ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig)
+from rlframe.workers.rollout.config import RolloutConfig
+
+RESUME_MODES = ("auto", "disable", "resume_path")
+HEADER = """\
+# rlframe PPO/GRPO trainer config. Key paths follow verl's so verl command lines port as they are.
+# GENERATED from the typed sections (rlframe/trainer/config.py and the sections it assembles):
+# edit those, then run `python -m rlframe.trainer.config > configs/ppo_trainer.yaml`.
+# Batch sizes are global and counted in prompts unless the key ends in _per_gpu.
+# `rlframe explain key=value ...` shows what they become.
+"""
+
+
+def _check_backends(backends: list) -> None:
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown backends {unknown}; valid: {', '.join(BACKENDS)}")
+
+
+@dataclass
+class ActorRolloutRefConfig(Section):
+    hybrid_engine: bool = key(True, "actor, rollout and ref share the same worker processes (the only mode)")
+    model: ModelConfig = section(ModelConfig)
+    actor: ActorConfig = section(ActorConfig)
+    ref: RefConfig = section(RefConfig)
+    rollout: RolloutConfig = section(RolloutConfig)
+
+    def check(self, path: str, root: Any) -> None:
+        if not self.hybrid_engine:
+            raise ValueError("actor_rollout_ref.hybrid_engine=false: rlframe always runs actor, rollout and reference "
+                             "in the same worker processes; set it to true (or leave it out)")
+        ref_sp, actor_sp = self.ref.ulysses_sequence_parallel_size, self.actor.ulysses_sequence_parallel_size
+        if ref_sp != actor_sp:
+            raise ValueError(f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={ref_sp} must equal "
+                             f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={actor_sp}: actor and "
+                             "reference share worker processes and their Ulysses group")
+
+
+@dataclass
+class KLCtrlConfig(Section):
+    type: str = key("fixed", "fixed | adaptive", choices=("fixed", "adaptive"))
+    kl_coef: float = key(0.001, "(initial) KL coefficient")
+    horizon: int = key(10000, "adaptive controller horizon")
+    target_kl: float = key(0.1, "adaptive controller target")
+
+    def inactive(self, path: str, root: Any) -> dict[str, str]:
+        if self.type == "adaptive":
+            return {}
+        return {f"{path}.{name}": f"{path}.type=fixed" for name in ("horizon", "target_kl")}
+
+
+@dataclass
+class AlgorithmConfig(Section):
+    gamma: float = key(1.0, "discount")
+    lam: float = key(1.0, "GAE lambda")
+    adv_estimator: str = key("grpo", "gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax",
+                             check=get_adv_estimator_fn)
+    norm_adv_by_std_in_grpo: bool = key(True, "false = Dr.GRPO (no std normalization)")
+    use_kl_in_reward: bool = key(False, "subtract a KL penalty from the rewards")
+    kl_penalty: str = key("kl", "kl|k1|abs|mse|k2|low_var_kl|k3 (used in reward)", check=get_kl_penalty_fn)
+    kl_ctrl: KLCtrlConfig = section(KLCtrlConfig)
+
+    def inactive(self, path: str, root: Any) -> dict[str, str]:
+        out = {}
+        if not self.use_kl_in_reward:
+            out.update({f"{path}.{name}": f"{path}.use_kl_in_reward=false" for name in ("kl_penalty", "kl_ctrl")})
+        if self.adv_estimator != "gae":
+            out[f"{path}.lam"] = f"{path}.adv_estimator={self.adv_estimator}: only gae uses lambda"
+        if self.adv_estimator != "grpo":
+            out[f"{path}.norm_adv_by_std_in_grpo"] = f"{path}.adv_estimator={self.adv_estimator}"
+        return out
+
+
+@dataclass
+class RayInitConfig(Section):
+    address: Optional[str] = key(None, 'null = start a local Ray; "auto" or host:port = join a cluster')
+    num_cpus: Optional[int] = key(None, "CPUs for a local Ray (null = all)")
+
+
+@dataclass
+class TrainerConfig(Section):
+    device: str = key("auto", "auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
+    nnodes: int = key(1, "nodes in the Ray cluster")
+    n_gpus_per_node: int = key(2, "devices per node (on CPU: worker processes per node)")
+    balance_batch: bool = key(True, "Karmarkar-Karp balance sequences across DP ranks each step")
+    total_epochs: int = key(1, "passes over the training set")
+    total_training_steps: Optional[int] = key(None, "stop after this many steps (null = epochs decide)")
+    project_name: str = key("rlframe", "tracking project")
+    experiment_name: str = key("tiny_grpo", "tracking run name")
+    logger: List[str] = key(["console", "jsonl"], "console | jsonl | tensorboard | wandb (jsonl is always on)",
+                            check=_check_backends)
+    log_val_generations: int = key(0, "validation samples to log as text")
+    val_before_train: bool = key(True, "run validation before the first step")
+    test_freq: int = key(-1, "validate every N steps (-1 = only at the end)")
+    save_freq: int = key(-1, "checkpoint every N steps (-1 = never)")
+    critic_warmup: int = key(0, "steps before the actor starts updating")
+    resume_mode: str = key("auto", "auto | disable | resume_path", choices=RESUME_MODES)
+    resume_from_path: Optional[str] = key(None, "checkpoint dir for resume_mode=resume_path")
+    default_local_dir: str = key("checkpoints/${trainer.project_name}/${trainer.experiment_name}", "checkpoint root")
+    max_actor_ckpt_to_keep: Optional[int] = key(None, "keep this many actor checkpoints (null = all)")
+    max_critic_ckpt_to_keep: Optional[int] = key(None, "keep this many critic checkpoints (null = all)")
+    rollout_data_dir: Optional[str] = key(None, "dump rollouts (jsonl) here each step")
+    worker_timeout_s: float = key(1800, "a worker call that takes longer is reported as a failure")
+    ray_init: RayInitConfig = section(RayInitConfig)
+
+    def check(self, path: str, root: Any) -> None:
+        if self.resume_mode == "resume_path" and not self.resume_from_path:
+            raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<dir>/global_step_N")
+        world_size = self.nnodes * self.n_gpus_per_node
+        check_fsdp_size(root.actor_rollout_ref.actor.fsdp_config.fsdp_size, world_size,
+                        "actor_rollout_ref.actor.fsdp_config.fsdp_size")
+        check_fsdp_size(root.critic.model.fsdp_config.fsdp_size, world_size, "critic.model.fsdp_config.fsdp_size")
+
+    def inactive(self, path: str, root: Any) -> dict[str, str]:
+        if self.resume_mode == "resume_path":
+            return {}
+        return {f"{path}.resume_from_path": f"{path}.resume_mode={self.resume_mode} (only resume_path reads it)"}
+
+
+@dataclass
+class PPOTrainerConfig(Section):
+    data: DataConfig = section(DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = section(ActorRolloutRefConfig)
+    critic: CriticConfig = section(CriticConfig)
+    reward_model: RewardModelConfig = section(RewardModelConfig)
+    custom_reward_function: CustomRewardFunctionConfig = section(CustomRewardFunctionConfig)
+    algorithm: AlgorithmConfig = section(AlgorithmConfig)
+    trainer: TrainerConfig = section(TrainerConfig)
+
+    def inactive(self, path: str, root: Any) -> dict[str, str]:
+        out = {}
+        if not ref_enabled(self):
+            out["actor_rollout_ref.ref"] = ("no reference model: actor_rollout_ref.actor.use_kl_loss=false and "
+                                            "algorithm.use_kl_in_reward=false")
+        if not critic_enabled(self):
+            out["critic"] = f"algorithm.adv_estimator={self.algorithm.adv_estimator}: only gae trains a critic"
+        return out
+
+
+def default_yaml() -> str:
+    """configs/ppo_trainer.yaml as generated from the typed sections."""
+    return render_yaml(PPOTrainerConfig, HEADER)
+
+
+if __name__ == "__main__":
+    print(default_yaml(), end="")
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """Compose the YAML and `overrides`, checked against the typed sections: unknown keys and bad types fail.
+
+    Interpolations stay intact (key statuses follow them); `typed` resolves and validates.
+    """
+    raw = load_config(overrides)
+    try:
+        return OmegaConf.merge(OmegaConf.structured(PPOTrainerConfig), raw)
+    except ConfigKeyError as err:
+        raise ValueError(_unknown_key_message(err.full_key, overrides)) from None
+    except ValidationError as err:
+        value = OmegaConf.select(raw, err.full_key)
+        reason = str(err).splitlines()[0]
+        raise ValueError(f"{err.full_key}={value!r} has the wrong type: {reason}") from None
+
+
+def typed(cfg: DictConfig) -> PPOTrainerConfig:
+    """The resolved config as typed sections, with every key's and section's check run."""
+    root = OmegaConf.to_object(cfg)
+    validate(root)
+    return root
+
+
+def _unknown_key_message(full_key: str, overrides: list[str]) -> str:
+    import difflib
+
+    known = [path for path, value, _ in walk(PPOTrainerConfig()) if not isinstance(value, Section)]
+    close = difflib.get_close_matches(full_key, known, n=3, cutoff=0.6)
+    source = next((o for o in overrides if full_key in o.split("=", 1)[0]), None)
+    return (f"{full_key} is not a config key: no rlframe component reads it"
+            + (f" (from the override {source!r})" if source else "")
+            + (f". Did you mean {' or '.join(close)}?" if close else ".")
+            + " `rlframe explain` lists the keys; configs/ppo_trainer.yaml documents each one.")

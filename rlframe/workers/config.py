@@ -1,0 +1,210 @@
+"""The sections the FSDP workers read: model, actor, reference, critic, reward model, FSDP and optimizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from rlframe.algorithms.kl import get_kl_penalty_fn
+from rlframe.algorithms.loss import LOSS_AGG_MODES, get_policy_loss_fn
+from rlframe.config.checks import SAVE_CONTENTS, STRATEGIES
+from rlframe.config.keys import ACTOR_KEYS, CRITIC_KEYS, REF_KEYS, get, micro_batch_inactive, ref_enabled
+from rlframe.config.schema import Section, key, section
+from rlframe.reward.manager import get_reward_manager_cls
+from rlframe.seqpack import ALLOCATE_FNS
+from rlframe.workers.fsdp_utils import DTYPES
+
+DTYPE_NAMES = ("auto", *DTYPES)
+WARMUP_STYLES = ("constant", "cosine")
+ACTOR = "actor_rollout_ref.actor"
+
+
+def _check_save_contents(contents: list) -> None:
+    unknown = [c for c in contents if c not in SAVE_CONTENTS]
+    if unknown:
+        raise ValueError(f"unknown entries {unknown}; valid: {', '.join(SAVE_CONTENTS)}")
+
+
+@dataclass
+class ModelConfig(Section):
+    path: str = key("builtin://tiny", "local HF model dir; builtin://tiny = tiny random Qwen2 built offline")
+    external_lib: Optional[str] = key(None, "python module imported in workers before loading (custom models)")
+    override_config: Dict[str, Any] = key({}, "fields merged into the model's HF config")
+    enable_gradient_checkpointing: bool = key(False, "recompute activations in backward (saves memory)")
+    use_remove_padding: bool = key(True, "pack sequences into one row with cu_seqlens (no pad compute)")
+    trust_remote_code: bool = key(False, "passed to from_pretrained")
+
+
+@dataclass
+class PolicyLossConfig(Section):
+    loss_mode: str = key("vanilla", "vanilla (PPO clip, dual-clip) | gspo", check=get_policy_loss_fn)
+
+
+@dataclass
+class OptimConfig(Section):
+    lr: float = key(1.0e-6, "peak learning rate")
+    lr_warmup_steps: int = key(-1, "warmup steps; <= 0 = use lr_warmup_steps_ratio")
+    lr_warmup_steps_ratio: float = key(0.0, "warmup as a fraction of total training steps")
+    warmup_style: str = key("constant", "schedule after warmup: constant | cosine", choices=WARMUP_STYLES)
+    min_lr_ratio: float = key(0.0, "cosine floor as a fraction of lr")
+    weight_decay: float = key(0.01, "AdamW weight decay")
+    betas: List[float] = key([0.9, 0.999], "AdamW betas")
+    total_training_steps: int = key(-1, "filled in by the trainer from the data; do not set")
+
+    def inactive(self, path: str, root: Any) -> dict[str, str]:
+        out = {f"{path}.total_training_steps": "filled in by the trainer from the data; set "
+                                               "trainer.total_training_steps instead"}
+        if self.lr_warmup_steps > 0:  # as in verl, 0 or -1 defers to the ratio
+            out[f"{path}.lr_warmup_steps_ratio"] = (f"{path}.lr_warmup_steps={self.lr_warmup_steps} (> 0) "
+                                                    "takes precedence")
+        if self.warmup_style != "cosine":
+            out[f"{path}.min_lr_ratio"] = f"{path}.warmup_style={self.warmup_style}: only cosine decays"
+        return out
+
+
+@dataclass
+class CriticOptimConfig(OptimConfig):
+    lr: float = key(1.0e-5, "peak learning rate")
+
+
+@dataclass
+class FSDPConfig(Section):
+    param_offload: bool = key(False, "keep parameters on CPU between uses")
+    optimizer_offload: bool = key(False, "keep optimizer state on CPU between steps")
+    reshard_after_forward: bool = key(True, "free gathered params after forward (ZeRO-3 style)")
+    fsdp_size: int = key(-1, "shard group size; -1 = all ranks, else HSDP (shard within groups of this size)")
+    param_dtype: str = key("auto", "auto = bf16 on GPU, fp32 on CPU | bf16 | fp32", choices=DTYPE_NAMES)
+    reduce_dtype: str = key("fp32", "gradient reduction dtype", choices=DTYPE_NAMES)
+
+
+@dataclass
+class CheckpointConfig(Section):
+    save_contents: List[str] = key(["model", "optimizer", "extra"],
+                                   "what a checkpoint holds; add hf_model for an HF export",
+                                   check=_check_save_contents)
+
+
+@dataclass
+class ActorConfig(Section):
+    strategy: str = key("fsdp2", "fsdp2 (fully_shard) | fsdp (FSDP1)", choices=STRATEGIES)
+    ppo_mini_batch_size: int = key(4, "prompts per optimizer step (x rollout.n sequences)")
+    ppo_micro_batch_size_per_gpu: int = key(2, "sequences per forward/backward when use_dynamic_bsz=false")
+    use_dynamic_bsz: bool = key(False, "micro-batch by token budget instead of sequence count")
+    ppo_max_token_len_per_gpu: int = key(1024, "token budget per micro-batch per GPU (dynamic; x sp inside)")
+    packing_algorithm: str = key("kk", "dynamic micro-batch packing: kk (Karmarkar-Karp) | ffd",
+                                 choices=tuple(ALLOCATE_FNS))
+    grad_clip: float = key(1.0, "max global grad norm; non-finite norms skip the step")
+    clip_ratio: float = key(0.2, "PPO clip epsilon (default for _low and _high)")
+    clip_ratio_low: float = key(f"${{{ACTOR}.clip_ratio}}", "lower clip epsilon")
+    clip_ratio_high: float = key(f"${{{ACTOR}.clip_ratio}}", "upper clip epsilon (DAPO clip-higher)")
+    clip_ratio_c: float = key(3.0, "dual-clip bound for negative advantages (> 1)")
+    loss_agg_mode: str = key("token-mean", " | ".join(LOSS_AGG_MODES), choices=LOSS_AGG_MODES)
+    entropy_coeff: float = key(0.0, "entropy bonus coefficient")
+    use_kl_loss: bool = key(False, "add KL(actor || ref) to the loss (GRPO style)")
+    kl_loss_coef: float = key(0.001, "weight of the KL loss")
+    kl_loss_type: str = key("low_var_kl", "kl|k1|abs|mse|k2|low_var_kl|k3", check=get_kl_penalty_fn)
+    ppo_epochs: int = key(1, "passes over each batch")
+    shuffle: bool = key(False, "shuffle sequences before cutting mini-batches")
+    ulysses_sequence_parallel_size: int = key(1, "Ulysses SP degree (needs use_remove_padding)")
+    policy_loss: PolicyLossConfig = section(PolicyLossConfig)
+    optim: OptimConfig = section(OptimConfig)
+    fsdp_config: FSDPConfig = section(FSDPConfig)
+    checkpoint: CheckpointConfig = section(CheckpointConfig)
+
+    def inactive(self, path: str, root: Any) -> dict[str, str]:
+        out = micro_batch_inactive(root, ACTOR_KEYS, "actor update")
+        dynamic_passes = [ACTOR_KEYS.dynamic, ACTOR_KEYS.forward.dynamic] + ([REF_KEYS.dynamic] if ref_enabled(root)
+                                                                           else [])
+        if not any(get(root, k) for k in dynamic_passes):
+            out[ACTOR_KEYS.packing] = f"{', '.join(k + '=false' for k in dynamic_passes)}: no pass packs by tokens"
+        if not self.use_kl_loss:
+            out.update({f"{path}.{name}": f"{path}.use_kl_loss=false" for name in ("kl_loss_coef", "kl_loss_type")})
+        return out
+
+
+@dataclass
+class RefFSDPConfig(Section):
+    param_offload: bool = key(False, "keep ref parameters on CPU between uses")
+    reshard_after_forward: bool = key(True, "free gathered params after forward")
+    param_dtype: str = key(f"${{{ACTOR}.fsdp_config.param_dtype}}", "auto = bf16 on GPU, fp32 on CPU",
+                           choices=DTYPE_NAMES)
+    reduce_dtype: str = key(f"${{{ACTOR}.fsdp_config.reduce_dtype}}", "unused for a frozen model; kept equal",
+                            choices=DTYPE_NAMES)
+
+
+@dataclass
+class RefConfig(Section):
+    log_prob_micro_batch_size_per_gpu: int = key(4, "sequences per ref forward (static)")
+    log_prob_use_dynamic_bsz: bool = key(f"${{{ACTOR}.use_dynamic_bsz}}", "token-budget micro-batches")
+    log_prob_max_token_len_per_gpu: int = key(f"${{{ACTOR}.ppo_max_token_len_per_gpu}}", "token budget (dynamic)")
+    ulysses_sequence_parallel_size: int = key(f"${{{ACTOR}.ulysses_sequence_parallel_size}}", "SP degree")
+    fsdp_config: RefFSDPConfig = section(RefFSDPConfig)
+
+    def inactive(self, path: str, root: Any) -> dict[str, str]:
+        return micro_batch_inactive(root, REF_KEYS, "ref log-prob")
+
+
+@dataclass
+class CriticModelConfig(Section):
+    path: str = key("${actor_rollout_ref.model.path}", "value model init (backbone + scalar head)")
+    tokenizer_path: str = key("${actor_rollout_ref.model.path}", "tokenizer for the critic")
+    override_config: Dict[str, Any] = key({}, "fields merged into the critic's HF config")
+    external_lib: Optional[str] = key("${actor_rollout_ref.model.external_lib}", "module imported before loading")
+    enable_gradient_checkpointing: bool = key(False, "recompute activations in backward")
+    use_remove_padding: bool = key("${actor_rollout_ref.model.use_remove_padding}", "packed sequences")
+    trust_remote_code: bool = key(False, "passed to from_pretrained")
+    fsdp_config: FSDPConfig = section(FSDPConfig)
+
+
+@dataclass
+class CriticConfig(Section):
+    strategy: str = key(f"${{{ACTOR}.strategy}}", "fsdp2 | fsdp", choices=STRATEGIES)
+    model: CriticModelConfig = section(CriticModelConfig)
+    optim: CriticOptimConfig = section(CriticOptimConfig)
+    ppo_mini_batch_size: int = key(f"${{{ACTOR}.ppo_mini_batch_size}}", "prompts per critic optimizer step")
+    ppo_micro_batch_size_per_gpu: int = key(f"${{{ACTOR}.ppo_micro_batch_size_per_gpu}}", "sequences per fwd/bwd")
+    forward_micro_batch_size_per_gpu: int = key("${critic.ppo_micro_batch_size_per_gpu}",
+                                                "sequences per value forward")
+    use_dynamic_bsz: bool = key(f"${{{ACTOR}.use_dynamic_bsz}}", "token-budget micro-batches")
+    ppo_max_token_len_per_gpu: int = key(f"${{{ACTOR}.ppo_max_token_len_per_gpu}}", "token budget per micro-batch")
+    forward_max_token_len_per_gpu: int = key("${critic.ppo_max_token_len_per_gpu}", "token budget for value forward")
+    packing_algorithm: str = key(f"${{{ACTOR}.packing_algorithm}}", "kk | ffd", choices=tuple(ALLOCATE_FNS))
+    ulysses_sequence_parallel_size: int = key(1, "Ulysses SP degree for the critic")
+    ppo_epochs: int = key(f"${{{ACTOR}.ppo_epochs}}", "passes over each batch")
+    shuffle: bool = key(f"${{{ACTOR}.shuffle}}", "shuffle before mini-batches")
+    grad_clip: float = key(1.0, "max global grad norm")
+    cliprange_value: float = key(0.5, "value clipping range")
+    loss_agg_mode: str = key(f"${{{ACTOR}.loss_agg_mode}}", "aggregation of the value loss", choices=LOSS_AGG_MODES)
+    checkpoint: CheckpointConfig = section(CheckpointConfig)
+
+    def inactive(self, path: str, root: Any) -> dict[str, str]:
+        out = micro_batch_inactive(root, CRITIC_KEYS, "critic update")
+        out.update(micro_batch_inactive(root, CRITIC_KEYS.forward, "value"))
+        if not self.use_dynamic_bsz:
+            out[CRITIC_KEYS.packing] = f"{CRITIC_KEYS.dynamic}=false: no critic pass packs by tokens"
+        return out
+
+
+@dataclass
+class RewardModelModelConfig(Section):
+    path: Optional[str] = key(None, "sequence-classification model dir")
+    input_tokenizer: str = key("${actor_rollout_ref.model.path}", "tokenizer of the policy (to decode responses)")
+
+
+@dataclass
+class RewardModelConfig(Section):
+    enable: bool = key(False, "score with a reward model worker (in addition to rules)")
+    model: RewardModelModelConfig = section(RewardModelModelConfig)
+    micro_batch_size_per_gpu: int = key(4, "sequences per reward model forward")
+    reward_manager: str = key("naive", "naive (one call per sample) | batch (one call per batch)",
+                              check=get_reward_manager_cls)
+
+    def check(self, path: str, root: Any) -> None:
+        if self.enable and not self.model.path:
+            raise ValueError("reward_model.enable=true needs reward_model.model.path "
+                             "(a sequence-classification model folder)")
+
+    def inactive(self, path: str, root: Any) -> dict[str, str]:
+        if self.enable:
+            return {}
+        return {f"{path}.{name}": "reward_model.enable=false" for name in ("model", "micro_batch_size_per_gpu")}

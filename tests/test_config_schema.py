@@ -1,0 +1,65 @@
+"""Every key is declared once, in a typed section; the YAML, the checks and the key statuses derive from it."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from rlframe.config.loader import config_dir
+from rlframe.config.schema import Section, walk
+from rlframe.explain import main as explain_main
+from rlframe.trainer.config import PPOTrainerConfig, compose, default_yaml
+from rlframe.trainer.main_ppo import prepare
+
+
+def test_the_yaml_is_generated_from_the_typed_sections():
+    on_disk = (Path(config_dir()) / "ppo_trainer.yaml").read_text()
+    assert on_disk == default_yaml(), "run: python -m rlframe.trainer.config > configs/ppo_trainer.yaml"
+
+
+def test_every_key_has_a_help_line():
+    missing = [path for path, value, field in walk(PPOTrainerConfig())
+               if not isinstance(value, Section) and not field.metadata.get("help")]
+    assert not missing
+
+
+def test_every_section_is_a_typed_dataclass():
+    sections = [value for _, value, _ in walk(PPOTrainerConfig()) if dataclasses.is_dataclass(value)]
+    assert sections and all(isinstance(s, Section) for s in sections)
+
+
+def test_an_added_key_that_nothing_reads_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.actor.overlong_buffer is not a config key: no "
+                                         r"rlframe component reads it \(from the override"):
+        compose(["+actor_rollout_ref.actor.overlong_buffer=4"])
+
+
+def test_a_misspelled_key_after_a_hydra_override_is_named():
+    with pytest.raises(ValueError, match=r"unknown config key 'data.train_batch_sizee'.*data.train_batch_size"):
+        compose(["hydra.run.dir=/tmp/somewhere", "data.train_batch_sizee=3"])
+
+
+def test_a_wrong_type_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"data.train_batch_size='eight' has the wrong type"):
+        compose(["data.train_batch_size=eight"])
+
+
+BAD_CONFIGS = [
+    ["algorithm.adv_estimator=gpg"],
+    ["+trainer.not_a_key=1"],
+    ["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4"],
+    ["actor_rollout_ref.rollout.name=sglang"],
+    ["trainer.device=tpu"],
+    ["actor_rollout_ref.model.path=/nonexistent/model"],
+    ["reward_model.enable=true"],
+    ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=3"],
+    ["actor_rollout_ref.actor.loss_agg_mode=mean"],
+]
+
+
+@pytest.mark.parametrize("overrides", BAD_CONFIGS, ids=lambda o: " ".join(o))
+def test_explain_and_train_give_the_same_verdict(overrides, capsys):
+    with pytest.raises(ValueError) as err:
+        prepare(overrides)
+    assert explain_main(overrides) == 2
+    assert str(err.value) in capsys.readouterr().err
