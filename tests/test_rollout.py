@@ -103,10 +103,8 @@ def test_hf_rollout_output_contract_shapes_masks_and_log_probs(hf_rollout, tiny_
     assert list(out.non_tensor_batch["uid"]) == list(prompts.non_tensor_batch["uid"])
     metrics = out.meta_info["metrics"]
     lengths = mask.sum(-1).float()
-    assert metrics["response_length/mean"] == pytest.approx(float(lengths.mean()))
-    assert metrics["response_length/max"] == float(lengths.max())
-    assert metrics["response_length/min"] == float(lengths.min())
-    assert metrics["response_length/clip_ratio"] == pytest.approx(float((lengths == RESPONSE_LEN).float().mean()))
+    no_eos = [not (greedy[row] == eos).any() for row in range(n)]
+    assert metrics["response_length/truncated_ratio"] == pytest.approx(sum(no_eos) / n)
     assert metrics["timing_s/generate"] > 0 and metrics["perf/rollout_tokens_per_s"] > 0
     # rollout_log_probs are the log-probs a teacher-forced forward of the actor gives the same tokens
     model = load_model(tiny_model_path)

@@ -34,9 +34,12 @@ def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]
         metrics.update(_stats("critic/values", values))
         var_returns = torch.var(returns)
         metrics["critic/vf_explained_var"] = float(1.0 - torch.var(returns - values) / (var_returns + 1e-5))
+    # as verl: clip_ratio is the share at the length limit, whether or not the last token is EOS
+    # (the rollout reports response_length/truncated_ratio, which excludes responses that ended in EOS)
     metrics.update(_stats("response_length", response_lens))
-    # response_length/clip_ratio comes from the rollout, which knows whether a full-length response ended in EOS
+    metrics["response_length/clip_ratio"] = float((response_lens == response_length).float().mean())
     metrics.update(_stats("prompt_length", prompt_lens))
+    metrics["prompt_length/clip_ratio"] = float((prompt_lens == prompt_mask.shape[-1]).float().mean())
     return metrics
 
 

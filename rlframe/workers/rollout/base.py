@@ -177,16 +177,19 @@ def build_rollout_output(prompts: DataProto, responses: torch.Tensor, lengths: t
 
 
 def response_metrics(response_mask: torch.Tensor, responses: torch.Tensor, eos_ids: list[int]) -> dict[str, float]:
-    """Length statistics; clip_ratio counts responses stopped by the length limit rather than by EOS."""
-    lengths = response_mask.sum(-1).float()
+    """`response_length/truncated_ratio`: the share of responses stopped by the length limit, not by EOS.
+
+    rlframe's own metric. verl's `response_length/clip_ratio` (length == max, EOS or not) and the
+    length statistics are computed on the driver over the whole batch (`compute_data_metrics`).
+    """
+    lengths = response_mask.sum(-1)
     if lengths.numel() == 0:
         return {}
-    last = (lengths.long() - 1).clamp(min=0)
+    last = (lengths - 1).clamp(min=0)
     ended_with_eos = torch.isin(responses.gather(1, last[:, None]).squeeze(1),
                                 torch.tensor(eos_ids, device=responses.device)) & (lengths > 0)
-    clipped = (lengths == responses.shape[1]) & ~ended_with_eos
-    return {"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
-            "response_length/min": float(lengths.min()), "response_length/clip_ratio": float(clipped.float().mean())}
+    truncated = (lengths == responses.shape[1]) & ~ended_with_eos
+    return {"response_length/truncated_ratio": float(truncated.float().mean())}
 
 
 class BaseRollout(ABC):

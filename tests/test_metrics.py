@@ -1,0 +1,33 @@
+"""Length metrics: verl's clip_ratio (at the limit, EOS or not) and rlframe's truncated_ratio (no EOS)."""
+
+import pytest
+import torch
+
+from rlframe.protocol import DataProto
+from rlframe.trainer.metrics import compute_data_metrics
+from rlframe.workers.rollout.base import response_metrics
+
+EOS = 9
+
+
+def batch_with(response_mask: list[list[int]], responses: list[list[int]], prompt_mask: list[list[int]]) -> DataProto:
+    response_mask, responses, prompt_mask = map(torch.tensor, (response_mask, responses, prompt_mask))
+    bs, width = response_mask.shape
+    zeros = torch.zeros(bs, width)
+    return DataProto.from_dict({
+        "responses": responses, "response_mask": response_mask,
+        "attention_mask": torch.cat([prompt_mask, response_mask], -1),
+        "token_level_scores": zeros, "token_level_rewards": zeros, "advantages": zeros, "returns": zeros})
+
+
+def test_clip_ratio_counts_full_length_responses_even_when_they_end_with_eos():
+    # row 0: full length ending in EOS; row 1: full length, no EOS; row 2: stopped early by EOS
+    batch = batch_with(response_mask=[[1, 1, 1], [1, 1, 1], [1, 1, 0]],
+                       responses=[[5, 6, EOS], [5, 6, 7], [5, EOS, 0]],
+                       prompt_mask=[[1, 1], [0, 1], [0, 1]])
+    metrics = compute_data_metrics(batch, use_critic=False)
+    assert metrics["response_length/clip_ratio"] == pytest.approx(2 / 3)
+    assert metrics["response_length/mean"] == pytest.approx(8 / 3) and metrics["response_length/min"] == 2
+    assert metrics["prompt_length/clip_ratio"] == pytest.approx(1 / 3)
+    truncated = response_metrics(batch.batch["response_mask"], batch.batch["responses"], eos_ids=[EOS])
+    assert truncated == {"response_length/truncated_ratio": pytest.approx(1 / 3)}
