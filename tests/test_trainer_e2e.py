@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rlframe.data.builtin_tasks import countdown_add_rows
+from rlframe.workers.checkpoint import read_full_tensors
 
 pytestmark = pytest.mark.slow
 
@@ -60,11 +61,11 @@ def test_grpo_dp2_sp2_remove_padding_dynamic_bsz(tmp_path, cache_dir):
     export = tmp_path / "global_step_2" / "actor" / "huggingface"
     model = AutoModelForCausalLM.from_pretrained(export)
     assert AutoTokenizer.from_pretrained(export).pad_token_id is not None
-    shards = [torch.load(tmp_path / "global_step_2" / "actor" / f"model_world_size_4_rank_{r}.pt", weights_only=False)
-              for r in range(4)]
-    name = "model.layers.0.mlp.up_proj.weight"
-    gathered = torch.cat([s[name].to_local() for s in shards])
-    assert torch.equal(gathered, model.state_dict()[name])
+    # ... and holds exactly the tensors of the sharded checkpoint the 4 ranks wrote
+    saved = read_full_tensors(str(tmp_path / "global_step_2" / "actor" / "model"))
+    exported = model.state_dict()
+    assert saved.keys() == exported.keys()
+    assert all(torch.equal(saved[name], exported[name]) for name in saved)
     metrics = read_metrics(tmp_path)
     steps = [m for m in metrics if m["step"] > 0 and "actor/pg_loss" in m]
     assert [m["step"] for m in steps] == [1, 2]
@@ -80,9 +81,11 @@ def test_grpo_dp2_sp2_remove_padding_dynamic_bsz(tmp_path, cache_dir):
 def failing_scorer_file(tmp_path):
     path = tmp_path / "scorer.py"
     path.write_text(
+        "calls = [0]\n"
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    if extra_info['index'] % 2 == 0:\n"
-        "        raise RuntimeError('scorer bug on even prompts')\n"
+        "    calls[0] += 1  # every other sample fails, whatever the sampling order\n"
+        "    if calls[0] % 2:\n"
+        "        raise RuntimeError('scorer bug on every other sample')\n"
         "    return 1.0 if solution_str.strip().startswith(str(ground_truth)) else 0.0\n")
     return path
 
@@ -99,7 +102,7 @@ def test_ppo_with_critic_kl_in_reward_and_a_failing_reward_function(tmp_path, ca
         "actor_rollout_ref.model.external_lib=rlframe_marker_lib",
         f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=2",
         "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "algorithm.use_kl_in_reward=true",
-        "algorithm.kl_ctrl.type=adaptive",
+        "algorithm.kl_ctrl.type=adaptive", "trainer.log_val_generations=1",
         f"custom_reward_function.path={scorer}", f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
     ], cache_dir, extra_env=env)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -111,7 +114,8 @@ def test_ppo_with_critic_kl_in_reward_and_a_failing_reward_function(tmp_path, ca
     assert len(steps) == 2
     assert all(m["reward/num_scorer_errors"] > 0 for m in steps)  # counted, and the run went on
     assert all("actor/reward_kl_penalty" in m for m in steps)  # reference model + KL in reward
-    assert "scorer bug on even prompts" in out.stdout + out.stderr  # first traceback logged
+    assert "scorer bug on every other sample" in out.stdout + out.stderr  # first traceback logged
+    assert "[countdown_add] response=" in out.stderr  # trainer.log_val_generations shows validation samples
     assert len(list(tmp_path.glob("imported-*"))) == 2  # both worker processes imported external_lib
 
 
@@ -130,18 +134,20 @@ def _small_dataset(tmp_path, num_prompts: int) -> str:
     return str(path)
 
 
-def _actor_shards(step_dir):
+def _actor_tensors(step_dir):
+    """The actor's full parameters and optimizer tensors in a checkpoint."""
     actor = os.path.join(step_dir, "actor")
-    return {name: torch.load(os.path.join(actor, name), weights_only=False)
-            for name in sorted(os.listdir(actor)) if name.startswith("model_")}
+    return {part: read_full_tensors(os.path.join(actor, part)) for part in ("model", "optimizer")}
 
 
 def test_resume_from_step_k_equals_uninterrupted_run(tmp_path, cache_dir):
     # 8 prompts / batch 4 = 2 steps per epoch: resuming at step 2 crosses an epoch boundary,
-    # and step 3 is resumed mid-epoch when run B stops there.
+    # and step 3 is resumed mid-epoch when run B stops there. Mini-batch shuffling is on, so the
+    # shuffle generator's state must travel with the checkpoint too.
     train = _small_dataset(tmp_path, 8)
     base = COMMON + [f"data.train_files={train}", "trainer.total_epochs=3", "trainer.save_freq=1",
-                     "trainer.test_freq=-1", "actor_rollout_ref.rollout.free_cache_engine=false"]
+                     "trainer.test_freq=-1", "actor_rollout_ref.rollout.free_cache_engine=false",
+                     "actor_rollout_ref.actor.shuffle=true"]
     run_a = tmp_path / "a"
     out = run_main(base + [f"trainer.default_local_dir={run_a}"], cache_dir)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -154,14 +160,11 @@ def test_resume_from_step_k_equals_uninterrupted_run(tmp_path, cache_dir):
         out = run_main(base + [f"trainer.default_local_dir={run_b}", "trainer.resume_mode=auto"], cache_dir)
         assert out.returncode == 0, out.stderr[-4000:]
         assert f"resuming from {run_b / f'global_step_{k}'}" in out.stdout
-        final_a, final_b = _actor_shards(run_a / "global_step_6"), _actor_shards(run_b / "global_step_6")
-        assert final_a.keys() == final_b.keys()
-        for shard in final_a:
-            for name, tensor in final_a[shard].items():
-                a = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-                b = final_b[shard][name]
-                b = b.to_local() if hasattr(b, "to_local") else b
-                assert torch.equal(a, b), f"{shard}:{name} differs after resuming from step {k}"
+        final_a, final_b = _actor_tensors(run_a / "global_step_6"), _actor_tensors(run_b / "global_step_6")
+        for part in final_a:
+            assert final_a[part].keys() == final_b[part].keys()
+            for name, tensor in final_a[part].items():
+                assert torch.equal(tensor, final_b[part][name]), f"{part}:{name} differs after resuming from step {k}"
 
 
 def test_grpo_with_a_reward_model_worker(tmp_path, cache_dir):
