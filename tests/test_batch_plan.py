@@ -49,9 +49,9 @@ GRID = [
     (dict(nodes=1, gpus=2, sp=1, n=4, batch=8, mini=4, micro=2),  # the shipped defaults
      dict(world=2, seqs=32, dp=2, per_gpu=16, per_dp=16, mini_dp=8, num_mini=2, accum=4,
           rollout_dp=2, rollout_per_dp=16, opt_steps=2)),
-    (dict(nodes=1, gpus=4, sp=2, tp=2, n=1, batch=12, mini=4, micro=1),  # hf: the TP key has no effect
+    (dict(nodes=1, gpus=4, sp=2, tp=2, n=1, batch=12, mini=4, micro=1),  # hf shards over TP groups too
      dict(world=4, seqs=12, dp=2, per_gpu=3, per_dp=6, mini_dp=2, num_mini=3, accum=2,
-          rollout_dp=4, rollout_per_dp=3, opt_steps=3)),
+          rollout_dp=2, rollout_per_dp=6, opt_steps=3)),
     (dict(nodes=3, gpus=2, sp=3, n=2, batch=6, mini=3, micro=3),
      dict(world=6, seqs=12, dp=2, per_gpu=2, per_dp=6, mini_dp=3, num_mini=2, accum=1,
           rollout_dp=6, rollout_per_dp=2, opt_steps=2)),
@@ -206,7 +206,7 @@ def test_static_vs_dynamic_decides_micro_size_or_token_budget(base):
 def test_critic_ref_vllm_and_hf_keys(base):
     grpo = status_of(base)
     assert not grpo["critic"] and not grpo[REF] and not grpo[f"{R}.gpu_memory_utilization"]
-    assert grpo[f"{R}.micro_batch_size"] and not grpo[f"{R}.tensor_model_parallel_size"]
+    assert grpo[f"{R}.micro_batch_size"] and grpo[f"{R}.tensor_model_parallel_size"]
     gae = status_of(cfg_of(base, "algorithm.adv_estimator=gae", f"{A}.use_kl_loss=true", engine="vllm"))
     assert "critic" not in gae and gae["critic.ppo_micro_batch_size_per_gpu"]
     assert REF not in gae and gae[f"{REF}.log_prob_micro_batch_size_per_gpu"]

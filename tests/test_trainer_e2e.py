@@ -44,13 +44,14 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("rlframe_cache")
 
 
-def test_grpo_dp2_sp2_remove_padding_dynamic_bsz(tmp_path, cache_dir):
+def test_grpo_dp2_sp2_rollout_tp2_remove_padding_dynamic_bsz(tmp_path, cache_dir):
     out = run_main(COMMON + [
         f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=2", "trainer.n_gpus_per_node=4",
         "data.train_batch_size=8",
         "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64",
         "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",  # the hf engine, sharded over 2 TP groups
         "actor_rollout_ref.actor.use_kl_loss=true", "trainer.save_freq=2",
         "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
     ], cache_dir)

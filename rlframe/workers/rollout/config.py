@@ -48,7 +48,6 @@ class RolloutConfig(Section):
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = micro_batch_inactive(root, ACTOR_KEYS.forward, "old log-prob")
         if self.name == "hf":
-            out[f"{path}.tensor_model_parallel_size"] = f"{path}.name=hf generates with every worker's FSDP model (tp = 1)"
             out.update({f"{path}.{name}": f"{path}.name=hf: a vLLM setting" for name in VLLM_ONLY_KEYS})
         else:
             out[f"{path}.micro_batch_size"] = f"{path}.name={self.name}: the engine batches by max_num_batched_tokens"
