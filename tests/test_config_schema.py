@@ -63,3 +63,17 @@ def test_explain_and_train_give_the_same_verdict(overrides, capsys):
         prepare(overrides)
     assert explain_main(overrides) == 2
     assert str(err.value) in capsys.readouterr().err
+
+
+def test_clip_ratio_alone_is_reported_as_without_effect_like_in_verl():
+    # verl 0.9.1's yaml sets clip_ratio_low/high to 0.2; clip_ratio only fills in where they are null
+    from rlframe.config.key_status import ignored_key_warnings
+    from rlframe.workers.fsdp_workers import _or
+
+    overrides = ["actor_rollout_ref.actor.clip_ratio=0.3"]
+    (line,) = ignored_key_warnings(compose(overrides), overrides)
+    assert "actor_rollout_ref.actor.clip_ratio=0.3 has no effect" in line
+    nulls = overrides + ["actor_rollout_ref.actor.clip_ratio_low=null", "actor_rollout_ref.actor.clip_ratio_high=null"]
+    assert ignored_key_warnings(compose(nulls), nulls) == []
+    actor = compose(nulls).actor_rollout_ref.actor
+    assert _or(actor.clip_ratio_low, actor.clip_ratio) == _or(actor.clip_ratio_high, actor.clip_ratio) == 0.3

@@ -374,3 +374,17 @@ def test_logprobs_and_entropy_match_naive_and_are_stable_for_huge_logits():
     close(model_forward.logprobs_from_logits(huge.double(), T([0])), [math.log(0.5)])
     assert torch.isfinite(model_forward.logprobs_from_logits(huge, T([2]))).all()
 
+
+
+def test_worker_counts_every_row_of_a_mini_batch_as_verl_does():
+    # verl 0.9.1 divides the seq-mean modes by ppo_mini_batch_size × n: an empty response still counts
+    from tensordict import TensorDict
+
+    from rlframe.workers.batching import global_counts
+
+    mask = T([[1, 1, 0], [0, 0, 0], [1, 0, 0]])
+    mini_batch = TensorDict({"response_mask": mask, "responses": torch.zeros(3, 3, dtype=torch.long)}, batch_size=3)
+    counts = global_counts(mini_batch)
+    assert (float(counts.num_tokens), float(counts.num_seqs)) == (3.0, 3.0)
+    loss_mat = T([[1.0, 2.0, 0.0], [0.0, 0.0, 0.0], [6.0, 0.0, 0.0]])
+    close(loss_math.agg_loss(loss_mat, mask, "seq-mean-token-sum", **counts.agg_kwargs()), (3 + 6) / 3)

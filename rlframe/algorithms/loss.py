@@ -38,10 +38,11 @@ def agg_loss(loss_mat, loss_mask, loss_agg_mode, global_num_tokens=None, global_
       seq-mean-token-sum-norm  Σ masked token losses / (N_seq · norm_factor)   (Dr.GRPO)
 
     N_tok = `global_num_tokens`, the number of valid tokens, and N_seq = `global_num_seqs`, the
-    number of sequences with at least one valid token, both counted over every micro-batch on
-    every DP rank of the mini-batch. With those, the sum of agg_loss over any split of a
-    mini-batch equals agg_loss on the whole, so gradient accumulation is exact. When a count is
-    None the local one is used, which makes a single call on the whole batch the reference.
+    number of sequences, both counted over every micro-batch on every DP rank of the mini-batch.
+    The workers pass every row of the mini-batch as N_seq, empty responses included, as verl 0.9.1
+    does (`global_batch_size = ppo_mini_batch_size × n`). With those, the sum of agg_loss over any
+    split of a mini-batch equals agg_loss on the whole, so gradient accumulation is exact. When a
+    count is None the local one is used (N_seq: the rows with a valid token, as verl's local path).
 
     DP: FSDP *averages* gradients over ranks, so each rank must multiply this loss by dp_size
     (the caller's job) for the all-reduced gradient to equal the whole mini-batch's gradient.

@@ -94,9 +94,9 @@ class ActorConfig(Section):
     packing_algorithm: str = key("kk", "dynamic micro-batch packing: kk (Karmarkar-Karp) | ffd",
                                  choices=tuple(ALLOCATE_FNS))
     grad_clip: float = key(1.0, "max global grad norm; non-finite norms skip the step")
-    clip_ratio: float = key(0.2, "PPO clip epsilon (default for _low and _high)")
-    clip_ratio_low: float = key(f"${{{ACTOR}.clip_ratio}}", "lower clip epsilon")
-    clip_ratio_high: float = key(f"${{{ACTOR}.clip_ratio}}", "upper clip epsilon (DAPO clip-higher)")
+    clip_ratio: float = key(0.2, "PPO clip epsilon, used where clip_ratio_low/high are null (as in verl)")
+    clip_ratio_low: Optional[float] = key(0.2, "lower clip epsilon; null = clip_ratio")
+    clip_ratio_high: Optional[float] = key(0.2, "upper clip epsilon (DAPO clip-higher); null = clip_ratio")
     clip_ratio_c: float = key(3.0, "dual-clip bound for negative advantages (> 1)")
     loss_agg_mode: str = key("token-mean", " | ".join(LOSS_AGG_MODES), choices=LOSS_AGG_MODES)
     entropy_coeff: float = key(0.0, "entropy bonus coefficient")
@@ -117,6 +117,9 @@ class ActorConfig(Section):
                                                                            else [])
         if not any(get(root, k) for k in dynamic_passes):
             out[ACTOR_KEYS.packing] = f"{', '.join(k + '=false' for k in dynamic_passes)}: no pass packs by tokens"
+        if self.clip_ratio_low is not None and self.clip_ratio_high is not None:
+            out[f"{path}.clip_ratio"] = (f"{path}.clip_ratio_low and clip_ratio_high are set (verl's defaults set both "
+                                         "to 0.2); clip_ratio applies only where they are null")
         if not self.use_kl_loss:
             out.update({f"{path}.{name}": f"{path}.use_kl_loss=false" for name in ("kl_loss_coef", "kl_loss_type")})
         return out
