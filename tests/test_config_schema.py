@@ -1,6 +1,7 @@
 """Every key is declared once, in a typed section; the YAML, the checks and the key statuses derive from it."""
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,24 @@ def test_clip_ratio_alone_is_reported_as_without_effect_like_in_verl():
     assert ignored_key_warnings(compose(nulls), nulls) == []
     actor = compose(nulls).actor_rollout_ref.actor
     assert _or(actor.clip_ratio_low, actor.clip_ratio) == _or(actor.clip_ratio_high, actor.clip_ratio) == 0.3
+
+
+def test_a_verl_key_rlframe_does_not_implement_is_taken_at_verls_default_only():
+    compose(["actor_rollout_ref.model.lora_rank=0", "algorithm.filter_groups.enable=False",
+             "actor_rollout_ref.rollout.mode=async"])  # the same run as without them
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.model.lora_rank=32: LoRA is not implemented yet.*"
+                                         r"verl 0.9.1's default \(0\)"):
+        compose(["actor_rollout_ref.model.lora_rank=32"])
+    with pytest.raises(ValueError, match=r"trainer.val_only=True: rlframe does not implement"):
+        compose(["trainer.val_only=True"])
+
+
+def test_every_verl_key_is_declared_by_rlframe_or_has_a_verl_default():
+    # the catalog covers every key of verl's generated config, so no verl key falls through as "unknown"
+    from rlframe.config.verl_keys import check_verl_override, verl_defaults
+
+    defaults = verl_defaults()
+    assert len(defaults) > 800
+    for key, default in defaults.items():
+        if not (isinstance(default, str) and "${" in default) and not isinstance(default, (dict, list)):
+            assert check_verl_override(key, json.dumps(default) if not isinstance(default, str) else default) is None, key

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -16,7 +17,9 @@ from rlframe.algorithms.advantage import get_adv_estimator_fn
 from rlframe.algorithms.kl import get_kl_penalty_fn
 from rlframe.config.checks import check_fsdp_size
 from rlframe.config.keys import critic_enabled, ref_enabled
+from rlframe.config.key_status import override_key
 from rlframe.config.loader import load_config
+from rlframe.config.verl_keys import check_verl_override, verl_key_under
 from rlframe.config.schema import Section, key, render_yaml, section, validate, walk
 from rlframe.data.config import DataConfig
 from rlframe.reward.config import CustomRewardFunctionConfig
@@ -174,7 +177,7 @@ def compose(overrides: list[str]) -> DictConfig:
 
     Interpolations stay intact (key statuses follow them); `typed` resolves and validates.
     """
-    raw = load_config(overrides)
+    raw = load_config(taken_overrides(overrides))
     try:
         return OmegaConf.merge(OmegaConf.structured(PPOTrainerConfig), raw)
     except ConfigKeyError as err:
@@ -183,6 +186,34 @@ def compose(overrides: list[str]) -> DictConfig:
         value = OmegaConf.select(raw, err.full_key)
         reason = str(err).splitlines()[0]
         raise ValueError(f"{err.full_key}={value!r} has the wrong type: {reason}") from None
+
+
+def taken_overrides(overrides: list[str]) -> list[str]:
+    """The overrides for rlframe's own keys; a verl key rlframe does not declare is dropped at verl's default
+    (the same run) or refused with its reason. Unknown keys are left for the schema to name."""
+    declared, dict_keys = _declared_keys()
+    kept = []
+    for override in overrides:
+        key = override_key(override)
+        under_dict = any(key.startswith(d + ".") for d in dict_keys) if key else False
+        if key is None or key.startswith("hydra.") or key in declared or under_dict or not verl_key_under(key):
+            kept.append(override)
+            continue
+        refusal = check_verl_override(key, override.split("=", 1)[1])
+        if refusal is not None:
+            raise ValueError(refusal)
+    return kept
+
+
+@lru_cache(maxsize=1)
+def _declared_keys() -> tuple[frozenset, tuple]:
+    """Every rlframe key and section, and the keys whose value is a free-form dict (override_config)."""
+    paths, dicts = set(), []
+    for path, value, _ in walk(PPOTrainerConfig()):
+        paths.add(path)
+        if isinstance(value, dict):
+            dicts.append(path)
+    return frozenset(paths), tuple(dicts)
 
 
 def typed(cfg: DictConfig) -> PPOTrainerConfig:

@@ -1,0 +1,180 @@
+"""verl 0.9.1's config keys that rlframe does not declare: each is taken at verl's default or refused.
+
+A verl command line may set any of the ~830 keys of verl's PPO trainer config
+(`verl_defaults.json`, extracted from verl's own generated YAML by `scripts/extract_verl_defaults.py`).
+rlframe declares the ones it implements in its typed sections. For every other verl key:
+
+- set to verl's default value, it is taken: the command means the same run as without it, and
+  rlframe behaves as verl does at that default (where it does not, `docs/verl_compatibility.md` lists
+  the difference: none of them changes the math or the number of samples);
+- set to anything else, it is refused before Ray starts, with the key, the value, verl's default and
+  why rlframe does not implement it (`UNSUPPORTED`, longest matching prefix first).
+
+A key neither rlframe nor verl knows is a typo: the typed schema refuses it with the closest keys.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULTS_FILE = Path(__file__).with_name("verl_defaults.json")
+
+_PROFILER = "profiling is not built in: rlframe reports timing_s/* for every phase; run a profiler on the workers"
+_MULTIMODAL = "multimodal inputs are not supported (text-only models)"
+_LORA = "LoRA is not implemented yet (see the algorithms issue); train the full model"
+_AGENT = "multi-turn/tool-calling agent loops are not implemented yet (see the agent-loop issue)"
+_ROLLOUT_REWARD_MODEL = "generative reward models and verl's reward loop are not supported; use reward_model.enable " \
+                        "with a sequence-classification model, or a custom_reward_function"
+_QUANT = "quantized training and rollout are not supported"
+
+# prefix -> why rlframe does not implement it; the longest prefix that matches a key wins.
+UNSUPPORTED = {
+    "actor_rollout_ref.actor.profiler": _PROFILER,
+    "actor_rollout_ref.ref.profiler": _PROFILER,
+    "actor_rollout_ref.rollout.profiler": _PROFILER,
+    "actor_rollout_ref.rollout.trace": _PROFILER,
+    "actor_rollout_ref.rollout.prometheus": _PROFILER,
+    "critic.profiler": _PROFILER,
+    "global_profiler": _PROFILER,
+    "actor_rollout_ref.model.lora": _LORA,
+    "actor_rollout_ref.model.lora_rank": _LORA,
+    "actor_rollout_ref.model.lora_alpha": _LORA,
+    "actor_rollout_ref.model.lora_adapter_path": _LORA,
+    "actor_rollout_ref.model.target_modules": _LORA,
+    "actor_rollout_ref.model.exclude_modules": _LORA,
+    "critic.model.lora": _LORA,
+    "critic.model.lora_rank": _LORA,
+    "critic.model.lora_alpha": _LORA,
+    "critic.model.lora_adapter_path": _LORA,
+    "critic.model.target_modules": _LORA,
+    "critic.model.exclude_modules": _LORA,
+    "actor_rollout_ref.rollout.multi_turn": _AGENT,
+    "actor_rollout_ref.rollout.agent": _AGENT,
+    "actor_rollout_ref.rollout.mode": "verl 0.9.1 knows only async here; rlframe generates inside the training "
+                                      "workers and takes the key at that value (its rollout server is not "
+                                      "implemented yet: see the agent-loop issue)",
+    "data.tool_config_path": _AGENT,
+    "data.function_tool_path": _AGENT,
+    "data.return_full_prompt": _AGENT,
+    "algorithm.rollout_correction": "rollout correction (importance weights between engine and trainer log-probs) "
+                                    "is not implemented yet (see the algorithms issue)",
+    "algorithm.filter_groups": "DAPO's dynamic sampling is not implemented yet (see the algorithms issue)",
+    "data.gen_batch_size": "DAPO's dynamic sampling is not implemented yet (see the algorithms issue)",
+    "algorithm.use_pf_ppo": "PF-PPO reweighting is not implemented",
+    "algorithm.pf_ppo": "PF-PPO reweighting is not implemented",
+    "actor_rollout_ref.actor.policy_loss": "this policy-loss parameter belongs to a loss mode rlframe does not "
+                                           "implement yet (see the algorithms issue)",
+    "actor_rollout_ref.actor.tau_pos": "SAPO's temperatures belong to a loss mode rlframe does not implement yet",
+    "actor_rollout_ref.actor.tau_neg": "SAPO's temperatures belong to a loss mode rlframe does not implement yet",
+    "actor_rollout_ref.actor.loss_scale_factor": "a constant loss scale is not implemented; rlframe normalizes "
+                                                 "seq-mean-token-sum-norm by the max response length",
+    "critic.loss_scale_factor": "a constant loss scale is not implemented",
+    "distillation": "on-policy distillation is not supported",
+    "transfer_queue": "verl's transfer queue is not used: rlframe moves batches through Ray's object store",
+    "trainer.use_v1": "verl's v1 trainer modes are not supported; rlframe has one colocated synchronous trainer",
+    "trainer.v1": "verl's v1 trainer modes are not supported; rlframe has one colocated synchronous trainer",
+    "skip": "skipping rollouts from dumps is not supported",
+    "reward": _ROLLOUT_REWARD_MODEL,
+    "reward_model.rollout": _ROLLOUT_REWARD_MODEL,
+    "reward_model.reward_loop_source": _ROLLOUT_REWARD_MODEL,
+    "reward_model.reward_loop_module_path": _ROLLOUT_REWARD_MODEL,
+    "reward_model.reward_loop_class_name": _ROLLOUT_REWARD_MODEL,
+    "reward_model.num_workers": _ROLLOUT_REWARD_MODEL,
+    "reward_model.enable_resource_pool": "the reward model shares the training workers' processes",
+    "reward_model.nnodes": "the reward model shares the training workers' processes",
+    "reward_model.n_gpus_per_node": "the reward model shares the training workers' processes",
+    "sandbox_fusion": "the code-execution sandbox scorer is not supported; use a custom_reward_function",
+    "actor_rollout_ref.model.mtp": "multi-token prediction is not supported",
+    "critic.model.mtp": "multi-token prediction is not supported",
+    "actor_rollout_ref.rollout.mtp": "multi-token prediction is not supported",
+    "actor_rollout_ref.actor.qat": _QUANT,
+    "actor_rollout_ref.actor.fsdp_config.qat": _QUANT,
+    "actor_rollout_ref.ref.fsdp_config.qat": _QUANT,
+    "critic.fsdp.qat": _QUANT,
+    "actor_rollout_ref.rollout.qat": _QUANT,
+    "actor_rollout_ref.rollout.quantization": _QUANT,
+    "actor_rollout_ref.rollout.quantization_config_file": _QUANT,
+    "data.image_key": _MULTIMODAL,
+    "data.video_key": _MULTIMODAL,
+    "data.audio_key": _MULTIMODAL,
+    "data.image_patch_size": _MULTIMODAL,
+    "data.return_multi_modal_inputs": _MULTIMODAL,
+    "data.mm_processor_kwargs": _MULTIMODAL,
+    "actor_rollout_ref.actor.freeze_vision_tower": _MULTIMODAL,
+    "trainer.default_hdfs_dir": "HDFS upload is not supported; checkpoints go to trainer.default_local_dir",
+    "actor_rollout_ref.rollout.disaggregation": "disaggregated prefill/decode is not supported",
+    "actor_rollout_ref.rollout.checkpoint_engine": "rlframe syncs weights in place, one parameter at a time",
+    "actor_rollout_ref.actor.fsdp_config.turbo_config": "verl's FSDP turbo engine is not used",
+    "actor_rollout_ref.ref.fsdp_config.turbo_config": "verl's FSDP turbo engine is not used",
+    "critic.fsdp.turbo_config": "verl's FSDP turbo engine is not used",
+}
+GENERIC = "rlframe does not implement this verl 0.9.1 setting"
+
+
+@lru_cache(maxsize=1)
+def verl_defaults() -> dict[str, Any]:
+    """Dotted verl key -> verl 0.9.1's default."""
+    return json.loads(DEFAULTS_FILE.read_text())["defaults"]
+
+
+def reason_for(key: str) -> str:
+    """Why rlframe does not implement `key` (the longest matching prefix of UNSUPPORTED, else GENERIC)."""
+    matches = [prefix for prefix in UNSUPPORTED if key == prefix or key.startswith(prefix + ".")]
+    return UNSUPPORTED[max(matches, key=len)] if matches else GENERIC
+
+
+def verl_key_under(key: str) -> bool:
+    """True when `key` is a verl key or a section holding verl keys (e.g. `algorithm.rollout_correction`)."""
+    defaults = verl_defaults()
+    return key in defaults or any(k.startswith(key + ".") for k in defaults)
+
+
+def parse_value(text: str) -> Any:
+    """An override's value as Hydra reads the common cases: YAML scalars and flow lists/dicts."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def same_value(value: Any, default: Any) -> bool:
+    """Equal as config values: 1 == 1.0, True != 1, "1e-6" == 1e-06, [] == {} is False."""
+    if isinstance(default, str) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            default = float(default)
+        except ValueError:
+            return False
+    if isinstance(value, bool) or isinstance(default, bool):
+        return type(value) is type(default) and value == default
+    if isinstance(value, (int, float)) and isinstance(default, (int, float)):
+        return math.isclose(float(value), float(default), rel_tol=0, abs_tol=0)
+    if isinstance(value, str) and isinstance(default, (int, float)):
+        try:
+            return float(value) == float(default)
+        except ValueError:
+            return False
+    return value == default
+
+
+def check_verl_override(key: str, text: str) -> str | None:
+    """For a verl key rlframe does not declare: None when `text` is verl's default, else the refusal message."""
+    defaults = verl_defaults()
+    value = parse_value(text)
+    if key in defaults:
+        default = defaults[key]
+        if isinstance(default, str) and "${" in default:
+            default_shown = f"follows {default}"
+        else:
+            if same_value(value, default) or (isinstance(default, str) and text.strip("'\"") == default):
+                return None
+            default_shown = json.dumps(default)
+    else:  # a whole section (`key={...}`) or an entry under a dict-valued key
+        default_shown = "its default"
+    return (f"{key}={text}: {reason_for(key)}. rlframe takes this verl key only at verl 0.9.1's default "
+            f"({default_shown}); remove it from the command line, or set it to the default.")
