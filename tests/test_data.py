@@ -119,7 +119,6 @@ def test_prompts_are_chat_templated_left_padded_with_position_ids(tmp_path, toke
                                              add_generation_prompt=True, tokenize=False)
         assert tokenizer.decode(item["input_ids"][length - num_real:]) == text
         assert text.endswith("<|im_start|>assistant\n")
-        assert item["raw_prompt_ids"] == item["input_ids"][length - num_real:].tolist()
         assert item["index"] == 7 + i
         assert item["reward_model"]["ground_truth"] == "1"
         assert "raw_prompt" not in item and "prompt" not in item

@@ -102,7 +102,6 @@ def test_hf_rollout_output_contract_shapes_masks_and_log_probs(hf_rollout, tiny_
         assert (b["responses"][row, length:] == 0).all()     # padded with pad_token_id
     assert list(out.non_tensor_batch["uid"]) == list(prompts.non_tensor_batch["uid"])
     metrics = out.meta_info["metrics"]
-    lengths = mask.sum(-1).float()
     no_eos = [not (greedy[row] == eos).any() for row in range(n)]
     assert metrics["response_length/truncated_ratio"] == pytest.approx(sum(no_eos) / n)
     assert metrics["timing_s/generate"] > 0 and metrics["perf/rollout_tokens_per_s"] > 0
