@@ -3,17 +3,24 @@
 Nothing is lost (docs/architecture.md, invariant 4): a step is written into `global_step_N.tmp`, renamed to
 `global_step_N` when complete, and only then is `latest_checkpointed_iteration.txt` rewritten
 (itself through a temporary file). A crash at any point leaves the previous checkpoint as latest.
+
+`data.pt` holds the dataloader's `state_dict()` and the driver state as tensors and plain
+containers only; it is read with `torch.load(weights_only=True)`, so a crafted file cannot run code.
 """
 
 from __future__ import annotations
 
+import numbers
 import os
+import pickle
 import re
 import shutil
 
+import numpy as np
 import torch
 
 LATEST = "latest_checkpointed_iteration.txt"
+DATA_FILE = "data.pt"
 RESUME_MODES = ("auto", "disable", "resume_path")
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
@@ -39,7 +46,8 @@ class TrainerCheckpointer:
         actor_wg.save_checkpoint(os.path.join(tmp, "actor"))
         if critic_wg is not None:
             critic_wg.save_checkpoint(os.path.join(tmp, "critic"))
-        torch.save({"dataloader": dataloader.state_dict(), "driver": driver_state}, os.path.join(tmp, "data.pt"))
+        data = {"dataloader": dataloader.state_dict(), "driver": driver_state}
+        torch.save(plain_data(data, "data.pt"), os.path.join(tmp, DATA_FILE))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         self._write_latest(step)
@@ -87,13 +95,49 @@ class TrainerCheckpointer:
         folder = self.latest_path() if self.resume_mode == "auto" else str(self.resume_from_path)
         if folder is None:
             return None
-        if not os.path.isfile(os.path.join(folder, "data.pt")):
+        if not os.path.isfile(os.path.join(folder, DATA_FILE)):
             raise ValueError(f"trainer.resume_from_path={folder!r} is not a complete checkpoint "
-                             f"(expected {os.path.join(folder, 'data.pt')})")
+                             f"(expected {os.path.join(folder, DATA_FILE)})")
+        state = load_data(os.path.join(folder, DATA_FILE))  # before the workers: a refused file stops here
         print(f"[rlframe] resuming from {folder}", flush=True)
         actor_wg.load_checkpoint(os.path.join(folder, "actor"))
         if critic_wg is not None:
             critic_wg.load_checkpoint(os.path.join(folder, "critic"))
-        state = torch.load(os.path.join(folder, "data.pt"), weights_only=False)
         dataloader.load_state_dict(state["dataloader"])
         return state["driver"]
+
+
+def plain_data(value, where: str):
+    """`value` as tensors and plain containers (numpy scalars and arrays converted); anything else is refused.
+
+    Checked at save time, so that a state a weights_only load would refuse fails the save that wrote
+    it, naming the entry, rather than the resume.
+    """
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value.copy())
+    if isinstance(value, dict):
+        return {key: plain_data(item, f"{where}[{key!r}]") for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [plain_data(item, f"{where}[{i}]") for i, item in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    raise TypeError(f"checkpoint entry {where} is a {type(value).__name__}; a checkpoint holds only tensors, "
+                    "numbers, strings and lists/tuples/dicts of them (so that loading it cannot run code)")
+
+
+def load_data(path: str) -> dict:
+    """Read `data.pt` with weights_only=True; a file that is not plain data is refused, naming it."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise pickle.UnpicklingError(f"{path} is not plain data (tensors and containers); refusing to load it: "
+                                     f"{e}") from e

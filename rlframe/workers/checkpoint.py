@@ -1,123 +1,316 @@
-"""Sharded checkpoints of one FSDP role: model, optimizer, lr scheduler and RNG state per rank.
+"""Checkpoints of one FSDP role through PyTorch Distributed Checkpoint (DCP): resumable at any world size.
 
-Layout of `<dir>/`: `model_world_size_W_rank_R.pt`, `optim_world_size_W_rank_R.pt`,
-`extra_state_world_size_W_rank_R.pt`, and with `hf_model` in save_contents a `huggingface/`
-folder (`save_pretrained` of the full model + tokenizer, written by rank 0). Every file is written
-to a temporary name and renamed, so a crash never leaves a half-written file under a real name.
+Layout of `<dir>/`:
+
+- `model/`, `optimizer/`: DCP folders (`.metadata` + `__<rank>_0.distcp`). Every rank writes only its
+  own shards (no full gather); any world size, FSDP1, FSDP2, HSDP or a plain module reads them back,
+  DCP re-slicing the saved shards onto the new layout.
+- `extra_state/rank_<r>.pt`: per rank, the RNG states (torch, CUDA, numpy, `random`, the mini-batch
+  shuffle generator) and the lr scheduler, as tensors and plain containers only. Resuming at another
+  world size, rank r takes the file of saved rank `r % saved_world_size`.
+- `huggingface/` (with `hf_model` in save_contents): `save_pretrained` of the full model + tokenizer.
+
+Nothing in a checkpoint is loaded by code that can execute it: extra state goes through
+`torch.load(weights_only=True)`, DCP's tensors too, and DCP's two pickles (the `.metadata` index and
+non-tensor values such as the optimizer's hyperparameters) through a restricted unpickler and
+`weights_only=True` instead of torch's defaults (`pickle.load` / `weights_only=False`).
+Atomicity is the caller's: the trainer writes a whole step to a temporary folder and renames it.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import random
+import re
+import shutil
+import warnings
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 
 from rlframe.config.checks import SAVE_CONTENTS
 from rlframe.workers.fsdp_utils import full_state_dict
 
-def _atomic_save(obj, path: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+MODEL_DIR, OPTIMIZER_DIR, EXTRA_DIR, HF_DIR = "model", "optimizer", "extra_state", "huggingface"
+METADATA = ".metadata"
+_EXTRA_FILE = re.compile(r"^rank_(\d+)\.pt$")
+_OLD_LAYOUT = re.compile(r"^(model|optim|extra_state)_world_size_\d+_rank_\d+\.pt$")
 
 
+# ---------------------------------------------------------------- RNG state as plain data
 def rng_state() -> dict:
-    state = {"cpu": torch.get_rng_state(), "numpy": np.random.get_state(), "random": random.getstate()}
+    """This process's RNG states as tensors and plain containers (loadable with weights_only=True)."""
+    bit_generator, key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    version, internal, gauss_next = random.getstate()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"bit_generator": str(bit_generator), "key": torch.from_numpy(key.astype(np.int64)),
+                  "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+        "random": {"version": int(version), "internal": torch.tensor(internal, dtype=torch.int64),
+                   "gauss_next": gauss_next},
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["cpu"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["random"])
+    """Restore what `rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    np_state = state["numpy"]
+    np.random.set_state((np_state["bit_generator"], np_state["key"].numpy().astype(np.uint32), np_state["pos"],
+                         np_state["has_gauss"], np_state["cached_gaussian"]))
+    py_state = state["random"]
+    random.setstate((py_state["version"], tuple(py_state["internal"].tolist()), py_state["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _names(rank: int, world: int) -> dict[str, str]:
-    suffix = f"world_size_{world}_rank_{rank}.pt"
-    return {"model": f"model_{suffix}", "optimizer": f"optim_{suffix}", "extra": f"extra_state_{suffix}"}
+# ---------------------------------------------------------------- DCP, loaded without executing code
+# What DCP's `.metadata` pickle may name (what torch 2.13 writes): its own metadata dataclasses, the file
+# reader's storage record, torch.Size / dtypes / layouts, and the path it was saved to. Each is plain data;
+# none can reach os/subprocess/eval, which is all that a crafted index could otherwise call.
+_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "ChunkStorageMetadata", "TensorStorageMetadata",
+        "BytesStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
 
 
-def _sharded_options():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP `.metadata` index, refusing any global that is not part of DCP's metadata."""
 
-    return StateDictOptions(full_state_dict=False, cpu_offload=True)
+    def __init__(self, file, path: str):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        if name in _METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"{self.path} refers to {module}.{name}, which is not part of a checkpoint index; refusing to load "
+            "it (a crafted .metadata could run code)")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's FileSystemReader with the `.metadata` index read by `_MetadataUnpickler`, not `pickle.load`."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        rank = kwargs.get("rank")
+        path = os.path.join(str(self.path), METADATA if rank is None else f"__{rank}{METADATA}")
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f, path).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, but non-tensor values (e.g. optimizer hyperparameters) load with weights_only."""
+
+    def load_bytes(self, read_item, value) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise pickle.UnpicklingError(f"checkpoint value {fqn!r} is not plain data; refusing to load it: {e}") from e
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+@contextmanager
+def _dcp_errors(action: str, folder: str):
+    """Re-raise DCP's CheckpointException (a BaseException, which `except Exception` misses) as a RuntimeError
+    naming the folder and each rank's cause; silence DCP's warning that it runs in a single process."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            yield
+        except CheckpointException as e:
+            causes = "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in e.failures.items())
+            raise RuntimeError(f"cannot {action} checkpoint folder {folder}: {causes}") from e
+
+
+def _dcp_save(state: dict, folder: str, no_dist: bool) -> None:
+    with _dcp_errors("save", folder):
+        dcp.save(state, checkpoint_id=folder, no_dist=no_dist)
+
+
+def _dcp_load(state: dict, folder: str, no_dist: bool) -> None:
+    reader = SafeFileSystemReader(folder)
+    reader.read_metadata()  # a refused index fails here with its own message, not inside DCP's retry chain
+    with _dcp_errors("load", folder):
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=no_dist)
+
+
+def read_full_tensors(folder: str) -> dict[str, torch.Tensor]:
+    """The full (unsharded) tensors of a DCP folder (`model/` or `optimizer/`; non-tensor values are left out),
+    read in this process alone, without a process group: what an offline merge or a comparison needs."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    _require(os.path.join(folder, METADATA), os.path.dirname(folder) or folder)
+    metadata = SafeFileSystemReader(folder).read_metadata()
+    state = {fqn: torch.empty(md.size, dtype=md.properties.dtype)
+             for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+    _dcp_load(state, folder, no_dist=True)
+    return state
+
+
+# ---------------------------------------------------------------- save
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
 
 
 def save_checkpoint(path: str, model: nn.Module, optimizer=None, lr_scheduler=None, save_contents=SAVE_CONTENTS,
-                    tokenizer=None, rank: int = 0, world_size: int = 1) -> None:
-    """Write this rank's shards (and, on rank 0, the HF export) under `path`."""
+                    tokenizer=None, rank: int = 0, world_size: int = 1,
+                    generator: torch.Generator | None = None) -> None:
+    """Write this rank's part of the checkpoint under `path` (a collective: every rank calls it)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     unknown = [c for c in save_contents if c not in SAVE_CONTENTS]
     if unknown:
         raise ValueError(f"checkpoint.save_contents has unknown entries {unknown}; valid: {', '.join(SAVE_CONTENTS)}")
-    os.makedirs(path, exist_ok=True)
-    names = _names(rank, world_size)
-    distributed = dist.is_initialized() and world_size > 1
+    if rank == 0:  # stale shards or rank files of an earlier save (maybe another world size) must not linger
+        for name in (MODEL_DIR, OPTIMIZER_DIR, EXTRA_DIR):
+            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+        os.makedirs(path, exist_ok=True)
+    _barrier()
+    no_dist = not _distributed()
     if "model" in save_contents:
-        state = get_model_state_dict(model, options=_sharded_options()) if distributed else model.state_dict()
-        _atomic_save(state, os.path.join(path, names["model"]))
+        _dcp_save(get_model_state_dict(model), os.path.join(path, MODEL_DIR), no_dist)
     if "optimizer" in save_contents and optimizer is not None:
-        state = (get_optimizer_state_dict(model, optimizer, options=_sharded_options()) if distributed
-                 else optimizer.state_dict())
-        _atomic_save(state, os.path.join(path, names["optimizer"]))
+        _dcp_save(get_optimizer_state_dict(model, optimizer), os.path.join(path, OPTIMIZER_DIR), no_dist)
     if "extra" in save_contents:
-        extra = {"rng": rng_state(), "lr_scheduler": None if lr_scheduler is None else lr_scheduler.state_dict()}
-        _atomic_save(extra, os.path.join(path, names["extra"]))
+        _save_extra(path, rank, world_size, lr_scheduler, generator)
     if "hf_model" in save_contents:
-        export_hf(os.path.join(path, "huggingface"), model, tokenizer, rank)
-    if distributed:
-        dist.barrier()
+        export_hf(os.path.join(path, HF_DIR), model, tokenizer, rank)
+    _barrier()
+
+
+def _save_extra(path: str, rank: int, world_size: int, lr_scheduler, generator) -> None:
+    folder = os.path.join(path, EXTRA_DIR)
+    os.makedirs(folder, exist_ok=True)
+    extra = {"world_size": world_size, "rng": rng_state(),
+             "generator": None if generator is None else generator.get_state(),
+             "lr_scheduler": None if lr_scheduler is None else lr_scheduler.state_dict()}
+    file = os.path.join(folder, f"rank_{rank}.pt")
+    tmp = f"{file}.tmp.{os.getpid()}"
+    torch.save(extra, tmp)
+    os.replace(tmp, file)
+
+
+# ---------------------------------------------------------------- load
+def _require(file: str, checkpoint: str) -> None:
+    """Raise naming the checkpoint folder and the missing file (and the old layout, if that is what is there)."""
+    if os.path.exists(file):
+        return
+    if not os.path.isdir(checkpoint):
+        raise FileNotFoundError(f"checkpoint folder {checkpoint} does not exist")
+    found = sorted(os.listdir(checkpoint))
+    old = [name for name in found if _OLD_LAYOUT.match(name)]
+    if old:
+        raise ValueError(f"{checkpoint} holds per-rank torch.save files ({old[0]}, ...), a layout rlframe no longer "
+                         "reads (it resumed only at the same world size, and unpickling it could run code); "
+                         "start a fresh run or load it with the rlframe version that wrote it")
+    parent = os.path.dirname(file)
+    held = sorted(os.listdir(parent)) if os.path.isdir(parent) else found
+    where = os.path.relpath(parent, checkpoint) + "/" if os.path.isdir(parent) and parent != checkpoint else "it"
+    raise FileNotFoundError(f"{checkpoint} is not a complete checkpoint: {os.path.relpath(file, checkpoint)} is "
+                            f"missing ({where} holds {held})")
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer=None, lr_scheduler=None, rank: int = 0,
-                    world_size: int = 1, load_contents=("model", "optimizer", "extra")) -> None:
-    """Load this rank's shards written by `save_checkpoint` with the same world size."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+                    world_size: int = 1, load_contents=("model", "optimizer", "extra"),
+                    generator: torch.Generator | None = None) -> None:
+    """Load a checkpoint written by `save_checkpoint` at any world size (a collective: every rank calls it).
 
-    names = _names(rank, world_size)
-    model_file = os.path.join(path, names["model"])
-    if not os.path.isfile(model_file):
-        found = sorted(f for f in os.listdir(path) if f.startswith("model_")) if os.path.isdir(path) else []
-        raise FileNotFoundError(f"no checkpoint shard {names['model']} in {path} (found {found}); a checkpoint "
-                                f"must be resumed with the world size it was saved with ({world_size} now)")
-    distributed = dist.is_initialized() and world_size > 1
+    The model is required; optimizer and extra state are loaded when the checkpoint has them
+    (`save_contents` may have left them out).
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model_dir, optim_dir = os.path.join(path, MODEL_DIR), os.path.join(path, OPTIMIZER_DIR)
+    _require(os.path.join(model_dir, METADATA), path)
+    if os.path.isdir(optim_dir):
+        _require(os.path.join(optim_dir, METADATA), path)
+    no_dist = not _distributed()
     if "model" in load_contents:
-        state = torch.load(model_file, weights_only=False)
-        if distributed:
-            set_model_state_dict(model, state, options=_sharded_options())
-        else:
-            model.load_state_dict(state)
-    optim_file = os.path.join(path, names["optimizer"])
-    if "optimizer" in load_contents and optimizer is not None and os.path.isfile(optim_file):
-        state = torch.load(optim_file, weights_only=False)
-        if distributed:
-            set_optimizer_state_dict(model, optimizer, state, options=_sharded_options())
-        else:
-            optimizer.load_state_dict(state)
-    extra_file = os.path.join(path, names["extra"])
-    if "extra" in load_contents and os.path.isfile(extra_file):
-        extra = torch.load(extra_file, weights_only=False)
+        state = get_model_state_dict(model)  # this rank's shards, filled in place by DCP
+        _dcp_load(state, model_dir, no_dist)
+        set_model_state_dict(model, state)
+    if "optimizer" in load_contents and optimizer is not None and os.path.isdir(optim_dir):
+        state = get_optimizer_state_dict(model, optimizer)
+        _dcp_load(state, optim_dir, no_dist)
+        set_optimizer_state_dict(model, optimizer, state)
+    if "extra" in load_contents and os.path.isdir(os.path.join(path, EXTRA_DIR)):
+        extra = _load_extra(path, rank)
+        if rank == 0 and extra["world_size"] != world_size:
+            print(f"[rlframe] {path} was saved by {extra['world_size']} ranks and is loaded by {world_size}: "
+                  f"rank r continues the RNG streams of saved rank r % {extra['world_size']}", flush=True)
         set_rng_state(extra["rng"])
+        if generator is not None and extra["generator"] is not None:
+            generator.set_state(extra["generator"])
         if lr_scheduler is not None and extra["lr_scheduler"] is not None:
             lr_scheduler.load_state_dict(extra["lr_scheduler"])
 
 
+def _load_extra(path: str, rank: int) -> dict:
+    """Rank `rank`'s extra state: the file of saved rank `rank % saved_world_size`."""
+    folder = os.path.join(path, EXTRA_DIR)
+    ranks = sorted(int(m.group(1)) for name in os.listdir(folder) if (m := _EXTRA_FILE.match(name)))
+    if not ranks or ranks != list(range(len(ranks))):
+        raise FileNotFoundError(f"{path} is not a complete checkpoint: {EXTRA_DIR}/ should hold rank_0.pt .. "
+                                f"rank_<W-1>.pt but has ranks {ranks}")
+    file = os.path.join(folder, f"rank_{rank % len(ranks)}.pt")
+    try:
+        extra = torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise pickle.UnpicklingError(f"{file} is not plain data (tensors and containers); refusing to load it: "
+                                     f"{e}") from e
+    if extra["world_size"] != len(ranks):
+        raise FileNotFoundError(f"{path} is not a complete checkpoint: {file} was saved at world size "
+                                f"{extra['world_size']} but {EXTRA_DIR}/ holds {len(ranks)} rank files")
+    return extra
+
+
+# ---------------------------------------------------------------- Hugging Face export
 def export_hf(out_dir: str, model: nn.Module, tokenizer=None, rank: int = 0) -> None:
     """`save_pretrained` of the full (gathered) model on rank 0, written to a temp dir then renamed."""
     state = full_state_dict(model)  # collective: every rank takes part
     if rank != 0:
         return
-    import shutil
-
     inner = getattr(model, "module", model)  # FSDP1 wraps; FSDP2 does not
     tmp = f"{out_dir}.tmp.{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

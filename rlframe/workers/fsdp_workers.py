@@ -225,11 +225,13 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
     def save_checkpoint(self, path: str) -> None:
         contents = list(self.config.actor_rollout_ref.actor.checkpoint.save_contents)
         ckpt.save_checkpoint(path, self.actor_module, self.optimizer, self.lr_scheduler, contents, self.tokenizer,
-                             self.rank, self.world_size)
+                             self.rank, self.world_size, generator=self.actor.generator)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
-        ckpt.load_checkpoint(path, self.actor_module, self.optimizer, self.lr_scheduler, self.rank, self.world_size)
+        ckpt.load_checkpoint(path, self.actor_module, self.optimizer, self.lr_scheduler, self.rank, self.world_size,
+                             generator=self.actor.generator)
+        self._offload_optimizer()  # loading puts the optimizer state next to the parameters
         self._weights_dirty = True
 
 
@@ -271,11 +273,12 @@ class CriticWorker(FSDPWorkerBase):
     def save_checkpoint(self, path: str) -> None:
         contents = list(self.config.critic.checkpoint.save_contents)
         ckpt.save_checkpoint(path, self.critic_module, self.optimizer, self.lr_scheduler, contents, self.tokenizer,
-                             self.rank, self.world_size)
+                             self.rank, self.world_size, generator=self.critic.generator)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
-        ckpt.load_checkpoint(path, self.critic_module, self.optimizer, self.lr_scheduler, self.rank, self.world_size)
+        ckpt.load_checkpoint(path, self.critic_module, self.optimizer, self.lr_scheduler, self.rank, self.world_size,
+                             generator=self.critic.generator)
 
 
 def worker_env() -> dict:
