@@ -22,7 +22,8 @@ def optim_config(style, warmup_steps=3, warmup_ratio=0.0, min_lr_ratio=0.1):
         {
             "lr_warmup_steps": warmup_steps,
             "lr_warmup_steps_ratio": warmup_ratio,
-            "warmup_style": style,
+            "lr_scheduler_type": style,
+            "warmup_style": None,
             "min_lr_ratio": min_lr_ratio,
         }
     )
@@ -111,7 +112,7 @@ def test_scheduler_state_resumes_the_schedule():
 
 def test_schedule_errors_name_the_key():
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=BASE_LR)
-    with pytest.raises(ValueError, match="warmup_style='linear'"):
+    with pytest.raises(ValueError, match="lr_scheduler_type='linear'"):
         build_lr_scheduler(optimizer, optim_config("linear"), 10)
     with pytest.raises(ValueError, match="min_lr_ratio=1.5"):
         build_lr_scheduler(optimizer, optim_config("cosine", min_lr_ratio=1.5), 10)

@@ -45,7 +45,9 @@ class OptimConfig(Section):
     lr: float = key(1.0e-6, "peak learning rate")
     lr_warmup_steps: int = key(-1, "warmup steps; <= 0 = use lr_warmup_steps_ratio")
     lr_warmup_steps_ratio: float = key(0.0, "warmup as a fraction of total training steps")
-    warmup_style: str = key("constant", "schedule after warmup: constant | cosine", choices=WARMUP_STYLES)
+    lr_scheduler_type: str = key("constant", "schedule after warmup: constant | cosine", choices=WARMUP_STYLES)
+    warmup_style: Optional[str] = key(None, "deprecated (verl 0.9.1) name of lr_scheduler_type; set, it wins",
+                                      choices=(None, *WARMUP_STYLES))
     min_lr_ratio: float = key(0.0, "cosine floor as a fraction of lr")
     weight_decay: float = key(0.01, "AdamW weight decay")
     betas: List[float] = key([0.9, 0.999], "AdamW betas")
@@ -57,8 +59,11 @@ class OptimConfig(Section):
         if self.lr_warmup_steps > 0:  # as in verl, 0 or -1 defers to the ratio
             out[f"{path}.lr_warmup_steps_ratio"] = (f"{path}.lr_warmup_steps={self.lr_warmup_steps} (> 0) "
                                                     "takes precedence")
-        if self.warmup_style != "cosine":
-            out[f"{path}.min_lr_ratio"] = f"{path}.warmup_style={self.warmup_style}: only cosine decays"
+        if self.warmup_style is not None:
+            out[f"{path}.lr_scheduler_type"] = f"{path}.warmup_style={self.warmup_style} (deprecated) replaces it"
+        style = self.warmup_style or self.lr_scheduler_type
+        if style != "cosine":
+            out[f"{path}.min_lr_ratio"] = f"the schedule is {style}: only cosine decays"
         return out
 
 

@@ -1,7 +1,7 @@
 """FSDP plumbing: devices, meshes, loading HF models, wrapping (FSDP2/FSDP1), offload, state dicts.
 
-The recipe reads top to bottom in `build_fsdp_module`: load the HF model, optionally turn on
-gradient checkpointing, shard every decoder layer, then the root. The same code runs with gloo
+The recipe reads top to bottom: `load_hf_model` loads the HF model and optionally turns on
+gradient checkpointing, then `wrap_fsdp` shards every decoder layer, then the root. The same code runs with gloo
 on CPU and nccl on CUDA; only the device type and the default dtype change.
 """
 
@@ -234,6 +234,11 @@ def cosine_lr_factor(step: int, warmup: int, total_steps: int, min_lr_ratio: flo
     return max(min_lr_ratio, math.cos(math.pi * progress) * ((1 - min_lr_ratio) * 0.5) + (1 + min_lr_ratio) * 0.5)
 
 
+def scheduler_type(optim_cfg) -> str:
+    """`lr_scheduler_type`, unless the deprecated `warmup_style` is set (verl 0.9.1 copies it over)."""
+    return optim_cfg.warmup_style or optim_cfg.lr_scheduler_type
+
+
 def build_lr_scheduler(optimizer, optim_cfg, total_steps: int):
     """verl 0.9.1's schedules: linear warmup from 0, then constant or cosine down to min_lr_ratio · lr."""
     from functools import partial
@@ -243,11 +248,11 @@ def build_lr_scheduler(optimizer, optim_cfg, total_steps: int):
     warmup = optim_cfg.lr_warmup_steps
     if warmup is None or warmup <= 0:  # verl: 0 warmup steps also defers to the ratio
         warmup = int(optim_cfg.lr_warmup_steps_ratio * max(total_steps, 0))
-    style = optim_cfg.warmup_style
+    style = scheduler_type(optim_cfg)
     if style == "constant":  # transformers' helper computes verl's values exactly: step / warmup, then 1
         return get_constant_schedule_with_warmup(optimizer, num_warmup_steps=warmup)
     if style != "cosine":
-        raise ValueError(f"optim.warmup_style={style!r} is not one of constant, cosine")
+        raise ValueError(f"optim.lr_scheduler_type={style!r} is not one of constant, cosine")
     min_ratio = optim_cfg.min_lr_ratio
     if not 0.0 <= min_ratio <= 1.0:
         raise ValueError(f"optim.min_lr_ratio={min_ratio} must be in [0, 1] (the cosine floor as a fraction of lr)")
