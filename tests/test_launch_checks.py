@@ -20,8 +20,8 @@ def _prepare(tmp_path, *overrides):
 
 def test_defaults_prepare_a_plan_and_data(tmp_path):
     run = _prepare(tmp_path)
-    assert run["plan"].world_size == 2 and run["steps"] == len(run["train_loader"])
-    assert run["cfg"].actor_rollout_ref.model.path.endswith("tiny-qwen2-v1")
+    assert run.plan.world_size == 2 and run.total_steps == len(run.train_loader)
+    assert run.cfg.actor_rollout_ref.model.path.endswith("tiny-qwen2-v1")
 
 
 @pytest.mark.parametrize("override,expected", [
@@ -54,7 +54,7 @@ def test_custom_reward_file_is_executed_once_for_training_and_validation(tmp_pat
                       "    return 0.0\n")
     run = _prepare(tmp_path, f"custom_reward_function.path={scorer}")
     assert (tmp_path / "loads").read_text() == "x"
-    assert run["val_reward_fn"].compute_score is run["reward_fn"].compute_score
+    assert run.val_reward_fn.compute_score is run.reward_fn.compute_score
 
 
 def test_model_folder_without_weights_names_the_key(tmp_path):

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
 from rlframe.batch_plan import BatchPlan
 from rlframe.config.checks import resolve_device
+
+if TYPE_CHECKING:  # Ray is imported only when the groups are created (prepare() runs without it)
+    from rlframe.single_controller.ray import RayResourcePool, RayWorkerGroup
 
 
 def _num_cpus_for_local_ray(cfg: DictConfig, world_size: int, device_type: str) -> int | None:
@@ -19,8 +24,34 @@ def _num_cpus_for_local_ray(cfg: DictConfig, world_size: int, device_type: str) 
     return None
 
 
-def create_worker_groups(cfg: DictConfig, plan: BatchPlan, total_training_steps: int) -> tuple[dict, int]:
-    """Actor/rollout(/ref), critic and reward model share each worker process; ({role: group}, num_devices)."""
+@dataclass
+class WorkerGroups:
+    """The role groups the trainer drives (views of one set of colocated worker processes).
+
+    The private fields are what `shutdown` needs: the group that owns the processes, the placement
+    groups' pool, and whether this process started Ray (then it stops it too).
+    """
+
+    actor_rollout: RayWorkerGroup                    # actor + rollout (+ reference) in every process
+    critic: RayWorkerGroup | None                    # None without a critic (e.g. GRPO)
+    reward_model: RayWorkerGroup | None              # None unless reward_model.enable
+    num_devices: int                                 # worker processes (one device each)
+    _owner: RayWorkerGroup = field(repr=False)
+    _pool: RayResourcePool = field(repr=False)
+    _started_ray: bool = field(repr=False)
+
+    def shutdown(self) -> None:
+        """Kill the workers, free the placement groups, stop Ray if this process started it."""
+        import ray
+
+        self._owner.shutdown()
+        self._pool.remove()
+        if self._started_ray:
+            ray.shutdown()
+
+
+def create_worker_groups(cfg: DictConfig, plan: BatchPlan, total_training_steps: int) -> WorkerGroups:
+    """Actor/rollout(/ref), critic and reward model share each worker process; models are built here."""
     import ray
 
     from rlframe.single_controller.ray import (RayClassWithInitArgs, RayResourcePool, RayWorkerGroup,
@@ -40,21 +71,12 @@ def create_worker_groups(cfg: DictConfig, plan: BatchPlan, total_training_steps:
     if plan.critic is not None:
         roles["critic"] = RayClassWithInitArgs(CriticWorker, config, plan)
     if cfg.reward_model.enable:
-        roles["rm"] = RayClassWithInitArgs(RewardModelWorker, config, plan)
-    group = RayWorkerGroup(pool, create_colocated_worker_cls(roles),
-                           call_timeout_s=float(cfg.trainer.worker_timeout_s))
-    groups = group.spawn(list(roles))
-    groups["_group"], groups["_pool"], groups["_started_ray"] = group, pool, started_here
+        roles["reward_model"] = RayClassWithInitArgs(RewardModelWorker, config, plan)
+    owner = RayWorkerGroup(pool, create_colocated_worker_cls(roles), call_timeout_s=float(cfg.trainer.worker_timeout_s))
+    by_role = owner.spawn(list(roles))
+    groups = WorkerGroups(actor_rollout=by_role["actor_rollout"], critic=by_role.get("critic"),
+                          reward_model=by_role.get("reward_model"), num_devices=plan.world_size,
+                          _owner=owner, _pool=pool, _started_ray=started_here)
     for name in roles:  # in order: the actor's process group is created first
-        groups[name].init_model(total_training_steps)
-    return groups, plan.world_size
-
-
-def shutdown(groups: dict) -> None:
-    """Kill the workers, free the placement groups, stop Ray if this process started it."""
-    import ray
-
-    groups["_group"].shutdown()
-    groups["_pool"].remove()
-    if groups["_started_ray"]:
-        ray.shutdown()
+        by_role[name].init_model(total_training_steps)
+    return groups

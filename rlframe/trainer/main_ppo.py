@@ -17,8 +17,8 @@ from rlframe.data.builtin_tasks import resolve_data_files
 from rlframe.data.dataloader import make_dataloader
 from rlframe.data.dataset import RLHFDataset
 from rlframe.reward.manager import load_reward_manager
-from rlframe.trainer.launch import create_worker_groups, shutdown
-from rlframe.trainer.ray_trainer import RayPPOTrainer
+from rlframe.trainer.launch import create_worker_groups
+from rlframe.trainer.ray_trainer import PreparedRun, RayPPOTrainer
 from rlframe.batch_plan import BatchPlan, ModelShape, make_batch_plan, read_model_shape
 from rlframe.config.key_status import warn_ignored_keys
 from rlframe.config.checks import check_model_path, resolve_device
@@ -80,7 +80,7 @@ def check_config(overrides: list[str]) -> tuple[DictConfig, DictConfig, ModelSha
     return composed, cfg, model_shape, make_batch_plan(cfg, model_shape)
 
 
-def prepare(overrides: list[str]) -> dict:
+def prepare(overrides: list[str]) -> PreparedRun:
     """Compose the config from `overrides` and check everything that can fail before Ray starts."""
 
     composed, cfg, model_shape, plan = check_config(overrides)
@@ -90,32 +90,29 @@ def prepare(overrides: list[str]) -> dict:
     reward_fn = load_reward_manager(cfg, tokenizer, num_examine=0)
     val_reward_fn = load_reward_manager(cfg, tokenizer, num_examine=int(cfg.trainer.log_val_generations),
                                         compute_score=reward_fn.compute_score)  # the user's file runs once
-    return {"cfg": cfg, "plan": plan, "tokenizer": tokenizer, "train_loader": train_loader,
-            "val_loader": val_loader, "steps": total_steps(cfg, train_loader),
-            "hidden_size": model_shape.hidden_size,  # check_names made sure config.json exists
-            "reward_fn": reward_fn, "val_reward_fn": val_reward_fn}
+    return PreparedRun(cfg=cfg, plan=plan, tokenizer=tokenizer, train_loader=train_loader, val_loader=val_loader,
+                       total_steps=total_steps(cfg, train_loader),
+                       hidden_size=model_shape.hidden_size,  # check_names made sure config.json exists
+                       reward_fn=reward_fn, val_reward_fn=val_reward_fn)
 
 
-def train(run: dict) -> dict:
+def train(run: PreparedRun) -> dict:
     """Save and print the resolved config, create the worker groups and run the trainer."""
-    cfg, steps = run["cfg"], run["steps"]
+    cfg = run.cfg
     os.makedirs(cfg.trainer.default_local_dir, exist_ok=True)
     OmegaConf.save(cfg, os.path.join(cfg.trainer.default_local_dir, "config.yaml"))
     print(OmegaConf.to_yaml(cfg), flush=True)
-    for name in ("train_loader", "val_loader"):
-        dataset = run[name].dataset
-        print(f"[rlframe] {name.split('_')[0]}: {len(dataset)} prompts"
+    for name, loader in (("train", run.train_loader), ("val", run.val_loader)):
+        dataset = loader.dataset
+        print(f"[rlframe] {name}: {len(dataset)} prompts"
               f" ({dataset.num_filtered} longer than data.max_prompt_length={cfg.data.max_prompt_length} filtered out)",
               flush=True)
-    print(f"[rlframe] {steps} training steps; run folder {cfg.trainer.default_local_dir}", flush=True)
-    groups, num_devices = create_worker_groups(cfg, run["plan"], steps)
+    print(f"[rlframe] {run.total_steps} training steps; run folder {cfg.trainer.default_local_dir}", flush=True)
+    groups = create_worker_groups(cfg, run.plan, run.total_steps)
     try:
-        trainer = RayPPOTrainer(cfg, run["plan"], run["tokenizer"], run["train_loader"], run["val_loader"],
-                                run["reward_fn"], run["val_reward_fn"], groups, steps, num_devices,
-                                hidden_size=run["hidden_size"])
-        return trainer.fit()
+        return RayPPOTrainer(run, groups).fit()
     finally:
-        shutdown(groups)
+        groups.shutdown()
 
 
 def run_ppo(overrides: list[str]) -> dict:

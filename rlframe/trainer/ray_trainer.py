@@ -12,6 +12,8 @@ import os
 import time
 import uuid
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,6 +32,12 @@ from rlframe.config.checks import resolve_device
 from rlframe.utils.flops import device_peak_tflops, train_flops
 from rlframe.trainer.tracking import Tracking
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rlframe.reward.manager import RewardManager
+    from rlframe.trainer.launch import WorkerGroups
+
 PROMPT_KEYS = ["input_ids", "attention_mask", "position_ids"]
 
 
@@ -40,23 +48,37 @@ def timer(name: str, timings: dict):
     timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
 
 
+@dataclass(frozen=True)
+class PreparedRun:
+    """Everything built and checked before Ray starts (`main_ppo.prepare`): the trainer's inputs."""
+
+    cfg: DictConfig                  # resolved and read-only
+    plan: BatchPlan                  # every batch size, from the config's arithmetic
+    tokenizer: PreTrainedTokenizerBase
+    train_loader: Any                # resumable (state_dict / load_state_dict), one batch of prompts per step
+    val_loader: Any
+    total_steps: int                 # trainer.total_training_steps, or total_epochs passes over train_loader
+    hidden_size: int                 # the model's, for the DP balancing workload
+    reward_fn: RewardManager
+    val_reward_fn: RewardManager
+
+
 class RayPPOTrainer:
     """Drives PPO/GRPO: owns the data, the reward function and the worker groups."""
 
-    def __init__(self, config: DictConfig, plan: BatchPlan, tokenizer, train_dataloader, val_dataloader,
-                 reward_fn, val_reward_fn, worker_groups: dict, total_training_steps: int, num_devices: int,
-                 hidden_size: int):
-        self.config, self.plan, self.tokenizer = config, plan, tokenizer
-        self.train_dataloader, self.val_dataloader = train_dataloader, val_dataloader
-        self.reward_fn, self.val_reward_fn = reward_fn, val_reward_fn
-        self.actor_rollout_wg = worker_groups["actor_rollout"]
-        self.critic_wg = worker_groups.get("critic")
-        self.rm_wg = worker_groups.get("rm")
+    def __init__(self, run: PreparedRun, groups: WorkerGroups):
+        config, plan = run.cfg, run.plan
+        self.config, self.plan, self.tokenizer = config, plan, run.tokenizer
+        self.train_dataloader, self.val_dataloader = run.train_loader, run.val_loader
+        self.reward_fn, self.val_reward_fn = run.reward_fn, run.val_reward_fn
+        self.actor_rollout_wg = groups.actor_rollout
+        self.critic_wg = groups.critic
+        self.reward_model_wg = groups.reward_model
         self.use_critic = plan.critic is not None
         self.use_reference = plan.ref is not None
-        self.total_training_steps = total_training_steps
-        self.num_devices = num_devices
-        self.hidden_size = hidden_size
+        self.total_training_steps = run.total_steps
+        self.num_devices = groups.num_devices
+        self.hidden_size = run.hidden_size
         algo = config.algorithm
         self.kl_ctrl = make_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef,
                                           algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
@@ -206,8 +228,8 @@ class RayPPOTrainer:
         """Rule-based scores; with a reward model enabled, its scores are the reward (as in verl)."""
         result = self.reward_fn(batch, return_dict=True)
         batch.batch["token_level_scores"] = result["reward_tensor"]
-        if self.rm_wg is not None:
-            rm_scores = self.rm_wg.compute_rm_score(batch).batch["rm_scores"]
+        if self.reward_model_wg is not None:
+            rm_scores = self.reward_model_wg.compute_rm_score(batch).batch["rm_scores"]
             batch.batch["token_level_scores"] = rm_scores
             metrics["reward/rule_score/mean"] = float(result["reward_tensor"].sum(-1).mean())
         metrics.update(result.get("metrics", {}))

@@ -1,7 +1,8 @@
 """The PPO actor on one rank: log-probs and the policy update over mini- and micro-batches.
 
-The math lives in `rlframe.algorithms` (pure functions); this class only cuts batches,
-runs the model and steps the optimizer. Losses are normalized by the token/sequence counts of the
+The math lives in `rlframe.algorithms` (pure functions); this class runs the model and composes
+the loss of one micro-batch, and `PPOUpdater` (rlframe.workers.updater) cuts the batches and steps
+the optimizer. Losses are normalized by the token/sequence counts of the
 whole mini-batch summed over DP ranks, and multiplied by `dp_size` because FSDP averages gradients
 over ranks: the accumulated gradient is exactly the single-process full-batch gradient, whatever
 dp, sp, micro-batch size or micro-batching mode.
@@ -14,15 +15,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from rlframe.protocol import DataProto
-from rlframe.seqpack import MicroBatchSpec
 from rlframe.algorithms.kl import kl_penalty
 from rlframe.algorithms.loss import agg_loss, get_policy_loss_fn
-from rlframe.workers.batching import (DataParallelModel, apply_gradients, dp_sum, global_counts,
-                                      micro_batch_metrics, response_mask_of, restore_order, split_micro_batches)
+from rlframe.protocol import DataProto
+from rlframe.seqpack import MicroBatchSpec
+from rlframe.workers.batching import (GlobalCounts, forward_inputs, response_mask_of, restore_order,
+                                      split_micro_batches, update_inputs)
 from rlframe.workers.model_forward import forward_micro_batch
-
-MODEL_INPUTS = ("responses", "input_ids", "attention_mask", "position_ids")
+from rlframe.workers.updater import PPOUpdater
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,10 @@ class ActorSettings:
     use_remove_padding: bool
 
 
-class PPOActor(DataParallelModel):
+class PPOActor(PPOUpdater):
     """Computes log-probs and updates a (possibly FSDP-wrapped) causal LM."""
+
+    role = "actor"
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, settings: ActorSettings,
                  dp_group=None, sp_group=None, dp_size: int = 1, lr_scheduler=None, seed: int = 0):
@@ -66,8 +68,8 @@ class PPOActor(DataParallelModel):
         """Per-response-token log-probs [bs, resp_len] (and entropy) in the input order."""
         self.module.eval()
         temperature = data.meta_info.get("temperature", 1.0)
-        batch = data.batch.select(*MODEL_INPUTS)
-        micro_batches, reverse_idx = split_micro_batches(batch, self.settings.log_prob, self.dp_group)
+        micro_batches, reverse_idx = split_micro_batches(forward_inputs(data.batch), self.settings.log_prob,
+                                                         self.dp_group)
         log_probs, entropies = [], []
         for micro in micro_batches:
             out = self._forward(micro, temperature, calculate_entropy)
@@ -80,49 +82,31 @@ class PPOActor(DataParallelModel):
     def update_policy(self, data: DataProto) -> dict[str, list[float]]:
         """`ppo_epochs` passes of mini-batch optimizer steps; returns metric lists (one value per step)."""
         temperature = data.meta_info.get("temperature", 1.0)
-        keys = list(MODEL_INPUTS) + ["old_log_probs", "advantages"]
-        if self.settings.use_kl_loss:
-            keys.append("ref_log_prob")
-        if "response_mask" in data.batch.keys():
-            keys.append("response_mask")
-        return self._train(data.batch.select(*keys), lambda mini: self._optimizer_step(mini, temperature))
+        keys = ["old_log_probs", "advantages"] + (["ref_log_prob"] if self.settings.use_kl_loss else [])
+        return self._train(update_inputs(data.batch, *keys),
+                           lambda micro, counts: self._loss(micro, counts, temperature))
 
-    def _optimizer_step(self, mini, temperature: float) -> dict[str, float]:
+    def _loss(self, micro, counts: GlobalCounts, temperature: float) -> tuple[torch.Tensor, dict]:
+        """Policy loss, minus the entropy bonus, plus the KL loss, normalized by the mini-batch's global counts."""
         s = self.settings
-        num_tokens, num_seqs = global_counts(response_mask_of(mini), self.dp_group)
-        norm = dict(global_num_tokens=num_tokens, global_num_seqs=num_seqs,
-                    norm_factor=mini["responses"].shape[-1])
-        micro_batches, _ = split_micro_batches(mini, s.update, self.dp_group)
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        for micro in micro_batches:
-            response_mask = response_mask_of(micro)
-            out = self._forward(micro, temperature, calculate_entropy=s.entropy_coeff != 0)
-            pg_loss, pg_metrics = self.policy_loss_fn(
-                micro["old_log_probs"], out["log_probs"], micro["advantages"], response_mask,
-                s.clip_ratio_low, s.clip_ratio_high, s.clip_ratio_c, s.loss_agg_mode, **norm)
-            loss = pg_loss
-            if s.entropy_coeff != 0:
-                entropy = agg_loss(out["entropy"], response_mask, s.loss_agg_mode, **norm)
-                loss = loss - s.entropy_coeff * entropy
-                _add(sums, "actor/entropy_loss", entropy)
-            if s.use_kl_loss:
-                kl = kl_penalty(out["log_probs"], micro["ref_log_prob"], s.kl_loss_type)
-                kl_loss = agg_loss(kl, response_mask, s.loss_agg_mode, **norm)
-                loss = loss + s.kl_loss_coef * kl_loss
-                _add(sums, "actor/kl_loss", kl_loss)
-            # FSDP averages gradients over the dp ranks; the counts above are already global.
-            (loss * self.dp_size).backward()
-            _add(sums, "actor/pg_loss", pg_loss)
-            # token-weighted metrics: local means weighted by this micro-batch's share of global tokens
-            share = response_mask.sum() / num_tokens.clamp(min=1)
-            for name in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"):
-                _add(sums, f"actor/{name}", pg_metrics[name] * share)
-        step_metrics = dp_sum(sums, self.dp_group)
-        step_metrics.update(micro_batch_metrics(micro_batches, s.update, "actor"))
-        step_metrics.update(apply_gradients(self.module, self.optimizer, s.grad_clip, "actor"))
-        return step_metrics
-
-
-def _add(sums: dict[str, float], name: str, value) -> None:
-    sums[name] = sums.get(name, 0.0) + float(value.detach() if isinstance(value, torch.Tensor) else value)
+        norm = counts.agg_kwargs()
+        response_mask = response_mask_of(micro)
+        out = self._forward(micro, temperature, calculate_entropy=s.entropy_coeff != 0)
+        pg_loss, pg_metrics = self.policy_loss_fn(
+            micro["old_log_probs"], out["log_probs"], micro["advantages"], response_mask,
+            s.clip_ratio_low, s.clip_ratio_high, s.clip_ratio_c, s.loss_agg_mode, **norm)
+        loss = pg_loss
+        # token-weighted metrics: local means weighted by this micro-batch's share of global tokens
+        share = counts.token_share(response_mask)
+        metrics = {"pg_loss": pg_loss, **{name: pg_metrics[name] * share
+                                          for name in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")}}
+        if s.entropy_coeff != 0:
+            entropy = agg_loss(out["entropy"], response_mask, s.loss_agg_mode, **norm)
+            loss = loss - s.entropy_coeff * entropy
+            metrics["entropy_loss"] = entropy
+        if s.use_kl_loss:
+            kl = kl_penalty(out["log_probs"], micro["ref_log_prob"], s.kl_loss_type)
+            kl_loss = agg_loss(kl, response_mask, s.loss_agg_mode, **norm)
+            loss = loss + s.kl_loss_coef * kl_loss
+            metrics["kl_loss"] = kl_loss
+        return loss, metrics

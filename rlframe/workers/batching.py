@@ -1,4 +1,5 @@
-"""Mini/micro-batch cutting shared by actor and critic, and the global counts that make losses exact.
+"""Mini/micro-batch cutting shared by actor and critic, the keys they read, and the global counts that make
+losses exact.
 
 Static micro-batching splits by sequence count, so every rank runs the same number of micro-batches
 by construction. Dynamic micro-batching packs by a token budget through
@@ -9,15 +10,16 @@ back in the caller's order.
 
 from __future__ import annotations
 
-import math
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
 from rlframe.seqpack import MicroBatchSpec, get_reverse_idx, packing_metrics, rearrange_micro_batches
-from rlframe.workers.fsdp_utils import clip_grad_norm
+
+# What a model forward reads; a role's update adds its loss keys (update_inputs).
+MODEL_INPUTS = ("responses", "input_ids", "attention_mask", "position_ids")
 
 
 def micro_batch_spec(plan, token_len_key: str) -> MicroBatchSpec:
@@ -55,16 +57,35 @@ def restore_order(outputs: list[torch.Tensor], reverse_idx: list[int] | None) ->
     return out
 
 
-def global_counts(response_mask: torch.Tensor, dp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Valid tokens and non-empty sequences of a whole mini-batch, summed over the DP group.
+@dataclass(frozen=True)
+class GlobalCounts:
+    """Valid response tokens and non-empty sequences of a whole mini-batch, summed over the DP group.
 
     These are the denominators of every loss aggregation mode, so that summing micro-batch losses
     over gradient accumulation and DP ranks gives exactly the full-batch loss.
     """
+
+    num_tokens: torch.Tensor
+    num_seqs: torch.Tensor
+    response_length: int  # the constant divisor of seq-mean-token-sum-norm
+
+    def agg_kwargs(self) -> dict:
+        """The normalization keywords of `rlframe.algorithms.loss.agg_loss` and the losses built on it."""
+        return {"global_num_tokens": self.num_tokens, "global_num_seqs": self.num_seqs,
+                "norm_factor": self.response_length}
+
+    def token_share(self, response_mask: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's share of the global tokens: weighting local means by it sums to the global mean."""
+        return response_mask.sum() / self.num_tokens.clamp(min=1)
+
+
+def global_counts(mini_batch: TensorDict, dp_group=None) -> GlobalCounts:
+    """The GlobalCounts of `mini_batch` (one all-reduce over the DP group)."""
+    response_mask = response_mask_of(mini_batch)
     counts = torch.stack([response_mask.sum(), (response_mask.sum(-1) > 0).sum()]).to(torch.float64)
     if dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=dp_group)
-    return counts[0], counts[1]
+    return GlobalCounts(counts[0], counts[1], mini_batch["responses"].shape[-1])
 
 
 def dp_sum(values: dict[str, float], dp_group=None) -> dict[str, float]:
@@ -83,46 +104,18 @@ def dp_sum(values: dict[str, float], dp_group=None) -> dict[str, float]:
 
 def response_mask_of(batch: TensorDict) -> torch.Tensor:
     """The response mask: given explicitly, or the last response_length columns of attention_mask."""
-    if "response_mask" in batch.keys():
+    if "response_mask" in batch:
         return batch["response_mask"]
     response_length = batch["responses"].shape[-1]
     return batch["attention_mask"][:, -response_length:]
 
 
-class DataParallelModel:
-    """What actor and critic share: the module, its optimizer, the groups it reduces over, and the
-    loop of `ppo_epochs` passes of mini-batch optimizer steps."""
-
-    def __init__(self, module, optimizer, settings, dp_group=None, sp_group=None, dp_size: int = 1,
-                 lr_scheduler=None, seed: int = 0):
-        self.module, self.optimizer, self.settings = module, optimizer, settings
-        self.dp_group, self.sp_group, self.dp_size = dp_group, sp_group, dp_size
-        self.lr_scheduler = lr_scheduler
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def _train(self, batch: TensorDict, optimizer_step: Callable[[TensorDict], dict]) -> dict[str, list[float]]:
-        """Run `optimizer_step` on every mini-batch of every epoch; metric lists, one value per step."""
-        s = self.settings
-        self.module.train()
-        metrics: dict[str, list[float]] = {}
-        for _ in range(s.ppo_epochs):
-            if s.shuffle:
-                batch = batch[torch.randperm(len(batch), generator=self.generator)]
-            for mini in batch.split(s.mini_batch_size):
-                for name, value in optimizer_step(mini).items():
-                    metrics.setdefault(name, []).append(value)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        return metrics
+def forward_inputs(batch: TensorDict) -> TensorDict:
+    """The keys a model forward reads (`rlframe.workers.model_forward.forward_micro_batch`)."""
+    return batch.select(*MODEL_INPUTS)
 
 
-def apply_gradients(module, optimizer, grad_clip: float, prefix: str) -> dict[str, float]:
-    """Clip to `grad_clip` and step; a non-finite norm would poison the weights, so it skips the step."""
-    grad_norm = float(clip_grad_norm(module, grad_clip))
-    skipped = not math.isfinite(grad_norm)
-    if skipped:
-        optimizer.zero_grad(set_to_none=True)
-    else:
-        optimizer.step()
-    return {f"{prefix}/grad_norm": grad_norm, f"{prefix}/skipped_steps": float(skipped),
-            f"{prefix}/lr": optimizer.param_groups[0]["lr"]}
+def update_inputs(batch: TensorDict, *keys: str) -> TensorDict:
+    """The model inputs, a role's loss `keys`, and the response mask when the batch carries one."""
+    optional = ["response_mask"] if "response_mask" in batch else []
+    return batch.select(*MODEL_INPUTS, *keys, *optional)
