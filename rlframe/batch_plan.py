@@ -258,6 +258,31 @@ def _packing(cfg: DictConfig, key: str) -> str:
     return name
 
 
+def _micro(cfg: DictConfig, keys: ForwardKeys | UpdateKeys, dp: _Quantity) -> _Quantity:
+    """Sequences per micro-batch on one GPU: the *_per_gpu key, or verl's global key divided by dp.
+
+    As in verl 0.9.1 exactly one of the two must be set (when micro-batches are cut by count), and
+    the global form is floored: `per_gpu = global // (world_size // sp)`.
+    """
+    per_gpu, global_micro = get(cfg, keys.micro), get(cfg, keys.global_micro)
+    if per_gpu is not None and global_micro is not None:
+        raise ValueError(f"{keys.micro} = {per_gpu} and {keys.global_micro} = {global_micro} are both set; verl "
+                         f"deprecated the global form: remove {keys.global_micro} (it means "
+                         f"{keys.micro} = {global_micro} // dp)")
+    if global_micro is not None:
+        total = _int(cfg, keys.global_micro)
+        micro = _combine(total, "//", dp, total.value // dp.value)
+        if micro.value < 1:
+            raise ValueError(f"{keys.global_micro} = {total.value} is fewer sequences than {dp}: each GPU would "
+                             f"get {micro.value}. Fix: set {keys.micro} (sequences per GPU) instead.")
+        return micro
+    if per_gpu is None:
+        raise ValueError(f"{keys.micro} is not set, and {keys.dynamic}=false cuts micro-batches by a sequence count. "
+                         f"Fix: set {keys.micro} (sequences per forward on one GPU), or {keys.dynamic}=true with "
+                         f"{keys.max_token_len}.")
+    return _int(cfg, keys.micro)
+
+
 def _forward_plan(cfg: DictConfig, keys: ForwardKeys, world: _Quantity, sequences: _Quantity,
                   max_seq: _Quantity, model: ModelShape | None) -> ForwardPlan:
     sp, dp = _sp_and_dp(cfg, keys.sp, keys.remove_padding, world, model)
@@ -267,7 +292,7 @@ def _forward_plan(cfg: DictConfig, keys: ForwardKeys, world: _Quantity, sequence
     if dynamic:
         budget = _token_budget(cfg, keys.max_token_len, sp, max_seq)
     else:
-        micro = _int(cfg, keys.micro).value  # forward-only: a smaller last micro-batch is fine
+        micro = _micro(cfg, keys, dp).value  # forward-only: a smaller last micro-batch is fine
     return ForwardPlan(
         sequence_parallel_size=sp.value, dp_size=dp.value, sequences_per_gpu=sequences.value // world.value,
         sequences_per_dp=per_dp, use_dynamic_bsz=dynamic, micro_batch_size=micro,
@@ -296,7 +321,7 @@ def _update_plan(cfg: DictConfig, keys: UpdateKeys, world: _Quantity, train_batc
     if dynamic:
         budget = _token_budget(cfg, keys.max_token_len, sp, max_seq)
     else:
-        micro = _int(cfg, keys.micro)
+        micro = _micro(cfg, keys, dp)
         _require_multiple(mini_per_dp, micro, f"{mini_per_dp} sequences per DP rank per optimizer step must be a "
                           f"whole number of micro-batches of {micro} sequences",
                           f"{_divisor_fix(keys.micro, mini_per_dp.value)}, or set {keys.dynamic}=true",

@@ -384,11 +384,18 @@ def _brief(values: list, limit: int = 8) -> str:
 # ───────────────────────────── command ─────────────────────────────
 
 
-def explain(overrides: list[str], lengths: str | None = None, fmt: str = "text", seed: int = 0) -> str:
-    """The whole report for `rlframe explain`; raises ValueError (the trainer's message) on a bad config."""
-    from rlframe.trainer.main_ppo import check_config
+def explain(overrides: list[str], lengths: str | None = None, fmt: str = "text", seed: int = 0,
+            plan_only: bool = False) -> str:
+    """The whole report for `rlframe explain`; raises ValueError (the trainer's message) on a bad config.
 
-    cfg, resolved, model, plan = check_config(overrides)  # the trainer's own checks, in the same order
+    It runs the trainer's launch checks, in the same order, so the verdict is `rlframe train`'s.
+    `plan_only` skips what needs files (model weights, device, datasets): for planning a run elsewhere.
+    """
+    from rlframe.trainer.main_ppo import check_config, load_data_and_rewards
+
+    cfg, resolved, model, plan = check_config(overrides, check_files=not plan_only)
+    if not plan_only:
+        load_data_and_rewards(resolved)
     model_path = resolved.actor_rollout_ref.model.path
     rows = key_statuses(cfg)
     warnings = ignored_key_warnings(cfg, overrides)
@@ -438,9 +445,12 @@ def main(argv: list[str] | None = None) -> int:
                                           "or a run's metrics folder")
     parser.add_argument("--format", choices=("text", "json"), default="text")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic lengths")
+    parser.add_argument("--plan-only", action="store_true",
+                        help="skip the checks that need files (model weights, device, datasets): plan a run for "
+                             "another machine from a folder holding only the model's config.json")
     args = parser.parse_intermixed_args(argv)
     try:
-        print(explain(args.overrides, args.lengths, args.format, args.seed))
+        print(explain(args.overrides, args.lengths, args.format, args.seed, args.plan_only))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -70,7 +70,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from rlframe.models.tiny import make_tiny_model
 
-    cfg = load_config().data
+    # the quickstart's task sizes (examples/grpo_tiny_cpu.sh), not verl's defaults
+    cfg = load_config(["data.max_prompt_length=64", "data.max_response_length=16",
+                       "data.filter_overlong_prompts=true"]).data
     with tempfile.TemporaryDirectory() as tmp:
         model_path = args.model or make_tiny_model(f"{tmp}/tiny")
         tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 from rlframe.batch_plan import TINY_MODEL_SHAPE, BatchPlan, ModelShape, make_batch_plan, read_model_shape
 from rlframe.config.key_status import ignored_key_warnings, ignored_keys, key_statuses, override_key
 from rlframe.trainer.config import compose
+from small_config import SMALL
 
 A, R, REF = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
 SHORT = {  # short names used by the grid below
@@ -23,7 +24,7 @@ SHORT = {  # short names used by the grid below
 
 @pytest.fixture(scope="module")
 def base():
-    return compose([])
+    return compose(SMALL)
 
 
 def overrides_of(**kv) -> list[str]:
@@ -46,7 +47,7 @@ GRID = [
     (dict(nodes=4, gpus=4, sp=2, tp=8, engine="vllm", n=5, batch=32, mini=8, micro=5, epochs=2),
      dict(world=16, seqs=160, dp=8, per_gpu=10, per_dp=20, mini_dp=5, num_mini=4, accum=1,
           rollout_dp=2, rollout_per_dp=80, opt_steps=8)),
-    (dict(nodes=1, gpus=2, sp=1, n=4, batch=8, mini=4, micro=2),  # the shipped defaults
+    (dict(nodes=1, gpus=2, sp=1, n=4, batch=8, mini=4, micro=2),  # the small CPU config (tests/small_config.py)
      dict(world=2, seqs=32, dp=2, per_gpu=16, per_dp=16, mini_dp=8, num_mini=2, accum=4,
           rollout_dp=2, rollout_per_dp=16, opt_steps=2)),
     (dict(nodes=1, gpus=4, sp=2, tp=2, n=1, batch=12, mini=4, micro=1),  # hf shards over TP groups too
@@ -252,3 +253,20 @@ def test_unknown_packing_algorithm_is_rejected_only_when_dynamic(base):
 def test_wrong_type_is_refused_when_composing_naming_the_key():
     with pytest.raises(ValueError, match=rf"{A}.ppo_mini_batch_size=2.5 has the wrong type"):
         compose([f"{A}.ppo_mini_batch_size=2.5"])
+
+
+def test_verl_global_micro_batch_keys_are_divided_by_dp_as_verl_does(base):
+    # verl 0.9.1: ppo_micro_batch_size //= world_size // sp, then it is the per-GPU size
+    cfg = cfg_of(base, f"{A}.ppo_micro_batch_size_per_gpu=null", f"{A}.ppo_micro_batch_size=9",
+                 f"{R}.log_prob_micro_batch_size_per_gpu=null", f"{R}.log_prob_micro_batch_size=8", gpus=4)
+    plan = make_batch_plan(cfg)
+    assert plan.actor.micro_batch_size == 2 and plan.actor.forward.micro_batch_size == 2
+
+
+def test_micro_batch_size_needs_exactly_one_of_the_per_gpu_and_global_keys(base):
+    with pytest.raises(ValueError, match=rf"{A}.ppo_micro_batch_size_per_gpu = 2 and {A}.ppo_micro_batch_size = 8 "
+                                         r"are both set"):
+        make_batch_plan(cfg_of(base, f"{A}.ppo_micro_batch_size=8"))
+    with pytest.raises(ValueError, match=rf"{A}.ppo_micro_batch_size_per_gpu is not set.*use_dynamic_bsz=true"):
+        make_batch_plan(cfg_of(base, f"{A}.ppo_micro_batch_size_per_gpu=null"))
+    assert make_batch_plan(cfg_of(base, f"{A}.ppo_micro_batch_size_per_gpu=null", dynamic=True)).actor.use_dynamic_bsz

@@ -17,12 +17,13 @@ from rlframe.data.dataloader import make_dataloader
 from rlframe.data.dataset import RLHFDataset, collate_fn
 from rlframe.protocol import DataProto
 from rlframe.reward.scorers import countdown_add_score
-from rlframe.config.loader import load_config
+from rlframe.trainer.config import compose
+from small_config import SMALL
 
 
 @pytest.fixture(scope="module")
 def data_config():
-    return load_config().data
+    return compose(SMALL).data
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +122,7 @@ def test_prompts_are_chat_templated_left_padded_with_position_ids(tmp_path, toke
         assert text.endswith("<|im_start|>assistant\n")
         assert item["index"] == 7 + i
         assert item["reward_model"]["ground_truth"] == "1"
-        assert "raw_prompt" not in item and "prompt" not in item
+        assert item["raw_prompt"][-1]["content"] == question and "prompt" not in item  # return_raw_chat: verl's true
 
 
 def test_return_raw_chat_keeps_messages(tmp_path, tokenizer, data_config):

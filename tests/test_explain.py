@@ -9,6 +9,7 @@ import pytest
 
 from rlframe.batch_plan import make_batch_plan
 from rlframe.trainer.config import compose
+from small_config import SMALL
 from rlframe.explain import (balance_ranks, dynamic_micro_batches, main, sequence_lengths, simulate,
                                    static_micro_batches)
 
@@ -57,7 +58,7 @@ def test_balancing_16_mixed_lengths_over_4_ranks_narrows_max_min_ratio():
 
 @pytest.fixture(scope="module")
 def dynamic_plan():
-    return make_batch_plan(compose(["trainer.n_gpus_per_node=4", "data.train_batch_size=16",
+    return make_batch_plan(compose([*SMALL, "trainer.n_gpus_per_node=4", "data.train_batch_size=16",
                                         "actor_rollout_ref.actor.use_dynamic_bsz=true",
                                         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=160"]))
 
@@ -97,8 +98,8 @@ def test_lengths_from_jsonl_parquet_and_metrics_folder(tmp_path, dynamic_plan):
         sequence_lengths(str(tmp_path / "empty.jsonl"), dynamic_plan)
 
 
-def test_explain_default_config_prints_flow_and_keys(capsys):
-    assert main(["--lengths", "uniform"]) == 0
+def test_explain_small_config_prints_flow_and_keys(capsys):
+    assert main([*SMALL, "--lengths", "uniform"]) == 0
     out = capsys.readouterr().out
     for fragment in ("world_size = nnodes 1 × n_gpus_per_node 2 = 2 workers",
                      "train_batch_size 8 prompts × n 4 = 32 sequences",
@@ -112,7 +113,7 @@ def test_explain_json_and_warnings(capsys):
     assert main(["--format", "json", "actor_rollout_ref.actor.use_dynamic_bsz=true",
                  "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "--lengths", "bimodal"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["plan"]["actor"]["max_token_len"] == 1024
+    assert report["plan"]["actor"]["max_token_len"] == 16384  # verl's default budget
     assert report["warnings"] == ["rlframe: warning: actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2 has "
                                   "no effect: actor_rollout_ref.actor.use_dynamic_bsz=true: actor update "
                                   "micro-batches are cut by actor_rollout_ref.actor.ppo_max_token_len_per_gpu"]

@@ -6,6 +6,7 @@ import pytest
 
 from rlframe.trainer.main_ppo import prepare
 from rlframe.trainer.tracking import Tracking
+from small_config import SMALL
 
 
 @pytest.fixture(autouse=True)
@@ -14,11 +15,11 @@ def _cache(tmp_path, monkeypatch):
 
 
 def _prepare(tmp_path, *overrides):
-    return prepare([f"trainer.default_local_dir={tmp_path / 'run'}", f"data.builtin_dir={tmp_path / 'data'}",
+    return prepare([*SMALL, f"trainer.default_local_dir={tmp_path / 'run'}", f"data.builtin_dir={tmp_path / 'data'}",
                     *overrides])
 
 
-def test_defaults_prepare_a_plan_and_data(tmp_path):
+def test_the_small_config_prepares_a_plan_and_data(tmp_path):
     run = _prepare(tmp_path)
     assert run.plan.world_size == 2 and run.total_steps == len(run.train_loader)
     assert run.cfg.actor_rollout_ref.model.path.endswith("tiny-qwen2-v1")

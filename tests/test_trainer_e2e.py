@@ -12,10 +12,12 @@ import torch
 
 from rlframe.data.builtin_tasks import countdown_add_rows
 from rlframe.workers.checkpoint import read_full_tensors
+from small_config import SMALL
 
 pytestmark = pytest.mark.slow
 
 COMMON = [
+    *SMALL,
     "actor_rollout_ref.actor.optim.lr=3e-3",
     "trainer.logger=[jsonl]",
     "trainer.val_before_train=false",

@@ -26,6 +26,7 @@ class ForwardKeys:
     remove_padding: str
     dynamic: str
     micro: str
+    global_micro: str  # verl's deprecated global form of `micro`: per GPU = global // dp
     max_token_len: str
     packing: str
 
@@ -40,6 +41,7 @@ class UpdateKeys:
     epochs: str
     dynamic: str
     micro: str
+    global_micro: str  # verl's deprecated global form of `micro`: per GPU = global // dp
     max_token_len: str
     packing: str
     forward: ForwardKeys
@@ -48,26 +50,31 @@ class UpdateKeys:
 ACTOR_KEYS = UpdateKeys(
     sp=f"{ACTOR}.ulysses_sequence_parallel_size", remove_padding=f"{MODEL}.use_remove_padding",
     mini=f"{ACTOR}.ppo_mini_batch_size", epochs=f"{ACTOR}.ppo_epochs", dynamic=f"{ACTOR}.use_dynamic_bsz",
-    micro=f"{ACTOR}.ppo_micro_batch_size_per_gpu", max_token_len=f"{ACTOR}.ppo_max_token_len_per_gpu",
+    micro=f"{ACTOR}.ppo_micro_batch_size_per_gpu", global_micro=f"{ACTOR}.ppo_micro_batch_size",
+    max_token_len=f"{ACTOR}.ppo_max_token_len_per_gpu",
     packing=f"{ACTOR}.packing_algorithm",
     forward=ForwardKeys(  # old log-probs: the actor model, with the rollout's log_prob_* keys
         sp=f"{ACTOR}.ulysses_sequence_parallel_size", remove_padding=f"{MODEL}.use_remove_padding",
         dynamic=f"{ROLLOUT}.log_prob_use_dynamic_bsz", micro=f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu",
+        global_micro=f"{ROLLOUT}.log_prob_micro_batch_size",
         max_token_len=f"{ROLLOUT}.log_prob_max_token_len_per_gpu", packing=f"{ACTOR}.packing_algorithm"),
 )
 REF_KEYS = ForwardKeys(
     sp=f"{REF}.ulysses_sequence_parallel_size", remove_padding=f"{MODEL}.use_remove_padding",
     dynamic=f"{REF}.log_prob_use_dynamic_bsz", micro=f"{REF}.log_prob_micro_batch_size_per_gpu",
+    global_micro=f"{REF}.log_prob_micro_batch_size",
     max_token_len=f"{REF}.log_prob_max_token_len_per_gpu", packing=f"{ACTOR}.packing_algorithm",
 )
 CRITIC_KEYS = UpdateKeys(
     sp="critic.ulysses_sequence_parallel_size", remove_padding="critic.model.use_remove_padding",
     mini="critic.ppo_mini_batch_size", epochs="critic.ppo_epochs", dynamic="critic.use_dynamic_bsz",
-    micro="critic.ppo_micro_batch_size_per_gpu", max_token_len="critic.ppo_max_token_len_per_gpu",
+    micro="critic.ppo_micro_batch_size_per_gpu", global_micro="critic.ppo_micro_batch_size",
+    max_token_len="critic.ppo_max_token_len_per_gpu",
     packing="critic.packing_algorithm",
     forward=ForwardKeys(
         sp="critic.ulysses_sequence_parallel_size", remove_padding="critic.model.use_remove_padding",
         dynamic="critic.use_dynamic_bsz", micro="critic.forward_micro_batch_size_per_gpu",
+        global_micro="critic.forward_micro_batch_size",
         max_token_len="critic.forward_max_token_len_per_gpu", packing="critic.packing_algorithm"),
 )
 
@@ -109,5 +116,9 @@ def micro_batch_inactive(cfg: Any, keys: ForwardKeys | UpdateKeys, what: str) ->
     `cfg` is the typed root config; the packing key is left to the caller (several passes share it).
     """
     if get(cfg, keys.dynamic):
-        return {keys.micro: f"{keys.dynamic}=true: {what} micro-batches are cut by {keys.max_token_len}"}
-    return {keys.max_token_len: f"{keys.dynamic}=false: {what} micro-batches are cut by {keys.micro}"}
+        because = f"{keys.dynamic}=true: {what} micro-batches are cut by {keys.max_token_len}"
+        return {keys.micro: because, keys.global_micro: because}
+    out = {keys.max_token_len: f"{keys.dynamic}=false: {what} micro-batches are cut by a sequence count"}
+    unused = keys.global_micro if get(cfg, keys.global_micro) is None else keys.micro
+    out[unused] = f"{what} micro-batches are cut by {keys.micro if unused == keys.global_micro else keys.global_micro}"
+    return out

@@ -79,7 +79,7 @@ class KLCtrlConfig(Section):
 class AlgorithmConfig(Section):
     gamma: float = key(1.0, "discount")
     lam: float = key(1.0, "GAE lambda")
-    adv_estimator: str = key("grpo", "gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax",
+    adv_estimator: str = key("gae", "gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax",
                              check=get_adv_estimator_fn)
     norm_adv_by_std_in_grpo: bool = key(True, "false = Dr.GRPO (no std normalization)")
     use_kl_in_reward: bool = key(False, "subtract a KL penalty from the rewards")
@@ -109,7 +109,7 @@ class TrainerConfig(Section):
     nnodes: int = key(1, "nodes in the Ray cluster")
     n_gpus_per_node: int = key(2, "devices per node (on CPU: worker processes per node)")
     balance_batch: bool = key(True, "Karmarkar-Karp balance sequences across DP ranks each step")
-    total_epochs: int = key(1, "passes over the training set")
+    total_epochs: int = key(30, "passes over the training set")
     total_training_steps: Optional[int] = key(None, "stop after this many steps (null = epochs decide)")
     project_name: str = key("rlframe", "tracking project")
     experiment_name: str = key("tiny_grpo", "tracking run name")

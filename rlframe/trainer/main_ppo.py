@@ -7,6 +7,7 @@ Then the worker groups are created, and the trainer runs.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -70,29 +71,41 @@ def total_steps(cfg: DictConfig, train_loader) -> int:
     return len(train_loader) * int(cfg.trainer.total_epochs)
 
 
-def check_config(overrides: list[str]) -> tuple[DictConfig, DictConfig, ModelShape, BatchPlan]:
-    """The checks `rlframe train` and `rlframe explain` share: (composed, normalized, model shape, plan)."""
+def check_config(overrides: list[str], check_files: bool = True
+                 ) -> tuple[DictConfig, DictConfig, ModelShape | None, BatchPlan]:
+    """The config checks: (composed, normalized, model shape, plan). `check_files=False` skips the model folder
+    and device checks (`rlframe explain --plan-only`)."""
     composed = compose(overrides)  # unknown keys and wrong types fail here
     typed(composed)  # every key's and section's check: names, choices, cross-key rules
     cfg = normalize_config(composed)
-    check_environment(cfg)
+    if check_files:
+        check_environment(cfg)
     model_shape = read_model_shape(cfg.actor_rollout_ref.model.path)
     return composed, cfg, model_shape, make_batch_plan(cfg, model_shape)
 
 
-def prepare(overrides: list[str]) -> PreparedRun:
-    """Compose the config from `overrides` and check everything that can fail before Ray starts."""
-
-    composed, cfg, model_shape, plan = check_config(overrides)
-    warn_ignored_keys(composed, overrides)
+def load_data_and_rewards(cfg: DictConfig) -> tuple:
+    """Tokenizer, dataloaders and reward functions: data errors (columns, prompt lengths) surface here."""
     tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path)
     train_loader, val_loader = build_data(cfg, tokenizer)
     reward_fn = load_reward_manager(cfg, tokenizer, num_examine=0)
     val_reward_fn = load_reward_manager(cfg, tokenizer, num_examine=int(cfg.trainer.log_val_generations),
                                         compute_score=reward_fn.compute_score)  # the user's file runs once
+    return tokenizer, train_loader, val_loader, reward_fn, val_reward_fn
+
+
+def prepare(overrides: list[str]) -> PreparedRun:
+    """Compose the config from `overrides` and check everything that can fail before Ray starts.
+
+    `rlframe explain` runs the same checks (`check_config`, then `load_data_and_rewards`), so the two
+    give the same verdict on any config.
+    """
+    composed, cfg, model_shape, plan = check_config(overrides)
+    warn_ignored_keys(composed, overrides)
+    tokenizer, train_loader, val_loader, reward_fn, val_reward_fn = load_data_and_rewards(cfg)
     return PreparedRun(cfg=cfg, plan=plan, tokenizer=tokenizer, train_loader=train_loader, val_loader=val_loader,
                        total_steps=total_steps(cfg, train_loader),
-                       hidden_size=model_shape.hidden_size,  # check_names made sure config.json exists
+                       hidden_size=model_shape.hidden_size,  # check_environment made sure config.json exists
                        reward_fn=reward_fn, val_reward_fn=val_reward_fn)
 
 
@@ -120,6 +133,15 @@ def run_ppo(overrides: list[str]) -> dict:
     return train(prepare(overrides))
 
 
+def configure_logging() -> None:
+    """rlframe's INFO messages (e.g. trainer.log_val_generations samples) go to stderr."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[rlframe] %(message)s"))
+    logger = logging.getLogger("rlframe")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Hydra-style `key=value` overrides on the command line."""
     overrides = sys.argv[1:] if argv is None else list(argv)
@@ -128,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
               f"keys and their defaults: {os.path.join(config_dir(), 'ppo_trainer.yaml')}\n"
               "to see how a config's batch flows to each GPU: rlframe explain KEY=VALUE ...")
         return
+    configure_logging()
     try:
         run = prepare(overrides)
     except ValueError as err:  # config and data errors: one clear message, before any work starts

@@ -249,9 +249,10 @@ class RayPPOTrainer:
             [ids[mask.bool()] for ids, mask in zip(batch.batch["responses"], batch.batch["response_mask"])])
         scores = batch.batch["token_level_scores"].sum(-1).tolist()
         with open(os.path.join(folder, f"{self.global_step}.jsonl"), "w") as f:
-            for prompt, response, score, uid in zip(prompts, responses, scores, batch.non_tensor_batch["uid"]):
-                f.write(json.dumps({"step": self.global_step, "uid": uid, "prompt": prompt, "response": response,
-                                    "score": score}) + "\n")
+            rows = zip(prompts, responses, scores, batch.non_tensor_batch["uid"], batch.non_tensor_batch["index"])
+            for prompt, response, score, uid, index in rows:  # index: the prompt's row in the dataset
+                f.write(json.dumps({"step": self.global_step, "uid": uid, "index": int(index), "prompt": prompt,
+                                    "response": response, "score": score}) + "\n")
 
     def _compute_advantage(self, batch: DataProto, metrics: dict) -> None:
         algo = self.config.algorithm

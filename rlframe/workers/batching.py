@@ -59,7 +59,7 @@ def restore_order(outputs: list[torch.Tensor], reverse_idx: list[int] | None) ->
 
 @dataclass(frozen=True)
 class GlobalCounts:
-    """Valid response tokens and non-empty sequences of a whole mini-batch, summed over the DP group.
+    """Valid response tokens and sequences (rows) of a whole mini-batch, summed over the DP group.
 
     These are the denominators of every loss aggregation mode, so that summing micro-batch losses
     over gradient accumulation and DP ranks gives exactly the full-batch loss.
@@ -82,7 +82,8 @@ class GlobalCounts:
 def global_counts(mini_batch: TensorDict, dp_group=None) -> GlobalCounts:
     """The GlobalCounts of `mini_batch` (one all-reduce over the DP group)."""
     response_mask = response_mask_of(mini_batch)
-    counts = torch.stack([response_mask.sum(), (response_mask.sum(-1) > 0).sum()]).to(torch.float64)
+    # N_seq counts every row, empty responses included: verl 0.9.1 divides by ppo_mini_batch_size × n
+    counts = torch.stack([response_mask.sum(), torch.tensor(response_mask.shape[0])]).to(torch.float64)
     if dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=dp_group)
     return GlobalCounts(counts[0], counts[1], mini_batch["responses"].shape[-1])

@@ -30,7 +30,7 @@ class ModelConfig(Section):
     path: str = key("builtin://tiny", "local HF model dir; builtin://tiny = tiny random Qwen2 built offline")
     external_lib: Optional[str] = key(None, "python module imported in workers before loading (custom models)")
     override_config: Dict[str, Any] = key({}, "fields merged into the model's HF config")
-    enable_gradient_checkpointing: bool = key(False, "recompute activations in backward (saves memory)")
+    enable_gradient_checkpointing: bool = key(True, "recompute activations in backward (saves memory)")
     use_remove_padding: bool = key(True, "pack sequences into one row with cu_seqlens (no pad compute)")
     trust_remote_code: bool = key(False, "passed to from_pretrained")
 
@@ -92,10 +92,12 @@ class CheckpointConfig(Section):
 @dataclass
 class ActorConfig(Section):
     strategy: str = key("fsdp2", "fsdp2 (fully_shard) | fsdp (FSDP1)", choices=STRATEGIES)
-    ppo_mini_batch_size: int = key(4, "prompts per optimizer step (x rollout.n sequences)")
-    ppo_micro_batch_size_per_gpu: int = key(2, "sequences per forward/backward when use_dynamic_bsz=false")
+    ppo_mini_batch_size: int = key(256, "prompts per optimizer step (x rollout.n sequences)")
+    ppo_micro_batch_size_per_gpu: Optional[int] = key(None, "sequences per forward/backward on one GPU "
+                                                            "(use_dynamic_bsz=false)")
+    ppo_micro_batch_size: Optional[int] = key(None, "deprecated (verl) global form: per GPU = this // dp")
     use_dynamic_bsz: bool = key(False, "micro-batch by token budget instead of sequence count")
-    ppo_max_token_len_per_gpu: int = key(1024, "token budget per micro-batch per GPU (dynamic; x sp inside)")
+    ppo_max_token_len_per_gpu: int = key(16384, "token budget per micro-batch per GPU (dynamic; x sp inside)")
     packing_algorithm: str = key("kk", "dynamic micro-batch packing: kk (Karmarkar-Karp) | ffd",
                                  choices=tuple(ALLOCATE_FNS))
     grad_clip: float = key(1.0, "max global grad norm; non-finite norms skip the step")
@@ -142,7 +144,8 @@ class RefFSDPConfig(Section):
 
 @dataclass
 class RefConfig(Section):
-    log_prob_micro_batch_size_per_gpu: int = key(4, "sequences per ref forward (static)")
+    log_prob_micro_batch_size_per_gpu: Optional[int] = key(None, "sequences per ref forward on one GPU (static)")
+    log_prob_micro_batch_size: Optional[int] = key(None, "deprecated (verl) global form: per GPU = this // dp")
     log_prob_use_dynamic_bsz: bool = key(f"${{{ACTOR}.use_dynamic_bsz}}", "token-budget micro-batches")
     log_prob_max_token_len_per_gpu: int = key(f"${{{ACTOR}.ppo_max_token_len_per_gpu}}", "token budget (dynamic)")
     ulysses_sequence_parallel_size: int = key(f"${{{ACTOR}.ulysses_sequence_parallel_size}}", "SP degree")
@@ -158,7 +161,7 @@ class CriticModelConfig(Section):
     tokenizer_path: str = key("${actor_rollout_ref.model.path}", "tokenizer for the critic")
     override_config: Dict[str, Any] = key({}, "fields merged into the critic's HF config")
     external_lib: Optional[str] = key("${actor_rollout_ref.model.external_lib}", "module imported before loading")
-    enable_gradient_checkpointing: bool = key(False, "recompute activations in backward")
+    enable_gradient_checkpointing: bool = key(True, "recompute activations in backward")
     use_remove_padding: bool = key("${actor_rollout_ref.model.use_remove_padding}", "packed sequences")
     trust_remote_code: bool = key(False, "passed to from_pretrained")
     fsdp_config: FSDPConfig = section(FSDPConfig)
@@ -170,11 +173,14 @@ class CriticConfig(Section):
     model: CriticModelConfig = section(CriticModelConfig)
     optim: CriticOptimConfig = section(CriticOptimConfig)
     ppo_mini_batch_size: int = key(f"${{{ACTOR}.ppo_mini_batch_size}}", "prompts per critic optimizer step")
-    ppo_micro_batch_size_per_gpu: int = key(f"${{{ACTOR}.ppo_micro_batch_size_per_gpu}}", "sequences per fwd/bwd")
-    forward_micro_batch_size_per_gpu: int = key("${critic.ppo_micro_batch_size_per_gpu}",
-                                                "sequences per value forward")
+    ppo_micro_batch_size_per_gpu: Optional[int] = key(None, "sequences per critic forward/backward on one GPU")
+    ppo_micro_batch_size: Optional[int] = key(None, "deprecated (verl) global form: per GPU = this // dp")
+    forward_micro_batch_size_per_gpu: Optional[int] = key("${critic.ppo_micro_batch_size_per_gpu}",
+                                                          "sequences per value forward on one GPU")
+    forward_micro_batch_size: Optional[int] = key("${critic.ppo_micro_batch_size}",
+                                                  "deprecated (verl) global form: per GPU = this // dp")
     use_dynamic_bsz: bool = key(f"${{{ACTOR}.use_dynamic_bsz}}", "token-budget micro-batches")
-    ppo_max_token_len_per_gpu: int = key(f"${{{ACTOR}.ppo_max_token_len_per_gpu}}", "token budget per micro-batch")
+    ppo_max_token_len_per_gpu: int = key(32768, "token budget per micro-batch per GPU (dynamic)")
     forward_max_token_len_per_gpu: int = key("${critic.ppo_max_token_len_per_gpu}", "token budget for value forward")
     packing_algorithm: str = key(f"${{{ACTOR}.packing_algorithm}}", "kk | ffd", choices=tuple(ALLOCATE_FNS))
     ulysses_sequence_parallel_size: int = key(1, "Ulysses SP degree for the critic")

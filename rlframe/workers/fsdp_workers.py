@@ -32,12 +32,18 @@ from rlframe.workers.fsdp_utils import (FSDPSpec, ModelSpec, build_fsdp_mesh, bu
                                         wrap_fsdp)
 
 
+def _or(value, fallback) -> float:
+    """verl's rule for clip_ratio_low/high: null falls back to clip_ratio."""
+    return float(fallback if value is None else value)
+
+
 def actor_settings(actor_cfg: DictConfig, plan: UpdatePlan, use_remove_padding: bool) -> ActorSettings:
     return ActorSettings(
         mini_batch_size=plan.mini_batch_size_per_dp, update=micro_batch_spec(plan, ACTOR_KEYS.max_token_len),
         log_prob=micro_batch_spec(plan.forward, ACTOR_KEYS.forward.max_token_len),
         ppo_epochs=plan.ppo_epochs, shuffle=bool(actor_cfg.shuffle), grad_clip=float(actor_cfg.grad_clip),
-        clip_ratio_low=float(actor_cfg.clip_ratio_low), clip_ratio_high=float(actor_cfg.clip_ratio_high),
+        clip_ratio_low=_or(actor_cfg.clip_ratio_low, actor_cfg.clip_ratio),
+        clip_ratio_high=_or(actor_cfg.clip_ratio_high, actor_cfg.clip_ratio),
         clip_ratio_c=float(actor_cfg.clip_ratio_c), loss_agg_mode=str(actor_cfg.loss_agg_mode),
         policy_loss=str(actor_cfg.policy_loss.loss_mode), entropy_coeff=float(actor_cfg.entropy_coeff),
         use_kl_loss=bool(actor_cfg.use_kl_loss), kl_loss_coef=float(actor_cfg.kl_loss_coef),
@@ -95,6 +101,15 @@ class FSDPWorkerBase(Worker):
                         reshard_after_forward=bool(fsdp_cfg.reshard_after_forward))
         return wrap_fsdp(model, spec, self.fsdp_mesh, self.device_type)
 
+    def _offload_optimizer(self) -> None:
+        """With the role's fsdp_config.optimizer_offload, optimizer state waits on the CPU between updates."""
+        if self._optimizer_offload:
+            move_optimizer_state(self.optimizer, "cpu")
+
+    def _load_optimizer(self) -> None:
+        if self._optimizer_offload and self.device_type == "cuda":
+            move_optimizer_state(self.optimizer, torch.cuda.current_device())
+
     def _to_device(self, data: DataProto) -> DataProto:
         return data.to(self.device_type if self.device_type == "cpu" else torch.cuda.current_device())
 
@@ -116,6 +131,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         super().__init__(config, plan)
         self.with_ref = with_ref
         self._strategy = str(self.config.actor_rollout_ref.actor.strategy)
+        self._optimizer_offload = bool(self.config.actor_rollout_ref.actor.fsdp_config.optimizer_offload)
         self._weights_dirty = True
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -159,14 +175,6 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
                                      self.device_type, tp_group,
                                      trust_remote_code=bool(cfg.model.trust_remote_code),
                                      override_config=OmegaConf.to_container(cfg.model.override_config))
-
-    def _offload_optimizer(self) -> None:
-        if self.config.actor_rollout_ref.actor.fsdp_config.optimizer_offload:
-            move_optimizer_state(self.optimizer, "cpu")
-
-    def _load_optimizer(self) -> None:
-        if self.config.actor_rollout_ref.actor.fsdp_config.optimizer_offload and self.device_type == "cuda":
-            move_optimizer_state(self.optimizer, torch.cuda.current_device())
 
     @register(dispatch_mode=Dispatch.RANK_ZERO, execute_mode=Execute.RANK_ZERO)
     def flops_info(self) -> dict:
@@ -241,6 +249,7 @@ class CriticWorker(FSDPWorkerBase):
     def __init__(self, config: dict, plan: BatchPlan):
         super().__init__(config, plan)
         self._strategy = str(self.config.critic.strategy)
+        self._optimizer_offload = bool(self.config.critic.model.fsdp_config.optimizer_offload)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, total_training_steps: int) -> None:
@@ -266,7 +275,9 @@ class CriticWorker(FSDPWorkerBase):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_critic(self, data: DataProto) -> DataProto:
         data = self._to_device(self._gather_sp(data))
+        self._load_optimizer()
         metrics = self.critic.update_critic(data)
+        self._offload_optimizer()
         return DataProto(meta_info={"metrics": metrics})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -279,6 +290,7 @@ class CriticWorker(FSDPWorkerBase):
     def load_checkpoint(self, path: str) -> None:
         ckpt.load_checkpoint(path, self.critic_module, self.optimizer, self.lr_scheduler, self.rank, self.world_size,
                              generator=self.critic.generator)
+        self._offload_optimizer()  # loading puts the optimizer state next to the parameters
 
 
 def worker_env() -> dict:
