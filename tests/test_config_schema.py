@@ -99,3 +99,8 @@ def test_every_verl_key_is_declared_by_rlframe_or_has_a_verl_default():
     for key, default in defaults.items():
         if not (isinstance(default, str) and "${" in default) and not isinstance(default, (dict, list)):
             assert check_verl_override(key, json.dumps(default) if not isinstance(default, str) else default) is None, key
+
+
+def test_a_list_key_takes_a_single_value_as_verl_does():
+    assert list(compose(["trainer.logger=console"]).trainer.logger) == ["console"]
+    assert list(compose(["trainer.logger=[console,jsonl]"]).trainer.logger) == ["console", "jsonl"]

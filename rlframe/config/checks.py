@@ -38,6 +38,11 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def planned_device(device: str) -> str:
+    """The device type `trainer.device` means on this machine, without the availability check."""
+    return "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
+
+
 def check_model_path(path: str, key: str = "actor_rollout_ref.model.path") -> None:
     """Fail early, naming the key, when a model directory has no config or no weights."""
     if not os.path.isdir(path):

@@ -21,3 +21,28 @@ def resolve_model_path(path: str) -> str:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         os.replace(tmp, target)
     return target
+
+
+SHM_ROOT = "/dev/shm"
+
+
+def copy_to_shm(path: str, shm_root: str = SHM_ROOT) -> str:
+    """A copy of the model folder in shared memory (`model.use_shm`, as verl): later loads read RAM, not disk.
+
+    One copy per folder and node, named by the folder's path and modification time; concurrent
+    workers race harmlessly (each copies to a private name, the first rename wins).
+    """
+    import hashlib
+    import shutil
+
+    source = os.path.abspath(path)
+    stamp = f"{source}:{os.path.getmtime(source)}".encode()
+    target = os.path.join(shm_root, "rlframe-models", hashlib.sha1(stamp).hexdigest()[:16])
+    if not os.path.isdir(target):
+        tmp = f"{target}.tmp.{os.getpid()}"
+        shutil.copytree(source, tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another worker on this node finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

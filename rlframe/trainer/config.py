@@ -191,11 +191,13 @@ def compose(overrides: list[str]) -> DictConfig:
 def taken_overrides(overrides: list[str]) -> list[str]:
     """The overrides for rlframe's own keys; a verl key rlframe does not declare is dropped at verl's default
     (the same run) or refused with its reason. Unknown keys are left for the schema to name."""
-    declared, dict_keys = _declared_keys()
+    declared, dict_keys, list_keys = _declared_keys()
     kept = []
     for override in overrides:
         key = override_key(override)
         under_dict = any(key.startswith(d + ".") for d in dict_keys) if key else False
+        if key in list_keys and not override.split("=", 1)[1].lstrip().startswith("["):
+            override = f"{override.split('=', 1)[0]}=[{override.split('=', 1)[1]}]"  # verl takes `logger=console`
         if key is None or key.startswith("hydra.") or key in declared or under_dict or not verl_key_under(key):
             kept.append(override)
             continue
@@ -206,14 +208,16 @@ def taken_overrides(overrides: list[str]) -> list[str]:
 
 
 @lru_cache(maxsize=1)
-def _declared_keys() -> tuple[frozenset, tuple]:
-    """Every rlframe key and section, and the keys whose value is a free-form dict (override_config)."""
-    paths, dicts = set(), []
+def _declared_keys() -> tuple[frozenset, tuple, frozenset]:
+    """Every rlframe key and section, the keys holding a free-form dict (override_config), the list keys."""
+    paths, dicts, lists = set(), [], set()
     for path, value, _ in walk(PPOTrainerConfig()):
         paths.add(path)
         if isinstance(value, dict):
             dicts.append(path)
-    return frozenset(paths), tuple(dicts)
+        if isinstance(value, list):
+            lists.add(path)
+    return frozenset(paths), tuple(dicts), frozenset(lists)
 
 
 def typed(cfg: DictConfig) -> PPOTrainerConfig:

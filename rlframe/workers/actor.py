@@ -45,6 +45,7 @@ class ActorSettings:
     kl_loss_coef: float
     kl_loss_type: str
     use_remove_padding: bool
+    use_torch_compile: bool = False       # torch.compile the log-prob/entropy kernels (CUDA)
 
 
 class PPOActor(PPOUpdater):
@@ -60,7 +61,8 @@ class PPOActor(PPOUpdater):
     def _forward(self, micro: dict, temperature: float, calculate_entropy: bool) -> dict:
         return forward_micro_batch(self.module, micro, response_length=micro["responses"].shape[-1],
                                    temperature=temperature, use_remove_padding=self.settings.use_remove_padding,
-                                   sp_group=self.sp_group, calculate_entropy=calculate_entropy)
+                                   sp_group=self.sp_group, calculate_entropy=calculate_entropy,
+                                   use_torch_compile=self.settings.use_torch_compile)
 
     @torch.no_grad()
     def compute_log_prob(self, data: DataProto, calculate_entropy: bool = False

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from rlframe.algorithms.kl import get_kl_penalty_fn
 from rlframe.algorithms.loss import LOSS_AGG_MODES, get_policy_loss_fn
-from rlframe.config.checks import SAVE_CONTENTS, STRATEGIES
+from rlframe.config.checks import SAVE_CONTENTS, STRATEGIES, planned_device
 from rlframe.config.keys import ACTOR_KEYS, CRITIC_KEYS, REF_KEYS, get, micro_batch_inactive, ref_enabled
 from rlframe.config.schema import Section, key, section
+from rlframe.models.builtin import SHM_ROOT
 from rlframe.reward.manager import get_reward_manager_cls
 from rlframe.seqpack import ALLOCATE_FNS
 from rlframe.workers.fsdp_utils import DTYPES
@@ -17,6 +19,18 @@ from rlframe.workers.fsdp_utils import DTYPES
 DTYPE_NAMES = ("auto", *DTYPES)
 WARMUP_STYLES = ("constant", "cosine")
 ACTOR = "actor_rollout_ref.actor"
+
+
+def _entropy_memory_switches(path: str) -> dict[str, str]:
+    # rlframe always computes entropy a chunk of tokens at a time and recomputes each chunk in backward:
+    # the same numbers as verl with either switch, in less memory than verl with both off
+    reason = "rlframe always computes entropy in chunks and recomputes them in backward (same values, less memory)"
+    return {f"{path}.{name}": reason for name in ("entropy_from_logits_with_chunking", "entropy_checkpointing")}
+
+
+def _check_shm(path: str, use_shm: bool) -> None:
+    if use_shm and not os.path.isdir(SHM_ROOT):
+        raise ValueError(f"{path}.use_shm=true needs {SHM_ROOT} (a Linux shared-memory mount); set it to false")
 
 
 def _check_save_contents(contents: list) -> None:
@@ -33,6 +47,10 @@ class ModelConfig(Section):
     enable_gradient_checkpointing: bool = key(True, "recompute activations in backward (saves memory)")
     use_remove_padding: bool = key(True, "pack sequences into one row with cu_seqlens (no pad compute)")
     trust_remote_code: bool = key(False, "passed to from_pretrained")
+    use_shm: bool = key(False, "copy the model folder to /dev/shm once per node and load from there")
+
+    def check(self, path: str, root: Any) -> None:
+        _check_shm(path, self.use_shm)
 
 
 @dataclass
@@ -113,6 +131,9 @@ class ActorConfig(Section):
     ppo_epochs: int = key(1, "passes over each batch")
     shuffle: bool = key(False, "shuffle sequences before cutting mini-batches")
     ulysses_sequence_parallel_size: int = key(1, "Ulysses SP degree (needs use_remove_padding)")
+    use_torch_compile: bool = key(True, "torch.compile the log-prob and entropy kernels (CUDA)")
+    entropy_from_logits_with_chunking: bool = key(False, "verl's memory switch; no effect: rlframe always chunks")
+    entropy_checkpointing: bool = key(False, "verl's memory switch; no effect: rlframe always recomputes")
     policy_loss: PolicyLossConfig = section(PolicyLossConfig)
     optim: OptimConfig = section(OptimConfig)
     fsdp_config: FSDPConfig = section(FSDPConfig)
@@ -120,6 +141,9 @@ class ActorConfig(Section):
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = micro_batch_inactive(root, ACTOR_KEYS, "actor update")
+        out.update(_entropy_memory_switches(path))
+        if planned_device(root.trainer.device) != "cuda":
+            out[f"{path}.use_torch_compile"] = "torch.compile is applied on CUDA only (the device here is cpu)"
         dynamic_passes = [ACTOR_KEYS.dynamic, ACTOR_KEYS.forward.dynamic] + ([REF_KEYS.dynamic] if ref_enabled(root)
                                                                            else [])
         if not any(get(root, k) for k in dynamic_passes):
@@ -149,10 +173,17 @@ class RefConfig(Section):
     log_prob_use_dynamic_bsz: bool = key(f"${{{ACTOR}.use_dynamic_bsz}}", "token-budget micro-batches")
     log_prob_max_token_len_per_gpu: int = key(f"${{{ACTOR}.ppo_max_token_len_per_gpu}}", "token budget (dynamic)")
     ulysses_sequence_parallel_size: int = key(f"${{{ACTOR}.ulysses_sequence_parallel_size}}", "SP degree")
+    use_torch_compile: bool = key(f"${{{ACTOR}.use_torch_compile}}", "torch.compile the log-prob kernels (CUDA)")
+    entropy_from_logits_with_chunking: bool = key(False, "verl's memory switch; no effect: rlframe always chunks")
+    entropy_checkpointing: bool = key(False, "verl's memory switch; no effect: rlframe always recomputes")
     fsdp_config: RefFSDPConfig = section(RefFSDPConfig)
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
-        return micro_batch_inactive(root, REF_KEYS, "ref log-prob")
+        out = micro_batch_inactive(root, REF_KEYS, "ref log-prob")
+        out.update(_entropy_memory_switches(path))
+        if planned_device(root.trainer.device) != "cuda":
+            out[f"{path}.use_torch_compile"] = "torch.compile is applied on CUDA only (the device here is cpu)"
+        return out
 
 
 @dataclass
@@ -164,7 +195,11 @@ class CriticModelConfig(Section):
     enable_gradient_checkpointing: bool = key(True, "recompute activations in backward")
     use_remove_padding: bool = key("${actor_rollout_ref.model.use_remove_padding}", "packed sequences")
     trust_remote_code: bool = key(False, "passed to from_pretrained")
+    use_shm: bool = key(False, "copy the model folder to /dev/shm once per node and load from there")
     fsdp_config: FSDPConfig = section(FSDPConfig)
+
+    def check(self, path: str, root: Any) -> None:
+        _check_shm(path, self.use_shm)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from rlframe.models.builtin import copy_to_shm
 from rlframe.protocol import DataProto, all_gather_data_proto
 from rlframe.single_controller import Dispatch, Execute, Worker, register
 from rlframe.batch_plan import BatchPlan, UpdatePlan
@@ -37,7 +38,8 @@ def _or(value, fallback) -> float:
     return float(fallback if value is None else value)
 
 
-def actor_settings(actor_cfg: DictConfig, plan: UpdatePlan, use_remove_padding: bool) -> ActorSettings:
+def actor_settings(actor_cfg: DictConfig, plan: UpdatePlan, use_remove_padding: bool,
+                   device_type: str = "cpu") -> ActorSettings:
     return ActorSettings(
         mini_batch_size=plan.mini_batch_size_per_dp, update=micro_batch_spec(plan, ACTOR_KEYS.max_token_len),
         log_prob=micro_batch_spec(plan.forward, ACTOR_KEYS.forward.max_token_len),
@@ -47,7 +49,8 @@ def actor_settings(actor_cfg: DictConfig, plan: UpdatePlan, use_remove_padding: 
         clip_ratio_c=float(actor_cfg.clip_ratio_c), loss_agg_mode=str(actor_cfg.loss_agg_mode),
         policy_loss=str(actor_cfg.policy_loss.loss_mode), entropy_coeff=float(actor_cfg.entropy_coeff),
         use_kl_loss=bool(actor_cfg.use_kl_loss), kl_loss_coef=float(actor_cfg.kl_loss_coef),
-        kl_loss_type=str(actor_cfg.kl_loss_type), use_remove_padding=use_remove_padding)
+        kl_loss_type=str(actor_cfg.kl_loss_type), use_remove_padding=use_remove_padding,
+        use_torch_compile=bool(actor_cfg.use_torch_compile) and device_type == "cuda")
 
 
 def critic_settings(critic_cfg: DictConfig, plan: UpdatePlan) -> CriticSettings:
@@ -87,8 +90,9 @@ class FSDPWorkerBase(Worker):
         """The HF model on CPU in fp32 (FSDP's mixed precision casts for compute)."""
         if model_cfg.external_lib:  # registers custom model classes with transformers' Auto* factories
             importlib.import_module(model_cfg.external_lib)
+        path = copy_to_shm(model_cfg.path) if model_cfg.use_shm else model_cfg.path
         return load_hf_model(ModelSpec(
-            path=model_cfg.path, role=role, dtype=torch.float32, use_remove_padding=use_remove_padding,
+            path=path, role=role, dtype=torch.float32, use_remove_padding=use_remove_padding,
             gradient_checkpointing=bool(model_cfg.enable_gradient_checkpointing),
             trust_remote_code=bool(model_cfg.trust_remote_code),
             override_config=OmegaConf.to_container(model_cfg.override_config)))
@@ -148,15 +152,16 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         self.optimizer = build_optimizer(self.actor_module, cfg.actor.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.actor.optim, total_training_steps)
         self.actor = PPOActor(self.actor_module, self.optimizer,
-                              actor_settings(cfg.actor, self.plan.actor, use_rmpad),
+                              actor_settings(cfg.actor, self.plan.actor, use_rmpad, self.device_type),
                               self.dp_group, self.sp_group, self.dp_size, self.lr_scheduler,
                               seed=int(self.config.data.seed))
         self._offload_optimizer()
         if self.with_ref:
             ref_module = self._wrap(self._load(cfg.model, "actor", use_rmpad), cfg.ref.fsdp_config)
             ref_module.requires_grad_(False)
-            ref_settings = replace(actor_settings(cfg.actor, self.plan.actor, use_rmpad),
-                                   log_prob=micro_batch_spec(self.plan.ref, REF_KEYS.max_token_len))
+            ref_settings = replace(actor_settings(cfg.actor, self.plan.actor, use_rmpad, self.device_type),
+                                   log_prob=micro_batch_spec(self.plan.ref, REF_KEYS.max_token_len),
+                                   use_torch_compile=bool(cfg.ref.use_torch_compile) and self.device_type == "cuda")
             self.ref = PPOActor(ref_module, None, ref_settings, self.dp_group, self.sp_group, self.dp_size)
         self._init_rollout(cfg)
 

@@ -20,6 +20,8 @@ so results from any parallel configuration compare as whole tensors.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
@@ -52,13 +54,14 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 def forward_micro_batch(model: torch.nn.Module, micro_batch: dict[str, torch.Tensor], response_length: int,
                         temperature: float = 1.0, use_remove_padding: bool = True,
                         sp_group: dist.ProcessGroup | None = None, calculate_entropy: bool = False,
-                        value_head: bool = False) -> dict[str, torch.Tensor]:
+                        value_head: bool = False, use_torch_compile: bool = False) -> dict[str, torch.Tensor]:
     """Run `model` on one micro-batch and score its responses.
 
     `micro_batch` holds `input_ids`, `attention_mask`, `position_ids` [batch, seqlen] and `responses`
     [batch, response_length]. Returns `{"log_probs"}` (plus `"entropy"` if `calculate_entropy`) for a
     causal LM, or `{"values"}` when `value_head`; each [batch, response_length]. `sp_group` is the
-    Ulysses group (None: no sequence parallelism).
+    Ulysses group (None: no sequence parallelism). `use_torch_compile` scores with `torch.compile`d
+    log-prob and entropy kernels (verl's `use_torch_compile`).
     """
     input_ids, attention_mask = micro_batch["input_ids"], micro_batch["attention_mask"]
     position_ids = micro_batch["position_ids"]
@@ -67,7 +70,7 @@ def forward_micro_batch(model: torch.nn.Module, micro_batch: dict[str, torch.Ten
 
     if use_remove_padding:
         per_token, indices = _forward_packed(model, input_ids, attention_mask, position_ids, temperature, sp_group,
-                                             calculate_entropy, value_head)
+                                             calculate_entropy, value_head, use_torch_compile)
         # [total_nnz] per token -> [batch, seqlen] -> the columns scoring the response tokens
         outputs = {name: pad_output(x, indices, batch_size, seqlen)[:, -response_length - 1:-1]
                    for name, x in per_token.items()}
@@ -77,14 +80,14 @@ def forward_micro_batch(model: torch.nn.Module, micro_batch: dict[str, torch.Ten
                              "use_remove_padding=True (actor_rollout_ref.model./critic.model.)")
         output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
         logits = output.logits[:, -response_length - 1:-1]
-        outputs = _score(logits, responses, temperature, calculate_entropy, value_head)
+        outputs = _score(logits, responses, temperature, calculate_entropy, value_head, use_torch_compile)
 
     response_mask = attention_mask[:, -response_length:].bool()
     return {name: torch.where(response_mask, x, torch.zeros_like(x)) for name, x in outputs.items()}
 
 
 def _forward_packed(model, input_ids, attention_mask, position_ids, temperature, group, calculate_entropy,
-                    value_head) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                    value_head, use_torch_compile=False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Forward the packed row; returns per-token results [total_nnz] and the packing `indices`."""
     ids, indices, cu_seqlens, max_seqlen = unpad_input(input_ids, attention_mask)
     pos = pack_tensor(position_ids, indices).unsqueeze(0)
@@ -104,13 +107,13 @@ def _forward_packed(model, input_ids, attention_mask, position_ids, temperature,
 
     output = model(input_ids=ids, position_ids=pos, use_cache=False, cu_seq_lens_q=cu_seqlens,
                    cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen, **extra)
-    per_token = _score(output.logits[0], labels[0], temperature, calculate_entropy, value_head)
+    per_token = _score(output.logits[0], labels[0], temperature, calculate_entropy, value_head, use_torch_compile)
     per_token = {name: gather_outputs(x, group, dim=0, pad_size=pad_size) for name, x in per_token.items()}
     return per_token, indices
 
 
 def _score(logits: torch.Tensor, labels: torch.Tensor, temperature: float, calculate_entropy: bool,
-           value_head: bool) -> dict[str, torch.Tensor]:
+           value_head: bool, use_torch_compile: bool = False) -> dict[str, torch.Tensor]:
     """Per-token log-probs of `labels` (and entropy) from `logits` [..., vocab], or values from [..., 1].
 
     Computed in fp32 whatever the model's compute dtype: bf16 log-softmax and ratios are too coarse
@@ -121,19 +124,27 @@ def _score(logits: torch.Tensor, labels: torch.Tensor, temperature: float, calcu
         return {"values": logits[..., 0]}
     if temperature != 1.0:
         logits = logits / temperature
-    out = {"log_probs": logprobs_from_logits(logits, labels)}
+    logprobs, entropy = _compiled_kernels() if use_torch_compile else (logprobs_from_logits, entropy_from_logits)
+    out = {"log_probs": logprobs(logits, labels)}
     if calculate_entropy:
-        out["entropy"] = _entropy_from_logits_chunked(logits)
+        out["entropy"] = _entropy_from_logits_chunked(logits, entropy_fn=entropy)
     return out
 
 
-def _entropy_from_logits_chunked(logits: torch.Tensor, chunk_tokens: int = ENTROPY_CHUNK_TOKENS) -> torch.Tensor:
+@functools.lru_cache(maxsize=1)
+def _compiled_kernels():
+    """`torch.compile`d log-prob and entropy functions, built once per process (dynamic shapes)."""
+    return (torch.compile(logprobs_from_logits, dynamic=True), torch.compile(entropy_from_logits, dynamic=True))
+
+
+def _entropy_from_logits_chunked(logits: torch.Tensor, chunk_tokens: int = ENTROPY_CHUNK_TOKENS,
+                                 entropy_fn=entropy_from_logits) -> torch.Tensor:
     """`entropy_from_logits` a chunk of tokens at a time, so at most one chunk's softmax is alive.
 
     Under autograd each chunk is checkpointed: its softmax is recomputed in backward, not kept.
     """
     flat = logits.reshape(-1, logits.shape[-1])
     needs_grad = torch.is_grad_enabled() and flat.requires_grad
-    parts = [checkpoint(entropy_from_logits, chunk, use_reentrant=False) if needs_grad else entropy_from_logits(chunk)
+    parts = [checkpoint(entropy_fn, chunk, use_reentrant=False) if needs_grad else entropy_fn(chunk)
              for chunk in flat.split(chunk_tokens)]
     return torch.cat(parts).view(logits.shape[:-1])
