@@ -26,3 +26,9 @@ def tiny_model_path(tmp_path_factory):
     from rlframe.models.tiny import make_tiny_model
 
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny_model")))
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory):
+    """One RLFRAME_CACHE (built-in model and task data) for every end-to-end run of the session."""
+    return tmp_path_factory.mktemp("rlframe_cache")

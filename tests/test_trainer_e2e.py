@@ -41,11 +41,6 @@ def read_metrics(run_dir):
         return [json.loads(line) for line in f]
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("rlframe_cache")
-
-
 def test_grpo_dp2_sp2_rollout_tp2_remove_padding_dynamic_bsz(tmp_path, cache_dir):
     out = run_main(COMMON + [
         f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=2", "trainer.n_gpus_per_node=4",

@@ -138,9 +138,12 @@ class TrainerConfig(Section):
         check_fsdp_size(root.critic.model.fsdp_config.fsdp_size, world_size, "critic.model.fsdp_config.fsdp_size")
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
-        if self.resume_mode == "resume_path":
-            return {}
-        return {f"{path}.resume_from_path": f"{path}.resume_mode={self.resume_mode} (only resume_path reads it)"}
+        out = {}
+        if self.resume_mode != "resume_path":
+            out[f"{path}.resume_from_path"] = f"{path}.resume_mode={self.resume_mode} (only resume_path reads it)"
+        if self.total_training_steps is not None:
+            out[f"{path}.total_epochs"] = f"{path}.total_training_steps={self.total_training_steps} decides the length"
+        return out
 
 
 @dataclass

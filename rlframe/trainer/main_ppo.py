@@ -22,6 +22,7 @@ from rlframe.trainer.launch import create_worker_groups
 from rlframe.trainer.ray_trainer import PreparedRun, RayPPOTrainer
 from rlframe.batch_plan import BatchPlan, ModelShape, make_batch_plan, read_model_shape
 from rlframe.config.key_status import warn_ignored_keys
+from rlframe.config import trace
 from rlframe.config.checks import check_model_path, resolve_device
 from rlframe.config.loader import config_dir, resolved
 from rlframe.trainer.config import compose, typed
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> None:
               "to see how a config's batch flows to each GPU: rlframe explain KEY=VALUE ...")
         return
     configure_logging()
+    trace.enable_from_env()
     try:
         run = prepare(overrides)
     except ValueError as err:  # config and data errors: one clear message, before any work starts

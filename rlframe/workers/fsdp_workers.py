@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from rlframe.config import trace
 from rlframe.models.builtin import copy_to_shm
 from rlframe.protocol import DataProto, all_gather_data_proto
 from rlframe.single_controller import Dispatch, Execute, Worker, register
@@ -67,6 +68,7 @@ class FSDPWorkerBase(Worker):
 
     def __init__(self, config: dict, plan: BatchPlan):
         super().__init__()
+        trace.enable_from_env()
         self.config = OmegaConf.create(config)
         OmegaConf.set_readonly(self.config, True)
         self.plan = plan
@@ -299,5 +301,8 @@ class CriticWorker(FSDPWorkerBase):
 
 
 def worker_env() -> dict:
-    """Environment every worker process needs (offline HF, quiet tokenizers)."""
-    return {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    """Environment every worker process needs (offline HF, quiet tokenizers, the config-read trace if on)."""
+    env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1")}
+    if os.environ.get(trace.ENV):
+        env[trace.ENV] = os.environ[trace.ENV]
+    return env
