@@ -278,9 +278,14 @@ def single_rank_env(monkeypatch):
         monkeypatch.setenv(key, value)
 
 
+# The engine alone (no worker to sync weights first): real weights from the checkpoint, eager, fp32.
+VLLM_FROM_CHECKPOINT = ("actor_rollout_ref.rollout.dtype=fp32", "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
+                        "actor_rollout_ref.rollout.load_format=auto", "actor_rollout_ref.rollout.enforce_eager=true")
+
+
 @pytest.mark.gpu
 def test_vllm_greedy_matches_hf_greedy(tiny_model_path, single_rank_env):
-    cfg = rollout_config("actor_rollout_ref.rollout.dtype=fp32", "actor_rollout_ref.rollout.gpu_memory_utilization=0.3")
+    cfg = rollout_config(*VLLM_FROM_CHECKPOINT)
     tokenizer = load_tokenizer(tiny_model_path)
     hf = build_rollout("hf", cfg, tiny_model_path, tokenizer, "cuda")
     engine = build_rollout("vllm", cfg, tiny_model_path, tokenizer, "cuda")
@@ -292,7 +297,7 @@ def test_vllm_greedy_matches_hf_greedy(tiny_model_path, single_rank_env):
 
 @pytest.mark.gpu
 def test_vllm_weight_sync_changes_outputs_like_hf(tiny_model_path, single_rank_env):
-    cfg = rollout_config("actor_rollout_ref.rollout.dtype=fp32", "actor_rollout_ref.rollout.gpu_memory_utilization=0.3")
+    cfg = rollout_config(*VLLM_FROM_CHECKPOINT)
     tokenizer = load_tokenizer(tiny_model_path)
     hf = build_rollout("hf", cfg, tiny_model_path, tokenizer, "cuda")
     engine = build_rollout("vllm", cfg, tiny_model_path, tokenizer, "cuda")

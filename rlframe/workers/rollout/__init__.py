@@ -37,10 +37,7 @@ def build_rollout(name: str, rollout_cfg, model_path: str, tokenizer, device_typ
     settings = RolloutSettings.from_config(rollout_cfg)
     module_name, class_name = ROLLOUT_ENGINES[name].split(":")
     engine = getattr(importlib.import_module(module_name), class_name)
-    extra = {}
-    if name == "vllm":
-        extra = {key: rollout_cfg[key] for key in ("gpu_memory_utilization", "max_num_batched_tokens",
-                                                     "enforce_eager")}
+    extra = {"rollout_cfg": rollout_cfg} if name == "vllm" else {}  # vLLM's engine settings
     return engine(settings, model_path, tokenizer, device_type, tp_group, trust_remote_code=trust_remote_code,
                   override_config=override_config, **extra)
 

@@ -3,14 +3,79 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Dict, Optional
 
 from rlframe.config.checks import ROLLOUT_ENGINES
 from rlframe.config.keys import ACTOR_KEYS, micro_batch_inactive
 from rlframe.config.schema import Section, key, section
 
 ACTOR = "actor_rollout_ref.actor"
-VLLM_ONLY_KEYS = ("gpu_memory_utilization", "max_num_batched_tokens", "enforce_eager")
+ROLLOUT = "actor_rollout_ref.rollout"
+# vLLM engine settings (verl 0.9.1's names and defaults); the hf engine reads none of them.
+VLLM_ONLY_KEYS = ("gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
+                  "enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "load_format",
+                  "disable_log_stats", "seed", "engine_kwargs.vllm")
+# vLLM engine arguments that rlframe sets itself: through engine_kwargs.vllm they would break the
+# in-process engine or disagree with the actor. Argument -> what to use instead.
+RLFRAME_OWNED_VLLM_ARGS = {
+    "model": "actor_rollout_ref.model.path (the actor's model; the engine must be the same one)",
+    "tokenizer": "data.tokenizer (prompts reach the engine as token ids)",
+    "tensor_parallel_size": f"{ROLLOUT}.tensor_model_parallel_size (rlframe builds the TP groups)",
+    "pipeline_parallel_size": "nothing: the engine shards only by tensor parallelism inside the training processes",
+    "data_parallel_size": "nothing: each DP group of training ranks runs its own engine",
+    "distributed_executor_backend": "nothing: the engine runs inside the worker process (external_launcher)",
+    "dtype": f"{ROLLOUT}.dtype (the weight sync casts the actor's weights to it)",
+    "seed": f"{ROLLOUT}.seed",
+    "enable_sleep_mode": f"{ROLLOUT}.free_cache_engine",
+    "trust_remote_code": "actor_rollout_ref.model.trust_remote_code",
+    "hf_overrides": "actor_rollout_ref.model.override_config (actor and engine must be the same model)",
+}
+
+
+def _check_positive(value: int) -> None:
+    if value < 1:
+        raise ValueError("must be >= 1")
+
+
+def _check_max_model_len(value: Optional[int]) -> None:
+    if value is not None and value < 1:
+        raise ValueError("must be >= 1, or null for the model's max_position_embeddings")
+
+
+def _check_memory_fraction(value: float) -> None:
+    if not 0 < value <= 1:
+        raise ValueError("must be in (0, 1]: the fraction of GPU memory vLLM may use")
+
+
+def check_vllm_engine_kwargs(engine_kwargs: dict) -> None:
+    """Refuse engine arguments that rlframe sets itself, naming what to use instead."""
+    owned = [name for name in engine_kwargs if name in RLFRAME_OWNED_VLLM_ARGS]
+    if owned:
+        uses = "; ".join(f"{name}: use {RLFRAME_OWNED_VLLM_ARGS[name]}" for name in owned)
+        raise ValueError(f"rlframe sets {', '.join(owned)} itself and cannot take it from engine_kwargs ({uses}); "
+                         f"remove it from {ROLLOUT}.engine_kwargs.vllm")
+
+
+def _no_engine(name: str):
+    """A check refusing any arguments for an engine rlframe does not have."""
+    def check(engine_kwargs: dict) -> None:
+        if engine_kwargs:
+            raise ValueError(f"rlframe has no {name} engine ({ROLLOUT}.name is hf or vllm), so nothing would read "
+                             f"these arguments; remove them, or give vLLM's under {ROLLOUT}.engine_kwargs.vllm")
+    return check
+
+
+@dataclass
+class EngineKwargsConfig(Section):
+    vllm: Dict[str, Any] = key({}, "more vLLM engine arguments, passed through (they win over the keys above)",
+                               check=check_vllm_engine_kwargs)
+    sglang: Dict[str, Any] = key({}, "verl's sglang arguments: only {} (rlframe has no sglang engine)",
+                                 check=_no_engine("sglang"))
+    trtllm: Dict[str, Any] = key({}, "verl's TensorRT-LLM arguments: only {} (no such engine here)",
+                                 check=_no_engine("trtllm"))
+
+    def inactive(self, path: str, root: Any) -> dict[str, str]:
+        return {f"{path}.{name}": f"rlframe has no {name} engine" for name in ("sglang", "trtllm")}
 
 
 @dataclass
@@ -29,20 +94,34 @@ class RolloutConfig(Section):
     top_k: int = key(-1, "-1 = off")
     top_p: float = key(1.0, "nucleus sampling")
     do_sample: bool = key(True, "false = greedy")
-    n: int = key(4, "responses per prompt (GRPO group size)")
+    n: int = key(1, "responses per prompt (GRPO group size)")
     prompt_length: int = key("${data.max_prompt_length}", "max prompt tokens")
     response_length: int = key("${data.max_response_length}", "max generated tokens")
     dtype: str = key("auto", "generation dtype: auto = bf16 on GPU, fp32 on CPU")
     micro_batch_size: int = key(32, "hf: sequences generated together (bounds memory)")
     tensor_model_parallel_size: int = key(1, "rollout TP degree")
-    gpu_memory_utilization: float = key(0.5, "vllm: fraction of GPU memory for weights + KV cache")
-    max_num_batched_tokens: int = key(8192, "vllm: scheduler token budget")
-    enforce_eager: bool = key(True, "vllm: disable CUDA graphs")
+    gpu_memory_utilization: float = key(0.5, "vllm: fraction of GPU memory for weights + KV cache",
+                                        check=_check_memory_fraction)
+    max_num_batched_tokens: int = key(8192, "vllm: tokens per scheduler step (>= max_model_len without "
+                                            "chunked prefill)", check=_check_positive)
+    max_num_seqs: int = key(256, "vllm: sequences per scheduler step", check=_check_positive)
+    max_model_len: Optional[int] = key(None, "vllm: max prompt + response tokens; null = the model's "
+                                             "max_position_embeddings", check=_check_max_model_len)
+    enable_chunked_prefill: bool = key(True, "vllm: split long prefills across scheduler steps")
+    enable_prefix_caching: bool = key(True, "vllm: reuse KV blocks of shared prompt prefixes")
+    enforce_eager: bool = key(False, "vllm: false = capture CUDA graphs; true = eager (less memory)")
+    load_format: str = key("dummy", "vllm: first weights: dummy = random (the actor's are synced before "
+                                    "generating) | auto | safetensors")
+    disable_log_stats: bool = key(True, "vllm: no periodic engine statistics in the log")
+    seed: int = key(42, "vllm: engine seed (+ DP rank), mixed into every request's sampling seed")
+    engine_kwargs: EngineKwargsConfig = section(EngineKwargsConfig, "extra engine arguments, by engine")
     free_cache_engine: bool = key(True, "release the engine's memory (vllm: sleep) during training")
-    log_prob_micro_batch_size_per_gpu: int = key(4, "sequences per old-log-prob forward (static)")
+    log_prob_micro_batch_size_per_gpu: Optional[int] = key(None, "sequences per old-log-prob forward on one GPU "
+                                                                 "(static)")
+    log_prob_micro_batch_size: Optional[int] = key(None, "deprecated (verl) global form: per GPU = this // dp")
     log_prob_use_dynamic_bsz: bool = key(f"${{{ACTOR}.use_dynamic_bsz}}", "token-budget micro-batches")
     log_prob_max_token_len_per_gpu: int = key(f"${{{ACTOR}.ppo_max_token_len_per_gpu}}", "token budget (dynamic)")
-    calculate_log_probs: bool = key(False, "return rollout_log_probs from the engine")
+    calculate_log_probs: bool = key(True, "return rollout_log_probs from the engine")
     val_kwargs: ValKwargsConfig = section(ValKwargsConfig)
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:

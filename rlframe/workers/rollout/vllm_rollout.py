@@ -6,6 +6,9 @@ ranks of a group, fed the same prompts and seeds (see `generate_in_tp_group`), s
 identically without talking to each other outside the model's own all-reduces. vLLM groups TP ranks
 as consecutive global ranks, so the worker's rollout mesh must be `(dp, tp)` with `tp` innermost.
 
+Engine arguments come from `actor_rollout_ref.rollout` with verl 0.9.1's names, defaults and
+meanings (`vllm_engine_kwargs`, a pure function); `engine_kwargs.vllm` is passed through last.
+
 Memory around training: with `free_cache_engine`, `release()` puts the engine to sleep (level 1:
 weights offloaded to CPU, KV cache freed); `resume()` wakes the weights only, `update_weights`
 streams the new actor weights in buckets, and the KV cache is woken at the next generation, so the
@@ -16,15 +19,20 @@ Nothing here imports vllm at module import time: it is an optional extra (`pip i
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import Iterable
+from typing import Any, Iterable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from rlframe.protocol import DataProto
 from rlframe.workers.fsdp_utils import resolve_dtype
 from rlframe.workers.rollout.base import BaseRollout, RolloutSettings, SamplingParams
+from rlframe.workers.rollout.config import ROLLOUT, check_vllm_engine_kwargs
+
+logger = logging.getLogger(__name__)
 
 INSTALL_HINT = ("install the 'gpu' extra with `pip install -e '.[gpu]'` (or `bash scripts/setup.sh gpu`), "
                 "or use actor_rollout_ref.rollout.name=hf")
@@ -51,12 +59,104 @@ def check_vllm_usable(device_type: str) -> None:
                          f"CUDA available: {torch.cuda.is_available()}); on a GPU machine {INSTALL_HINT}")
 
 
+def plain_dict(value: Any) -> dict:
+    """A config dict (DictConfig or dict) as plain Python containers, interpolations resolved."""
+    from omegaconf import DictConfig, OmegaConf
+
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else dict(value or {})
+
+
+def resolve_max_model_len(max_model_len: int | None, max_position_embeddings: int) -> int:
+    """verl's rule: null means the model's max_position_embeddings, and more than that is refused."""
+    if max_model_len is None:
+        return max_position_embeddings
+    if max_model_len > max_position_embeddings:
+        raise ValueError(f"{ROLLOUT}.max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                         f"{max_position_embeddings}; set it to at most that, or null to use it")
+    return int(max_model_len)
+
+
+def vllm_engine_kwargs(rollout_cfg, *, model_path: str, tp_size: int, dtype: torch.dtype, dp_rank: int,
+                       max_position_embeddings: int, trust_remote_code: bool = False,
+                       override_config: dict | None = None) -> dict:
+    """`LLM(...)`'s keyword arguments from `actor_rollout_ref.rollout`, as verl 0.9.1 builds vLLM's.
+
+    `dp_rank` is this rank's rollout DP coordinate (its TP group's index): verl seeds each engine
+    replica with `seed + replica rank`, the same on the TP ranks of one engine.
+    `load_format=dummy` (verl's default) starts the engine from random weights; that is safe because
+    the worker syncs the actor's weights before its first generation (`_weights_dirty` starts True in
+    `ActorRolloutRefWorker`), as verl syncs before its first rollout.
+    """
+    max_model_len = resolve_max_model_len(rollout_cfg.max_model_len, max_position_embeddings)
+    max_num_batched_tokens = int(rollout_cfg.max_num_batched_tokens)
+    if not rollout_cfg.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+        # without chunking a whole prompt must fit in one scheduler step; verl raises the budget likewise
+        logger.warning("%s.enable_chunked_prefill=false needs max_num_batched_tokens >= max_model_len (%d); "
+                       "raising max_num_batched_tokens from %d to %d", ROLLOUT, max_model_len,
+                       max_num_batched_tokens, max_model_len)
+        max_num_batched_tokens = max_model_len
+    passthrough = {name: value for name, value in plain_dict(rollout_cfg.engine_kwargs.vllm).items()
+                   if value is not None}  # verl drops null entries
+    check_vllm_engine_kwargs(passthrough)
+    kwargs = dict(
+        model=model_path, skip_tokenizer_init=True, trust_remote_code=trust_remote_code,
+        tensor_parallel_size=tp_size, distributed_executor_backend="external_launcher",
+        dtype=_DTYPE_NAMES[dtype], seed=int(rollout_cfg.seed) + dp_rank,
+        load_format=str(rollout_cfg.load_format),
+        gpu_memory_utilization=float(rollout_cfg.gpu_memory_utilization),
+        max_num_seqs=int(rollout_cfg.max_num_seqs), max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len, enable_chunked_prefill=bool(rollout_cfg.enable_chunked_prefill),
+        enable_prefix_caching=bool(rollout_cfg.enable_prefix_caching),
+        enforce_eager=bool(rollout_cfg.enforce_eager), disable_log_stats=bool(rollout_cfg.disable_log_stats),
+        enable_sleep_mode=bool(rollout_cfg.free_cache_engine),
+        logprobs_mode="processed_logprobs",  # log-probs after temperature: what the actor computes
+        hf_overrides=dict(override_config) if override_config else None,
+    )
+    kwargs.update(passthrough)  # as in verl, engine_kwargs.vllm wins over the keys above
+    return kwargs
+
+
+def max_tokens_for(prompt_len: int, response_length: int, max_model_len: int) -> int:
+    """A request's max_tokens: response_length, cut to what max_model_len leaves after the prompt (as verl)."""
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise ValueError(f"a prompt of {prompt_len} tokens leaves no room to generate within {ROLLOUT}.max_model_len="
+                         f"{max_model_len}; raise max_model_len (or null: the model's limit) or shorten prompts "
+                         "(data.max_prompt_length)")
+    return min(response_length, room)
+
+
+def request_seeds(draw: int, seed: int, dp_rank: int, count: int) -> list[int]:
+    """Independent per-request sampling seeds from the TP group's torch draw, rollout.seed and the DP rank."""
+    words = np.random.SeedSequence([draw, seed, dp_rank]).generate_state(count, dtype=np.uint32)
+    return [int(word) & 0x7FFFFFFF for word in words]
+
+
+def model_max_position_embeddings(model_path: str, trust_remote_code: bool = False,
+                                  override_config: dict | None = None) -> int:
+    """The model's max_position_embeddings (override_config wins), what max_model_len=null stands for."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    value = (override_config or {}).get("max_position_embeddings")
+    for source in (config, getattr(config, "text_config", None)):
+        value = value if value is not None else getattr(source, "max_position_embeddings", None)
+    if value is None:
+        raise ValueError(f"{model_path}'s config has no max_position_embeddings; set {ROLLOUT}.max_model_len")
+    return int(value)
+
+
+def _dp_rank(tp_size: int) -> int:
+    """This rank's rollout DP coordinate: TP groups are consecutive ranks (checked when tp > 1)."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    return rank // tp_size
+
+
 class VLLMRollout(BaseRollout):
     """A vLLM `LLM` engine shard in this process; weights synced from the FSDP actor after each update."""
 
     def __init__(self, settings: RolloutSettings, model_path: str, tokenizer, device_type: str, tp_group=None, *,
-                 trust_remote_code: bool = False, override_config: dict | None = None,
-                 gpu_memory_utilization: float = 0.5, max_num_batched_tokens: int = 8192, enforce_eager: bool = True):
+                 rollout_cfg, trust_remote_code: bool = False, override_config: dict | None = None):
         check_vllm_usable(device_type)
         from vllm import LLM
 
@@ -64,25 +164,22 @@ class VLLMRollout(BaseRollout):
         tp_size = self.tp_size
         if tp_size > 1:
             _check_consecutive_ranks(tp_group, tp_size)
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"actor_rollout_ref.rollout.gpu_memory_utilization={gpu_memory_utilization}: "
-                             "must be in (0, 1]")
         # The engine must live in this process (not a V1 engine-core subprocess) so that
         # update_weights can reach the model; external_launcher requires it too.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.dtype = resolve_dtype(settings.dtype, device_type)
-        engine_kwargs = dict(
-            model=model_path, skip_tokenizer_init=True, trust_remote_code=trust_remote_code,
-            tensor_parallel_size=tp_size, distributed_executor_backend="external_launcher",
-            dtype=_DTYPE_NAMES[self.dtype], seed=0,  # same engine seed on every TP rank
-            gpu_memory_utilization=gpu_memory_utilization, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=settings.prompt_length + settings.response_length, enforce_eager=enforce_eager,
-            enable_sleep_mode=settings.free_cache_engine, enable_prefix_caching=True,
-            hf_overrides=dict(override_config) if override_config else None,
-        )
-        try:  # log-probs after temperature (what the actor computes), where this vLLM supports choosing
-            self.llm = LLM(**engine_kwargs, logprobs_mode="processed_logprobs")
-        except TypeError:
+        self.dp_rank, self.seed = _dp_rank(tp_size), int(rollout_cfg.seed)
+        engine_kwargs = vllm_engine_kwargs(
+            rollout_cfg, model_path=model_path, tp_size=tp_size, dtype=self.dtype, dp_rank=self.dp_rank,
+            max_position_embeddings=model_max_position_embeddings(model_path, trust_remote_code, override_config),
+            trust_remote_code=trust_remote_code, override_config=override_config)
+        self.max_model_len = engine_kwargs["max_model_len"]
+        try:
+            self.llm = LLM(**engine_kwargs)
+        except TypeError as err:  # a vLLM without logprobs_mode returns log-probs before temperature
+            if "logprobs_mode" not in str(err) or "logprobs_mode" in plain_dict(rollout_cfg.engine_kwargs.vllm):
+                raise
+            engine_kwargs.pop("logprobs_mode")
             self.llm = LLM(**engine_kwargs)
         self._released = False
         self._kv_cache_asleep = False
@@ -149,10 +246,15 @@ class VLLMRollout(BaseRollout):
             self._kv_cache_asleep = False
         ids, mask = prompts.batch["input_ids"].cpu(), prompts.batch["attention_mask"].cpu().bool()
         prompt_token_ids = [row[keep].tolist() for row, keep in zip(ids, mask)]
-        # Per-request seeds drawn from torch's RNG: reproducible given the worker's seed, and equal on
-        # all TP ranks because generate_in_tp_group seeds them identically.
-        base_seed = int(torch.randint(0, 2**31 - len(prompt_token_ids) - 1, ()).item())
-        sampling = [self._sampling_params(params, eos_ids, base_seed + i) for i in range(len(prompt_token_ids))]
+        # Per-request seeds from one torch draw: reproducible given the worker's seed, and equal on all
+        # TP ranks because generate_in_tp_group seeds them identically. rollout.seed and the DP rank
+        # enter as verl's engine seed (seed + replica rank) does: DP groups sample independently.
+        draw = int(torch.randint(0, 2**62, ()).item())
+        seeds = request_seeds(draw, self.seed, self.dp_rank, len(prompt_token_ids))
+        sampling = []
+        for token_ids, seed in zip(prompt_token_ids, seeds):
+            max_tokens = max_tokens_for(len(token_ids), params.response_length, self.max_model_len)
+            sampling.append(self._sampling_params(params, eos_ids, seed, max_tokens))
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_token_ids], sampling_params=sampling,
                                     use_tqdm=False)
         width = params.response_length
@@ -173,10 +275,10 @@ class VLLMRollout(BaseRollout):
                     [step[token].logprob for step, token in zip(completion.logprobs, generated)])
         return tokens, lengths, log_probs
 
-    def _sampling_params(self, params: SamplingParams, eos_ids: list[int], seed: int):
+    def _sampling_params(self, params: SamplingParams, eos_ids: list[int], seed: int, max_tokens: int):
         from vllm import SamplingParams as VLLMSamplingParams
 
-        kwargs = dict(n=1, max_tokens=params.response_length, stop_token_ids=list(eos_ids), detokenize=False)
+        kwargs = dict(n=1, max_tokens=max_tokens, stop_token_ids=list(eos_ids), detokenize=False)
         if params.greedy:
             kwargs["temperature"] = 0.0
         else:
