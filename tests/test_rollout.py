@@ -214,6 +214,28 @@ def test_tp2_matches_tp1_greedy_sampled_and_after_weight_update(tiny_model_path,
     assert torch.equal(tp2["updated"], updated)
 
 
+def _dp_worker(rank: int, port: int, model_path: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        rollout = build_rollout("hf", rollout_config(), model_path, load_tokenizer(model_path), "cpu")
+        torch.manual_seed(1)  # as the workers: every rank's torch RNG starts from data.seed
+        out = generate_in_tp_group(rollout, make_prompts(seed=4)).batch["responses"]  # the same prompts on both
+        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_dp_ranks_sample_independently_although_their_rngs_start_equal(tiny_model_path, tmp_path):
+    torch.multiprocessing.spawn(_dp_worker, args=(free_port(), tiny_model_path, str(tmp_path)), nprocs=2, join=True)
+    first, second = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert not torch.equal(first, second)
+
+
 # ---------------------------------------------------------------------------------------- bad input
 def test_n_below_one_is_rejected_naming_the_key():
     with pytest.raises(ValueError, match=r"actor_rollout_ref\.rollout\.n=0"):

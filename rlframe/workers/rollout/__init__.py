@@ -48,11 +48,13 @@ def generate_in_tp_group(rollout: BaseRollout, prompts: DataProto, tp_group=None
     Every TP rank must run the engine on identical input with identical RNG state (TP shards one
     model; different tokens would corrupt the all-reduces and different stopping steps would hang
     them). So the group's prompts are all-gathered in rank order, and generation runs under a seed
-    drawn from TP rank 0's torch RNG. DP ranks keep independent seeds. With no group (TP=1) the same
-    seeding applies, so sampled outputs do not depend on the TP degree.
+    drawn from TP rank 0's torch RNG plus the group's DP index: every worker's torch RNG starts from
+    `data.seed`, so without the DP index all DP groups would sample with the same random stream.
+    With no group (TP=1) the same seeding applies, so sampled outputs do not depend on the TP degree.
     """
     rank, size = group_rank_and_size(tp_group)
-    seed = int(torch.randint(0, 2**62, ()).item())
+    dp_index = dist.get_rank() // size if dist.is_initialized() else 0
+    seed = int(torch.randint(0, 2**62, ()).item()) + dp_index
     counts = [len(prompts)]
     if size > 1:
         shared = [seed]
