@@ -116,6 +116,7 @@ class RolloutConfig(Section):
     seed: int = key(42, "vllm: engine seed (+ DP rank), mixed into every request's sampling seed")
     engine_kwargs: EngineKwargsConfig = section(EngineKwargsConfig, "extra engine arguments, by engine")
     free_cache_engine: bool = key(True, "release the engine's memory (vllm: sleep) during training")
+    layered_summon: bool = key(False, "verl's FSDP1 sync memory switch; no effect: rlframe streams one tensor at a time")
     log_prob_micro_batch_size_per_gpu: Optional[int] = key(None, "sequences per old-log-prob forward on one GPU "
                                                                  "(static)")
     log_prob_micro_batch_size: Optional[int] = key(None, "deprecated (verl) global form: per GPU = this // dp")
@@ -126,6 +127,9 @@ class RolloutConfig(Section):
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = micro_batch_inactive(root, ACTOR_KEYS.forward, "old log-prob")
+        # verl gathers FSDP1 weights layer by layer with it on; rlframe always syncs one full tensor at a time,
+        # which holds less memory than either of verl's modes
+        out[f"{path}.layered_summon"] = "rlframe always syncs the rollout one full parameter at a time"
         if self.name == "hf":
             out.update({f"{path}.{name}": f"{path}.name=hf: a vLLM setting" for name in VLLM_ONLY_KEYS})
         else:
