@@ -104,3 +104,7 @@ def test_every_verl_key_is_declared_by_rlframe_or_has_a_verl_default():
 def test_a_list_key_takes_a_single_value_as_verl_does():
     assert list(compose(["trainer.logger=console"]).trainer.logger) == ["console"]
     assert list(compose(["trainer.logger=[console,jsonl]"]).trainer.logger) == ["console", "jsonl"]
+
+
+def test_verls_newer_critic_fsdp_path_reaches_rlframes_key():
+    assert compose(["critic.fsdp.param_offload=true"]).critic.model.fsdp_config.param_offload is True

@@ -116,6 +116,11 @@ UNSUPPORTED = {
 }
 GENERIC = "rlframe does not implement this verl 0.9.1 setting"
 
+# verl 0.9.1 moved the critic's FSDP settings from critic.model.fsdp_config.* (where rlframe keeps
+# them, beside the actor's) to critic.fsdp.*: both spellings reach the same key.
+ALIASES = {f"critic.fsdp.{name}": f"critic.model.fsdp_config.{name}"
+           for name in ("param_offload", "optimizer_offload", "reshard_after_forward", "fsdp_size")}
+
 
 @lru_cache(maxsize=1)
 def verl_defaults() -> dict[str, Any]:

@@ -19,7 +19,7 @@ from rlframe.config.checks import check_fsdp_size
 from rlframe.config.keys import critic_enabled, ref_enabled
 from rlframe.config.key_status import override_key
 from rlframe.config.loader import load_config
-from rlframe.config.verl_keys import check_verl_override, verl_key_under
+from rlframe.config.verl_keys import ALIASES, check_verl_override, verl_key_under
 from rlframe.config.schema import Section, key, render_yaml, section, validate, walk
 from rlframe.data.config import DataConfig
 from rlframe.reward.config import CustomRewardFunctionConfig
@@ -198,6 +198,9 @@ def taken_overrides(overrides: list[str]) -> list[str]:
     kept = []
     for override in overrides:
         key = override_key(override)
+        if key in ALIASES:
+            override = override.replace(key, ALIASES[key], 1)
+            key = ALIASES[key]
         under_dict = any(key.startswith(d + ".") for d in dict_keys) if key else False
         if key in list_keys and not override.split("=", 1)[1].lstrip().startswith("["):
             override = f"{override.split('=', 1)[0]}=[{override.split('=', 1)[1]}]"  # verl takes `logger=console`
