@@ -28,5 +28,13 @@ class DataConfig(Section):
     filter_overlong_prompts: bool = key(False, "drop prompts longer than max_prompt_length (count reported)")
     truncation: str = key("error", "prompts over max_prompt_length (when not filtered): error|left|right",
                           choices=TRUNCATION_MODES)
+    trust_remote_code: bool = key(False, "passed to the tokenizer's from_pretrained")
+    dataloader_num_workers: int = key(8, "verl's loader processes; no effect: prompts are tokenized up front")
+    filter_overlong_prompts_workers: int = key(1, "verl's filter processes; no effect: prompts are tokenized once")
     builtin_dir: Optional[str] = key(None, "where builtin:// tasks write their parquet; "
                                            "null = $RLFRAME_CACHE/data (~/.cache/rlframe)")
+
+    def inactive(self, path: str, root: Any) -> dict[str, str]:
+        # every prompt is templated and tokenized once, up front, in the driver; batches are then only padded
+        reason = "rlframe tokenizes every prompt once, up front, and pads batches in the driver"
+        return {f"{path}.dataloader_num_workers": reason, f"{path}.filter_overlong_prompts_workers": reason}

@@ -46,6 +46,7 @@ def _check_backends(backends: list) -> None:
 @dataclass
 class ActorRolloutRefConfig(Section):
     hybrid_engine: bool = key(True, "actor, rollout and ref share the same worker processes (the only mode)")
+    nccl_timeout: int = key(600, "seconds a collective may wait before the process group fails it")
     model: ModelConfig = section(ModelConfig)
     actor: ActorConfig = section(ActorConfig)
     ref: RefConfig = section(RefConfig)

@@ -87,7 +87,8 @@ def check_config(overrides: list[str], check_files: bool = True
 
 def load_data_and_rewards(cfg: DictConfig) -> tuple:
     """Tokenizer, dataloaders and reward functions: data errors (columns, prompt lengths) surface here."""
-    tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path,
+                                              trust_remote_code=bool(cfg.data.trust_remote_code))
     train_loader, val_loader = build_data(cfg, tokenizer)
     reward_fn = load_reward_manager(cfg, tokenizer, num_examine=0)
     val_reward_fn = load_reward_manager(cfg, tokenizer, num_examine=int(cfg.trainer.log_val_generations),

@@ -79,7 +79,7 @@ class FSDPWorkerBase(Worker):
     def _init_dist(self, sp: int, fsdp_size: int = -1):
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.init_process_group(timeout_s=float(self.config.trainer.worker_timeout_s))
+        self.init_process_group(timeout_s=float(self.config.actor_rollout_ref.nccl_timeout))
         torch.manual_seed(int(self.config.data.seed))  # fresh heads (critic) start equal on every rank
         world = self.world_size
         self.fsdp_mesh = build_fsdp_mesh(self.device_type, world, fsdp_size)
@@ -147,7 +147,8 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         cfg = self.config.actor_rollout_ref
         self._init_dist(self.plan.actor.sequence_parallel_size, int(cfg.actor.fsdp_config.fsdp_size))
         use_rmpad = bool(cfg.model.use_remove_padding)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.config.data.tokenizer or cfg.model.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.config.data.tokenizer or cfg.model.path,
+                                                       trust_remote_code=bool(self.config.data.trust_remote_code))
         model = self._load(cfg.model, "actor", use_rmpad)
         self.actor_flops = model_flops_info(model)  # read before sharding
         self.actor_module = self._wrap(model, cfg.actor.fsdp_config)
