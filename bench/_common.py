@@ -36,9 +36,11 @@ class LengthMix:
         return self.long_range[1]
 
     def describe(self) -> str:
-        return (f"{self.long_fraction:.0%} long responses {self.long_range[0]}–{self.long_range[1]}, "
-                f"rest {self.short_range[0]}–{self.short_range[1]}; "
-                f"prompts {self.prompt_range[0]}–{self.prompt_range[1]}")
+        return (
+            f"{self.long_fraction:.0%} long responses {self.long_range[0]}–{self.long_range[1]}, "
+            f"rest {self.short_range[0]}–{self.short_range[1]}; "
+            f"prompts {self.prompt_range[0]}–{self.prompt_range[1]}"
+        )
 
 
 CPU_MIX = LengthMix()  # GPU-scale long 800–2048 divided by 4
@@ -56,8 +58,14 @@ def sample_lengths(mix: LengthMix, num_seqs: int, seed: int = 0) -> tuple[torch.
     return prompts, responses
 
 
-def make_rl_batch(prompt_lens: torch.Tensor, response_lens: torch.Tensor, prompt_width: int, response_width: int,
-                  vocab_size: int, seed: int = 0) -> DataProto:
+def make_rl_batch(
+    prompt_lens: torch.Tensor,
+    response_lens: torch.Tensor,
+    prompt_width: int,
+    response_width: int,
+    vocab_size: int,
+    seed: int = 0,
+) -> DataProto:
     """An actor-update batch laid out as the trainer has it: left-padded prompts, right-padded responses."""
     gen = torch.Generator().manual_seed(seed)
     num_seqs = len(prompt_lens)
@@ -70,7 +78,9 @@ def make_rl_batch(prompt_lens: torch.Tensor, response_lens: torch.Tensor, prompt
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     shape = (num_seqs, response_width)
     tensors = {
-        "input_ids": ids, "attention_mask": mask, "position_ids": position_ids,
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": position_ids,
         "responses": ids[:, prompt_width:],
         "old_log_probs": -6.0 + 0.3 * torch.randn(shape, generator=gen),
         "ref_log_prob": -6.0 + 0.3 * torch.randn(shape, generator=gen),
@@ -86,9 +96,13 @@ def padding_stats(batch: DataProto) -> tuple[int, int]:
 
 
 def add_thread_flag(parser) -> None:
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1: on a shared machine a descheduled OpenMP thread "
-                             "stalls its peers at every barrier, making multi-thread timings swing 10x)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: on a shared machine a descheduled OpenMP thread "
+        "stalls its peers at every barrier, making multi-thread timings swing 10x)",
+    )
 
 
 def timed(fn) -> float:
@@ -112,18 +126,32 @@ def print_table(headers: list[str], rows: list[list]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
-def tiny_causal_lm(hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int, vocab_size: int,
-                   use_remove_padding: bool, seed: int = 0, intermediate_size: int | None = None,
-                   dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def tiny_causal_lm(
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    vocab_size: int,
+    use_remove_padding: bool,
+    seed: int = 0,
+    intermediate_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.nn.Module:
     """Random-init Qwen2 causal LM (no files), with the attention the actor would load it with."""
     from transformers import AutoModelForCausalLM
 
     from rlframe.distributed.attention import register_varlen_attention
     from rlframe.models.tiny import build_model_config
 
-    config = build_model_config(vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
-                                num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
-                                max_position_embeddings=8192)
+    config = build_model_config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=8192,
+    )
     attn = register_varlen_attention() if use_remove_padding else "sdpa"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)

@@ -37,8 +37,12 @@ class NoopWorker(Worker):
 
 
 def make_batch(num_seqs: int, seq_len: int) -> DataProto:
-    return DataProto.from_dict({"input_ids": torch.randint(0, 32000, (num_seqs, seq_len)),
-                                "attention_mask": torch.ones(num_seqs, seq_len, dtype=torch.int64)})
+    return DataProto.from_dict(
+        {
+            "input_ids": torch.randint(0, 32000, (num_seqs, seq_len)),
+            "attention_mask": torch.ones(num_seqs, seq_len, dtype=torch.int64),
+        }
+    )
 
 
 def pickle_seconds(data: DataProto, parts: int, packed: bool = True) -> float:
@@ -77,8 +81,12 @@ def time_call(method, data: DataProto) -> dict:
         ray_base.wait_all = library_wait_all
     assert len(out) == len(data)
     dispatched, answered = marks["dispatched"], marks["answered"]
-    return {"wall": done - start, "dispatch": dispatched - start, "wait": answered - dispatched,
-            "collect": done - answered}
+    return {
+        "wall": done - start,
+        "dispatch": dispatched - start,
+        "wait": answered - dispatched,
+        "collect": done - answered,
+    }
 
 
 def run(sizes: list[int], seq_len: int, num_workers: int, repeats: int, torch_pickle: bool) -> None:
@@ -93,8 +101,10 @@ def run(sizes: list[int], seq_len: int, num_workers: int, repeats: int, torch_pi
     library_pack = ray_base.pack_value
     # Baseline: shards copied out (as DataProto.chunk does) and pickled through torch.save.
     torch_pack = lambda value: value.select(deepcopy=True) if isinstance(value, DataProto) else value  # noqa: E731
-    print(f"{num_workers} CPU workers, {seq_len} tokens/seq, int64 input_ids + attention_mask, "
-          f"median of {repeats} calls (after one warm-up)\n")
+    print(
+        f"{num_workers} CPU workers, {seq_len} tokens/seq, int64 input_ids + attention_mask, "
+        f"median of {repeats} calls (after one warm-up)\n"
+    )
     print("| call | seqs | MB moved | wall s | dispatch s | wait s | collect s | MB/s | pickling |")
     print("|---|---|---|---|---|---|---|---|---|")
     try:
@@ -115,9 +125,12 @@ def run(sizes: list[int], seq_len: int, num_workers: int, repeats: int, torch_pi
                 pickled = pickle_seconds(data, num_workers, packed=packer is library_pack)
                 if name == "echo":
                     pickled *= 2  # the shards come back the same way
-                print(f"| {name} | {num_seqs} | {moved:.0f} | {med['wall']:.3f} | {med['dispatch']:.3f} | "
-                      f"{med['wait']:.3f} | {med['collect']:.3f} | {moved / med['wall']:.0f} | "
-                      f"{100 * pickled / med['wall']:.1f}% |", flush=True)
+                print(
+                    f"| {name} | {num_seqs} | {moved:.0f} | {med['wall']:.3f} | {med['dispatch']:.3f} | "
+                    f"{med['wait']:.3f} | {med['collect']:.3f} | {moved / med['wall']:.0f} | "
+                    f"{100 * pickled / med['wall']:.1f}% |",
+                    flush=True,
+                )
             del data
     finally:
         wg.shutdown()

@@ -17,29 +17,57 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _common import (CPU_MIX, add_thread_flag, make_rl_batch, median, padding_stats, print_table, sample_lengths,
-                     timed, tiny_causal_lm)
+from _common import (
+    CPU_MIX,
+    add_thread_flag,
+    make_rl_batch,
+    median,
+    padding_stats,
+    print_table,
+    sample_lengths,
+    timed,
+    tiny_causal_lm,
+)
 
-from rlframe.workers.actor import ActorSettings, PPOActor
 from rlframe.seqpack import MicroBatchSpec
+from rlframe.workers.actor import ActorSettings, PPOActor
 from rlframe.workers.batching import split_micro_batches
 
 MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=512)
 
 
 def make_settings(num_seqs: int, micro: MicroBatchSpec) -> ActorSettings:
-    return ActorSettings(mini_batch_size=num_seqs, update=micro, log_prob=micro, ppo_epochs=1, shuffle=False,
-                         grad_clip=1.0, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
-                         loss_agg_mode="token-mean", policy_loss="vanilla", entropy_coeff=0.0, use_kl_loss=True,
-                         kl_loss_coef=0.001, kl_loss_type="low_var_kl", use_remove_padding=True)
+    return ActorSettings(
+        mini_batch_size=num_seqs,
+        update=micro,
+        log_prob=micro,
+        ppo_epochs=1,
+        shuffle=False,
+        grad_clip=1.0,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=3.0,
+        loss_agg_mode="token-mean",
+        policy_loss="vanilla",
+        entropy_coeff=0.0,
+        use_kl_loss=True,
+        kl_loss_coef=0.001,
+        kl_loss_type="low_var_kl",
+        use_remove_padding=True,
+    )
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sequences and steps (a smoke run)")
     parser.add_argument("--num-seqs", type=int, default=64)
-    parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 4],
-                        help="static micro-batch sizes; each is compared with a budget of that many full-width rows")
+    parser.add_argument(
+        "--micro-batch-sizes",
+        type=int,
+        nargs="+",
+        default=[1, 4],
+        help="static micro-batch sizes; each is compared with a budget of that many full-width rows",
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     add_thread_flag(parser)
@@ -50,25 +78,42 @@ def main(argv=None) -> None:
 
     width = CPU_MIX.prompt_width + CPU_MIX.response_width
     prompt_lens, response_lens = sample_lengths(CPU_MIX, args.num_seqs, args.seed)
-    data = make_rl_batch(prompt_lens, response_lens, CPU_MIX.prompt_width, CPU_MIX.response_width,
-                         MODEL["vocab_size"], args.seed)
+    data = make_rl_batch(
+        prompt_lens, response_lens, CPU_MIX.prompt_width, CPU_MIX.response_width, MODEL["vocab_size"], args.seed
+    )
     real, _ = padding_stats(data)
-    print(f"PPOActor.update_policy on CPU ({torch.get_num_threads()} threads), one process, no FSDP, "
-          f"remove-padding on; Qwen2 hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers")
-    print(f"{args.num_seqs} sequences ({real} real tokens, width {width}), {CPU_MIX.describe()}; "
-          f"median of {args.steps} steps after 1 warm-up\n")
+    print(
+        f"PPOActor.update_policy on CPU ({torch.get_num_threads()} threads), one process, no FSDP, "
+        f"remove-padding on; Qwen2 hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers"
+    )
+    print(
+        f"{args.num_seqs} sequences ({real} real tokens, width {width}), {CPU_MIX.describe()}; "
+        f"median of {args.steps} steps after 1 warm-up\n"
+    )
     rows = []
     for size in args.micro_batch_sizes:
-        modes = {f"static {size} seqs": MicroBatchSpec(False, size, None, None),
-                 f"dynamic {size * width} tokens": MicroBatchSpec(True, None, size * width, "kk")}
+        modes = {
+            f"static {size} seqs": MicroBatchSpec(False, size, None, None),
+            f"dynamic {size * width} tokens": MicroBatchSpec(True, None, size * width, "kk"),
+        }
         step_s, counts = compare(modes, data, args.num_seqs, args.steps)
         static_s = next(iter(step_s.values()))
         for name in modes:
             tokens = counts[name]
-            rows.append([name, len(tokens), f"{sum(tokens) / len(tokens):.0f}", max(tokens), f"{step_s[name]:.2f}",
-                         f"{step_s[name] / static_s:.2f}", f"{static_s / step_s[name]:.2f}"])
-    print_table(["micro-batching", "micro-batches", "mean tokens", "max tokens", "step s", "time ratio", "speedup"],
-                rows)
+            rows.append(
+                [
+                    name,
+                    len(tokens),
+                    f"{sum(tokens) / len(tokens):.0f}",
+                    max(tokens),
+                    f"{step_s[name]:.2f}",
+                    f"{step_s[name] / static_s:.2f}",
+                    f"{static_s / step_s[name]:.2f}",
+                ]
+            )
+    print_table(
+        ["micro-batching", "micro-batches", "mean tokens", "max tokens", "step s", "time ratio", "speedup"], rows
+    )
 
 
 def compare(modes: dict[str, MicroBatchSpec], data, num_seqs: int, steps: int) -> tuple[dict, dict]:
@@ -87,6 +132,7 @@ def compare(modes: dict[str, MicroBatchSpec], data, num_seqs: int, steps: int) -
         for name, actor in actors.items():
             times[name].append(timed(lambda: actor.update_policy(data)))
     return {name: median(t) for name, t in times.items()}, counts
+
 
 if __name__ == "__main__":
     main()

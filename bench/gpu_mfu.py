@@ -29,11 +29,28 @@ from rlframe.utils.flops import PEAK_ENV, device_peak_tflops, matmul_params, tra
 from rlframe.workers.batching import split_micro_batches
 from rlframe.workers.model_forward import forward_micro_batch
 
-QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                  intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
-                  max_position_embeddings=32768, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
-SMOKE = dict(QWEN25_05B, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=128, vocab_size=512)
+QWEN25_05B = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+)
+SMOKE = dict(
+    QWEN25_05B,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=512,
+)
+
 
 def attention_kernel(device: str) -> str:
     import importlib.util
@@ -75,8 +92,11 @@ def timed_on(device: str, fn) -> float:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="16 sequences, 2 timed steps")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny model and CPU lengths, fp32 on CPU: runs the code path, measures nothing")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny model and CPU lengths, fp32 on CPU: runs the code path, measures nothing",
+    )
     parser.add_argument("--num-seqs", type=int, default=64)
     parser.add_argument("--max-token-len", type=int, default=16384, help="tokens per micro-batch (dynamic)")
     parser.add_argument("--steps", type=int, default=5)
@@ -92,8 +112,10 @@ def main(argv=None) -> None:
     elif torch.cuda.is_available():
         device, dtype, shape = "cuda", torch.bfloat16, QWEN25_05B
     else:
-        sys.exit("bench/gpu_mfu.py needs a CUDA GPU (none visible); nothing was measured. "
-                 "Use --smoke to check the code path on CPU.")
+        sys.exit(
+            "bench/gpu_mfu.py needs a CUDA GPU (none visible); nothing was measured. "
+            "Use --smoke to check the code path on CPU."
+        )
 
     device_name = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke run)"
     model = build_model(shape, device, dtype, args.gradient_checkpointing)
@@ -101,8 +123,7 @@ def main(argv=None) -> None:
     num_params = sum(p.numel() for p in model.parameters())
 
     prompt_lens, response_lens = sample_lengths(mix, args.num_seqs)
-    data = make_rl_batch(prompt_lens, response_lens, mix.prompt_width, mix.response_width,
-                         shape["vocab_size"])
+    data = make_rl_batch(prompt_lens, response_lens, mix.prompt_width, mix.response_width, shape["vocab_size"])
     real, padded = padding_stats(data)
     seqlens = data.batch["attention_mask"].sum(-1).tolist()
     batch = data.batch.select("input_ids", "attention_mask", "position_ids", "responses").to(device)
@@ -125,16 +146,23 @@ def main(argv=None) -> None:
     peak, peak_source = device_peak_tflops(device_name, args.peak_tflops)
     achieved = flops / step_s / 1e12
     attn_share = 1 - 6.0 * num_matmul * real / flops
-    print(f"{device_name}: {num_params / 1e6:.1f}M params ({num_matmul / 1e6:.1f}M in matmuls), {dtype}, "
-          f"attention: {attention_kernel(device)}"
-          f"{', gradient checkpointing' if args.gradient_checkpointing else ''}")
-    print(f"{args.num_seqs} sequences, {mix.describe()}: {real} real tokens ({padded / real:.2f}x padded), "
-          f"{len(micro_batches)} micro-batches of <= {args.max_token_len} tokens; median of {args.steps} steps\n")
-    rows = [["step s", f"{step_s:.3f}"], ["tokens/s", f"{real / step_s:,.0f}"],
-            ["model TFLOPs/step", f"{flops / 1e12:.1f} (attention {attn_share:.0%})"],
-            ["achieved TFLOP/s", f"{achieved:.1f}"],
-            ["peak bf16 TFLOP/s", f"{peak:.0f} [{peak_source}]" if peak else peak_source],
-            ["MFU", f"{achieved / peak:.1%}" if peak and device == "cuda" else "n/a"]]
+    print(
+        f"{device_name}: {num_params / 1e6:.1f}M params ({num_matmul / 1e6:.1f}M in matmuls), {dtype}, "
+        f"attention: {attention_kernel(device)}"
+        f"{', gradient checkpointing' if args.gradient_checkpointing else ''}"
+    )
+    print(
+        f"{args.num_seqs} sequences, {mix.describe()}: {real} real tokens ({padded / real:.2f}x padded), "
+        f"{len(micro_batches)} micro-batches of <= {args.max_token_len} tokens; median of {args.steps} steps\n"
+    )
+    rows = [
+        ["step s", f"{step_s:.3f}"],
+        ["tokens/s", f"{real / step_s:,.0f}"],
+        ["model TFLOPs/step", f"{flops / 1e12:.1f} (attention {attn_share:.0%})"],
+        ["achieved TFLOP/s", f"{achieved:.1f}"],
+        ["peak bf16 TFLOP/s", f"{peak:.0f} [{peak_source}]" if peak else peak_source],
+        ["MFU", f"{achieved / peak:.1%}" if peak and device == "cuda" else "n/a"],
+    ]
     if device == "cuda":
         rows.append(["peak memory GiB", f"{torch.cuda.max_memory_allocated() / 2**30:.1f}"])
     print_table(["metric", "value"], rows)

@@ -32,8 +32,13 @@ def main() -> None:
     print(f"{'seqs':>6} {'MB':>8} {'DataProto MB/s':>15} {'TensorDict MB/s':>16} {'ratio':>6}")
     for n in sizes:
         ids = torch.randint(0, 32000, (n, 1024))
-        data = DataProto.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                                    "position_ids": torch.arange(1024).expand(n, -1).contiguous()})
+        data = DataProto.from_dict(
+            {
+                "input_ids": ids,
+                "attention_mask": torch.ones_like(ids),
+                "position_ids": torch.arange(1024).expand(n, -1).contiguous(),
+            }
+        )
         megabytes = 3 * ids.numel() * 8 / 1e6
         ours = best_of(lambda: pickle.loads(pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)), 3)
         theirs = best_of(lambda: pickle.loads(pickle.dumps(data.batch, protocol=pickle.HIGHEST_PROTOCOL)), 3)

@@ -18,8 +18,17 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _common import (CPU_MIX, add_thread_flag, make_rl_batch, median, padding_stats, print_table, sample_lengths,
-                     timed, tiny_causal_lm)
+from _common import (
+    CPU_MIX,
+    add_thread_flag,
+    make_rl_batch,
+    median,
+    padding_stats,
+    print_table,
+    sample_lengths,
+    timed,
+    tiny_causal_lm,
+)
 
 from rlframe.workers.model_forward import forward_micro_batch
 
@@ -48,8 +57,9 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
 
     prompt_lens, response_lens = sample_lengths(CPU_MIX, args.num_seqs, args.seed)
-    batch = make_rl_batch(prompt_lens, response_lens, CPU_MIX.prompt_width, CPU_MIX.response_width,
-                          MODEL["vocab_size"], args.seed)
+    batch = make_rl_batch(
+        prompt_lens, response_lens, CPU_MIX.prompt_width, CPU_MIX.response_width, MODEL["vocab_size"], args.seed
+    )
     real, padded = padding_stats(batch)
     inputs = batch.batch.select("input_ids", "attention_mask", "position_ids", "responses")
     micro_batches = list(inputs.split(args.micro_batch_size))
@@ -59,10 +69,14 @@ def main(argv=None) -> None:
     rmpad_model.load_state_dict(padded_model.state_dict())
     params_m = sum(p.numel() for p in padded_model.parameters()) / 1e6
 
-    print(f"actor forward+backward on CPU ({torch.get_num_threads()} threads), Qwen2 {params_m:.2f}M params "
-          f"(hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers, vocab {MODEL['vocab_size']})")
-    print(f"{args.num_seqs} sequences, {CPU_MIX.describe()}; micro-batch {args.micro_batch_size}; "
-          f"median of {args.repeats} passes after 1 warm-up")
+    print(
+        f"actor forward+backward on CPU ({torch.get_num_threads()} threads), Qwen2 {params_m:.2f}M params "
+        f"(hidden {MODEL['hidden_size']}, {MODEL['num_layers']} layers, vocab {MODEL['vocab_size']})"
+    )
+    print(
+        f"{args.num_seqs} sequences, {CPU_MIX.describe()}; micro-batch {args.micro_batch_size}; "
+        f"median of {args.repeats} passes after 1 warm-up"
+    )
     # Interleave the two modes pass by pass so background load on the shared machine hits both alike.
     times = {False: [], True: []}
     for mode, model in ((False, padded_model), (True, rmpad_model)):
@@ -71,8 +85,10 @@ def main(argv=None) -> None:
         for mode, model in ((False, padded_model), (True, rmpad_model)):
             times[mode].append(timed(lambda: forward_backward(model, micro_batches, CPU_MIX.response_width, mode)))
     padded_s, rmpad_s = median(times[False]), median(times[True])
-    rows = [["padded", f"{padded_s:.2f}", f"{real / padded_s:.0f}", "1.00"],
-            ["remove-padding", f"{rmpad_s:.2f}", f"{real / rmpad_s:.0f}", f"{padded_s / rmpad_s:.2f}"]]
+    rows = [
+        ["padded", f"{padded_s:.2f}", f"{real / padded_s:.0f}", "1.00"],
+        ["remove-padding", f"{rmpad_s:.2f}", f"{real / rmpad_s:.0f}", f"{padded_s / rmpad_s:.2f}"],
+    ]
     print()
     print_table(["mode", "s/pass", "real tokens/s", "speedup"], rows)
     print(f"\nreal tokens {real}, padded tokens {padded}: padded/real = {padded / real:.2f} (the speedup ceiling)")

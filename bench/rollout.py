@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from rlframe.protocol import DataProto
 from rlframe.config.loader import load_config, resolved
 from rlframe.models.tiny import make_tiny_model
+from rlframe.protocol import DataProto
 from rlframe.workers.rollout import build_rollout
 
 # name -> make_tiny_model kwargs (hidden, layers, heads, kv heads); intermediate = 2 * hidden
@@ -44,9 +44,15 @@ def bench_model(name: str, args, workdir: str) -> dict:
     from transformers import AutoTokenizer
 
     path = make_tiny_model(f"{workdir}/{name}", **MODELS[name])
-    cfg = resolved(load_config([f"data.max_prompt_length={args.prompt_length}",
-                                f"data.max_response_length={args.response_length}",
-                                f"actor_rollout_ref.rollout.micro_batch_size={args.micro_batch_size}"]))
+    cfg = resolved(
+        load_config(
+            [
+                f"data.max_prompt_length={args.prompt_length}",
+                f"data.max_response_length={args.response_length}",
+                f"actor_rollout_ref.rollout.micro_batch_size={args.micro_batch_size}",
+            ]
+        )
+    )
     rollout = build_rollout("hf", cfg.actor_rollout_ref.rollout, path, AutoTokenizer.from_pretrained(path), "cpu")
     num_params = sum(p.numel() for p in rollout.model.parameters())
     prompts = make_prompts(args.batch, args.prompt_length)
@@ -61,8 +67,14 @@ def bench_model(name: str, args, workdir: str) -> dict:
         rates.append(tokens / elapsed)
         times.append(elapsed)
         lengths.append(out.meta_info["metrics"]["response_length/mean"])
-    return {"model": name, "params_m": num_params / 1e6, "batch": args.batch, "tokens_per_s": statistics.median(rates),
-            "seconds": statistics.median(times), "mean_response_length": statistics.mean(lengths)}
+    return {
+        "model": name,
+        "params_m": num_params / 1e6,
+        "batch": args.batch,
+        "tokens_per_s": statistics.median(rates),
+        "seconds": statistics.median(times),
+        "mean_response_length": statistics.mean(lengths),
+    }
 
 
 def main(argv=None) -> None:
@@ -77,14 +89,18 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"hf rollout on CPU ({torch.get_num_threads()} threads): batch {args.batch}, micro-batch "
-          f"{args.micro_batch_size}, prompt {args.prompt_length}, response {args.response_length}")
+    print(
+        f"hf rollout on CPU ({torch.get_num_threads()} threads): batch {args.batch}, micro-batch "
+        f"{args.micro_batch_size}, prompt {args.prompt_length}, response {args.response_length}"
+    )
     print(f"{'model':>6} {'params':>9} {'seconds':>8} {'tokens/s':>9} {'mean len':>9}")
     with tempfile.TemporaryDirectory() as workdir:
         for name in args.models:
             r = bench_model(name, args, workdir)
-            print(f"{r['model']:>6} {r['params_m']:>8.1f}M {r['seconds']:>8.2f} {r['tokens_per_s']:>9.0f} "
-                  f"{r['mean_response_length']:>9.1f}")
+            print(
+                f"{r['model']:>6} {r['params_m']:>8.1f}M {r['seconds']:>8.2f} {r['tokens_per_s']:>9.0f} "
+                f"{r['mean_response_length']:>9.1f}"
+            )
 
 
 if __name__ == "__main__":

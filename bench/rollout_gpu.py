@@ -25,9 +25,18 @@ import torch
 from rlframe.config.loader import load_config, resolved
 from rlframe.workers.rollout import build_rollout
 
-QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
-                  rope_theta=1000000.0, rms_norm_eps=1e-6)
+QWEN25_05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+)
 
 
 def make_model(out_dir: str) -> str:
@@ -37,8 +46,9 @@ def make_model(out_dir: str) -> str:
     from rlframe.models.tiny import build_tokenizer
 
     tokenizer = build_tokenizer()
-    config = Qwen2Config(**QWEN25_05B, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         bos_token_id=None)
+    config = Qwen2Config(
+        **QWEN25_05B, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(out_dir)
@@ -54,8 +64,9 @@ def make_prompts(batch: int, prompt_length: int, seed: int = 0):
     lengths = torch.randint(prompt_length // 2, prompt_length + 1, (batch,), generator=gen)
     mask = (torch.arange(prompt_length)[None, :] >= prompt_length - lengths[:, None]).long()
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    return DataProto.from_dict({"input_ids": ids * mask, "attention_mask": mask, "position_ids": position_ids},
-                               meta_info={"do_sample": True})
+    return DataProto.from_dict(
+        {"input_ids": ids * mask, "attention_mask": mask, "position_ids": position_ids}, meta_info={"do_sample": True}
+    )
 
 
 def single_process_world() -> None:
@@ -63,22 +74,29 @@ def single_process_world() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(port)).items():
+    for key, value in dict(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    ).items():
         os.environ.setdefault(key, value)
 
 
 def bench_engine(name: str, path: str, args) -> dict:
     from transformers import AutoTokenizer
 
-    cfg = resolved(load_config([f"data.max_prompt_length={args.prompt_length}",
-                                f"data.max_response_length={args.response_length}",
-                                f"actor_rollout_ref.rollout.micro_batch_size={args.hf_micro_batch_size}",
-                                f"actor_rollout_ref.rollout.gpu_memory_utilization={args.gpu_memory_utilization}",
-                                "actor_rollout_ref.rollout.enforce_eager=" + str(args.enforce_eager).lower()]))
+    cfg = resolved(
+        load_config(
+            [
+                f"data.max_prompt_length={args.prompt_length}",
+                f"data.max_response_length={args.response_length}",
+                f"actor_rollout_ref.rollout.micro_batch_size={args.hf_micro_batch_size}",
+                f"actor_rollout_ref.rollout.gpu_memory_utilization={args.gpu_memory_utilization}",
+                "actor_rollout_ref.rollout.enforce_eager=" + str(args.enforce_eager).lower(),
+            ]
+        )
+    )
     rollout = build_rollout(name, cfg.actor_rollout_ref.rollout, path, AutoTokenizer.from_pretrained(path), "cuda")
     prompts = make_prompts(args.batch, args.prompt_length)
-    rollout.generate_sequences(make_prompts(8, args.prompt_length, seed=1))   # warm-up
+    rollout.generate_sequences(make_prompts(8, args.prompt_length, seed=1))  # warm-up
     rates = []
     for repeat in range(args.repeats):
         torch.manual_seed(repeat)
@@ -100,8 +118,12 @@ def bench_engine(name: str, path: str, args) -> dict:
     sync_s = time.perf_counter() - start
     del rollout
     torch.cuda.empty_cache()
-    return {"engine": name, "tokens_per_s": statistics.median(rates), "weight_sync_s": sync_s,
-            "release_resume_s": cycle_s}
+    return {
+        "engine": name,
+        "tokens_per_s": statistics.median(rates),
+        "weight_sync_s": sync_s,
+        "release_resume_s": cycle_s,
+    }
 
 
 def main(argv=None) -> None:
@@ -112,22 +134,30 @@ def main(argv=None) -> None:
     parser.add_argument("--response-length", type=int, default=512)
     parser.add_argument("--hf-micro-batch-size", type=int, default=256)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
-                        help="vLLM without CUDA graphs (the trainer default is eager)")
+    parser.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="vLLM without CUDA graphs (the trainer default is eager)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench/rollout_gpu.py needs a CUDA device; use bench/rollout.py on CPU")
     single_process_world()
-    print(f"{torch.cuda.get_device_name()}: Qwen2.5-0.5B shape, bf16, batch {args.batch}, prompt "
-          f"{args.prompt_length}, response {args.response_length}")
+    print(
+        f"{torch.cuda.get_device_name()}: Qwen2.5-0.5B shape, bf16, batch {args.batch}, prompt "
+        f"{args.prompt_length}, response {args.response_length}"
+    )
     print(f"{'engine':>6} {'tokens/s':>10} {'weight sync s':>14} {'release+resume s':>17}")
     with tempfile.TemporaryDirectory() as workdir:
         path = make_model(workdir)
         for name in args.engines:
             r = bench_engine(name, path, args)
-            print(f"{r['engine']:>6} {r['tokens_per_s']:>10.0f} {r['weight_sync_s']:>14.2f} "
-                  f"{r['release_resume_s']:>17.2f}")
+            print(
+                f"{r['engine']:>6} {r['tokens_per_s']:>10.0f} {r['weight_sync_s']:>14.2f} "
+                f"{r['release_resume_s']:>17.2f}"
+            )
 
 
 if __name__ == "__main__":

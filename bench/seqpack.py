@@ -66,7 +66,7 @@ def best_time(fn, repeats: int) -> float:
 
 
 def bench_speed(repeats: int) -> None:
-    print("\n== speed: partitioning (best of %d runs; spread in tokens) ==" % repeats)
+    print(f"\n== speed: partitioning (best of {repeats} runs; spread in tokens) ==")
     header = f"{'case':34s} {'ours kk':>9s} {'spread':>7s}"
     if verl_balancing:
         header += f" {'verl kk':>9s} {'spread':>7s} {'speedup':>8s}"
@@ -95,8 +95,10 @@ def bench_speed(repeats: int) -> None:
 
 def bench_quality(seeds: int) -> None:
     print(f"\n== quality: same group count, {seeds} seeds each (spreads in tokens) ==")
-    print(f"{'case':26s} {'kk mean':>9s} {'kk max':>8s} {'ffd mean':>9s} {'lower bd':>9s} "
-          f"{'kk worse':>9s} {'kk better':>9s}")
+    print(
+        f"{'case':26s} {'kk mean':>9s} {'kk max':>8s} {'ffd mean':>9s} {'lower bd':>9s} "
+        f"{'kk worse':>9s} {'kk better':>9s}"
+    )
     for kind in KINDS:
         for num, k in [(16, 4), (64, 8), (256, 8), (1024, 16), (4096, 16)]:
             kk_spreads, ffd_spreads, bounds = [], [], []
@@ -108,8 +110,10 @@ def bench_quality(seeds: int) -> None:
                 bounds.append(spread_lower_bound(lengths, k))
             kk_arr, ffd_arr = np.array(kk_spreads), np.array(ffd_spreads)
             worse, better = int((kk_arr > ffd_arr).sum()), int((kk_arr < ffd_arr).sum())
-            print(f"{kind + f' {num}->{k}':26s} {kk_arr.mean():9.1f} {kk_arr.max():8d} {ffd_arr.mean():9.1f} "
-                  f"{np.mean(bounds):9.1f} {worse:9d} {better:9d}")
+            print(
+                f"{kind + f' {num}->{k}':26s} {kk_arr.mean():9.1f} {kk_arr.max():8d} {ffd_arr.mean():9.1f} "
+                f"{np.mean(bounds):9.1f} {worse:9d} {better:9d}"
+            )
 
 
 def bench_budget(seeds: int) -> None:
@@ -127,8 +131,10 @@ def bench_budget(seeds: int) -> None:
                 spreads.append(metrics["spread"])
                 ratios.append(metrics["imbalance_ratio"])
                 utils.append(metrics["utilization"])
-            print(f"{kind:10s} {name:4s} {np.mean(counts):6.1f} {np.mean(spreads):8.1f} "
-                  f"{np.mean(ratios):9.4f} {np.mean(utils):6.3f}")
+            print(
+                f"{kind:10s} {name:4s} {np.mean(counts):6.1f} {np.mean(spreads):8.1f} "
+                f"{np.mean(ratios):9.4f} {np.mean(utils):6.3f}"
+            )
 
 
 def main() -> None:

@@ -65,8 +65,11 @@ def _functional_collectives_ops():
     return a2a, lambda x, group: gather(x, 0, group).wait()
 
 
-IMPLEMENTATIONS = {"rlframe": _rlframe_ops, "nn.functional": _nn_functional_ops,
-                   "_functional_collectives": _functional_collectives_ops}
+IMPLEMENTATIONS = {
+    "rlframe": _rlframe_ops,
+    "nn.functional": _nn_functional_ops,
+    "_functional_collectives": _functional_collectives_ops,
+}
 
 
 def _inputs(rank: int, sp: int, seed: int = 0):
@@ -111,8 +114,10 @@ def _check_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         lines = []
         for name, make_ops in list(IMPLEMENTATIONS.items())[1:]:
             for step_name, step in STEPS.items():
-                lines.append(f"rank {rank} (SP group {rank // 2}) {name} {step_name}: "
-                             f"{_compare(step, make_ops(), _rlframe_ops(), group, inputs)}")
+                lines.append(
+                    f"rank {rank} (SP group {rank // 2}) {name} {step_name}: "
+                    f"{_compare(step, make_ops(), _rlframe_ops(), group, inputs)}"
+                )
         with open(os.path.join(out_dir, f"check{rank}.txt"), "w") as f:
             f.write("\n".join(lines))
     finally:
@@ -144,11 +149,11 @@ def _time_worker(rank: int, world: int, port: int, rounds: int, iters: int, out_
         inputs = _inputs(rank, sp=world)
         ops = {name: make() for name, make in IMPLEMENTATIONS.items()}
         times = {(step_name, name): [] for step_name in STEPS for name in ops}
-        for (step_name, name) in times:  # warm-up
+        for step_name, name in times:  # warm-up
             STEPS[step_name](ops[name], group, *inputs)
         keys = list(times)
         for r in range(rounds):
-            for step_name, name in keys[r % len(keys):] + keys[:r % len(keys)]:  # rotate who goes first
+            for step_name, name in keys[r % len(keys) :] + keys[: r % len(keys)]:  # rotate who goes first
                 dist.barrier()
                 start = time.perf_counter()
                 for _ in range(iters):
@@ -182,19 +187,31 @@ def main(argv=None) -> None:
             with open(os.path.join(out_dir, f"check{rank}.txt")) as f:
                 print(" ", f.read().replace("\n", "\n  "))
 
-        torch.multiprocessing.spawn(_time_worker, args=(2, free_port(), args.rounds, args.iters, out_dir),
-                                    nprocs=2, join=True)
+        torch.multiprocessing.spawn(
+            _time_worker, args=(2, free_port(), args.rounds, args.iters, out_dir), nprocs=2, join=True
+        )
         times = torch.load(os.path.join(out_dir, "times.pt"))
-    print(f"\nPart 2: 2 processes (sp=2), forward + backward; median of {args.rounds} rounds x {args.iters} "
-          f"iterations; all-to-all of [{SEQ // 2}, {HEADS}, {HEAD_DIM}] fp32 per rank, gather of {SEQ // 2} "
-          f"fp32 scores per rank")
+    print(
+        f"\nPart 2: 2 processes (sp=2), forward + backward; median of {args.rounds} rounds x {args.iters} "
+        f"iterations; all-to-all of [{SEQ // 2}, {HEADS}, {HEAD_DIM}] fp32 per rank, gather of {SEQ // 2} "
+        f"fp32 scores per rank"
+    )
     rows = []
     for (step_name, name), t in times.items():
         base = times[step_name, "rlframe"]
-        rows.append([step_name, name, f"{median(t) * 1e3:.3f}", f"{median(t) / median(base):.2f}",
-                     f"{min(t) * 1e3:.3f}", f"{min(t) / min(base):.2f}"])
+        rows.append(
+            [
+                step_name,
+                name,
+                f"{median(t) * 1e3:.3f}",
+                f"{median(t) / median(base):.2f}",
+                f"{min(t) * 1e3:.3f}",
+                f"{min(t) / min(base):.2f}",
+            ]
+        )
     print_table(["collective", "implementation", "median ms", "vs rlframe", "min ms", "vs rlframe"], rows)
     print("\n(the minimum is the least disturbed by other load on the machine)")
+
 
 if __name__ == "__main__":
     main()

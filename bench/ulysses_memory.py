@@ -65,8 +65,12 @@ def make_sequence(num_tokens: int, vocab_size: int) -> dict[str, torch.Tensor]:
     """One unpadded sequence: a prompt of PROMPT_LEN tokens and a response filling the rest."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab_size, (1, num_tokens), generator=gen)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(num_tokens)[None],
-            "responses": ids[:, PROMPT_LEN:]}
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "position_ids": torch.arange(num_tokens)[None],
+        "responses": ids[:, PROMPT_LEN:],
+    }
 
 
 def _worker(rank: int, world: int, port: int, num_tokens: int, threads: int, out_dir: str) -> None:
@@ -96,8 +100,9 @@ def _worker(rank: int, world: int, port: int, num_tokens: int, threads: int, out
         seconds = timed(lambda: step(micro, counter))
         peak_growth = read_status_kib("VmHWM") - rss_before
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump({"peak_growth_mib": peak_growth / 1024, "saved_mib": counter.bytes / 2**20,
-                       "seconds": seconds}, f)
+            json.dump(
+                {"peak_growth_mib": peak_growth / 1024, "saved_mib": counter.bytes / 2**20, "seconds": seconds}, f
+            )
     finally:
         dist.destroy_process_group()
 
@@ -105,8 +110,7 @@ def _worker(rank: int, world: int, port: int, num_tokens: int, threads: int, out
 def run_sp(sp: int, num_tokens: int, threads: int) -> list[dict]:
     """Spawn `sp` workers; return each rank's measurements."""
     with tempfile.TemporaryDirectory() as out_dir:
-        torch.multiprocessing.spawn(_worker, args=(sp, free_port(), num_tokens, threads, out_dir), nprocs=sp,
-                                    join=True)
+        torch.multiprocessing.spawn(_worker, args=(sp, free_port(), num_tokens, threads, out_dir), nprocs=sp, join=True)
         results = []
         for rank in range(sp):
             with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
@@ -126,19 +130,31 @@ def main(argv=None) -> None:
     # Fixed threshold: every tensor above 64 KiB is its own mmap, returned to the OS when freed.
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by the spawned workers' C library at start
 
-    print(f"Ulysses SP forward+backward of one {args.num_tokens}-token sequence (remove-padding), Qwen2 hidden "
-          f"{MODEL['hidden_size']}, {MODEL['num_layers']} layers, {MODEL['num_heads']} heads "
-          f"({MODEL['num_kv_heads']} kv), vocab {MODEL['vocab_size']}; gloo, {args.threads} thread(s) per worker\n")
+    print(
+        f"Ulysses SP forward+backward of one {args.num_tokens}-token sequence (remove-padding), Qwen2 hidden "
+        f"{MODEL['hidden_size']}, {MODEL['num_layers']} layers, {MODEL['num_heads']} heads "
+        f"({MODEL['num_kv_heads']} kv), vocab {MODEL['vocab_size']}; gloo, {args.threads} thread(s) per worker\n"
+    )
     rows, base = [], None
     for sp in args.sp:
         results = run_sp(sp, args.num_tokens, args.threads)
         peak = max(r["peak_growth_mib"] for r in results)
         saved = max(r["saved_mib"] for r in results)
         base = base or (peak, saved)
-        rows.append([sp, args.num_tokens // sp, f"{peak:.0f}", f"{peak / base[0]:.2f}", f"{saved:.0f}",
-                     f"{saved / base[1]:.2f}", f"{median([r['seconds'] for r in results]):.1f}"])
-    print_table(["sp", "tokens/worker", "peak RSS growth MiB", "vs sp=1", "saved for bwd MiB", "vs sp=1", "step s"],
-                rows)
+        rows.append(
+            [
+                sp,
+                args.num_tokens // sp,
+                f"{peak:.0f}",
+                f"{peak / base[0]:.2f}",
+                f"{saved:.0f}",
+                f"{saved / base[1]:.2f}",
+                f"{median([r['seconds'] for r in results]):.1f}",
+            ]
+        )
+    print_table(
+        ["sp", "tokens/worker", "peak RSS growth MiB", "vs sp=1", "saved for bwd MiB", "vs sp=1", "step s"], rows
+    )
     print("\n(max over the workers of each sp; 1/sp would be perfect scaling)")
 
 

@@ -52,8 +52,9 @@ def _length_files(spec: str) -> list[str]:
     """The file itself, or every jsonl/parquet file under a folder (a run's folder, say)."""
     if os.path.isfile(spec):
         return [spec]
-    return sorted(path for ext in ("jsonl", "parquet")
-                  for path in glob.glob(os.path.join(spec, "**", f"*.{ext}"), recursive=True))
+    return sorted(
+        path for ext in ("jsonl", "parquet") for path in glob.glob(os.path.join(spec, "**", f"*.{ext}"), recursive=True)
+    )
 
 
 def _field(rows: list[dict], names: tuple[str, ...]) -> list[int]:
@@ -121,21 +122,27 @@ def sequence_lengths(spec: str, plan: BatchPlan, seed: int = 0) -> tuple[np.ndar
         if recorded:
             responses = np.resize(np.asarray(recorded[-count:], dtype=np.int64), count)
             recorded_prompts = _field(rows, PROMPT_FIELDS)
-            prompts = (np.resize(np.asarray(recorded_prompts[-count:], dtype=np.int64), count)
-                       if len(recorded_prompts) == len(recorded) else _synthetic_prompts(plan, rng))
+            prompts = (
+                np.resize(np.asarray(recorded_prompts[-count:], dtype=np.int64), count)
+                if len(recorded_prompts) == len(recorded)
+                else _synthetic_prompts(plan, rng)
+            )
             source = f"{spec}: last {min(count, len(recorded))} of {len(recorded)} recorded response lengths"
         else:
             try:
                 prompts, responses, how = _from_metrics(rows, plan, rng)
             except ValueError as err:
-                raise ValueError(f"--lengths {spec}: {err}; expected a field named one of "
-                                 f"{', '.join(LENGTH_FIELDS)} (optionally one of {', '.join(PROMPT_FIELDS)})") from None
+                raise ValueError(
+                    f"--lengths {spec}: {err}; expected a field named one of "
+                    f"{', '.join(LENGTH_FIELDS)} (optionally one of {', '.join(PROMPT_FIELDS)})"
+                ) from None
             source = f"{spec}: {how}"
     else:
         raise ValueError(f"--lengths {spec!r}: use uniform, bimodal, or a parquet/jsonl file or folder that exists")
     responses = np.clip(responses, 0, max_response)
     prompts = np.clip(prompts, 1, plan.max_prompt_length)
     return (prompts + responses).astype(np.int64), source
+
 
 # ───────────────────────────── simulation ─────────────────────────────
 
@@ -166,14 +173,19 @@ def _mask_batch(seqlens):
     return TensorDict({"attention_mask": mask.to(torch.int64)}, batch_size=[len(lengths)])
 
 
-def dynamic_micro_batches(rank_seqlens: list, max_token_len: int, packing_algorithm: str = "kk"
-                          ) -> tuple[list[int], list[list[list[int]]]]:
+def dynamic_micro_batches(
+    rank_seqlens: list, max_token_len: int, packing_algorithm: str = "kk"
+) -> tuple[list[int], list[list[list[int]]]]:
     """Each rank's micro-batch count before the all_reduce(MAX), and its index groups after it."""
     from rlframe.seqpack import rearrange_micro_batches
 
     def groups(seqlens, min_num=None):
-        _, index_lists = rearrange_micro_batches(_mask_batch(seqlens), max_token_len=max_token_len,
-                                                 min_num_micro_batch=min_num, packing_algorithm=packing_algorithm)
+        _, index_lists = rearrange_micro_batches(
+            _mask_batch(seqlens),
+            max_token_len=max_token_len,
+            min_num_micro_batch=min_num,
+            packing_algorithm=packing_algorithm,
+        )
         return [list(map(int, g)) for g in index_lists]
 
     local_counts = [len(groups(seqlens)) for seqlens in rank_seqlens]
@@ -191,8 +203,13 @@ def _spread(totals: list[int]) -> dict:
     return {"rank_tokens": totals, "spread": high - low, "max_min_ratio": high / low if low else float("inf")}
 
 
-def _simulate_pass(rank_seqlens: list[list[int]], use_dynamic_bsz: bool, micro_batch_size: int | None,
-                   max_token_len: int | None, packing_algorithm: str | None) -> dict:
+def _simulate_pass(
+    rank_seqlens: list[list[int]],
+    use_dynamic_bsz: bool,
+    micro_batch_size: int | None,
+    max_token_len: int | None,
+    packing_algorithm: str | None,
+) -> dict:
     """Micro-batch one chunk per DP rank the way the worker does; loads, counts and packing metrics."""
     from rlframe.seqpack import packing_metrics
 
@@ -201,13 +218,20 @@ def _simulate_pass(rank_seqlens: list[list[int]], use_dynamic_bsz: bool, micro_b
     else:
         groups = [static_micro_batches(seqlens, micro_batch_size) for seqlens in rank_seqlens]
         local_counts = [len(g) for g in groups]
-    loads = [[int(sum(seqlens[i] for i in group)) for group in rank_groups]
-             for seqlens, rank_groups in zip(rank_seqlens, groups)]
+    loads = [
+        [int(sum(seqlens[i] for i in group)) for group in rank_groups]
+        for seqlens, rank_groups in zip(rank_seqlens, groups)
+    ]
     flat = [load for rank_loads in loads for load in rank_loads]
-    return {"local_micro_batches": local_counts, "micro_batches": len(groups[0]), "micro_batch_tokens": loads,
-            "largest_micro_batch_tokens": max(flat), "max_token_len": max_token_len,
-            "over_budget": sum(load > max_token_len for load in flat) if max_token_len else 0,
-            "packing": {k: float(v) for k, v in packing_metrics(flat, capacity=max_token_len).items()}}
+    return {
+        "local_micro_batches": local_counts,
+        "micro_batches": len(groups[0]),
+        "micro_batch_tokens": loads,
+        "largest_micro_batch_tokens": max(flat),
+        "max_token_len": max_token_len,
+        "over_budget": sum(load > max_token_len for load in flat) if max_token_len else 0,
+        "packing": {k: float(v) for k, v in packing_metrics(flat, capacity=max_token_len).items()},
+    }
 
 
 def simulate(plan: BatchPlan, seqlens, hidden_size: int | None = None) -> dict:
@@ -221,21 +245,29 @@ def simulate(plan: BatchPlan, seqlens, hidden_size: int | None = None) -> dict:
     mini = actor.mini_batch_size_per_dp
     update = []
     for j in range(actor.num_mini_batches):
-        chunk = [lens[j * mini:(j + 1) * mini] for lens in rank_seqlens]
-        update.append(_simulate_pass(chunk, actor.use_dynamic_bsz, actor.micro_batch_size,
-                                     actor.max_token_len, actor.packing_algorithm))
+        chunk = [lens[j * mini : (j + 1) * mini] for lens in rank_seqlens]
+        update.append(
+            _simulate_pass(
+                chunk, actor.use_dynamic_bsz, actor.micro_batch_size, actor.max_token_len, actor.packing_algorithm
+            )
+        )
     fwd = actor.forward
     return {
         "num_sequences": len(seqlens),
         "tokens": {"min": min(seqlens), "mean": float(np.mean(seqlens)), "max": max(seqlens), "total": sum(seqlens)},
         "hidden_size": hidden_size,
-        "balance": {"enabled": plan.balance_batch, "dp_size": dp,
-                    "before": _spread([sum(seqlens[i] for i in r) for r in dispatch]),
-                    "after": _spread([sum(seqlens[i] for i in r) for r in balanced])},
+        "balance": {
+            "enabled": plan.balance_batch,
+            "dp_size": dp,
+            "before": _spread([sum(seqlens[i] for i in r) for r in dispatch]),
+            "after": _spread([sum(seqlens[i] for i in r) for r in balanced]),
+        },
         "actor_update": update,
-        "old_log_prob": _simulate_pass(rank_seqlens, fwd.use_dynamic_bsz, fwd.micro_batch_size,
-                                       fwd.max_token_len, fwd.packing_algorithm),
+        "old_log_prob": _simulate_pass(
+            rank_seqlens, fwd.use_dynamic_bsz, fwd.micro_batch_size, fwd.max_token_len, fwd.packing_algorithm
+        ),
     }
+
 
 # ───────────────────────────── text ─────────────────────────────
 
@@ -246,19 +278,26 @@ def _short(key: str) -> str:
 
 def _micro_lines(p, micro_key: str, token_key: str, per_dp: int, update: bool) -> list[str]:
     if p.use_dynamic_bsz:
-        return [f"dynamic: {_short(token_key)} {p.max_token_len_per_gpu} × sp {p.sequence_parallel_size} = "
-                f"{p.max_token_len} tokens per micro-batch; count = ceil(tokens / budget), then "
-                f"all_reduce(MAX) over the {p.dp_size} DP ranks; packing {p.packing_algorithm}"]
+        return [
+            f"dynamic: {_short(token_key)} {p.max_token_len_per_gpu} × sp {p.sequence_parallel_size} = "
+            f"{p.max_token_len} tokens per micro-batch; count = ceil(tokens / budget), then "
+            f"all_reduce(MAX) over the {p.dp_size} DP ranks; packing {p.packing_algorithm}"
+        ]
     if update:
-        return [f"static: {per_dp} / {_short(micro_key)} {p.micro_batch_size} = {p.grad_accum_steps} "
-                "gradient-accumulation steps per optimizer step"]
-    return [f"static: {per_dp} / {_short(micro_key)} {p.micro_batch_size} → {p.num_micro_batches} "
-            "micro-batches per DP rank"]
+        return [
+            f"static: {per_dp} / {_short(micro_key)} {p.micro_batch_size} = {p.grad_accum_steps} "
+            "gradient-accumulation steps per optimizer step"
+        ]
+    return [
+        f"static: {per_dp} / {_short(micro_key)} {p.micro_batch_size} → {p.num_micro_batches} micro-batches per DP rank"
+    ]
 
 
 def _dispatch_line(p, degree_name: str, degree: int, world: int, sequences: int, group: str) -> str:
-    return (f"{sequences} sequences / {world} workers = {p.sequences_per_gpu} per worker → × {degree_name} "
-            f"{degree} after the {degree_name.upper()} all-gather = {p.sequences_per_dp} per {group}")
+    return (
+        f"{sequences} sequences / {world} workers = {p.sequences_per_gpu} per worker → × {degree_name} "
+        f"{degree} after the {degree_name.upper()} all-gather = {p.sequences_per_dp} per {group}"
+    )
 
 
 def _update_lines(title: str, p, keys, plan: BatchPlan, forward_title: str) -> list[str]:
@@ -272,11 +311,16 @@ def _update_lines(title: str, p, keys, plan: BatchPlan, forward_title: str) -> l
         f"  optimizer    train_batch_size {plan.train_batch_size} / {mini} {p.mini_batch_size} = "
         f"{p.num_mini_batches} steps per epoch × ppo_epochs {p.ppo_epochs} = {p.optimizer_steps_per_step} per step",
     ]
-    lines += ["  micro        " + line
-              for line in _micro_lines(p, keys.micro, keys.max_token_len, p.mini_batch_size_per_dp, update=True)]
-    lines += [f"  {forward_title:<13}" + line
-              for line in _micro_lines(p.forward, keys.forward.micro, keys.forward.max_token_len,
-                                       p.forward.sequences_per_dp, update=False)]
+    lines += [
+        "  micro        " + line
+        for line in _micro_lines(p, keys.micro, keys.max_token_len, p.mini_batch_size_per_dp, update=True)
+    ]
+    lines += [
+        f"  {forward_title:<13}" + line
+        for line in _micro_lines(
+            p.forward, keys.forward.micro, keys.forward.max_token_len, p.forward.sequences_per_dp, update=False
+        )
+    ]
     return lines
 
 
@@ -292,27 +336,43 @@ def format_plan(plan: BatchPlan) -> str:
         f"sequences, each ≤ {plan.max_prompt_length} + {plan.max_response_length} = {plan.max_sequence_length} tokens",
         "",
         f"rollout   {r.name}, tp {r.tensor_parallel_size}: {r.dp_size} generation groups",
-        "  dispatch     " + _dispatch_line(r, "tp", r.tensor_parallel_size, plan.world_size,
-                                           plan.sequences_per_step, "group"),
+        "  dispatch     "
+        + _dispatch_line(r, "tp", r.tensor_parallel_size, plan.world_size, plan.sequences_per_step, "group"),
     ]
     if r.micro_batch_size is not None:
-        lines.append(f"  generate     micro_batch_size {r.micro_batch_size} → {r.num_generate_calls} generate "
-                     "call(s) per group")
-    lines += ["", f"balance   trainer.balance_batch={str(plan.balance_batch).lower()}: "
-              + (f"Karmarkar–Karp splits the {plan.sequences_per_step} sequences into {plan.balance_partitions} "
-                 f"equal-count sets of similar workload, one per actor DP rank" if plan.balance_batch
-                 else "sequences stay in dispatch order"), ""]
+        lines.append(
+            f"  generate     micro_batch_size {r.micro_batch_size} → {r.num_generate_calls} generate call(s) per group"
+        )
+    lines += [
+        "",
+        f"balance   trainer.balance_batch={str(plan.balance_batch).lower()}: "
+        + (
+            f"Karmarkar–Karp splits the {plan.sequences_per_step} sequences into {plan.balance_partitions} "
+            f"equal-count sets of similar workload, one per actor DP rank"
+            if plan.balance_batch
+            else "sequences stay in dispatch order"
+        ),
+        "",
+    ]
     lines += _update_lines("actor  ", plan.actor, ACTOR_KEYS, plan, "old log-prob")
     lines.append("")
     if plan.ref is None:
         lines.append("ref       off (no use_kl_loss, no use_kl_in_reward)")
     else:
         ref = plan.ref
-        lines += [f"ref       sp {ref.sequence_parallel_size}, dp {ref.dp_size}",
-                  "  dispatch     " + _dispatch_line(ref, "sp", ref.sequence_parallel_size, plan.world_size,
-                                                     plan.sequences_per_step, "DP rank"),
-                  *["  log-prob     " + line for line in _micro_lines(ref, REF_KEYS.micro, REF_KEYS.max_token_len,
-                                                                      ref.sequences_per_dp, update=False)]]
+        lines += [
+            f"ref       sp {ref.sequence_parallel_size}, dp {ref.dp_size}",
+            "  dispatch     "
+            + _dispatch_line(
+                ref, "sp", ref.sequence_parallel_size, plan.world_size, plan.sequences_per_step, "DP rank"
+            ),
+            *[
+                "  log-prob     " + line
+                for line in _micro_lines(
+                    ref, REF_KEYS.micro, REF_KEYS.max_token_len, ref.sequences_per_dp, update=False
+                )
+            ],
+        ]
     lines.append("")
     if plan.critic is None:
         lines.append("critic    off (only adv_estimator=gae trains a critic)")
@@ -332,29 +392,43 @@ def format_keys(cfg, rows: list[KeyStatus], overrides: list[str]) -> str:
     table = []
     for row in rows:
         value = OmegaConf.select(cfg, row.key)
-        shown = "(section)" if isinstance(value, DictConfig) else json.dumps(
-            OmegaConf.to_container(value) if OmegaConf.is_config(value) else value)
+        shown = (
+            "(section)"
+            if isinstance(value, DictConfig)
+            else json.dumps(OmegaConf.to_container(value) if OmegaConf.is_config(value) else value)
+        )
         key = row.key + (".*" if isinstance(value, DictConfig) else "")
-        table.append((key, shown, "set" if _user_set(row.key, overrides) else "",
-                      "in effect" if row.in_effect else "IGNORED", row.reason))
+        table.append(
+            (
+                key,
+                shown,
+                "set" if _user_set(row.key, overrides) else "",
+                "in effect" if row.in_effect else "IGNORED",
+                row.reason,
+            )
+        )
     head = ("key", "value", "set", "status", "why")
     widths = [max(len(t[i]) for t in table + [head]) for i in range(4)]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(t[:4], widths)) + "  " + t[4]
-                     for t in [head] + table).rstrip()
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(t[:4], widths)) + "  " + t[4] for t in [head] + table
+    ).rstrip()
 
 
 def format_simulation(sim: dict, source: str) -> str:
     """The simulation report: per-rank balance, micro-batch counts and loads, packing metrics."""
     t, b = sim["tokens"], sim["balance"]
-    lines = [f"lengths   {source}",
-             f"          {sim['num_sequences']} sequences, tokens min {t['min']} / mean {t['mean']:.0f} / "
-             f"max {t['max']}, total {t['total']}"
-             + ("" if sim["hidden_size"] is None else f"; workload weights use hidden_size {sim['hidden_size']}"),
-             f"balance   tokens per DP rank over {b['dp_size']} ranks"
-             + ("" if b["enabled"] else " (trainer.balance_batch=false: the trainer keeps dispatch order)")]
+    lines = [
+        f"lengths   {source}",
+        f"          {sim['num_sequences']} sequences, tokens min {t['min']} / mean {t['mean']:.0f} / "
+        f"max {t['max']}, total {t['total']}"
+        + ("" if sim["hidden_size"] is None else f"; workload weights use hidden_size {sim['hidden_size']}"),
+        f"balance   tokens per DP rank over {b['dp_size']} ranks"
+        + ("" if b["enabled"] else " (trainer.balance_batch=false: the trainer keeps dispatch order)"),
+    ]
     for name, row in (("before (dispatch order)", b["before"]), ("after (Karmarkar–Karp)", b["after"])):
-        lines.append(f"  {name:<24} {_brief(row['rank_tokens'])}  spread {row['spread']}  "
-                     f"max/min {row['max_min_ratio']:.3f}")
+        lines.append(
+            f"  {name:<24} {_brief(row['rank_tokens'])}  spread {row['spread']}  max/min {row['max_min_ratio']:.3f}"
+        )
     passes = [(f"update mini-batch {j + 1}", p) for j, p in enumerate(sim["actor_update"])]
     passes.append(("old log-prob", sim["old_log_prob"]))
     lines.append("micro     per DP rank: micro-batches (local → after all_reduce MAX), largest micro-batch")
@@ -366,10 +440,13 @@ def format_simulation(sim: dict, source: str) -> str:
             continue
         budget = f" / budget {p['max_token_len']}" if p["max_token_len"] else ""
         over = f", {p['over_budget']} OVER BUDGET" if p["over_budget"] else ""
-        lines.append(f"  {name:<24} {_brief(p['local_micro_batches'])} → {p['micro_batches']}; largest "
-                     f"{p['largest_micro_batch_tokens']}{budget} tokens{over}")
-        lines.append(f"  {'':<24} " + ", ".join(f"{k} {_number(p['packing'][k])}" for k in PACKING_SHOWN
-                                                 if k in p["packing"]))
+        lines.append(
+            f"  {name:<24} {_brief(p['local_micro_batches'])} → {p['micro_batches']}; largest "
+            f"{p['largest_micro_batch_tokens']}{budget} tokens{over}"
+        )
+        lines.append(
+            f"  {'':<24} " + ", ".join(f"{k} {_number(p['packing'][k])}" for k in PACKING_SHOWN if k in p["packing"])
+        )
     return "\n".join(lines)
 
 
@@ -381,11 +458,13 @@ def _brief(values: list, limit: int = 8) -> str:
     shown = ", ".join(map(str, values[:limit]))
     return f"[{shown}{', …' if len(values) > limit else ''}]"
 
+
 # ───────────────────────────── command ─────────────────────────────
 
 
-def explain(overrides: list[str], lengths: str | None = None, fmt: str = "text", seed: int = 0,
-            plan_only: bool = False) -> str:
+def explain(
+    overrides: list[str], lengths: str | None = None, fmt: str = "text", seed: int = 0, plan_only: bool = False
+) -> str:
     """The whole report for `rlframe explain`; raises ValueError (the trainer's message) on a bad config.
 
     It runs the trainer's launch checks, in the same order, so the verdict is `rlframe train`'s.
@@ -404,17 +483,25 @@ def explain(overrides: list[str], lengths: str | None = None, fmt: str = "text",
         seqlens, source = sequence_lengths(lengths, plan, seed)
         sim = simulate(plan, seqlens, None if model is None else model.hidden_size)
     if fmt == "json":
-        return json.dumps({
-            "plan": plan.to_dict(),
-            "model": None if model is None else {"path": model_path, **_asdict(model)},
-            "keys": [{"key": r.key, "in_effect": r.in_effect, "reason": r.reason, "set": _user_set(r.key, overrides)}
-                     for r in rows],
-            "warnings": warnings,
-            "simulation": None if sim is None else {"lengths": source, **sim},
-        }, indent=2)
-    model_line = (f"model     {model_path}: hidden_size {model.hidden_size}, heads {model.num_attention_heads}, "
-                  f"kv heads {model.num_key_value_heads}" if model else
-                  f"model     {model_path}: no config.json here, head checks skipped")
+        return json.dumps(
+            {
+                "plan": plan.to_dict(),
+                "model": None if model is None else {"path": model_path, **_asdict(model)},
+                "keys": [
+                    {"key": r.key, "in_effect": r.in_effect, "reason": r.reason, "set": _user_set(r.key, overrides)}
+                    for r in rows
+                ],
+                "warnings": warnings,
+                "simulation": None if sim is None else {"lengths": source, **sim},
+            },
+            indent=2,
+        )
+    model_line = (
+        f"model     {model_path}: hidden_size {model.hidden_size}, heads {model.num_attention_heads}, "
+        f"kv heads {model.num_key_value_heads}"
+        if model
+        else f"model     {model_path}: no config.json here, head checks skipped"
+    )
     parts = [_rule("batch plan"), model_line, format_plan(plan), _rule("keys"), format_keys(cfg, rows, overrides)]
     if warnings:
         parts += [_rule("warnings"), "\n".join(warnings)]
@@ -438,16 +525,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="rlframe explain",
         description="Print the batch plan of a config: the flow from data.train_batch_size to one GPU's "
-                    "micro-batch for each role, the keys in effect and ignored, and optionally a simulation "
-                    "of balancing and micro-batching. Takes the trainer's key=value overrides.")
+        "micro-batch for each role, the keys in effect and ignored, and optionally a simulation "
+        "of balancing and micro-batching. Takes the trainer's key=value overrides.",
+    )
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as given to the trainer")
-    parser.add_argument("--lengths", help="simulate with uniform | bimodal | a parquet/jsonl of response lengths "
-                                          "or a run's metrics folder")
+    parser.add_argument(
+        "--lengths",
+        help="simulate with uniform | bimodal | a parquet/jsonl of response lengths or a run's metrics folder",
+    )
     parser.add_argument("--format", choices=("text", "json"), default="text")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic lengths")
-    parser.add_argument("--plan-only", action="store_true",
-                        help="skip the checks that need files (model weights, device, datasets): plan a run for "
-                             "another machine from a folder holding only the model's config.json")
+    parser.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="skip the checks that need files (model weights, device, datasets): plan a run for "
+        "another machine from a folder holding only the model's config.json",
+    )
     args = parser.parse_intermixed_args(argv)
     try:
         print(explain(args.overrides, args.lengths, args.format, args.seed, args.plan_only))

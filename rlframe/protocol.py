@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import copy
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,8 +35,9 @@ def _as_object_array(values: Any, key: str) -> np.ndarray:
     if isinstance(values, np.ndarray) and values.dtype == object and values.ndim == 1:
         return values
     if not isinstance(values, (list, tuple, np.ndarray)):
-        raise TypeError(f"non_tensor_batch[{key!r}] must be a list or numpy array of per-sample values, "
-                        f"got {type(values).__name__}")
+        raise TypeError(
+            f"non_tensor_batch[{key!r}] must be a list or numpy array of per-sample values, got {type(values).__name__}"
+        )
     out = np.empty(len(values), dtype=object)
     for i, value in enumerate(values):  # element-wise so lists stay lists instead of becoming a 2-D array
         out[i] = value
@@ -85,8 +87,9 @@ class DataProto:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_dict(cls, tensors: dict | None = None, non_tensors: dict | None = None,
-                  meta_info: dict | None = None) -> "DataProto":
+    def from_dict(
+        cls, tensors: dict | None = None, non_tensors: dict | None = None, meta_info: dict | None = None
+    ) -> DataProto:
         """Build from a dict of tensors (same first dim), a dict of per-sample values and meta info."""
         tensors = dict(tensors or {})
         non_tensors = {k: _as_object_array(v, k) for k, v in (non_tensors or {}).items()}
@@ -104,7 +107,7 @@ class DataProto:
         return cls(batch=batch, non_tensor_batch=non_tensors, meta_info=dict(meta_info or {}))
 
     @classmethod
-    def from_single_dict(cls, data: dict, meta_info: dict | None = None) -> "DataProto":
+    def from_single_dict(cls, data: dict, meta_info: dict | None = None) -> DataProto:
         """Build from one dict: tensors go to `batch`, everything else to `non_tensor_batch`."""
         tensors = {k: v for k, v in data.items() if isinstance(v, torch.Tensor)}
         non_tensors = {k: v for k, v in data.items() if not isinstance(v, torch.Tensor)}
@@ -138,8 +141,9 @@ class DataProto:
                 return self.batch[item]
             if item in self.non_tensor_batch:
                 return self.non_tensor_batch[item]
-            raise KeyError(f"{item!r} is in neither batch {self.batch_keys} nor non_tensor_batch "
-                           f"{list(self.non_tensor_batch)}")
+            raise KeyError(
+                f"{item!r} is in neither batch {self.batch_keys} nor non_tensor_batch {list(self.non_tensor_batch)}"
+            )
         if isinstance(item, (int, np.integer)):
             n = len(self)
             if not -n <= item < n:
@@ -151,7 +155,7 @@ class DataProto:
     def batch_keys(self) -> list[str]:
         return [] if self.batch is None else list(self.batch.keys())
 
-    def select_idxs(self, idxs) -> "DataProto":
+    def select_idxs(self, idxs) -> DataProto:
         """Samples at `idxs` (slice, int list/array, bool mask or tensor), in that order.
 
         A slice gives views of the tensors (no copy), like slicing a tensor; index arrays copy.
@@ -163,17 +167,18 @@ class DataProto:
         index = _index_to_array(idxs, len(self))
         n = len(self)
         if index.size and (index.min() < -n or index.max() >= n):
-            raise IndexError(f"indices out of range for DataProto of length {n}: "
-                             f"min {index.min()}, max {index.max()}")
+            raise IndexError(f"indices out of range for DataProto of length {n}: min {index.min()}, max {index.max()}")
         batch = None
         if self.batch is not None:
             batch = self.batch[torch.from_numpy(index)]
         non_tensor = {k: v[index] for k, v in self.non_tensor_batch.items()}
         return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=dict(self.meta_info))
 
-    def select(self, batch_keys=None, non_tensor_batch_keys=None, meta_info_keys=None,
-               deepcopy: bool = False) -> "DataProto":
+    def select(
+        self, batch_keys=None, non_tensor_batch_keys=None, meta_info_keys=None, deepcopy: bool = False
+    ) -> DataProto:
         """A view with only the named keys (None keeps all of that part)."""
+
         def pick(available, wanted, part):
             missing = [k for k in wanted if k not in available]
             if missing:
@@ -199,7 +204,7 @@ class DataProto:
             non_tensor, meta = copy.deepcopy(non_tensor), copy.deepcopy(meta)
         return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
 
-    def pop(self, batch_keys=(), non_tensor_batch_keys=(), meta_info_keys=()) -> "DataProto":
+    def pop(self, batch_keys=(), non_tensor_batch_keys=(), meta_info_keys=()) -> DataProto:
         """Remove the named keys from self and return them as a new DataProto."""
         tensors = {}
         for key in batch_keys:
@@ -218,7 +223,7 @@ class DataProto:
             meta[key] = self.meta_info.pop(key)
         return DataProto.from_dict(tensors, non_tensors, meta)
 
-    def union(self, other: "DataProto") -> "DataProto":
+    def union(self, other: DataProto) -> DataProto:
         """Merge `other` into self; shared keys must hold equal values."""
         if len(self) != len(other) and len(self) and len(other):
             raise ValueError(f"cannot union DataProtos of lengths {len(self)} and {len(other)}")
@@ -247,7 +252,7 @@ class DataProto:
         return self
 
     # ------------------------------------------------------------------ splitting / joining
-    def chunk(self, chunks: int) -> list["DataProto"]:
+    def chunk(self, chunks: int) -> list[DataProto]:
         """Split into `chunks` contiguous parts whose sizes differ by at most one (larger first)."""
         if not isinstance(chunks, (int, np.integer)) or isinstance(chunks, bool) or chunks < 1:
             raise ValueError(f"chunk(chunks) needs a positive int, got {chunks!r}")
@@ -256,7 +261,7 @@ class DataProto:
         sizes = [base + (1 if i < extra else 0) for i in range(chunks)]
         return self._split_sizes(sizes)
 
-    def split(self, split_size: int) -> list["DataProto"]:
+    def split(self, split_size: int) -> list[DataProto]:
         """Split into parts of `split_size` samples (the last may be smaller)."""
         if not isinstance(split_size, (int, np.integer)) or split_size < 1:
             raise ValueError(f"split(split_size) needs a positive int, got {split_size!r}")
@@ -264,7 +269,7 @@ class DataProto:
         sizes = [min(split_size, n - start) for start in range(0, n, split_size)]
         return self._split_sizes(sizes)
 
-    def _split_sizes(self, sizes: list[int]) -> list["DataProto"]:
+    def _split_sizes(self, sizes: list[int]) -> list[DataProto]:
         parts, start = [], 0
         for size in sizes:
             parts.append(self.select_idxs(slice(start, start + size)))
@@ -272,7 +277,7 @@ class DataProto:
         return parts
 
     @staticmethod
-    def concat(data: Sequence["DataProto"]) -> "DataProto":
+    def concat(data: Sequence[DataProto]) -> DataProto:
         """Concatenate parts in order; meta_info['metrics'] lists are merged, other meta from the first."""
         data = list(data)
         if not data:
@@ -290,10 +295,11 @@ class DataProto:
         if data[0].batch is not None:
             batch = torch.cat([part.batch for part in data], dim=0)
         non_tensor = {k: np.concatenate([part.non_tensor_batch[k] for part in data]) for k in ref_non}
-        return DataProto(batch=batch, non_tensor_batch=non_tensor,
-                         meta_info=_merge_meta([part.meta_info for part in data]))
+        return DataProto(
+            batch=batch, non_tensor_batch=non_tensor, meta_info=_merge_meta([part.meta_info for part in data])
+        )
 
-    def repeat(self, repeat_times: int = 2, interleave: bool = True) -> "DataProto":
+    def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
         """Repeat every sample; interleave=True gives a,a,b,b (GRPO groups), False gives a,b,a,b."""
         if not isinstance(repeat_times, (int, np.integer)) or repeat_times < 1:
             raise ValueError(f"repeat_times must be a positive int, got {repeat_times!r}")
@@ -309,14 +315,16 @@ class DataProto:
         index = _index_to_array(indices, len(self))
         n = len(self)
         if index.shape != (n,) or not np.array_equal(np.sort(index), np.arange(n)):
-            raise ValueError(f"reorder needs a permutation of range({n}); got {len(index)} indices "
-                             f"with {len(np.unique(index))} distinct values in [{index.min() if index.size else '-'}, "
-                             f"{index.max() if index.size else '-'}]")
+            raise ValueError(
+                f"reorder needs a permutation of range({n}); got {len(index)} indices "
+                f"with {len(np.unique(index))} distinct values in [{index.min() if index.size else '-'}, "
+                f"{index.max() if index.size else '-'}]"
+            )
         reordered = self.select_idxs(index)
         self.batch, self.non_tensor_batch = reordered.batch, reordered.non_tensor_batch
 
     # ------------------------------------------------------------------ misc
-    def to(self, device) -> "DataProto":
+    def to(self, device) -> DataProto:
         """Move tensors to `device` (in place) and return self."""
         if self.batch is not None:
             self.batch = self.batch.to(device)
@@ -327,7 +335,7 @@ class DataProto:
             pickle.dump(self, f, protocol=pickle.HIGHEST_PROTOCOL)
 
     @staticmethod
-    def load_from_disk(path: str) -> "DataProto":
+    def load_from_disk(path: str) -> DataProto:
         with open(path, "rb") as f:
             data = pickle.load(f)
         if not isinstance(data, DataProto):
@@ -348,8 +356,10 @@ class DataProto:
 
     def __repr__(self) -> str:
         shapes = {} if self.batch is None else {k: tuple(v.shape) for k, v in self.batch.items()}
-        return (f"DataProto(len={len(self)}, batch={shapes}, non_tensor={list(self.non_tensor_batch)}, "
-                f"meta={list(self.meta_info)})")
+        return (
+            f"DataProto(len={len(self)}, batch={shapes}, non_tensor={list(self.non_tensor_batch)}, "
+            f"meta={list(self.meta_info)})"
+        )
 
 
 def _equal(a, b) -> bool:
@@ -398,8 +408,11 @@ def all_gather_data_proto(data: DataProto, process_group=None) -> DataProto:
     device = None
     if data.batch is not None and len(data.batch.keys()):
         device = next(iter(data.batch.values())).device
-    payload = DataProto(batch=None if data.batch is None else data.batch.to("cpu"),
-                        non_tensor_batch=data.non_tensor_batch, meta_info=data.meta_info)
+    payload = DataProto(
+        batch=None if data.batch is None else data.batch.to("cpu"),
+        non_tensor_batch=data.non_tensor_batch,
+        meta_info=data.meta_info,
+    )
     gathered: list = [None] * world
     dist.all_gather_object(gathered, payload, group=process_group)
     out = DataProto.concat(gathered)

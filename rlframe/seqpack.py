@@ -45,8 +45,7 @@ def _kk_labels(weights: np.ndarray, k_partitions: int, equal_size: bool) -> np.n
         raise ValueError(f"k_partitions must be >= 1, got {k_partitions}")
     if equal_size and num_items % k_partitions:
         raise ValueError(
-            f"equal_size=True needs the item count ({num_items}) to be a multiple of "
-            f"k_partitions ({k_partitions})"
+            f"equal_size=True needs the item count ({num_items}) to be a multiple of k_partitions ({k_partitions})"
         )
     order = _argsort_descending(weights)
     labels = np.empty(num_items, dtype=np.int64)
@@ -240,9 +239,7 @@ def _fill_empty_groups(labels: np.ndarray, weights: np.ndarray, num_groups: int)
         counts[group] = 1
 
 
-def _polish(
-    labels: np.ndarray, weights: np.ndarray, num_groups: int, allow_moves: bool, max_exchanges: int
-) -> None:
+def _polish(labels: np.ndarray, weights: np.ndarray, num_groups: int, allow_moves: bool, max_exchanges: int) -> None:
     """Move or swap items out of the heaviest group towards lighter ones (updates `labels`).
 
     Differencing leaves little to gain on typical lengths but can stall on heavy-tailed weights
@@ -414,7 +411,10 @@ def kk_allocate(values, capacity, min_groups: int, n_groups_divisor: int = 1, eq
         logger.warning(
             "Karmarkar-Karp put %s into one of %d groups, over the capacity %s; falling back to "
             "first-fit decreasing (more groups%s).",
-            heaviest, num_groups, capacity, ", unequal item counts" if equal_size else "",
+            heaviest,
+            num_groups,
+            capacity,
+            ", unequal item counts" if equal_size else "",
         )
         return ffd_allocate(weights, capacity, num_groups, n_groups_divisor)
     return groups

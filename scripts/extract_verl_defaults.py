@@ -34,11 +34,15 @@ def main(wheel: str) -> None:
     with zipfile.ZipFile(wheel) as zf:
         config = yaml.safe_load(zf.read(GENERATED))
         version = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
-        version = next(line.split(":", 1)[1].strip() for line in zf.read(version).decode().splitlines()
-                       if line.startswith("Version:"))
+        version = next(
+            line.split(":", 1)[1].strip()
+            for line in zf.read(version).decode().splitlines()
+            if line.startswith("Version:")
+        )
     keys = {key: value for key, value in leaves(config).items() if not key.endswith("._target_")}
-    OUT.write_text(json.dumps({"verl_version": version, "source": GENERATED, "defaults": keys}, indent=1,
-                              sort_keys=True) + "\n")
+    OUT.write_text(
+        json.dumps({"verl_version": version, "source": GENERATED, "defaults": keys}, indent=1, sort_keys=True) + "\n"
+    )
     print(f"{len(keys)} keys of verl {version} -> {OUT}")
 
 

@@ -30,17 +30,45 @@ ENTRY_FILES = ("verl/trainer/main_ppo.py", "main_ppo_split.py")
 RECORD_END = "\x1e"  # separates one recorded invocation from the next in the capture file
 MARKER = re.compile(r"@ENV:(\w+)@")
 # Shell variables bash sets itself, or that must not be faked (PATH stays empty on purpose).
-SHELL_VARIABLES = {"PWD", "OLDPWD", "RANDOM", "LINENO", "SECONDS", "HOSTNAME", "UID", "EUID", "PPID", "IFS",
-                   "PATH", "SHLVL", "FUNCNAME", "BASH_SOURCE", "BASH_VERSION", "HOSTTYPE", "OSTYPE", "MACHTYPE",
-                   "PIPESTATUS", "BASHPID", "SHELL", "GROUPS", "REPLY", "OPTARG", "OPTIND"}
+SHELL_VARIABLES = {
+    "PWD",
+    "OLDPWD",
+    "RANDOM",
+    "LINENO",
+    "SECONDS",
+    "HOSTNAME",
+    "UID",
+    "EUID",
+    "PPID",
+    "IFS",
+    "PATH",
+    "SHLVL",
+    "FUNCNAME",
+    "BASH_SOURCE",
+    "BASH_VERSION",
+    "HOSTTYPE",
+    "OSTYPE",
+    "MACHTYPE",
+    "PIPESTATUS",
+    "BASHPID",
+    "SHELL",
+    "GROUPS",
+    "REPLY",
+    "OPTARG",
+    "OPTIND",
+}
 # What an override gets when its value comes from the environment with no default (README.md of the
 # corpus lists these): model folders and data files become rlframe's built-ins, the cluster size
 # verl's defaults; any other key gets ENV_<NAME> in place of the variable, or an empty value (what
 # bash expands an unset variable to) when the variable is the whole value.
 MODEL_KEYS = re.compile(r"(^|\.)(model\.path|tokenizer_path|input_tokenizer|tokenizer)$")
 DATA_KEYS = re.compile(r"^data\.(train_files|val_files)$")
-PLACEHOLDERS = {"model": "builtin://tiny", "data": "builtin://countdown_add",
-                "trainer.nnodes": "1", "trainer.n_gpus_per_node": "8"}
+PLACEHOLDERS = {
+    "model": "builtin://tiny",
+    "data": "builtin://countdown_add",
+    "trainer.nnodes": "1",
+    "trainer.n_gpus_per_node": "8",
+}
 # The scripts run in a copy of verl's tree (bash's PWD); other paths into it are written from this name.
 CHECKOUT = "VERL_CHECKOUT"
 # Scripts that choose their backend with a plain assignment; the corpus takes the FSDP option the
@@ -103,8 +131,9 @@ def environment_variables(text: str) -> set[str]:
     """Variables the script reads but never assigns and never gives a default: they come from outside."""
     text = re.sub(r"^\s*#.*$", "", text, flags=re.M)  # a commented-out `export X=8` assigns nothing
     used = set(re.findall(r"\$\{?([A-Za-z_]\w*)", text))
-    assigned = set(re.findall(r"(?:^|[\s;(])(?:export\s+|local\s+|declare\s+(?:-\w+\s+)?)?([A-Za-z_]\w*)\+?=",
-                              text, re.M))
+    assigned = set(
+        re.findall(r"(?:^|[\s;(])(?:export\s+|local\s+|declare\s+(?:-\w+\s+)?)?([A-Za-z_]\w*)\+?=", text, re.M)
+    )
     assigned |= set(re.findall(r"\bfor\s+([A-Za-z_]\w*)\s+in\b", text))
     assigned |= set(re.findall(r"\bread\s+(?:-\w+\s+)*([A-Za-z_]\w*)", text))
     defaulted = set(re.findall(r"\$\{([A-Za-z_]\w*):?[-=]", text))
@@ -124,13 +153,23 @@ def run_script(tree: Path, rel: str, text: str) -> tuple[list[list[str]], list[s
     env.update(PATH=str(tree / ".no-commands"), BASH_ENV=str(prelude), VERL_EXTRACT_CAPTURE=str(capture))
     if "HOME" not in env:
         env["HOME"] = "@ENV:HOME@"  # tilde expansion reads HOME
-    done = subprocess.run(["/bin/bash", str(script)], cwd=tree, env=env, stdin=subprocess.DEVNULL,
-                          capture_output=True, timeout=60, text=True)
+    done = subprocess.run(
+        ["/bin/bash", str(script)],
+        cwd=tree,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=60,
+        text=True,
+    )
     records = capture.read_bytes().decode().split(RECORD_END)
     # bash's own errors ("division by 0", a bad substitution) may change values; ulimit and the
     # cluster's own `source`d files are about the machine, not the command line
-    errors = [line.split(f"{script}: ", 1)[1] for line in done.stderr.splitlines()
-              if f"{script}: line " in line and not re.search(r"ulimit:|No such file or directory", line)]
+    errors = [
+        line.split(f"{script}: ", 1)[1]
+        for line in done.stderr.splitlines()
+        if f"{script}: line " in line and not re.search(r"ulimit:|No such file or directory", line)
+    ]
     return [[a for a in record.split("\0") if a] for record in records if record], errors
 
 
@@ -210,8 +249,11 @@ def corpus_name(rel: str) -> str:
 
 def render(item: Extraction, commit: str, version: str) -> str:
     """One corpus file: a header of comments, then one override per line."""
-    lines = [f"# source: {item.source}", f"# verl commit: {commit} (verl/version/version: {version})",
-             f"# entry: {item.entry}"]
+    lines = [
+        f"# source: {item.source}",
+        f"# verl commit: {commit} (verl/version/version: {version})",
+        f"# entry: {item.entry}",
+    ]
     if item.hydra_options:
         lines.append(f"# hydra options: {' '.join(item.hydra_options)}")
     if item.variant:
@@ -236,8 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     taken, skipped = [], []
     with tempfile.TemporaryDirectory(prefix="verl_examples_") as tmp:
         tree = Path(tmp) / "verl"
-        archive = subprocess.run(["git", "-C", args.verl_dir, "archive", "HEAD", "examples"],
-                                 check=True, capture_output=True).stdout
+        archive = subprocess.run(
+            ["git", "-C", args.verl_dir, "archive", "HEAD", "examples"], check=True, capture_output=True
+        ).stdout
         tree.mkdir()
         subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
         (tree / ".no-commands").mkdir()
@@ -249,8 +292,10 @@ def main(argv: list[str] | None = None) -> int:
             (out / corpus_name(rel)).write_text(render(item, commit, version))
             taken.append(rel)
         shutil.rmtree(tree, ignore_errors=True)
-    print(f"verl {version} at {commit}: {len(taken) + len(skipped)} scripts run main_ppo; "
-          f"{len(taken)} FSDP written to {out}, {len(skipped)} megatron skipped")
+    print(
+        f"verl {version} at {commit}: {len(taken) + len(skipped)} scripts run main_ppo; "
+        f"{len(taken)} FSDP written to {out}, {len(skipped)} megatron skipped"
+    )
     for rel in skipped:
         print(f"  skipped (megatron): {rel}")
     return 0

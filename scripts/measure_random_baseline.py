@@ -17,11 +17,11 @@ import tempfile
 import numpy as np
 import torch
 
+from rlframe.config.loader import load_config
 from rlframe.data.builtin_tasks import resolve_data_files
 from rlframe.data.dataset import RLHFDataset, collate_fn
 from rlframe.protocol import DataProto
 from rlframe.reward.manager import NaiveRewardManager
-from rlframe.config.loader import load_config
 
 
 def response_mask_until_eos(responses: torch.Tensor, eos_token_id: int) -> torch.Tensor:
@@ -31,29 +31,46 @@ def response_mask_until_eos(responses: torch.Tensor, eos_token_id: int) -> torch
     return (eos_before == 0).long()
 
 
-def measure(model, tokenizer, dataset, num_prompts: int, samples: int, temperature: float,
-            max_response_length: int, seed: int) -> dict:
+def measure(
+    model, tokenizer, dataset, num_prompts: int, samples: int, temperature: float, max_response_length: int, seed: int
+) -> dict:
     """Sample, score, and summarize one round on the first `num_prompts` prompts."""
     batch = collate_fn([dataset[i] for i in range(min(num_prompts, len(dataset)))])
     torch.manual_seed(seed)
     with torch.no_grad():
         output = model.generate(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], do_sample=True,
-            temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_response_length,
-            min_new_tokens=0, num_return_sequences=samples, pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id)
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            do_sample=True,
+            temperature=temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_response_length,
+            min_new_tokens=0,
+            num_return_sequences=samples,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
     prompts = batch["input_ids"].repeat_interleave(samples, dim=0)
-    responses = output[:, prompts.shape[1]:]
+    responses = output[:, prompts.shape[1] :]
     response_mask = response_mask_until_eos(responses, tokenizer.eos_token_id)
     non_tensors = {k: np.repeat(batch[k], samples) for k in ("data_source", "reward_model", "extra_info")}
     data = DataProto.from_dict(
-        {"prompts": prompts, "responses": responses, "response_mask": response_mask,
-         "attention_mask": torch.cat([batch["attention_mask"].repeat_interleave(samples, 0), response_mask], 1)},
-        non_tensors)
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "response_mask": response_mask,
+            "attention_mask": torch.cat([batch["attention_mask"].repeat_interleave(samples, 0), response_mask], 1),
+        },
+        non_tensors,
+    )
     result = NaiveRewardManager(tokenizer)(data, return_dict=True)
     scores = np.array(result["reward_extra_info"]["score"])
-    return {"score": scores, "acc": np.array(result["reward_extra_info"]["acc"]),
-            "length": response_mask.sum(1).float().numpy()}
+    return {
+        "score": scores,
+        "acc": np.array(result["reward_extra_info"]["acc"]),
+        "length": response_mask.sum(1).float().numpy(),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,23 +88,39 @@ def main(argv: list[str] | None = None) -> None:
     from rlframe.models.tiny import make_tiny_model
 
     # the quickstart's task sizes (examples/grpo_tiny_cpu.sh), not verl's defaults
-    cfg = load_config(["data.max_prompt_length=64", "data.max_response_length=16",
-                       "data.filter_overlong_prompts=true"]).data
+    cfg = load_config(
+        ["data.max_prompt_length=64", "data.max_response_length=16", "data.filter_overlong_prompts=true"]
+    ).data
     with tempfile.TemporaryDirectory() as tmp:
         model_path = args.model or make_tiny_model(f"{tmp}/tiny")
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         files = resolve_data_files(args.task, builtin_dir=f"{tmp}/data", seed=cfg.seed, split="train")
         dataset = RLHFDataset(files, tokenizer, cfg)
-        rounds = [measure(model, tokenizer, dataset, args.num_prompts, args.samples, args.temperature,
-                          cfg.max_response_length, seed) for seed in args.seeds]
+        rounds = [
+            measure(
+                model,
+                tokenizer,
+                dataset,
+                args.num_prompts,
+                args.samples,
+                args.temperature,
+                cfg.max_response_length,
+                seed,
+            )
+            for seed in args.seeds
+        ]
 
     scores = np.concatenate([r["score"] for r in rounds])
     per_round = [r["score"].mean() for r in rounds]
-    print(f"task {args.task}, {len(scores)} responses ({args.num_prompts} prompts x {args.samples} samples "
-          f"x {len(args.seeds)} seeds), temperature {args.temperature}, max reward 1.0")
-    print(f"mean score      {scores.mean():.4f} (stderr {scores.std() / np.sqrt(len(scores)):.4f}; "
-          f"per seed {', '.join(f'{s:.4f}' for s in per_round)})")
+    print(
+        f"task {args.task}, {len(scores)} responses ({args.num_prompts} prompts x {args.samples} samples "
+        f"x {len(args.seeds)} seeds), temperature {args.temperature}, max reward 1.0"
+    )
+    print(
+        f"mean score      {scores.mean():.4f} (stderr {scores.std() / np.sqrt(len(scores)):.4f}; "
+        f"per seed {', '.join(f'{s:.4f}' for s in per_round)})"
+    )
     print(f"accuracy        {np.concatenate([r['acc'] for r in rounds]).mean():.4f}")
     print(f"score > 0       {(scores > 0).mean():.4f}")
     print(f"mean length     {np.concatenate([r['length'] for r in rounds]).mean():.2f} tokens")

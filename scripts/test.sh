@@ -6,5 +6,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${RLFRAME_VENV:-$ROOT/.venv}"
 bash "$ROOT/scripts/setup.sh" test,tensorboard,wandb
 cd "$ROOT"
+echo "[test] ruff check and ruff format --check (settings in pyproject.toml)"
+"$VENV/bin/ruff" check .
+"$VENV/bin/ruff" format --check .
 export RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 exec "$VENV/bin/python" -m pytest "$@"

@@ -239,8 +239,9 @@ def classify_keys(overrides: list[str], first: tuple[int, str, list[str]], known
         use.message = message
         status, message, warnings = run_explain([u.override for u in live])
     for use in live:
-        warning = next((w for w in warnings if WARNING_KEY.search(w) and WARNING_KEY.search(w).group(1) == use.key),
-                       None)
+        warning = next(
+            (w for w in warnings if WARNING_KEY.search(w) and WARNING_KEY.search(w).group(1) == use.key), None
+        )
         if warning:
             use.status, use.message = "warned", warning
         elif use.override.startswith("+") and not known.reads(use.key):
@@ -288,10 +289,22 @@ def default_reliance(examples: list[Example]) -> list[dict]:
             critic = values.get("algorithm.adv_estimator", "gae").strip("'\"") == "gae"
             actor_dynamic = _truthy(values.get("actor_rollout_ref.actor.use_dynamic_bsz"))
             critic_dynamic = _truthy(values.get("critic.use_dynamic_bsz", str(actor_dynamic)))
-            matters += {"always": True, "critic": critic, "actor dynamic bsz": actor_dynamic,
-                        "critic dynamic bsz": critic and critic_dynamic}[when]
-        rows.append({"key": key, "rlframe_default": ours.get(key, "(no such key)"), "verl_0_9_1_default": verl_value,
-                     "scripts_omitting": omit, "omitting_where_it_matters": matters, "matters_when": when})
+            matters += {
+                "always": True,
+                "critic": critic,
+                "actor dynamic bsz": actor_dynamic,
+                "critic dynamic bsz": critic and critic_dynamic,
+            }[when]
+        rows.append(
+            {
+                "key": key,
+                "rlframe_default": ours.get(key, "(no such key)"),
+                "verl_0_9_1_default": verl_value,
+                "scripts_omitting": omit,
+                "omitting_where_it_matters": matters,
+                "matters_when": when,
+            }
+        )
     return rows
 
 
@@ -339,8 +352,10 @@ def print_summary(summary: dict, results: list[ScriptResult]) -> None:
     """The table a person reads: scripts taken whole, key uses, refused keys, the ten defaults."""
     n, total = summary["scripts"], summary["key_uses"]
     print(f"scripts taken whole: {summary['taken_whole']}/{n}   {summary['verdicts']}")
-    print(f"key uses: {total}; taken {summary['taken_fraction']:.1%}, accepted {summary['accepted_fraction']:.1%}, "
-          f"unknown {summary['unknown_fraction']:.1%}")
+    print(
+        f"key uses: {total}; taken {summary['taken_fraction']:.1%}, accepted {summary['accepted_fraction']:.1%}, "
+        f"unknown {summary['unknown_fraction']:.1%}"
+    )
     for status, count in sorted(summary["key_use_status"].items(), key=lambda kv: -kv[1]):
         print(f"  {status:<17} {count:5d}  {count / total:6.1%}")
     print("\nwhy the other scripts are refused (first message of explain):")
@@ -354,8 +369,10 @@ def print_summary(summary: dict, results: list[ScriptResult]) -> None:
     for row in summary["defaults"]:
         ours = str(row["rlframe_default"])
         ours = "=" + ours[2:-1].rsplit(".", 2)[-2] if ours.startswith("${") else ours  # "=actor": follows it
-        print(f"  {row['key']:<54} {ours:>8} {row['verl_0_9_1_default']:>8} "
-              f"{row['scripts_omitting']:5d} {row['omitting_where_it_matters']:5d}  ({row['matters_when']})")
+        print(
+            f"  {row['key']:<54} {ours:>8} {row['verl_0_9_1_default']:>8} "
+            f"{row['scripts_omitting']:5d} {row['omitting_where_it_matters']:5d}  ({row['matters_when']})"
+        )
     print("\nscripts not taken whole:")
     for result in results:
         if not result.taken_whole:

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from rlframe.protocol import DataProto
-from rlframe.workers.actor import ActorSettings, PPOActor
 from rlframe.seqpack import MicroBatchSpec
+from rlframe.workers.actor import ActorSettings, PPOActor
 from rlframe.workers.critic import CriticSettings, PPOCritic
 from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, build_fsdp_mesh, load_hf_model, wrap_fsdp
 
@@ -28,16 +28,16 @@ PROMPT_LEN, RESPONSE_LEN = 8, 8
 class Scenario:
     world: int = 1
     sp: int = 1
-    strategy: str = "fsdp2"                # fsdp2 | fsdp | none (plain module, single process)
+    strategy: str = "fsdp2"  # fsdp2 | fsdp | none (plain module, single process)
     use_remove_padding: bool = True
     use_dynamic_bsz: bool = False
     micro_batch_size: int = 2
-    max_token_len: int = 64                # per GPU, before × sp
+    max_token_len: int = 64  # per GPU, before × sp
     loss_agg_mode: str = "token-mean"
     role: str = "actor"
-    mini_batch_size: int | None = None     # sequences per optimizer step, global; None = whole batch
+    mini_batch_size: int | None = None  # sequences per optimizer step, global; None = whole batch
     param_offload: bool = False
-    fsdp_size: int = -1                    # -1: shard over all ranks; else hybrid sharding (HSDP)
+    fsdp_size: int = -1  # -1: shard over all ranks; else hybrid sharding (HSDP)
     gradient_checkpointing: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -58,12 +58,15 @@ def make_batch(vocab_size: int, num_seqs: int = 8, seed: int = 0, skew: bool = F
     ids = torch.randint(3, vocab_size, (num_seqs, PROMPT_LEN + RESPONSE_LEN), generator=gen)
     mask = torch.zeros_like(ids)
     for i in range(num_seqs):
-        mask[i, PROMPT_LEN - prompt_lens[i]:PROMPT_LEN + response_lens[i]] = 1
+        mask[i, PROMPT_LEN - prompt_lens[i] : PROMPT_LEN + response_lens[i]] = 1
     ids = ids * mask  # pad id 0
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     responses = ids[:, PROMPT_LEN:]
     tensors = {
-        "input_ids": ids, "attention_mask": mask, "position_ids": position_ids, "responses": responses,
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": position_ids,
+        "responses": responses,
         "old_log_probs": -5.0 + 0.3 * torch.randn(num_seqs, RESPONSE_LEN, generator=gen),
         "ref_log_prob": -5.0 + 0.3 * torch.randn(num_seqs, RESPONSE_LEN, generator=gen),
         "advantages": torch.randn(num_seqs, RESPONSE_LEN, generator=gen),
@@ -77,14 +80,35 @@ def settings_for(sc: Scenario, num_seqs: int):
     mini_global = sc.mini_batch_size or num_seqs
     update = MicroBatchSpec(sc.use_dynamic_bsz, sc.micro_batch_size, sc.max_token_len * sc.sp, "kk")
     if sc.role == "critic":
-        return CriticSettings(mini_batch_size=mini_global // sc.dp, update=update, forward=update, ppo_epochs=1,
-                              shuffle=False, grad_clip=1e9, cliprange_value=0.5, loss_agg_mode=sc.loss_agg_mode,
-                              use_remove_padding=sc.use_remove_padding)
-    base = ActorSettings(mini_batch_size=mini_global // sc.dp, update=update, log_prob=update, ppo_epochs=1,
-                         shuffle=False, grad_clip=1e9, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
-                         loss_agg_mode=sc.loss_agg_mode, policy_loss="vanilla", entropy_coeff=0.01,
-                         use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="low_var_kl",
-                         use_remove_padding=sc.use_remove_padding)
+        return CriticSettings(
+            mini_batch_size=mini_global // sc.dp,
+            update=update,
+            forward=update,
+            ppo_epochs=1,
+            shuffle=False,
+            grad_clip=1e9,
+            cliprange_value=0.5,
+            loss_agg_mode=sc.loss_agg_mode,
+            use_remove_padding=sc.use_remove_padding,
+        )
+    base = ActorSettings(
+        mini_batch_size=mini_global // sc.dp,
+        update=update,
+        log_prob=update,
+        ppo_epochs=1,
+        shuffle=False,
+        grad_clip=1e9,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=3.0,
+        loss_agg_mode=sc.loss_agg_mode,
+        policy_loss="vanilla",
+        entropy_coeff=0.01,
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+        kl_loss_type="low_var_kl",
+        use_remove_padding=sc.use_remove_padding,
+    )
     return replace(base, **sc.extra)
 
 
@@ -108,17 +132,25 @@ def full_grads(model) -> dict[str, torch.Tensor]:
         with FSDP.summon_full_params(model, with_grads=True, writeback=False):
             named = [(n, p.grad) for n, p in model.named_parameters()]
     else:
-        named = [(n, p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
-                 for n, p in model.named_parameters() if p.grad is not None]
-    return {n.replace("_fsdp_wrapped_module.", ""): g.detach().to("cpu", copy=True) for n, g in named
-            if g is not None}
+        named = [
+            (n, p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+            for n, p in model.named_parameters()
+            if p.grad is not None
+        ]
+    return {n.replace("_fsdp_wrapped_module.", ""): g.detach().to("cpu", copy=True) for n, g in named if g is not None}
 
 
-def run_scenario(sc: Scenario, model_path: str, data: DataProto, dp_rank: int = 0, dp_group=None, sp_group=None,
-                 mesh=None) -> dict:
+def run_scenario(
+    sc: Scenario, model_path: str, data: DataProto, dp_rank: int = 0, dp_group=None, sp_group=None, mesh=None
+) -> dict:
     """One rank's part of a scenario: outputs of its DP shard, metrics and the full gradient."""
-    spec = ModelSpec(path=model_path, role=sc.role, dtype=torch.float32, use_remove_padding=sc.use_remove_padding,
-                     gradient_checkpointing=sc.gradient_checkpointing)
+    spec = ModelSpec(
+        path=model_path,
+        role=sc.role,
+        dtype=torch.float32,
+        use_remove_padding=sc.use_remove_padding,
+        gradient_checkpointing=sc.gradient_checkpointing,
+    )
     torch.manual_seed(0)  # the critic's fresh value head must start equal everywhere
     model = load_hf_model(spec)
     if sc.strategy != "none":
@@ -158,8 +190,9 @@ def _worker(rank: int, sc: Scenario, port: int, model_path: str, data_path: str,
         dp_group = mesh["dp"].get_group()
         sp_group = mesh["sp"].get_group() if sc.sp > 1 else None
         dp_rank = mesh.get_local_rank("dp")
-        result = run_scenario(sc, model_path, DataProto.load_from_disk(data_path), dp_rank, dp_group, sp_group,
-                              fsdp_mesh)
+        result = run_scenario(
+            sc, model_path, DataProto.load_from_disk(data_path), dp_rank, dp_group, sp_group, fsdp_mesh
+        )
         if rank != 0:
             result.pop("grads")
         result["dp_rank"], result["sp_rank"] = dp_rank, mesh.get_local_rank("sp")
@@ -172,13 +205,18 @@ def run_distributed(sc: Scenario, model_path: str, data: DataProto, out_dir: str
     """Spawn `sc.world` gloo processes; return outputs re-assembled in the input order, metrics, grads."""
     data_path = os.path.join(out_dir, "data.pkl")
     data.save_to_disk(data_path)
-    torch.multiprocessing.spawn(_worker, args=(sc, free_port(), model_path, data_path, out_dir), nprocs=sc.world,
-                                join=True)
+    torch.multiprocessing.spawn(
+        _worker, args=(sc, free_port(), model_path, data_path, out_dir), nprocs=sc.world, join=True
+    )
     results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(sc.world)]
     collectors = sorted((r for r in results if r["sp_rank"] == 0), key=lambda r: r["dp_rank"])
     outputs = {k: torch.cat([r["outputs"][k] for r in collectors]) for k in collectors[0]["outputs"]}
-    return {"outputs": outputs, "metrics": results[0]["metrics"], "grads": results[0]["grads"],
-            "all_metrics": [r["metrics"] for r in results]}
+    return {
+        "outputs": outputs,
+        "metrics": results[0]["metrics"],
+        "grads": results[0]["grads"],
+        "all_metrics": [r["metrics"] for r in results],
+    }
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

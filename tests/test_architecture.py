@@ -5,8 +5,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Lowest first. A package may import itself and any package listed before it, never one after it.
-LAYERS = ["protocol", "seqpack", "utils", "config", "distributed", "models", "algorithms", "batch_plan", "data",
-          "single_controller", "reward", "workers", "trainer", "explain", "cli"]
+LAYERS = [
+    "protocol",
+    "seqpack",
+    "utils",
+    "config",
+    "distributed",
+    "models",
+    "algorithms",
+    "batch_plan",
+    "data",
+    "single_controller",
+    "reward",
+    "workers",
+    "trainer",
+    "explain",
+    "cli",
+]
 
 
 def rlframe_imports(path: Path) -> list[tuple[int, str]]:
@@ -19,8 +34,9 @@ def rlframe_imports(path: Path) -> list[tuple[int, str]]:
             names = [node.module]
         else:
             continue
-        found += [(node.lineno, name.split(".")[1]) for name in names
-                  if name.startswith("rlframe.") and name.count(".") >= 1]
+        found += [
+            (node.lineno, name.split(".")[1]) for name in names if name.startswith("rlframe.") and name.count(".") >= 1
+        ]
     return found
 
 
@@ -49,14 +65,21 @@ def test_imports_point_only_to_lower_layers():
 
 def test_workers_never_import_the_trainer():
     # the sharpest case of the rule above, named so that a failure explains itself
-    offenders = [f"{p.relative_to(ROOT)}:{line}" for p in (ROOT / "rlframe" / "workers").rglob("*.py")
-                 for line, imported in rlframe_imports(p) if imported == "trainer"]
+    offenders = [
+        f"{p.relative_to(ROOT)}:{line}"
+        for p in (ROOT / "rlframe" / "workers").rglob("*.py")
+        for line, imported in rlframe_imports(p)
+        if imported == "trainer"
+    ]
     assert not offenders
 
 
 def test_no_reference_to_documents_outside_the_repository():
     # Design notes that live outside the repository must be brought into docs/, not cited.
-    cited = [f"{p.relative_to(ROOT)}" for folder in ("rlframe", "tests", "docs", "bench", "scripts")
-             for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".md", ".sh")
-             and "DESIGN" + " §" in p.read_text()]
+    cited = [
+        f"{p.relative_to(ROOT)}"
+        for folder in ("rlframe", "tests", "docs", "bench", "scripts")
+        for p in (ROOT / folder).rglob("*")
+        if p.suffix in (".py", ".md", ".sh") and "DESIGN" + " §" in p.read_text()
+    ]
     assert not cited

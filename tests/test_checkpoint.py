@@ -27,8 +27,8 @@ TRAIN_STEPS = 2
 @dataclass(frozen=True)
 class Layout:
     world: int
-    strategy: str = "fsdp2"   # fsdp2 | fsdp | none (plain module, no process group)
-    fsdp_size: int = -1       # -1: shard over all ranks; else HSDP
+    strategy: str = "fsdp2"  # fsdp2 | fsdp | none (plain module, no process group)
+    fsdp_size: int = -1  # -1: shard over all ranks; else HSDP
 
     def __str__(self) -> str:
         hsdp = f"-hsdp{self.fsdp_size}" if self.fsdp_size != -1 else ""
@@ -70,6 +70,7 @@ def train(model, optimizer, scheduler, generator, rank: int) -> None:
     import random
 
     import numpy as np
+
     random.seed(2000 + rank)
     np.random.seed(3000 + rank)
 
@@ -81,19 +82,26 @@ def full_state(model, optimizer) -> dict:
     options = StateDictOptions(full_state_dict=True, cpu_offload=False)
     params = get_model_state_dict(model, options=options)
     optim = get_optimizer_state_dict(model, optimizer, options=options)
-    return {"params": {k: v.detach().cpu().clone() for k, v in params.items()},
-            "optim": {"state": {fqn: {k: v.detach().cpu().clone() for k, v in s.items()}
-                                for fqn, s in optim["state"].items()},
-                      "param_groups": optim["param_groups"]}}
+    return {
+        "params": {k: v.detach().cpu().clone() for k, v in params.items()},
+        "optim": {
+            "state": {fqn: {k: v.detach().cpu().clone() for k, v in s.items()} for fqn, s in optim["state"].items()},
+            "param_groups": optim["param_groups"],
+        },
+    }
 
 
 def rng_snapshot(generator) -> dict:
     import random
 
     import numpy as np
-    return {"torch": torch.get_rng_state(), "generator": generator.get_state(),
-            "numpy": torch.from_numpy(np.random.get_state()[1].astype("int64")),
-            "random": torch.tensor(random.getstate()[1])}
+
+    return {
+        "torch": torch.get_rng_state(),
+        "generator": generator.get_state(),
+        "numpy": torch.from_numpy(np.random.get_state()[1].astype("int64")),
+        "random": torch.tensor(random.getstate()[1]),
+    }
 
 
 def rank_main(rank: int, phase: str, layout: Layout, port: int, model_path: str, ckpt_dir: str, out_dir: str):
@@ -109,11 +117,20 @@ def rank_main(rank: int, phase: str, layout: Layout, port: int, model_path: str,
         if phase == "save":
             train(model, optimizer, scheduler, generator, rank)
             record = {"rng": rng_snapshot(generator)}
-            ckpt.save_checkpoint(ckpt_dir, model, optimizer, scheduler, ("model", "optimizer", "extra"),
-                                 rank=rank, world_size=layout.world, generator=generator)
+            ckpt.save_checkpoint(
+                ckpt_dir,
+                model,
+                optimizer,
+                scheduler,
+                ("model", "optimizer", "extra"),
+                rank=rank,
+                world_size=layout.world,
+                generator=generator,
+            )
         else:
-            ckpt.load_checkpoint(ckpt_dir, model, optimizer, scheduler, rank=rank, world_size=layout.world,
-                                 generator=generator)
+            ckpt.load_checkpoint(
+                ckpt_dir, model, optimizer, scheduler, rank=rank, world_size=layout.world, generator=generator
+            )
             record = {"rng": rng_snapshot(generator)}
         record["lr_scheduler"] = scheduler.state_dict()
         record["lr"] = optimizer.param_groups[0]["lr"]
@@ -130,17 +147,28 @@ def rank_main(rank: int, phase: str, layout: Layout, port: int, model_path: str,
 
 def run_ranks(phase: str, layout: Layout, model_path: str, ckpt_dir: str, out_dir: str) -> list[dict]:
     os.makedirs(out_dir, exist_ok=True)
-    torch.multiprocessing.spawn(rank_main, args=(phase, layout, free_port(), model_path, ckpt_dir, out_dir),
-                                nprocs=layout.world, join=True)
+    torch.multiprocessing.spawn(
+        rank_main, args=(phase, layout, free_port(), model_path, ckpt_dir, out_dir), nprocs=layout.world, join=True
+    )
     return [torch.load(os.path.join(out_dir, f"{phase}_rank{r}.pt"), weights_only=True) for r in range(layout.world)]
 
 
 # ---------------------------------------------------------------- resharding
-SAVED = {"fsdp2x2": Layout(2), "fsdp2x1": Layout(1), "fsdpx2": Layout(2, "fsdp"),
-         "fsdp2-hsdp2x4": Layout(4, fsdp_size=2)}
+SAVED = {
+    "fsdp2x2": Layout(2),
+    "fsdp2x1": Layout(1),
+    "fsdpx2": Layout(2, "fsdp"),
+    "fsdp2-hsdp2x4": Layout(4, fsdp_size=2),
+}
 # shrink, grow (from one rank and to four), FSDP1 -> FSDP2, HSDP (FSDP2) -> FSDP1, sharded -> plain module
-CASES = [("fsdp2x2", Layout(1)), ("fsdp2x1", Layout(2)), ("fsdp2x2", Layout(4)), ("fsdpx2", Layout(2)),
-         ("fsdp2-hsdp2x4", Layout(2, "fsdp")), ("fsdp2x2", Layout(1, "none"))]
+CASES = [
+    ("fsdp2x2", Layout(1)),
+    ("fsdp2x1", Layout(2)),
+    ("fsdp2x2", Layout(4)),
+    ("fsdpx2", Layout(2)),
+    ("fsdp2-hsdp2x4", Layout(2, "fsdp")),
+    ("fsdp2x2", Layout(1, "none")),
+]
 
 
 @pytest.fixture(scope="module")
@@ -189,8 +217,11 @@ def test_checkpoint_loads_at_another_world_size_and_strategy(saved, tiny_model_p
     # the offline reader sees the same full tensors (what an HF merge of the checkpoint would write)
     assert_same_tree(ckpt.read_full_tensors(os.path.join(ckpt_dir, "model")), before[0]["full"]["params"], "offline")
     offline_optim = ckpt.read_full_tensors(os.path.join(ckpt_dir, "optimizer"))
-    expected = {f"state.{fqn}.{key}": value for fqn, state in before[0]["full"]["optim"]["state"].items()
-                for key, value in state.items()}
+    expected = {
+        f"state.{fqn}.{key}": value
+        for fqn, state in before[0]["full"]["optim"]["state"].items()
+        for key, value in state.items()
+    }
     assert_same_tree(offline_optim, expected, "offline optimizer")
 
 
@@ -216,6 +247,7 @@ def test_rng_state_round_trips_through_plain_data():
     import random
 
     import numpy as np
+
     torch.manual_seed(5)
     random.seed(6)
     np.random.seed(7)
@@ -241,8 +273,9 @@ class _RunsCode:
 
 def test_crafted_pickle_in_extra_state_is_refused(plain_checkpoint, tiny_model_path, tmp_path):
     marker = tmp_path / "pwned"
-    torch.save({"world_size": 1, "rng": _RunsCode(str(marker))},
-               os.path.join(plain_checkpoint, "extra_state", "rank_0.pt"))
+    torch.save(
+        {"world_size": 1, "rng": _RunsCode(str(marker))}, os.path.join(plain_checkpoint, "extra_state", "rank_0.pt")
+    )
     model, optimizer, scheduler, generator = build(Layout(1, "none"), tiny_model_path)
     with pytest.raises(pickle.UnpicklingError, match="rank_0.pt is not plain data"):
         ckpt.load_checkpoint(plain_checkpoint, model, optimizer, scheduler, generator=generator)
@@ -290,8 +323,11 @@ def test_incomplete_folder_names_the_folder_and_the_missing_file(plain_checkpoin
     shutil.rmtree(os.path.join(plain_checkpoint, "optimizer"))  # allowed: save_contents may leave it out
     os.remove(os.path.join(plain_checkpoint, "extra_state", "rank_0.pt"))
     torch.save({}, os.path.join(plain_checkpoint, "extra_state", "rank_1.pt"))
-    with pytest.raises(FileNotFoundError, match=r"extra_state/ should hold rank_0\.pt .. rank_<W-1>\.pt but has "
-                                                r"ranks \[1\]"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"extra_state/ should hold rank_0\.pt .. rank_<W-1>\.pt but has "
+        r"ranks \[1\]",
+    ):
         ckpt.load_checkpoint(plain_checkpoint, model, None, scheduler, load_contents=("extra",))
     with pytest.raises(FileNotFoundError, match=rf"checkpoint folder {tmp_path / 'nowhere'} does not exist"):
         ckpt.load_checkpoint(str(tmp_path / "nowhere"), model)
@@ -337,8 +373,15 @@ def _checkpointer(root):
 
     from rlframe.trainer.checkpointing import TrainerCheckpointer
 
-    return TrainerCheckpointer(SimpleNamespace(default_local_dir=str(root), resume_mode="auto", resume_from_path=None,
-                                               max_actor_ckpt_to_keep=None, max_critic_ckpt_to_keep=None))
+    return TrainerCheckpointer(
+        SimpleNamespace(
+            default_local_dir=str(root),
+            resume_mode="auto",
+            resume_from_path=None,
+            max_actor_ckpt_to_keep=None,
+            max_critic_ckpt_to_keep=None,
+        )
+    )
 
 
 def test_data_pt_is_plain_data_and_round_trips(tmp_path):

@@ -11,12 +11,12 @@ import sys
 
 import pytest
 from omegaconf import OmegaConf
+from small_config import SMALL
 
 from rlframe.config.key_status import key_statuses
 from rlframe.config.loader import leaves
 from rlframe.config.trace import ENV
 from rlframe.trainer.config import compose
-from small_config import SMALL
 
 pytestmark = pytest.mark.slow
 
@@ -27,17 +27,29 @@ CHECKED_ONLY = {
 
 RUNS = {
     "grpo_kl_loss_dynamic": [
-        "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
-        "trainer.save_freq=2", "trainer.test_freq=1",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "trainer.save_freq=2",
+        "trainer.test_freq=1",
     ],
     "ppo_critic_kl_in_reward": [
-        "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
-        "trainer.save_freq=2", "trainer.val_before_train=false",
+        "algorithm.adv_estimator=gae",
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.type=adaptive",
+        "trainer.save_freq=2",
+        "trainer.val_before_train=false",
     ],
 }
-COMMON = [*SMALL, "trainer.total_training_steps=2", "trainer.logger=[jsonl]", "trainer.resume_mode=disable",
-          "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-          "data.max_response_length=8"]
+COMMON = [
+    *SMALL,
+    "trainer.total_training_steps=2",
+    "trainer.logger=[jsonl]",
+    "trainer.resume_mode=disable",
+    "data.train_batch_size=4",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+    "data.max_response_length=8",
+]
 
 
 def unread_and_active(overrides: list[str], trace_dir: str) -> list[str]:
@@ -61,8 +73,13 @@ def test_every_key_is_read_or_reported_ignored(name, tmp_path, cache_dir):
     overrides = COMMON + RUNS[name] + [f"trainer.default_local_dir={tmp_path / 'run'}"]
     trace_dir = tmp_path / "reads"
     env = {**os.environ, "RLFRAME_CACHE": str(cache_dir), ENV: str(trace_dir)}
-    out = subprocess.run([sys.executable, "-m", "rlframe.trainer.main_ppo", *overrides], capture_output=True,
-                         text=True, timeout=900, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "rlframe.trainer.main_ppo", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     missing = unread_and_active(overrides, str(trace_dir))
     assert not missing, "accepted but neither read nor reported ignored:\n" + "\n".join(missing)

@@ -19,8 +19,11 @@ def test_the_yaml_is_generated_from_the_typed_sections():
 
 
 def test_every_key_has_a_help_line():
-    missing = [path for path, value, field in walk(PPOTrainerConfig())
-               if not isinstance(value, Section) and not field.metadata.get("help")]
+    missing = [
+        path
+        for path, value, field in walk(PPOTrainerConfig())
+        if not isinstance(value, Section) and not field.metadata.get("help")
+    ]
     assert not missing
 
 
@@ -30,8 +33,11 @@ def test_every_section_is_a_typed_dataclass():
 
 
 def test_an_added_key_that_nothing_reads_is_refused_by_name():
-    with pytest.raises(ValueError, match=r"actor_rollout_ref.actor.overlong_buffer is not a config key: no "
-                                         r"rlframe component reads it \(from the override"):
+    with pytest.raises(
+        ValueError,
+        match=r"actor_rollout_ref.actor.overlong_buffer is not a config key: no "
+        r"rlframe component reads it \(from the override",
+    ):
         compose(["+actor_rollout_ref.actor.overlong_buffer=4"])
 
 
@@ -81,10 +87,18 @@ def test_clip_ratio_alone_is_reported_as_without_effect_like_in_verl():
 
 
 def test_a_verl_key_rlframe_does_not_implement_is_taken_at_verls_default_only():
-    compose(["actor_rollout_ref.model.lora_rank=0", "algorithm.filter_groups.enable=False",
-             "actor_rollout_ref.rollout.mode=async"])  # the same run as without them
-    with pytest.raises(ValueError, match=r"actor_rollout_ref.model.lora_rank=32: LoRA is not implemented yet.*"
-                                         r"verl 0.9.1's default \(0\)"):
+    compose(
+        [
+            "actor_rollout_ref.model.lora_rank=0",
+            "algorithm.filter_groups.enable=False",
+            "actor_rollout_ref.rollout.mode=async",
+        ]
+    )  # the same run as without them
+    with pytest.raises(
+        ValueError,
+        match=r"actor_rollout_ref.model.lora_rank=32: LoRA is not implemented yet.*"
+        r"verl 0.9.1's default \(0\)",
+    ):
         compose(["actor_rollout_ref.model.lora_rank=32"])
     with pytest.raises(ValueError, match=r"trainer.val_only=True: rlframe does not implement"):
         compose(["trainer.val_only=True"])
@@ -98,7 +112,9 @@ def test_every_verl_key_is_declared_by_rlframe_or_has_a_verl_default():
     assert len(defaults) > 800
     for key, default in defaults.items():
         if not (isinstance(default, str) and "${" in default) and not isinstance(default, (dict, list)):
-            assert check_verl_override(key, json.dumps(default) if not isinstance(default, str) else default) is None, key
+            assert check_verl_override(key, json.dumps(default) if not isinstance(default, str) else default) is None, (
+                key
+            )
 
 
 def test_a_list_key_takes_a_single_value_as_verl_does():

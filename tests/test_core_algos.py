@@ -15,8 +15,9 @@ T = torch.tensor
 
 
 def close(a, b, atol=1e-5):
-    torch.testing.assert_close(torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64),
-                               atol=atol, rtol=1e-5)
+    torch.testing.assert_close(
+        torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64), atol=atol, rtol=1e-5
+    )
 
 
 # ───────────────────────────── masked helpers ─────────────────────────────
@@ -80,8 +81,13 @@ def test_grpo_two_groups_std_normalized():
     adv, ret = advantage.get_adv_estimator_fn("grpo")(rewards, mask, index=index)
     # group a: mean 0.5, std sqrt(0.5); group b: mean 2/3, std sqrt(1/3)
     s_a, s_b = math.sqrt(0.5), math.sqrt(1 / 3)
-    expected = [0.5 / (s_a + 1e-6), -0.5 / (s_a + 1e-6), (1 / 3) / (s_b + 1e-6), (1 / 3) / (s_b + 1e-6),
-                (-2 / 3) / (s_b + 1e-6)]
+    expected = [
+        0.5 / (s_a + 1e-6),
+        -0.5 / (s_a + 1e-6),
+        (1 / 3) / (s_b + 1e-6),
+        (1 / 3) / (s_b + 1e-6),
+        (-2 / 3) / (s_b + 1e-6),
+    ]
     close(adv, T(expected).unsqueeze(-1) * mask)
     close(ret, adv)
 
@@ -155,8 +161,16 @@ def test_remax_reward_to_go_minus_greedy_baseline():
 
 def test_compute_advantage_passes_only_the_inputs_each_estimator_needs():
     rewards, mask = outcome_batch([1, 0])
-    inputs = dict(token_level_rewards=rewards, response_mask=mask, values=torch.zeros(2, 3), index=np.array([0, 0]),
-                  gamma=1.0, lam=1.0, reward_baselines=torch.zeros(2), norm_adv_by_std_in_grpo=True)
+    inputs = dict(
+        token_level_rewards=rewards,
+        response_mask=mask,
+        values=torch.zeros(2, 3),
+        index=np.array([0, 0]),
+        gamma=1.0,
+        lam=1.0,
+        reward_baselines=torch.zeros(2),
+        norm_adv_by_std_in_grpo=True,
+    )
     for name in advantage.ADV_ESTIMATORS:
         adv, ret = advantage.compute_advantage(name, **inputs)
         assert adv.shape == ret.shape == (2, 3), name
@@ -165,12 +179,15 @@ def test_compute_advantage_passes_only_the_inputs_each_estimator_needs():
 # ───────────────────────────── KL ─────────────────────────────
 
 
-@pytest.mark.parametrize("names,expected", [
-    (("kl", "k1"), [1.0, -1.0]),
-    (("abs",), [1.0, 1.0]),
-    (("mse", "k2"), [0.5, 0.5]),
-    (("low_var_kl", "k3"), [math.exp(-1) + 1 - 1, math.exp(1) - 1 - 1]),
-])
+@pytest.mark.parametrize(
+    "names,expected",
+    [
+        (("kl", "k1"), [1.0, -1.0]),
+        (("abs",), [1.0, 1.0]),
+        (("mse", "k2"), [0.5, 0.5]),
+        (("low_var_kl", "k3"), [math.exp(-1) + 1 - 1, math.exp(1) - 1 - 1]),
+    ],
+)
 def test_kl_penalty_known_values(names, expected):
     logprob, ref = T([0.0, -1.0]), T([-1.0, 0.0])
     for name in names:
@@ -240,7 +257,8 @@ def test_agg_loss_exact_under_random_micro_batch_splits(mode, seed):
     cuts = sorted(torch.randint(1, len(mask), (3,), generator=gen).tolist())
     total = sum(
         loss_math.agg_loss(loss_mat[idx], mask[idx], mode, global_num_tokens=num_tokens, global_num_seqs=num_seqs)
-        for idx in torch.tensor_split(perm, cuts) if len(idx)
+        for idx in torch.tensor_split(perm, cuts)
+        if len(idx)
     )
     close(total, whole, atol=1e-12)
     assert not torch.isnan(whole)
@@ -277,21 +295,31 @@ def test_agg_loss_all_empty_masks_give_zero_loss_and_finite_grad(mode):
 
 def vanilla(ratio, adv, low=0.2, high=0.2, c=3.0):
     log_prob = T([math.log(ratio)], dtype=torch.float64).requires_grad_()
-    loss, metrics = loss_math.compute_policy_loss_vanilla(torch.zeros(1, 1, dtype=torch.float64), log_prob.view(1, 1),
-                                                   T([[adv]], dtype=torch.float64), torch.ones(1, 1),
-                                                   low, high, c, "token-mean")
+    loss, metrics = loss_math.compute_policy_loss_vanilla(
+        torch.zeros(1, 1, dtype=torch.float64),
+        log_prob.view(1, 1),
+        T([[adv]], dtype=torch.float64),
+        torch.ones(1, 1),
+        low,
+        high,
+        c,
+        "token-mean",
+    )
     loss.backward()
     return loss.item(), log_prob.grad.item(), metrics
 
 
-@pytest.mark.parametrize("ratio,adv,loss,grad,clipfrac,lower", [
-    (1.5, 1.0, -1.2, 0.0, 1.0, 0.0),   # above 1+ε with A>0: clipped, no gradient
-    (0.5, 1.0, -0.5, -0.5, 0.0, 0.0),  # below 1−ε with A>0: unclipped (pessimistic bound)
-    (0.5, -1.0, 0.8, 0.0, 1.0, 0.0),   # below 1−ε with A<0: clipped
-    (1.5, -1.0, 1.5, 1.5, 0.0, 0.0),   # above 1+ε with A<0, under c: unclipped
-    (5.0, -1.0, 3.0, 0.0, 0.0, 1.0),   # A<0 and ratio > c: dual clip caps the loss at −A·c
-    (5.0, 1.0, -1.2, 0.0, 1.0, 0.0),   # dual clip never touches A>0
-])
+@pytest.mark.parametrize(
+    "ratio,adv,loss,grad,clipfrac,lower",
+    [
+        (1.5, 1.0, -1.2, 0.0, 1.0, 0.0),  # above 1+ε with A>0: clipped, no gradient
+        (0.5, 1.0, -0.5, -0.5, 0.0, 0.0),  # below 1−ε with A>0: unclipped (pessimistic bound)
+        (0.5, -1.0, 0.8, 0.0, 1.0, 0.0),  # below 1−ε with A<0: clipped
+        (1.5, -1.0, 1.5, 1.5, 0.0, 0.0),  # above 1+ε with A<0, under c: unclipped
+        (5.0, -1.0, 3.0, 0.0, 0.0, 1.0),  # A<0 and ratio > c: dual clip caps the loss at −A·c
+        (5.0, 1.0, -1.2, 0.0, 1.0, 0.0),  # dual clip never touches A>0
+    ],
+)
 def test_vanilla_clipping_edge_cases(ratio, adv, loss, grad, clipfrac, lower):
     got_loss, got_grad, metrics = vanilla(ratio, adv)
     close(got_loss, loss)
@@ -373,7 +401,6 @@ def test_logprobs_and_entropy_match_naive_and_are_stable_for_huge_logits():
     close(model_forward.entropy_from_logits(huge), [math.log(2)], atol=1e-6)
     close(model_forward.logprobs_from_logits(huge.double(), T([0])), [math.log(0.5)])
     assert torch.isfinite(model_forward.logprobs_from_logits(huge, T([2]))).all()
-
 
 
 def test_worker_counts_every_row_of_a_mini_batch_as_verl_does():

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from omegaconf import OmegaConf
+from small_config import SMALL
 
 from rlframe.data.builtin_tasks import SPLIT_SIZES, builtin_task_path, resolve_data_files
 from rlframe.data.dataloader import make_dataloader
@@ -18,7 +19,6 @@ from rlframe.data.dataset import RLHFDataset, collate_fn
 from rlframe.protocol import DataProto
 from rlframe.reward.scorers import countdown_add_score
 from rlframe.trainer.config import compose
-from small_config import SMALL
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +38,13 @@ def with_overrides(config, **overrides):
 
 
 def row(question, index, data_source="countdown_add", answer="1"):
-    return {"data_source": data_source, "prompt": [{"role": "user", "content": question}], "ability": "arithmetic",
-            "reward_model": {"style": "rule", "ground_truth": answer}, "extra_info": {"split": "test", "index": index}}
+    return {
+        "data_source": data_source,
+        "prompt": [{"role": "user", "content": question}],
+        "ability": "arithmetic",
+        "reward_model": {"style": "rule", "ground_truth": answer},
+        "extra_info": {"split": "test", "index": index},
+    }
 
 
 def write_rows(path, rows):
@@ -50,8 +55,10 @@ def write_rows(path, rows):
 @pytest.fixture
 def mixed_length_file(tmp_path):
     """Rows 0 and 2 are short; row 1 is long (about 60 prompt tokens)."""
-    return write_rows(tmp_path / "mixed.parquet", [
-        row("What is 1 + 2?", 0), row("count " * 40 + "1 2 3", 1), row("What is 3 + 4?", 2)])
+    return write_rows(
+        tmp_path / "mixed.parquet",
+        [row("What is 1 + 2?", 0), row("count " * 40 + "1 2 3", 1), row("What is 3 + 4?", 2)],
+    )
 
 
 # ---------------------------------------------------------------------------------- builtin task
@@ -75,7 +82,7 @@ def test_builtin_task_writes_train_and_val_parquet_in_verl_schema(tmp_path):
     # Answers cover every digit, so no constant answer is a good strategy.
     assert {r["reward_model"]["ground_truth"] for r in rows} == {str(d) for d in range(10)}
     # The val split is drawn with another seed.
-    assert [r["prompt"] for r in val_rows] != [r["prompt"] for r in rows[:len(val_rows)]]
+    assert [r["prompt"] for r in val_rows] != [r["prompt"] for r in rows[: len(val_rows)]]
     assert not [name for name in os.listdir(os.path.dirname(train[0])) if name.endswith(".tmp")]
 
 
@@ -91,7 +98,9 @@ def test_builtin_task_is_generated_once_and_depends_on_seed(tmp_path):
 
 def test_resolve_data_files_passes_plain_paths_and_rejects_unknown_tasks(tmp_path):
     assert resolve_data_files(["/data/a.parquet", "~/b.parquet"], str(tmp_path)) == [
-        "/data/a.parquet", os.path.expanduser("~/b.parquet")]
+        "/data/a.parquet",
+        os.path.expanduser("~/b.parquet"),
+    ]
     with pytest.raises(ValueError, match="builtin://countdown_add"):
         resolve_data_files("builtin://nope", str(tmp_path))
     with pytest.raises(ValueError, match="split"):
@@ -114,11 +123,12 @@ def test_prompts_are_chat_templated_left_padded_with_position_ids(tmp_path, toke
         assert item["input_ids"].shape == item["attention_mask"].shape == item["position_ids"].shape == (length,)
         num_real = int(item["attention_mask"].sum())
         assert item["attention_mask"].tolist() == [0] * (length - num_real) + [1] * num_real
-        assert (item["input_ids"][:length - num_real] == tokenizer.pad_token_id).all()
+        assert (item["input_ids"][: length - num_real] == tokenizer.pad_token_id).all()
         assert item["position_ids"].tolist() == [0] * (length - num_real) + list(range(num_real))
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                             add_generation_prompt=True, tokenize=False)
-        assert tokenizer.decode(item["input_ids"][length - num_real:]) == text
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+        )
+        assert tokenizer.decode(item["input_ids"][length - num_real :]) == text
         assert text.endswith("<|im_start|>assistant\n")
         assert item["index"] == 7 + i
         assert item["reward_model"]["ground_truth"] == "1"
@@ -132,8 +142,10 @@ def test_return_raw_chat_keeps_messages(tmp_path, tokenizer, data_config):
 
 
 def test_collated_batch_becomes_a_dataproto(tmp_path, tokenizer, data_config):
-    files = [write_rows(tmp_path / "a.parquet", [row("What is 1 + 2?", 0)]),
-             write_rows(tmp_path / "b.parquet", [row("What is 5 + 4?", 1, data_source="gsm8k", answer="9")])]
+    files = [
+        write_rows(tmp_path / "a.parquet", [row("What is 1 + 2?", 0)]),
+        write_rows(tmp_path / "b.parquet", [row("What is 5 + 4?", 1, data_source="gsm8k", answer="9")]),
+    ]
     dataset = RLHFDataset(files, tokenizer, data_config)
     batch = DataProto.from_single_dict(collate_fn([dataset[0], dataset[1]]))
     assert len(batch) == 2
@@ -159,8 +171,9 @@ def test_overlong_prompt_error_names_index_length_and_keys(mixed_length_file, to
         RLHFDataset(mixed_length_file, tokenizer, config)
     message = str(info.value)
     assert "prompt 1 of" in message and "data.max_prompt_length=32" in message and "data.truncation" in message
-    full_length = len(RLHFDataset(mixed_length_file, tokenizer, with_overrides(config, max_prompt_length=128))
-                      .prompt_ids[1])
+    full_length = len(
+        RLHFDataset(mixed_length_file, tokenizer, with_overrides(config, max_prompt_length=128)).prompt_ids[1]
+    )
     assert f"is {full_length} tokens long" in message
 
 
@@ -224,8 +237,9 @@ def through_checkpoint(state):
     return torch.load(buffer, weights_only=True)
 
 
-@pytest.mark.parametrize("stop_after", [3, 8, 11, 19],
-                         ids=["mid_epoch", "epoch_boundary", "second_epoch", "third_epoch"])
+@pytest.mark.parametrize(
+    "stop_after", [3, 8, 11, 19], ids=["mid_epoch", "epoch_boundary", "second_epoch", "third_epoch"]
+)
 def test_dataloader_resume_yields_the_batches_it_would_have(builtin_dataset, stop_after):
     # 64 prompts, batch 8 -> 8 batches per epoch; run 28 batches straight vs stop/save/resume.
     straight = run(make_dataloader(builtin_dataset, 8, shuffle=True, seed=3), 28)

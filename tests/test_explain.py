@@ -6,12 +6,11 @@ import subprocess
 import sys
 
 import pytest
+from small_config import SMALL
 
 from rlframe.batch_plan import make_batch_plan
+from rlframe.explain import balance_ranks, dynamic_micro_batches, main, sequence_lengths, simulate, static_micro_batches
 from rlframe.trainer.config import compose
-from small_config import SMALL
-from rlframe.explain import (balance_ranks, dynamic_micro_batches, main, sequence_lengths, simulate,
-                                   static_micro_batches)
 
 WORKED_EXAMPLE = [800, 6500, 1200, 4000, 9000, 2500, 1500, 7500]
 
@@ -58,9 +57,17 @@ def test_balancing_16_mixed_lengths_over_4_ranks_narrows_max_min_ratio():
 
 @pytest.fixture(scope="module")
 def dynamic_plan():
-    return make_batch_plan(compose([*SMALL, "trainer.n_gpus_per_node=4", "data.train_batch_size=16",
-                                        "actor_rollout_ref.actor.use_dynamic_bsz=true",
-                                        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=160"]))
+    return make_batch_plan(
+        compose(
+            [
+                *SMALL,
+                "trainer.n_gpus_per_node=4",
+                "data.train_batch_size=16",
+                "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=160",
+            ]
+        )
+    )
 
 
 def test_simulation_reports_balance_and_micro_batches_within_budget(dynamic_plan):
@@ -87,10 +94,21 @@ def test_lengths_from_jsonl_parquet_and_metrics_folder(tmp_path, dynamic_plan):
     assert list(seqlens[:4]) == [35, 50, 35, 50]  # fewer recorded than needed: cycled
     run = tmp_path / "run"
     run.mkdir()
-    (run / "metrics.jsonl").write_text(json.dumps({
-        "step": 7, "response_length/mean": 9.0, "response_length/min": 2.0, "response_length/max": 16.0,
-        "response_length/clip_ratio": 0.25, "prompt_length/mean": 40.0, "prompt_length/min": 30.0,
-        "prompt_length/max": 60.0}) + "\n")
+    (run / "metrics.jsonl").write_text(
+        json.dumps(
+            {
+                "step": 7,
+                "response_length/mean": 9.0,
+                "response_length/min": 2.0,
+                "response_length/max": 16.0,
+                "response_length/clip_ratio": 0.25,
+                "prompt_length/mean": 40.0,
+                "prompt_length/min": 30.0,
+                "prompt_length/max": 60.0,
+            }
+        )
+        + "\n"
+    )
     seqlens, source = sequence_lengths(str(run), dynamic_plan)
     assert len(seqlens) == 64 and "step 7" in source and 32 <= seqlens.min() and seqlens.max() <= 76
     (tmp_path / "empty.jsonl").write_text(json.dumps({"other": 1}) + "\n")
@@ -101,22 +119,40 @@ def test_lengths_from_jsonl_parquet_and_metrics_folder(tmp_path, dynamic_plan):
 def test_explain_small_config_prints_flow_and_keys(capsys):
     assert main([*SMALL, "--lengths", "uniform"]) == 0
     out = capsys.readouterr().out
-    for fragment in ("world_size = nnodes 1 × n_gpus_per_node 2 = 2 workers",
-                     "train_batch_size 8 prompts × n 4 = 32 sequences",
-                     "ppo_mini_batch_size 4 prompts × n 4 = 16 sequences / dp 2 = 8 per DP rank",
-                     "8 / ppo_micro_batch_size_per_gpu 2 = 4 gradient-accumulation steps",
-                     "critic.*", "IGNORED", "before (dispatch order)", "after (Karmarkar–Karp)"):
+    for fragment in (
+        "world_size = nnodes 1 × n_gpus_per_node 2 = 2 workers",
+        "train_batch_size 8 prompts × n 4 = 32 sequences",
+        "ppo_mini_batch_size 4 prompts × n 4 = 16 sequences / dp 2 = 8 per DP rank",
+        "8 / ppo_micro_batch_size_per_gpu 2 = 4 gradient-accumulation steps",
+        "critic.*",
+        "IGNORED",
+        "before (dispatch order)",
+        "after (Karmarkar–Karp)",
+    ):
         assert fragment in out
 
 
 def test_explain_json_and_warnings(capsys):
-    assert main(["--format", "json", "actor_rollout_ref.actor.use_dynamic_bsz=true",
-                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "--lengths", "bimodal"]) == 0
+    assert (
+        main(
+            [
+                "--format",
+                "json",
+                "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                "--lengths",
+                "bimodal",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["plan"]["actor"]["max_token_len"] == 16384  # verl's default budget
-    assert report["warnings"] == ["rlframe: warning: actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2 has "
-                                  "no effect: actor_rollout_ref.actor.use_dynamic_bsz=true: actor update "
-                                  "micro-batches are cut by actor_rollout_ref.actor.ppo_max_token_len_per_gpu"]
+    assert report["warnings"] == [
+        "rlframe: warning: actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2 has "
+        "no effect: actor_rollout_ref.actor.use_dynamic_bsz=true: actor update "
+        "micro-batches are cut by actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+    ]
     assert report["simulation"]["balance"]["dp_size"] == 2
     assert report["model"]["hidden_size"] == 64
 
@@ -125,8 +161,9 @@ def test_explain_bad_config_exits_nonzero_with_the_trainers_message():
     overrides = ["trainer.n_gpus_per_node=8", "actor_rollout_ref.actor.ppo_mini_batch_size=1"]
     with pytest.raises(ValueError) as trainer_error:
         make_batch_plan(compose(overrides))
-    out = subprocess.run([sys.executable, "-m", "rlframe.cli", "explain", *overrides],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "rlframe.cli", "explain", *overrides], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode != 0
     assert str(trainer_error.value) in out.stderr
     assert "actor_rollout_ref.actor.ppo_mini_batch_size" in out.stderr

@@ -7,9 +7,8 @@ relative (‖a − b‖ / ‖b‖ per tensor, per parameter), for every knob.
 
 import pytest
 import torch
-from transformers import AutoConfig
-
 from fsdp_harness import Scenario, make_batch, relative_error, run_distributed, run_scenario
+from transformers import AutoConfig
 
 RTOL = 1e-5
 NUM_SEQS = 8
@@ -26,8 +25,9 @@ def reference(tiny_model_path, batch):
 
 
 def _reference(model_path, batch, role, loss_agg_mode):
-    sc = Scenario(strategy="none", use_remove_padding=False, micro_batch_size=NUM_SEQS, role=role,
-                  loss_agg_mode=loss_agg_mode)
+    sc = Scenario(
+        strategy="none", use_remove_padding=False, micro_batch_size=NUM_SEQS, role=role, loss_agg_mode=loss_agg_mode
+    )
     return run_scenario(sc, model_path, batch)
 
 
@@ -37,8 +37,9 @@ def assert_matches(result, reference):
     for name, ref_values in reference["metrics"].items():
         if name.endswith("lr") or name.endswith("skipped_steps"):
             continue
-        torch.testing.assert_close(torch.tensor(result["metrics"][name]), torch.tensor(ref_values),
-                                   rtol=RTOL, atol=1e-7, msg=name)
+        torch.testing.assert_close(
+            torch.tensor(result["metrics"][name]), torch.tensor(ref_values), rtol=RTOL, atol=1e-7, msg=name
+        )
     assert result["grads"].keys() == reference["grads"].keys()
     errors = {k: relative_error(result["grads"][k], ref) for k, ref in reference["grads"].items()}
     worst = max(errors, key=errors.get)
@@ -63,8 +64,7 @@ def test_dynamic_micro_batching_matches_reference(tiny_model_path, batch, refere
     assert_matches(run_scenario(sc, tiny_model_path, batch), reference)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                  "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_every_loss_agg_mode_is_exact_under_micro_batching(tiny_model_path, batch, mode):
     ref = _reference(tiny_model_path, batch, "actor", mode)
     sc = Scenario(strategy="none", use_dynamic_bsz=True, max_token_len=24, loss_agg_mode=mode)
@@ -126,8 +126,11 @@ def test_several_mini_batches_and_epochs_match_across_dp(tiny_model_path, batch,
     # sees the batch in that order, so its contiguous minis are the same sets.
     order = [0, 1, 4, 5, 2, 3, 6, 7]
     epochs = {"ppo_epochs": 2}
-    ref = run_scenario(Scenario(strategy="none", use_remove_padding=False, micro_batch_size=4, mini_batch_size=4,
-                                extra=epochs), tiny_model_path, batch.select_idxs(order))
+    ref = run_scenario(
+        Scenario(strategy="none", use_remove_padding=False, micro_batch_size=4, mini_batch_size=4, extra=epochs),
+        tiny_model_path,
+        batch.select_idxs(order),
+    )
     inverse = torch.argsort(torch.tensor(order))
     ref["outputs"] = {name: out[inverse] for name, out in ref["outputs"].items()}
     sc = Scenario(world=2, micro_batch_size=1, mini_batch_size=4, extra=epochs)

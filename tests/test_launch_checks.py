@@ -3,10 +3,10 @@
 import json
 
 import pytest
+from small_config import SMALL
 
 from rlframe.trainer.main_ppo import prepare
 from rlframe.trainer.tracking import Tracking
-from small_config import SMALL
 
 
 @pytest.fixture(autouse=True)
@@ -15,8 +15,9 @@ def _cache(tmp_path, monkeypatch):
 
 
 def _prepare(tmp_path, *overrides):
-    return prepare([*SMALL, f"trainer.default_local_dir={tmp_path / 'run'}", f"data.builtin_dir={tmp_path / 'data'}",
-                    *overrides])
+    return prepare(
+        [*SMALL, f"trainer.default_local_dir={tmp_path / 'run'}", f"data.builtin_dir={tmp_path / 'data'}", *overrides]
+    )
 
 
 def test_the_small_config_prepares_a_plan_and_data(tmp_path):
@@ -25,19 +26,22 @@ def test_the_small_config_prepares_a_plan_and_data(tmp_path):
     assert run.cfg.actor_rollout_ref.model.path.endswith("tiny-qwen2-v1")
 
 
-@pytest.mark.parametrize("override,expected", [
-    ("algorithm.adv_estimator=ppo2", r"adv.*'ppo2'.*grpo"),
-    ("actor_rollout_ref.actor.policy_loss.loss_mode=clipx", r"'clipx'.*vanilla"),
-    ("actor_rollout_ref.actor.loss_agg_mode=mean", r"loss_agg_mode='mean'.*token-mean"),
-    ("actor_rollout_ref.rollout.name=sglang", r"rollout.name='sglang'.*hf, vllm"),
-    ("reward_model.reward_manager=prime", r"reward_manager='prime'.*naive"),
-    ("actor_rollout_ref.actor.strategy=deepspeed", r"strategy='deepspeed'.*fsdp2, fsdp"),
-    ("algorithm.kl_ctrl.type=pid", r"kl_ctrl.type='pid'.*fixed, adaptive"),
-    ("actor_rollout_ref.ref.ulysses_sequence_parallel_size=2", r"ref.ulysses_sequence_parallel_size=2 must equal"),
-    ("actor_rollout_ref.actor.fsdp_config.fsdp_size=3", r"fsdp_size=3 must be -1 .* divisor of world_size"),
-    ("actor_rollout_ref.hybrid_engine=false", r"hybrid_engine=false"),
-    ("trainer.device=tpu", r"trainer.device='tpu' is not one of auto, cpu, cuda"),
-])
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("algorithm.adv_estimator=ppo2", r"adv.*'ppo2'.*grpo"),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode=clipx", r"'clipx'.*vanilla"),
+        ("actor_rollout_ref.actor.loss_agg_mode=mean", r"loss_agg_mode='mean'.*token-mean"),
+        ("actor_rollout_ref.rollout.name=sglang", r"rollout.name='sglang'.*hf, vllm"),
+        ("reward_model.reward_manager=prime", r"reward_manager='prime'.*naive"),
+        ("actor_rollout_ref.actor.strategy=deepspeed", r"strategy='deepspeed'.*fsdp2, fsdp"),
+        ("algorithm.kl_ctrl.type=pid", r"kl_ctrl.type='pid'.*fixed, adaptive"),
+        ("actor_rollout_ref.ref.ulysses_sequence_parallel_size=2", r"ref.ulysses_sequence_parallel_size=2 must equal"),
+        ("actor_rollout_ref.actor.fsdp_config.fsdp_size=3", r"fsdp_size=3 must be -1 .* divisor of world_size"),
+        ("actor_rollout_ref.hybrid_engine=false", r"hybrid_engine=false"),
+        ("trainer.device=tpu", r"trainer.device='tpu' is not one of auto, cpu, cuda"),
+    ],
+)
 def test_unknown_names_are_rejected_with_the_valid_ones(tmp_path, override, expected):
     with pytest.raises(ValueError, match=expected):
         _prepare(tmp_path, override)
@@ -50,9 +54,11 @@ def test_a_misspelled_key_is_named_with_the_closest_real_ones(tmp_path):
 
 def test_custom_reward_file_is_executed_once_for_training_and_validation(tmp_path):
     scorer = tmp_path / "scorer.py"
-    scorer.write_text(f"open({str(tmp_path / 'loads')!r}, 'a').write('x')\n"
-                      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return 0.0\n")
+    scorer.write_text(
+        f"open({str(tmp_path / 'loads')!r}, 'a').write('x')\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return 0.0\n"
+    )
     run = _prepare(tmp_path, f"custom_reward_function.path={scorer}")
     assert (tmp_path / "loads").read_text() == "x"
     assert run.val_reward_fn.compute_score is run.reward_fn.compute_score
@@ -71,14 +77,22 @@ def test_model_folder_without_weights_names_the_key(tmp_path):
 def test_ulysses_degree_must_divide_heads(tmp_path):
     # the tiny model has 4 heads: sp=8 cannot split them (world 8)
     with pytest.raises(ValueError, match=r"ulysses_sequence_parallel_size"):
-        _prepare(tmp_path, "trainer.n_gpus_per_node=8", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=8",
-                 "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8")
+        _prepare(
+            tmp_path,
+            "trainer.n_gpus_per_node=8",
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=8",
+            "data.train_batch_size=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+        )
 
 
 def test_token_budget_smaller_than_one_sequence_names_the_key(tmp_path):
     with pytest.raises(ValueError, match=r"ppo_max_token_len_per_gpu"):
-        _prepare(tmp_path, "actor_rollout_ref.actor.use_dynamic_bsz=true",
-                 "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40")
+        _prepare(
+            tmp_path,
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40",
+        )
 
 
 def test_reward_model_without_path_is_rejected(tmp_path):

@@ -14,17 +14,26 @@ def batch_with(response_mask: list[list[int]], responses: list[list[int]], promp
     response_mask, responses, prompt_mask = map(torch.tensor, (response_mask, responses, prompt_mask))
     bs, width = response_mask.shape
     zeros = torch.zeros(bs, width)
-    return DataProto.from_dict({
-        "responses": responses, "response_mask": response_mask,
-        "attention_mask": torch.cat([prompt_mask, response_mask], -1),
-        "token_level_scores": zeros, "token_level_rewards": zeros, "advantages": zeros, "returns": zeros})
+    return DataProto.from_dict(
+        {
+            "responses": responses,
+            "response_mask": response_mask,
+            "attention_mask": torch.cat([prompt_mask, response_mask], -1),
+            "token_level_scores": zeros,
+            "token_level_rewards": zeros,
+            "advantages": zeros,
+            "returns": zeros,
+        }
+    )
 
 
 def test_clip_ratio_counts_full_length_responses_even_when_they_end_with_eos():
     # row 0: full length ending in EOS; row 1: full length, no EOS; row 2: stopped early by EOS
-    batch = batch_with(response_mask=[[1, 1, 1], [1, 1, 1], [1, 1, 0]],
-                       responses=[[5, 6, EOS], [5, 6, 7], [5, EOS, 0]],
-                       prompt_mask=[[1, 1], [0, 1], [0, 1]])
+    batch = batch_with(
+        response_mask=[[1, 1, 1], [1, 1, 1], [1, 1, 0]],
+        responses=[[5, 6, EOS], [5, 6, 7], [5, EOS, 0]],
+        prompt_mask=[[1, 1], [0, 1], [0, 1]],
+    )
     metrics = compute_data_metrics(batch, use_critic=False)
     assert metrics["response_length/clip_ratio"] == pytest.approx(2 / 3)
     assert metrics["response_length/mean"] == pytest.approx(8 / 3) and metrics["response_length/min"] == 2

@@ -36,7 +36,9 @@ def test_config_dir_has_ppo_trainer_yaml():
 def test_wheel_contains_package_and_configs(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path), "."],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     if out.returncode != 0 and "No matching distribution" in out.stderr:
         pytest.skip("hatchling not reachable from the package index")

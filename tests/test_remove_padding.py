@@ -5,8 +5,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from rlframe.distributed.attention import ATTN_IMPLEMENTATION
-from rlframe.distributed.padding import (cu_seqlens_from_position_ids, pack_tensor, pad_output,
-                                         position_ids_from_mask, unpad_input)
+from rlframe.distributed.padding import (
+    cu_seqlens_from_position_ids,
+    pack_tensor,
+    pad_output,
+    position_ids_from_mask,
+    unpad_input,
+)
 from rlframe.workers.model_forward import forward_micro_batch
 
 PROMPT_LEN, RESPONSE_LEN = 6, 5
@@ -18,10 +23,14 @@ def make_rl_batch(prompt_lens, response_lens, vocab_size, seed=0):
     batch_size = len(prompt_lens)
     mask = torch.zeros(batch_size, PROMPT_LEN + RESPONSE_LEN, dtype=torch.long)
     for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
-        mask[i, PROMPT_LEN - p:PROMPT_LEN + r] = 1
+        mask[i, PROMPT_LEN - p : PROMPT_LEN + r] = 1
     input_ids = torch.randint(3, vocab_size, mask.shape, generator=g) * mask
-    return {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask),
-            "responses": input_ids[:, PROMPT_LEN:]}
+    return {
+        "input_ids": input_ids,
+        "attention_mask": mask,
+        "position_ids": position_ids_from_mask(mask),
+        "responses": input_ids[:, PROMPT_LEN:],
+    }
 
 
 def assert_rel_close(actual, expected, rel=1e-5):
@@ -75,10 +84,12 @@ def test_unpad_pad_round_trip_and_restarting_positions():
 
 @pytest.mark.parametrize("reference_attn", ["sdpa", "eager"])
 def test_packed_log_probs_entropy_and_grads_match_padded(tiny_model_path, batch, reference_attn):
-    padded_out, padded_grads = run(load(tiny_model_path, reference_attn), batch, use_remove_padding=False,
-                                   calculate_entropy=True)
-    packed_out, packed_grads = run(load(tiny_model_path, ATTN_IMPLEMENTATION), batch, use_remove_padding=True,
-                                   calculate_entropy=True)
+    padded_out, padded_grads = run(
+        load(tiny_model_path, reference_attn), batch, use_remove_padding=False, calculate_entropy=True
+    )
+    packed_out, packed_grads = run(
+        load(tiny_model_path, ATTN_IMPLEMENTATION), batch, use_remove_padding=True, calculate_entropy=True
+    )
     assert set(packed_out) == {"log_probs", "entropy"}
     for name in packed_out:
         assert packed_out[name].shape == (4, RESPONSE_LEN)
@@ -89,10 +100,12 @@ def test_packed_log_probs_entropy_and_grads_match_padded(tiny_model_path, batch,
 
 
 def test_packed_values_and_grads_match_padded(tiny_model_path, batch):
-    padded_out, padded_grads = run(load(tiny_model_path, "sdpa", value_head=True), batch,
-                                   use_remove_padding=False, value_head=True)
-    packed_out, packed_grads = run(load(tiny_model_path, ATTN_IMPLEMENTATION, value_head=True), batch,
-                                   use_remove_padding=True, value_head=True)
+    padded_out, padded_grads = run(
+        load(tiny_model_path, "sdpa", value_head=True), batch, use_remove_padding=False, value_head=True
+    )
+    packed_out, packed_grads = run(
+        load(tiny_model_path, ATTN_IMPLEMENTATION, value_head=True), batch, use_remove_padding=True, value_head=True
+    )
     assert set(packed_out) == {"values"}
     assert_rel_close(packed_out["values"], padded_out["values"])
     for name in padded_grads:
@@ -103,8 +116,12 @@ def test_temperature_divides_logits_before_log_softmax(tiny_model_path, batch):
     model = load(tiny_model_path, ATTN_IMPLEMENTATION)
     with torch.no_grad():
         hot = forward_micro_batch(model, batch, RESPONSE_LEN, temperature=2.0)["log_probs"]
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       position_ids=batch["position_ids"], use_cache=False).logits[:, -RESPONSE_LEN - 1:-1]
+        logits = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+            use_cache=False,
+        ).logits[:, -RESPONSE_LEN - 1 : -1]
     expected = torch.log_softmax(logits / 2.0, dim=-1).gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
     expected = expected * batch["attention_mask"][:, -RESPONSE_LEN:]
     assert_rel_close(hot, expected)
@@ -112,8 +129,9 @@ def test_temperature_divides_logits_before_log_softmax(tiny_model_path, batch):
 
 def test_outputs_are_zero_outside_response_mask(tiny_model_path, batch):
     with torch.no_grad():
-        out = forward_micro_batch(load(tiny_model_path, ATTN_IMPLEMENTATION), batch, RESPONSE_LEN,
-                                  calculate_entropy=True)
+        out = forward_micro_batch(
+            load(tiny_model_path, ATTN_IMPLEMENTATION), batch, RESPONSE_LEN, calculate_entropy=True
+        )
     outside = batch["attention_mask"][:, -RESPONSE_LEN:] == 0
     for x in out.values():
         assert (x[outside] == 0).all() and (x[~outside] != 0).all()
@@ -125,11 +143,22 @@ def test_varlen_recovers_segments_from_position_ids_and_is_sdpa_on_padded_batche
     ids, indices, cu_seqlens, max_seqlen = unpad_input(batch["input_ids"], batch["attention_mask"])
     pos = pack_tensor(batch["position_ids"], indices).unsqueeze(0)
     with torch.no_grad():
-        explicit = model(input_ids=ids, position_ids=pos, use_cache=False, cu_seq_lens_q=cu_seqlens,
-                         cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen).logits
+        explicit = model(
+            input_ids=ids,
+            position_ids=pos,
+            use_cache=False,
+            cu_seq_lens_q=cu_seqlens,
+            cu_seq_lens_k=cu_seqlens,
+            max_length_q=max_seqlen,
+            max_length_k=max_seqlen,
+        ).logits
         recovered = model(input_ids=ids, position_ids=pos, use_cache=False).logits
-        padded_kwargs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                             position_ids=batch["position_ids"], use_cache=False)
+        padded_kwargs = dict(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=batch["position_ids"],
+            use_cache=False,
+        )
         padded_varlen, padded_sdpa = model(**padded_kwargs).logits, sdpa(**padded_kwargs).logits
     assert torch.equal(explicit, recovered)
     assert torch.equal(padded_varlen, padded_sdpa)
@@ -137,8 +166,7 @@ def test_varlen_recovers_segments_from_position_ids_and_is_sdpa_on_padded_batche
 
 
 def test_entropy_chunking_is_exact():
-    from rlframe.workers.model_forward import entropy_from_logits
-    from rlframe.workers.model_forward import _entropy_from_logits_chunked
+    from rlframe.workers.model_forward import _entropy_from_logits_chunked, entropy_from_logits
 
     logits = torch.randn(3, 7, 11, requires_grad=True)
     chunked = _entropy_from_logits_chunked(logits, chunk_tokens=4)
@@ -156,8 +184,9 @@ def test_varlen_generation_is_bit_identical_to_sdpa(tiny_model_path):
     prompts = tokenizer(["what is 1 + 2 =", "hi"], return_tensors="pt", padding=True)  # left-padded
     results = []
     for attn in ("sdpa", ATTN_IMPLEMENTATION):
-        out = load(tiny_model_path, attn).generate(**prompts, max_new_tokens=6, do_sample=False, output_scores=True,
-                                                   return_dict_in_generate=True)
+        out = load(tiny_model_path, attn).generate(
+            **prompts, max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True
+        )
         results.append(out)
     assert torch.equal(results[0].sequences, results[1].sequences)
     assert all(torch.equal(a, b) for a, b in zip(results[0].scores, results[1].scores))

@@ -25,8 +25,8 @@ def test_scores_match_sequence_classification_on_unpadded_rows(tiny_model_path, 
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, row in enumerate(rows):  # left padding 2, right padding the rest
-        ids[i, 2:2 + len(row)] = row
-        mask[i, 2:2 + len(row)] = 1
+        ids[i, 2 : 2 + len(row)] = row
+        mask[i, 2 : 2 + len(row)] = 1
     with torch.no_grad():
         ours = last_token_scores(token_cls, ids, mask)
         expected = torch.stack([seq_cls(input_ids=row[None], use_cache=False).logits[0, 0] for row in rows])

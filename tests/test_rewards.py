@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from rlframe.config.loader import load_config
 from rlframe.protocol import DataProto
 from rlframe.reward import (
     BatchRewardManager,
@@ -17,21 +18,23 @@ from rlframe.reward import (
     load_reward_manager,
 )
 from rlframe.reward.scorers import countdown_add_score, gsm8k_score, last_boxed, math_score
-from rlframe.config.loader import load_config
 
 
 # --------------------------------------------------------------------------------------- scorers
-@pytest.mark.parametrize("solution, method, expected", [
-    ("Natalia sold 48 + 24 = 72 clips.\n#### 72", "strict", 1.0),
-    ("#### 1,234", "strict", 1.0),
-    ("so the answer is #### $72.", "strict", 1.0),
-    ("#### 70 ... on reflection #### 72", "strict", 1.0),  # the last marked answer counts
-    ("The answer is 72.", "strict", 0.0),  # strict needs the #### marker
-    ("The answer is 72.", "flexible", 1.0),
-    ("First 10, then 72, finally 73", "flexible", 0.0),  # flexible takes the last number
-    ("#### 71", "strict", 0.0),
-    ("#### 72.0", "strict", 1.0),
-])
+@pytest.mark.parametrize(
+    "solution, method, expected",
+    [
+        ("Natalia sold 48 + 24 = 72 clips.\n#### 72", "strict", 1.0),
+        ("#### 1,234", "strict", 1.0),
+        ("so the answer is #### $72.", "strict", 1.0),
+        ("#### 70 ... on reflection #### 72", "strict", 1.0),  # the last marked answer counts
+        ("The answer is 72.", "strict", 0.0),  # strict needs the #### marker
+        ("The answer is 72.", "flexible", 1.0),
+        ("First 10, then 72, finally 73", "flexible", 0.0),  # flexible takes the last number
+        ("#### 71", "strict", 0.0),
+        ("#### 72.0", "strict", 1.0),
+    ],
+)
 def test_gsm8k_strict_and_flexible(solution, method, expected):
     truth = "1234" if "1,234" in solution else "72"
     assert gsm8k_score(solution, truth, method=method) == expected
@@ -43,21 +46,24 @@ def test_gsm8k_format_score_and_full_solution_ground_truth():
     assert gsm8k_score("#### 72", "48 + 24 = 72\n#### 72") == 1.0
 
 
-@pytest.mark.parametrize("solution, truth, expected", [
-    ("so $\\boxed{\\frac{1}{2}}$", "\\frac{1}{2}", 1.0),
-    ("\\boxed{\\dfrac{1}{2}}", "\\frac12", 1.0),
-    ("first \\boxed{3} then \\boxed{4}", "4", 1.0),
-    ("\\boxed{ x = 4 }", "4", 1.0),
-    ("\\boxed{10\\%}", "10", 1.0),
-    ("\\boxed{1,000}", "1000", 1.0),
-    ("\\boxed{\\left( 1, 2 \\right)}", "(1,2)", 1.0),
-    ("\\boxed{\\text{(B)}}", "(B)", 1.0),
-    ("\\boxed 5.", "5", 1.0),
-    ("\\boxed{5}", "\\boxed{5}", 1.0),
-    ("\\boxed{6}", "5", 0.0),
-    ("the answer is 5", "5", 0.0),
-    ("\\boxed{5", "5", 0.0),  # cut off
-])
+@pytest.mark.parametrize(
+    "solution, truth, expected",
+    [
+        ("so $\\boxed{\\frac{1}{2}}$", "\\frac{1}{2}", 1.0),
+        ("\\boxed{\\dfrac{1}{2}}", "\\frac12", 1.0),
+        ("first \\boxed{3} then \\boxed{4}", "4", 1.0),
+        ("\\boxed{ x = 4 }", "4", 1.0),
+        ("\\boxed{10\\%}", "10", 1.0),
+        ("\\boxed{1,000}", "1000", 1.0),
+        ("\\boxed{\\left( 1, 2 \\right)}", "(1,2)", 1.0),
+        ("\\boxed{\\text{(B)}}", "(B)", 1.0),
+        ("\\boxed 5.", "5", 1.0),
+        ("\\boxed{5}", "\\boxed{5}", 1.0),
+        ("\\boxed{6}", "5", 0.0),
+        ("the answer is 5", "5", 0.0),
+        ("\\boxed{5", "5", 0.0),  # cut off
+    ],
+)
 def test_math_last_boxed_answer(solution, truth, expected):
     assert math_score(solution, truth) == expected
 
@@ -67,13 +73,22 @@ def test_last_boxed_balances_braces():
     assert last_boxed("no box") is None
 
 
-@pytest.mark.parametrize("response, expected", [
-    ("7", 1.0), (" 7 ", 1.0),  # exactly the answer (the model stopped right after it)
-    ("7 because 3 + 4", 0.5), ("72", 0.5),  # starts with the answer, goes on
-    ("5", 0.2), ("8 is it", 0.2),  # starts with a wrong digit
-    ("the sum is 7", 0.1), ("x9", 0.1),  # a digit somewhere
-    ("seven", 0.0), ("", 0.0), ("²", 0.0),  # no ASCII digit
-])
+@pytest.mark.parametrize(
+    "response, expected",
+    [
+        ("7", 1.0),
+        (" 7 ", 1.0),  # exactly the answer (the model stopped right after it)
+        ("7 because 3 + 4", 0.5),
+        ("72", 0.5),  # starts with the answer, goes on
+        ("5", 0.2),
+        ("8 is it", 0.2),  # starts with a wrong digit
+        ("the sum is 7", 0.1),
+        ("x9", 0.1),  # a digit somewhere
+        ("seven", 0.0),
+        ("", 0.0),
+        ("²", 0.0),  # no ASCII digit
+    ],
+)
 def test_countdown_add_reward_ladder(response, expected):
     result = countdown_add_score(response, "7")
     assert result["score"] == expected
@@ -111,20 +126,28 @@ def make_batch(tokenizer, responses, sources, truths, response_len=8, prompt_len
     prompts[:, -2:] = 7
     prompt_mask = torch.zeros(bs, prompt_len, dtype=torch.long)
     prompt_mask[:, -2:] = 1
-    tensors = {"prompts": prompts, "responses": response_ids,
-               "attention_mask": torch.cat([prompt_mask, response_mask], dim=1)}
+    tensors = {
+        "prompts": prompts,
+        "responses": response_ids,
+        "attention_mask": torch.cat([prompt_mask, response_mask], dim=1),
+    }
     if use_response_mask:
         tensors["response_mask"] = response_mask
-    return DataProto.from_dict(tensors, {
-        "data_source": sources,
-        "reward_model": [{"style": "rule", "ground_truth": t} for t in truths],
-        "extra_info": [{"index": i} for i in range(bs)],
-    })
+    return DataProto.from_dict(
+        tensors,
+        {
+            "data_source": sources,
+            "reward_model": [{"style": "rule", "ground_truth": t} for t in truths],
+            "extra_info": [{"index": i} for i in range(bs)],
+        },
+    )
 
 
-CASES = (["3", "3 and more", "#### 12", "\\boxed{5}", "nothing"],
-         ["countdown_add", "countdown_add", "openai/gsm8k", "lighteval/MATH", "countdown_add"],
-         ["3", "3", "12", "5", "4"])
+CASES = (
+    ["3", "3 and more", "#### 12", "\\boxed{5}", "nothing"],
+    ["countdown_add", "countdown_add", "openai/gsm8k", "lighteval/MATH", "countdown_add"],
+    ["3", "3", "12", "5", "4"],
+)
 
 
 @pytest.mark.parametrize("use_response_mask", [True, False])

@@ -10,19 +10,24 @@ import os
 import pytest
 import torch
 
-from rlframe.protocol import DataProto
-from rlframe.config.loader import load_config, resolved
 from rlframe.config.checks import ROLLOUT_ENGINES, check_rollout_name
-from rlframe.workers.rollout import (SamplingParams, build_rollout,
-                                     generate_in_tp_group)
+from rlframe.config.loader import load_config, resolved
+from rlframe.protocol import DataProto
+from rlframe.workers.rollout import SamplingParams, build_rollout, generate_in_tp_group
 
 PROMPT_LEN, RESPONSE_LEN = 8, 6
 PROMPT_LENGTHS = (8, 3, 5, 1, 7)
 
 
 def rollout_config(*overrides: str):
-    cfg = load_config([f"data.max_prompt_length={PROMPT_LEN}", f"data.max_response_length={RESPONSE_LEN}",
-                       "actor_rollout_ref.rollout.micro_batch_size=2", *overrides])
+    cfg = load_config(
+        [
+            f"data.max_prompt_length={PROMPT_LEN}",
+            f"data.max_response_length={RESPONSE_LEN}",
+            "actor_rollout_ref.rollout.micro_batch_size=2",
+            *overrides,
+        ]
+    )
     return resolved(cfg).actor_rollout_ref.rollout
 
 
@@ -32,10 +37,13 @@ def make_prompts(lengths=PROMPT_LENGTHS, width: int = PROMPT_LEN, seed: int = 0,
     ids = torch.randint(3, 300, (len(lengths), width), generator=gen)
     mask = torch.zeros_like(ids)
     for i, length in enumerate(lengths):
-        mask[i, width - length:] = 1
+        mask[i, width - length :] = 1
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    return DataProto.from_dict({"input_ids": ids * mask, "attention_mask": mask, "position_ids": position_ids},
-                               {"uid": [f"p{i}" for i in range(len(lengths))]}, meta)
+    return DataProto.from_dict(
+        {"input_ids": ids * mask, "attention_mask": mask, "position_ids": position_ids},
+        {"uid": [f"p{i}" for i in range(len(lengths))]},
+        meta,
+    )
 
 
 def free_port() -> int:
@@ -61,10 +69,18 @@ def load_model(path):
 def reference_generate(model, prompts: DataProto, eos_id: int, max_new_tokens: int = RESPONSE_LEN) -> torch.Tensor:
     """Plain greedy `model.generate`, right-padded with 0 to `max_new_tokens`."""
     with torch.no_grad():
-        out = model.generate(input_ids=prompts.batch["input_ids"], attention_mask=prompts.batch["attention_mask"],
-                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, eos_token_id=eos_id,
-                             top_k=None, top_p=None, temperature=None)
-    new = out[:, prompts.batch["input_ids"].shape[1]:]
+        out = model.generate(
+            input_ids=prompts.batch["input_ids"],
+            attention_mask=prompts.batch["attention_mask"],
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=eos_id,
+            top_k=None,
+            top_p=None,
+            temperature=None,
+        )
+    new = out[:, prompts.batch["input_ids"].shape[1] :]
     return torch.nn.functional.pad(new, (0, max_new_tokens - new.shape[1]), value=0)
 
 
@@ -91,15 +107,15 @@ def test_hf_rollout_output_contract_shapes_masks_and_log_probs(hf_rollout, tiny_
     last = prompts.batch["position_ids"][:, -1:]
     assert torch.equal(b["position_ids"][:, PROMPT_LEN:], last + torch.arange(1, RESPONSE_LEN + 1))
     mask = b["response_mask"]
-    assert mask[0].tolist() == [1, 1, 1, 0, 0, 0]           # up to and including the EOS at index 2
+    assert mask[0].tolist() == [1, 1, 1, 0, 0, 0]  # up to and including the EOS at index 2
     for row in range(n):
         length = int(mask[row].sum())
-        assert mask[row, :length].all() and not mask[row, length:].any()   # a prefix of ones
+        assert mask[row, :length].all() and not mask[row, length:].any()  # a prefix of ones
         eos_at = (greedy[row] == eos).nonzero().flatten()
         expected = int(eos_at[0]) + 1 if len(eos_at) else RESPONSE_LEN
         assert length == expected
         assert torch.equal(b["responses"][row, :length], greedy[row, :length])
-        assert (b["responses"][row, length:] == 0).all()     # padded with pad_token_id
+        assert (b["responses"][row, length:] == 0).all()  # padded with pad_token_id
     assert list(out.non_tensor_batch["uid"]) == list(prompts.non_tensor_batch["uid"])
     metrics = out.meta_info["metrics"]
     no_eos = [not (greedy[row] == eos).any() for row in range(n)]
@@ -108,14 +124,15 @@ def test_hf_rollout_output_contract_shapes_masks_and_log_probs(hf_rollout, tiny_
     # rollout_log_probs are the log-probs a teacher-forced forward of the actor gives the same tokens
     model = load_model(tiny_model_path)
     with torch.no_grad():
-        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                       position_ids=b["position_ids"]).logits[:, PROMPT_LEN - 1:-1]
+        logits = model(
+            input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]
+        ).logits[:, PROMPT_LEN - 1 : -1]
     expected = torch.log_softmax(logits, -1).gather(-1, b["responses"][..., None]).squeeze(-1) * mask
     torch.testing.assert_close(b["rollout_log_probs"], expected, atol=1e-4, rtol=1e-4)
 
 
 def test_hf_greedy_matches_model_generate_token_for_token(hf_rollout, tiny_model_path):
-    prompts = make_prompts(seed=1, do_sample=False)       # 5 rows, micro_batch_size 2: three micro-batches
+    prompts = make_prompts(seed=1, do_sample=False)  # 5 rows, micro_batch_size 2: three micro-batches
     out = hf_rollout.generate_sequences(prompts)
     expected = reference_generate(load_model(tiny_model_path), prompts, hf_rollout.eos_ids[0])
     assert torch.equal(out.batch["responses"], expected)
@@ -152,10 +169,10 @@ def test_generation_uses_weights_from_the_latest_optimizer_step(tiny_model_path)
     expected = reference_generate(actor, prompts, rollout.eos_ids[0])
     assert not torch.equal(expected, before)
 
-    rollout.release()                                       # training happens here
+    rollout.release()  # training happens here
     rollout.resume()
     with pytest.raises(RuntimeError, match="not reloaded"):
-        rollout.generate_sequences(prompts)                 # freed weights are never used silently
+        rollout.generate_sequences(prompts)  # freed weights are never used silently
     rollout.update_weights(full_state_dict(actor).items())
     after = rollout.generate_sequences(prompts).batch["responses"]
     assert torch.equal(after, expected)
@@ -172,12 +189,12 @@ def _tp_worker(rank: int, port: int, model_path: str, out_dir: str) -> None:
         cfg = rollout_config("actor_rollout_ref.rollout.tensor_model_parallel_size=2")
         rollout = build_rollout("hf", cfg, model_path, load_tokenizer(model_path), "cpu", tp_group=dist.group.WORLD)
         prompts = make_prompts(seed=4)
-        share = prompts.select_idxs(slice(0, 3) if rank == 0 else slice(3, None))   # unequal shares
+        share = prompts.select_idxs(slice(0, 3) if rank == 0 else slice(3, None))  # unequal shares
         result = {}
         share.meta_info = {"do_sample": False}
         result["greedy"] = generate_in_tp_group(rollout, share, dist.group.WORLD).batch["responses"]
         share.meta_info = {}
-        torch.manual_seed(7 if rank == 0 else 1234)      # TP peers seeded differently: rank 0's seed must win
+        torch.manual_seed(7 if rank == 0 else 1234)  # TP peers seeded differently: rank 0's seed must win
         result["sampled"] = generate_in_tp_group(rollout, share, dist.group.WORLD).batch["responses"]
         rollout.release()
         rollout.resume()
@@ -270,6 +287,7 @@ def test_unknown_rollout_name_lists_valid_names():
 def test_vllm_without_vllm_or_cuda_says_how_to_install(tiny_model_path):
     try:
         import vllm  # noqa: F401
+
         if torch.cuda.is_available():
             pytest.skip("vllm and CUDA are both available here")
     except ImportError:
@@ -285,8 +303,13 @@ def test_tp_size_must_match_group_and_divide_heads(tiny_model_path):
     from rlframe.workers.rollout.tp import check_tp_shapes
 
     with pytest.raises(ValueError, match="tensor_model_parallel_size=2 but .* group of size 1"):
-        build_rollout("hf", rollout_config("actor_rollout_ref.rollout.tensor_model_parallel_size=2"),
-                      tiny_model_path, load_tokenizer(tiny_model_path), "cpu")
+        build_rollout(
+            "hf",
+            rollout_config("actor_rollout_ref.rollout.tensor_model_parallel_size=2"),
+            tiny_model_path,
+            load_tokenizer(tiny_model_path),
+            "cpu",
+        )
     with pytest.raises(ValueError, match="num_key_value_heads=2"):
         check_tp_shapes(AutoConfig.from_pretrained(tiny_model_path), 4)
 
@@ -295,14 +318,19 @@ def test_tp_size_must_match_group_and_divide_heads(tiny_model_path):
 @pytest.fixture
 def single_rank_env(monkeypatch):
     """vLLM's external launcher reads the torch.distributed env of a (here 1-process) world."""
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(free_port())).items():
+    for key, value in dict(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+    ).items():
         monkeypatch.setenv(key, value)
 
 
 # The engine alone (no worker to sync weights first): real weights from the checkpoint, eager, fp32.
-VLLM_FROM_CHECKPOINT = ("actor_rollout_ref.rollout.dtype=fp32", "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
-                        "actor_rollout_ref.rollout.load_format=auto", "actor_rollout_ref.rollout.enforce_eager=true")
+VLLM_FROM_CHECKPOINT = (
+    "actor_rollout_ref.rollout.dtype=fp32",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
+    "actor_rollout_ref.rollout.load_format=auto",
+    "actor_rollout_ref.rollout.enforce_eager=true",
+)
 
 
 @pytest.mark.gpu

@@ -9,8 +9,16 @@ import pytest
 import torch
 
 from rlframe.protocol import DataProto
-from rlframe.single_controller import (Dispatch, Execute, Worker, WorkerDiedError, WorkerError, WorkerGroupError,
-                                       WorkerTimeoutError, register)
+from rlframe.single_controller import (
+    Dispatch,
+    Execute,
+    Worker,
+    WorkerDiedError,
+    WorkerError,
+    WorkerGroupError,
+    WorkerTimeoutError,
+    register,
+)
 from rlframe.single_controller.decorator import RegisterSpec, plan_call
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -23,8 +31,11 @@ WORLD_SIZE = 4
 
 
 def make_data(n: int) -> DataProto:
-    return DataProto.from_dict({"x": torch.arange(n, dtype=torch.float32).unsqueeze(1).repeat(1, 3)},
-                               {"uid": [f"s{i}" for i in range(n)]}, {"temperature": 0.7})
+    return DataProto.from_dict(
+        {"x": torch.arange(n, dtype=torch.float32).unsqueeze(1).repeat(1, 3)},
+        {"uid": [f"s{i}" for i in range(n)]},
+        {"temperature": 0.7},
+    )
 
 
 class EchoWorker(Worker):
@@ -36,8 +47,13 @@ class EchoWorker(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def whoami(self, tag):
-        return {"rank": self.rank, "tag": tag, "world_size": self.world_size, "local_rank": self.local_rank,
-                "master": (self.master_addr, self.master_port)}
+        return {
+            "rank": self.rank,
+            "tag": tag,
+            "world_size": self.world_size,
+            "local_rank": self.local_rank,
+            "master": (self.master_addr, self.master_port),
+        }
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def add_offset(self, data: DataProto) -> DataProto:
@@ -288,12 +304,12 @@ def test_dead_worker_is_reported_with_its_rank_not_waited_on(ray_cluster):
 
 # ---------------------------------------------------------------------------------- colocation
 def test_colocated_roles_call_their_own_methods_in_shared_processes(ray_cluster):
-    from rlframe.single_controller.ray import (RayClassWithInitArgs, RayWorkerGroup,
-                                               create_colocated_worker_cls)
+    from rlframe.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
 
     pool = small_pool(2)
-    colocated = create_colocated_worker_cls({"actor": RayClassWithInitArgs(ActorRole, scale=2.0),
-                                             "critic": RayClassWithInitArgs(CriticRole, scale=10.0)})
+    colocated = create_colocated_worker_cls(
+        {"actor": RayClassWithInitArgs(ActorRole, scale=2.0), "critic": RayClassWithInitArgs(CriticRole, scale=10.0)}
+    )
     wg = RayWorkerGroup(pool, colocated)
     try:
         roles = wg.spawn({"actor", "critic"})

@@ -15,8 +15,9 @@ def test_tiny_tokenizer_has_pad_eos_and_chat_template(tiny_model_path):
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     assert tok.pad_token_id is not None and tok.eos_token_id is not None
     assert tok.pad_token_id != tok.eos_token_id
-    ids = tok.apply_chat_template([{"role": "user", "content": "what is 3 + 4?"}],
-                                  add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "what is 3 + 4?"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     text = tok.decode(ids)
     assert text.startswith("<|im_start|>user\nwhat is 3 + 4?<|im_end|>")
     assert text.endswith("<|im_start|>assistant\n")

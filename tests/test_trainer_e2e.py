@@ -9,10 +9,10 @@ import sys
 import pandas as pd
 import pytest
 import torch
+from small_config import SMALL
 
 from rlframe.data.builtin_tasks import countdown_add_rows
 from rlframe.workers.checkpoint import read_full_tensors
-from small_config import SMALL
 
 pytestmark = pytest.mark.slow
 
@@ -32,8 +32,13 @@ COMMON = [
 
 def run_main(overrides, cache_dir, timeout=900, extra_env=None):
     env = {**os.environ, "RLFRAME_CACHE": str(cache_dir), "RAY_DEDUP_LOGS": "0", **(extra_env or {})}
-    return subprocess.run([sys.executable, "-m", "rlframe.trainer.main_ppo", *overrides], capture_output=True,
-                          text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "rlframe.trainer.main_ppo", *overrides],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def read_metrics(run_dir):
@@ -42,16 +47,24 @@ def read_metrics(run_dir):
 
 
 def test_grpo_dp2_sp2_rollout_tp2_remove_padding_dynamic_bsz(tmp_path, cache_dir):
-    out = run_main(COMMON + [
-        f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=2", "trainer.n_gpus_per_node=4",
-        "data.train_batch_size=8",
-        "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.use_dynamic_bsz=true",
-        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64",
-        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",  # the hf engine, sharded over 2 TP groups
-        "actor_rollout_ref.actor.use_kl_loss=true", "trainer.save_freq=2",
-        "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
-    ], cache_dir)
+    out = run_main(
+        COMMON
+        + [
+            f"trainer.default_local_dir={tmp_path}",
+            "trainer.total_training_steps=2",
+            "trainer.n_gpus_per_node=4",
+            "data.train_batch_size=8",
+            "actor_rollout_ref.model.use_remove_padding=true",
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64",
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2",  # the hf engine, sharded over 2 TP groups
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "trainer.save_freq=2",
+            "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+        ],
+        cache_dir,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     # the Hugging Face export of the FSDP-sharded actor loads as a plain model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -68,9 +81,18 @@ def test_grpo_dp2_sp2_rollout_tp2_remove_padding_dynamic_bsz(tmp_path, cache_dir
     steps = [m for m in metrics if m["step"] > 0 and "actor/pg_loss" in m]
     assert [m["step"] for m in steps] == [1, 2]
     for m in steps:
-        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean", "timing_s/gen",
-                    "global_seqlen/balanced_max", "response_length/mean", "perf/throughput",
-                    "actor/micro_batch/utilization", "actor/micro_batch/imbalance_ratio"):
+        for key in (
+            "actor/pg_loss",
+            "actor/kl_loss",
+            "actor/grad_norm",
+            "critic/score/mean",
+            "timing_s/gen",
+            "global_seqlen/balanced_max",
+            "response_length/mean",
+            "perf/throughput",
+            "actor/micro_batch/utilization",
+            "actor/micro_batch/imbalance_ratio",
+        ):
             assert key in m, key
     assert "val-core/countdown_add/reward/mean@1" in steps[-1]
     assert os.path.isfile(os.path.join(tmp_path, "config.yaml"))
@@ -84,7 +106,8 @@ def failing_scorer_file(tmp_path):
         "    calls[0] += 1  # every other sample fails, whatever the sampling order\n"
         "    if calls[0] % 2:\n"
         "        raise RuntimeError('scorer bug on every other sample')\n"
-        "    return 1.0 if solution_str.strip().startswith(str(ground_truth)) else 0.0\n")
+        "    return 1.0 if solution_str.strip().startswith(str(ground_truth)) else 0.0\n"
+    )
     return path
 
 
@@ -93,16 +116,26 @@ def test_ppo_with_critic_kl_in_reward_and_a_failing_reward_function(tmp_path, ca
     run_dir = tmp_path / "run"
     # external_lib: a module every worker imports before loading its model
     (tmp_path / "rlframe_marker_lib.py").write_text(
-        "import os, pathlib\n"
-        "pathlib.Path(os.environ['MARKER_DIR'], f'imported-{os.getpid()}').touch()\n")
+        "import os, pathlib\npathlib.Path(os.environ['MARKER_DIR'], f'imported-{os.getpid()}').touch()\n"
+    )
     env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "MARKER_DIR": str(tmp_path)}
-    out = run_main(COMMON + [
-        "actor_rollout_ref.model.external_lib=rlframe_marker_lib",
-        f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=2",
-        "algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "algorithm.use_kl_in_reward=true",
-        "algorithm.kl_ctrl.type=adaptive", "trainer.log_val_generations=1",
-        f"custom_reward_function.path={scorer}", f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
-    ], cache_dir, extra_env=env)
+    out = run_main(
+        COMMON
+        + [
+            "actor_rollout_ref.model.external_lib=rlframe_marker_lib",
+            f"trainer.default_local_dir={run_dir}",
+            "trainer.total_training_steps=2",
+            "algorithm.adv_estimator=gae",
+            "critic.optim.lr=1e-3",
+            "algorithm.use_kl_in_reward=true",
+            "algorithm.kl_ctrl.type=adaptive",
+            "trainer.log_val_generations=1",
+            f"custom_reward_function.path={scorer}",
+            f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
+        ],
+        cache_dir,
+        extra_env=env,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     with open(tmp_path / "rollouts" / "2.jsonl") as f:
         dumped = [json.loads(line) for line in f]
@@ -118,8 +151,15 @@ def test_ppo_with_critic_kl_in_reward_and_a_failing_reward_function(tmp_path, ca
 
 
 def test_bad_config_fails_before_ray_with_the_equation(tmp_path, cache_dir):
-    out = run_main([f"trainer.default_local_dir={tmp_path}", "data.train_batch_size=6",
-                    "actor_rollout_ref.actor.ppo_mini_batch_size=4"], cache_dir, timeout=300)
+    out = run_main(
+        [
+            f"trainer.default_local_dir={tmp_path}",
+            "data.train_batch_size=6",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        ],
+        cache_dir,
+        timeout=300,
+    )
     assert out.returncode == 2
     assert "actor_rollout_ref.actor.ppo_mini_batch_size" in out.stderr and "data.train_batch_size" in out.stderr
     assert "but 6 % 4 = 2" in out.stderr  # the broken equation, in values
@@ -143,9 +183,14 @@ def test_resume_from_step_k_equals_uninterrupted_run(tmp_path, cache_dir):
     # and step 3 is resumed mid-epoch when run B stops there. Mini-batch shuffling is on, so the
     # shuffle generator's state must travel with the checkpoint too.
     train = _small_dataset(tmp_path, 8)
-    base = COMMON + [f"data.train_files={train}", "trainer.total_epochs=3", "trainer.save_freq=1",
-                     "trainer.test_freq=-1", "actor_rollout_ref.rollout.free_cache_engine=false",
-                     "actor_rollout_ref.actor.shuffle=true"]
+    base = COMMON + [
+        f"data.train_files={train}",
+        "trainer.total_epochs=3",
+        "trainer.save_freq=1",
+        "trainer.test_freq=-1",
+        "actor_rollout_ref.rollout.free_cache_engine=false",
+        "actor_rollout_ref.actor.shuffle=true",
+    ]
     run_a = tmp_path / "a"
     out = run_main(base + [f"trainer.default_local_dir={run_a}"], cache_dir)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -175,10 +220,17 @@ def test_grpo_with_a_reward_model_worker(tmp_path, cache_dir):
     AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1).save_pretrained(rm_dir)
     AutoTokenizer.from_pretrained(policy).save_pretrained(rm_dir)
     run_dir = tmp_path / "run"
-    out = run_main(COMMON + [
-        f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=1",
-        f"actor_rollout_ref.model.path={policy}", "reward_model.enable=true", f"reward_model.model.path={rm_dir}",
-    ], cache_dir)
+    out = run_main(
+        COMMON
+        + [
+            f"trainer.default_local_dir={run_dir}",
+            "trainer.total_training_steps=1",
+            f"actor_rollout_ref.model.path={policy}",
+            "reward_model.enable=true",
+            f"reward_model.model.path={rm_dir}",
+        ],
+        cache_dir,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     (step,) = [m for m in read_metrics(run_dir) if "critic/score/mean" in m]
     assert "reward/rule_score/mean" in step
@@ -188,8 +240,15 @@ def test_grpo_with_a_reward_model_worker(tmp_path, cache_dir):
 
 @pytest.mark.parametrize("estimator", ["remax", "rloo", "reinforce_plus_plus_baseline"])
 def test_other_estimators_run_a_step(tmp_path, cache_dir, estimator):
-    out = run_main(COMMON + [f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=1",
-                             f"algorithm.adv_estimator={estimator}"], cache_dir)
+    out = run_main(
+        COMMON
+        + [
+            f"trainer.default_local_dir={tmp_path}",
+            "trainer.total_training_steps=1",
+            f"algorithm.adv_estimator={estimator}",
+        ],
+        cache_dir,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     (step,) = [m for m in read_metrics(tmp_path) if "actor/pg_loss" in m]
     assert ("timing_s/gen_max" in step) == (estimator == "remax")

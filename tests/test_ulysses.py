@@ -14,11 +14,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from rlframe.distributed.ulysses import (check_ulysses_config, gather_outputs, head_to_seq_shard, kv_repeat_factor,
-                                         seq_to_head_shard)
-from rlframe.workers.model_forward import forward_micro_batch
 from test_remove_padding import RESPONSE_LEN, assert_rel_close, load, make_rl_batch
+
+from rlframe.distributed.ulysses import (
+    check_ulysses_config,
+    gather_outputs,
+    head_to_seq_shard,
+    kv_repeat_factor,
+    seq_to_head_shard,
+)
+from rlframe.workers.model_forward import forward_micro_batch
 
 JOB_TIMEOUT_S = 240
 # total valid tokens 24 (a multiple of 2 and 4) and 17 (neither), with 4 and 3 sequences
@@ -31,8 +36,9 @@ def run_job(fn, world_size, *args):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.start_processes(_entry, args=(fn, world_size, port, args), nprocs=world_size, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(
+        _entry, args=(fn, world_size, port, args), nprocs=world_size, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while not ctx.join(timeout=5):
         if time.monotonic() > deadline:
@@ -44,8 +50,13 @@ def run_job(fn, world_size, *args):
 def _entry(rank, fn, world_size, port, args):
     torch.set_num_threads(1)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=JOB_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=JOB_TIMEOUT_S),
+    )
     try:
         fn(rank, world_size, *args)
     finally:
@@ -58,8 +69,9 @@ def score(model_path, batch, mode, sp_group=None):
     if mode == "checkpointed":  # recomputation in backward must find the SP group again
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.train()
-    out = forward_micro_batch(model, batch, RESPONSE_LEN, sp_group=sp_group, calculate_entropy=mode != "values",
-                              value_head=mode == "values")
+    out = forward_micro_batch(
+        model, batch, RESPONSE_LEN, sp_group=sp_group, calculate_entropy=mode != "values", value_head=mode == "values"
+    )
     mask = batch["attention_mask"][:, -RESPONSE_LEN:]
     sum(((x * mask) * (i + 1)).sum() for i, x in enumerate(out.values())).backward()
     grads = {}
@@ -96,10 +108,13 @@ def _collectives_worker(rank, world_size, out_path):
     tokens.requires_grad_()
     gathered = gather_outputs(tokens, dist.group.WORLD, dim=0, pad_size=2)
     (gathered * (rank + 1)).sum().backward()  # each rank's loss differs, to see the reduce-scatter
-    results = {"head_shard_ok": torch.equal(head_shard, full.chunk(world_size, dim=1)[rank]),
-               "round_trip_ok": torch.equal(back, shard),
-               "grad_ok": torch.equal(shard.grad, upstream.chunk(world_size, dim=0)[rank]),
-               "gathered": gathered.detach(), "gather_grad": tokens.grad}
+    results = {
+        "head_shard_ok": torch.equal(head_shard, full.chunk(world_size, dim=1)[rank]),
+        "round_trip_ok": torch.equal(back, shard),
+        "grad_ok": torch.equal(shard.grad, upstream.chunk(world_size, dim=0)[rank]),
+        "gathered": gathered.detach(),
+        "gather_grad": tokens.grad,
+    }
     all_results = [None] * world_size
     dist.all_gather_object(all_results, results)
     if rank == 0:
@@ -167,8 +182,9 @@ def _sp4_worker(rank, world_size, model_path, vocab_size, out_path):
 def test_sp4_with_two_kv_heads_matches_sp1(tiny_model_path, vocab_size, tmp_path):
     run_job(_sp4_worker, 4, tiny_model_path, vocab_size, str(tmp_path / "sp4.pt"))
     out, grads = torch.load(tmp_path / "sp4.pt", weights_only=False)
-    expected_out, expected_grads = score(tiny_model_path, make_rl_batch(*BATCHES["odd"], vocab_size=vocab_size),
-                                         "log_probs")
+    expected_out, expected_grads = score(
+        tiny_model_path, make_rl_batch(*BATCHES["odd"], vocab_size=vocab_size), "log_probs"
+    )
     for name in out:
         assert_rel_close(out[name], expected_out[name])
     for name in grads:

@@ -67,9 +67,11 @@ def test_corpus_has_the_96_scripts_with_source_and_no_leftover_markers():
 def test_each_key_use_is_classified_by_what_explain_says():
     report = load_report()
     base = report.read_corpus(CORPUS, ["grpo_trainer__run_qwen2-7b"])[0]  # taken whole (the floor's subset)
-    bad = ["actor_rollout_ref.actor.ppo_mini_batch_sizee=4",  # a typo
-           "actor_rollout_ref.rollout.name=nope",             # a value no engine has
-           "+no_such.section.key=1"]                          # a key nothing reads, added with +
+    bad = [
+        "actor_rollout_ref.actor.ppo_mini_batch_sizee=4",  # a typo
+        "actor_rollout_ref.rollout.name=nope",  # a value no engine has
+        "+no_such.section.key=1",
+    ]  # a key nothing reads, added with +
     example = report.Example("synthetic", base.source, "", base.overrides + bad)
     results, summary = report.report([example])
     status = {use.override: use.status for use in results[0].key_uses}

@@ -28,17 +28,30 @@ MAX_POSITIONS = 32768  # Qwen2.5's
 # A verl GRPO command line (the shape of verl's examples/grpo_trainer scripts) with every vLLM setting
 # at a value other than verl's default.
 VERL_COMMAND = [
-    "algorithm.adv_estimator=grpo", "data.train_batch_size=8", "data.max_prompt_length=512",
-    "data.max_response_length=1024", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", "actor_rollout_ref.actor.use_kl_loss=True",
-    f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu=2", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
-    f"{ROLLOUT}.n=4", f"{ROLLOUT}.tensor_model_parallel_size=1", "trainer.n_gpus_per_node=2",
+    "algorithm.adv_estimator=grpo",
+    "data.train_batch_size=8",
+    "data.max_prompt_length=512",
+    "data.max_response_length=1024",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.actor.use_kl_loss=True",
+    f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu=2",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+    f"{ROLLOUT}.n=4",
+    f"{ROLLOUT}.tensor_model_parallel_size=1",
+    "trainer.n_gpus_per_node=2",
 ]
 VLLM_SETTINGS = {
-    "gpu_memory_utilization": ("0.6", 0.6), "enable_chunked_prefill": ("False", False),
-    "max_num_seqs": ("512", 512), "max_num_batched_tokens": ("1536", 1536), "max_model_len": ("1536", 1536),
-    "load_format": ("safetensors", "safetensors"), "enforce_eager": ("True", True),
-    "enable_prefix_caching": ("False", False), "disable_log_stats": ("False", False), "seed": ("7", 7),
+    "gpu_memory_utilization": ("0.6", 0.6),
+    "enable_chunked_prefill": ("False", False),
+    "max_num_seqs": ("512", 512),
+    "max_num_batched_tokens": ("1536", 1536),
+    "max_model_len": ("1536", 1536),
+    "load_format": ("safetensors", "safetensors"),
+    "enforce_eager": ("True", True),
+    "enable_prefix_caching": ("False", False),
+    "disable_log_stats": ("False", False),
+    "seed": ("7", 7),
 }
 PASSTHROUGH = "+actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache=True"
 
@@ -56,8 +69,14 @@ def rollout_section(*overrides: str):
 
 
 def engine_kwargs(rollout_cfg, dp_rank: int = 0) -> dict:
-    return vllm_engine_kwargs(rollout_cfg, model_path="/models/m", tp_size=2, dtype=torch.bfloat16, dp_rank=dp_rank,
-                              max_position_embeddings=MAX_POSITIONS)
+    return vllm_engine_kwargs(
+        rollout_cfg,
+        model_path="/models/m",
+        tp_size=2,
+        dtype=torch.bfloat16,
+        dp_rank=dp_rank,
+        max_position_embeddings=MAX_POSITIONS,
+    )
 
 
 # ---------------------------------------------------------------------------------------- defaults
@@ -72,13 +91,24 @@ def test_vllm_keys_default_to_verl_091():
 
 def test_engine_kwargs_at_verl_defaults():
     assert engine_kwargs(rollout_section(), dp_rank=3) == {
-        "model": "/models/m", "skip_tokenizer_init": True, "trust_remote_code": False, "tensor_parallel_size": 2,
-        "distributed_executor_backend": "external_launcher", "dtype": "bfloat16",
+        "model": "/models/m",
+        "skip_tokenizer_init": True,
+        "trust_remote_code": False,
+        "tensor_parallel_size": 2,
+        "distributed_executor_backend": "external_launcher",
+        "dtype": "bfloat16",
         "seed": 42 + 3,  # verl: seed + replica rank
-        "load_format": "dummy", "gpu_memory_utilization": 0.5, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
+        "load_format": "dummy",
+        "gpu_memory_utilization": 0.5,
+        "max_num_seqs": 256,
+        "max_num_batched_tokens": 8192,
         "max_model_len": MAX_POSITIONS,  # verl: null = the model's max_position_embeddings
-        "enable_chunked_prefill": True, "enable_prefix_caching": True, "enforce_eager": False,
-        "disable_log_stats": True, "enable_sleep_mode": True, "logprobs_mode": "processed_logprobs",
+        "enable_chunked_prefill": True,
+        "enable_prefix_caching": True,
+        "enforce_eager": False,
+        "disable_log_stats": True,
+        "enable_sleep_mode": True,
+        "logprobs_mode": "processed_logprobs",
         "hf_overrides": None,
     }
 
@@ -93,11 +123,15 @@ def test_each_setting_reaches_the_engine_arguments():
 
 
 def test_engine_kwargs_vllm_pass_through_and_win():
-    kwargs = engine_kwargs(rollout_section(
-        f"{ROLLOUT}.gpu_memory_utilization=0.6", f"+{ROLLOUT}.engine_kwargs.vllm.gpu_memory_utilization=0.7",
-        f"+{ROLLOUT}.engine_kwargs.vllm.swap_space=4",
-        f"+{ROLLOUT}.engine_kwargs.vllm.compilation_config.cudagraph_mode=FULL_DECODE_ONLY",
-        f"+{ROLLOUT}.engine_kwargs.vllm.kv_cache_dtype=null"))
+    kwargs = engine_kwargs(
+        rollout_section(
+            f"{ROLLOUT}.gpu_memory_utilization=0.6",
+            f"+{ROLLOUT}.engine_kwargs.vllm.gpu_memory_utilization=0.7",
+            f"+{ROLLOUT}.engine_kwargs.vllm.swap_space=4",
+            f"+{ROLLOUT}.engine_kwargs.vllm.compilation_config.cudagraph_mode=FULL_DECODE_ONLY",
+            f"+{ROLLOUT}.engine_kwargs.vllm.kv_cache_dtype=null",
+        )
+    )
     assert kwargs["gpu_memory_utilization"] == 0.7  # as in verl, engine_kwargs come last
     assert kwargs["swap_space"] == 4
     assert kwargs["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY"}
@@ -105,13 +139,16 @@ def test_engine_kwargs_vllm_pass_through_and_win():
     assert "kv_cache_dtype" not in kwargs  # verl drops null entries
 
 
-@pytest.mark.parametrize("argument,instead", [
-    ("tensor_parallel_size=4", f"{ROLLOUT}.tensor_model_parallel_size"),
-    ("distributed_executor_backend=mp", "external_launcher"),
-    ("model=/other", "actor_rollout_ref.model.path"),
-    ("seed=3", f"{ROLLOUT}.seed"),
-    ("enable_sleep_mode=false", f"{ROLLOUT}.free_cache_engine"),
-])
+@pytest.mark.parametrize(
+    "argument,instead",
+    [
+        ("tensor_parallel_size=4", f"{ROLLOUT}.tensor_model_parallel_size"),
+        ("distributed_executor_backend=mp", "external_launcher"),
+        ("model=/other", "actor_rollout_ref.model.path"),
+        ("seed=3", f"{ROLLOUT}.seed"),
+        ("enable_sleep_mode=false", f"{ROLLOUT}.free_cache_engine"),
+    ],
+)
 def test_engine_arguments_rlframe_owns_are_refused(argument, instead):
     override = f"+{ROLLOUT}.engine_kwargs.vllm.{argument}"
     name = argument.split("=")[0]
@@ -124,16 +161,24 @@ def test_engine_arguments_rlframe_owns_are_refused(argument, instead):
 
 @pytest.mark.parametrize("engine", ["sglang", "trtllm"])
 def test_arguments_for_engines_rlframe_lacks_are_refused(engine):
-    with pytest.raises(ValueError, match=rf"engine_kwargs.{engine}=.*rlframe has no {engine} engine.*"
-                                         rf"engine_kwargs.vllm"):
+    with pytest.raises(
+        ValueError,
+        match=rf"engine_kwargs.{engine}=.*rlframe has no {engine} engine.*"
+        rf"engine_kwargs.vllm",
+    ):
         typed(compose([f"+{ROLLOUT}.engine_kwargs.{engine}.attention_backend=triton"]))
 
 
 def test_chunked_prefill_off_raises_the_token_budget_to_max_model_len():
     kwargs = engine_kwargs(rollout_section(f"{ROLLOUT}.enable_chunked_prefill=False"))
     assert kwargs["max_num_batched_tokens"] == MAX_POSITIONS  # verl raises 8192 to max_model_len likewise
-    kwargs = engine_kwargs(rollout_section(f"{ROLLOUT}.enable_chunked_prefill=False",
-                                           f"{ROLLOUT}.max_model_len=1536", f"{ROLLOUT}.max_num_batched_tokens=1024"))
+    kwargs = engine_kwargs(
+        rollout_section(
+            f"{ROLLOUT}.enable_chunked_prefill=False",
+            f"{ROLLOUT}.max_model_len=1536",
+            f"{ROLLOUT}.max_num_batched_tokens=1024",
+        )
+    )
     assert (kwargs["max_num_batched_tokens"], kwargs["max_model_len"]) == (1536, 1536)
     kwargs = engine_kwargs(rollout_section(f"{ROLLOUT}.max_model_len=1536", f"{ROLLOUT}.max_num_batched_tokens=1024"))
     assert kwargs["max_num_batched_tokens"] == 1024  # with chunked prefill the budget may be below max_model_len
@@ -144,13 +189,16 @@ def test_max_model_len_above_the_model_limit_is_refused():
         engine_kwargs(rollout_section(f"{ROLLOUT}.max_model_len=40000"))
 
 
-@pytest.mark.parametrize("override,message", [
-    ("gpu_memory_utilization=0", r"gpu_memory_utilization=0.0: must be in \(0, 1\]"),
-    ("gpu_memory_utilization=1.2", r"gpu_memory_utilization=1.2: must be in \(0, 1\]"),
-    ("max_num_seqs=0", r"max_num_seqs=0: must be >= 1"),
-    ("max_num_batched_tokens=0", r"max_num_batched_tokens=0: must be >= 1"),
-    ("max_model_len=0", r"max_model_len=0: must be >= 1, or null"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("gpu_memory_utilization=0", r"gpu_memory_utilization=0.0: must be in \(0, 1\]"),
+        ("gpu_memory_utilization=1.2", r"gpu_memory_utilization=1.2: must be in \(0, 1\]"),
+        ("max_num_seqs=0", r"max_num_seqs=0: must be >= 1"),
+        ("max_num_batched_tokens=0", r"max_num_batched_tokens=0: must be >= 1"),
+        ("max_model_len=0", r"max_model_len=0: must be >= 1, or null"),
+    ],
+)
 def test_bad_values_are_refused_at_launch_naming_the_key(override, message):
     with pytest.raises(ValueError, match=message):
         typed(compose([f"{ROLLOUT}.{override}"]))
@@ -188,7 +236,9 @@ def test_verl_command_with_vllm_settings_is_taken_and_reaches_the_engine(tmp_pat
     assert ignored_key_warnings(composed, overrides) == []
     kwargs = engine_kwargs(cfg.actor_rollout_ref.rollout)
     assert {name: kwargs[name] for name in VLLM_SETTINGS} == {
-        **{name: value for name, (_, value) in VLLM_SETTINGS.items()}, "seed": 7}
+        **{name: value for name, (_, value) in VLLM_SETTINGS.items()},
+        "seed": 7,
+    }
     assert kwargs["disable_mm_preprocessor_cache"] is True
 
 
@@ -212,11 +262,16 @@ def test_dummy_load_then_weight_sync_matches_hf_greedy(tiny_model_path, monkeypa
 
     from rlframe.workers.rollout import build_rollout
 
-    for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                            MASTER_PORT=str(free_port())).items():
+    for name, value in dict(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+    ).items():
         monkeypatch.setenv(name, value)
-    cfg = rollout_config(f"{ROLLOUT}.dtype=fp32", f"{ROLLOUT}.gpu_memory_utilization=0.3",
-                         f"{ROLLOUT}.enforce_eager=true", f"{ROLLOUT}.load_format=dummy")
+    cfg = rollout_config(
+        f"{ROLLOUT}.dtype=fp32",
+        f"{ROLLOUT}.gpu_memory_utilization=0.3",
+        f"{ROLLOUT}.enforce_eager=true",
+        f"{ROLLOUT}.load_format=dummy",
+    )
     tokenizer = load_tokenizer(tiny_model_path)
     hf = build_rollout("hf", cfg, tiny_model_path, tokenizer, "cuda")
     engine = build_rollout("vllm", cfg, tiny_model_path, tokenizer, "cuda")

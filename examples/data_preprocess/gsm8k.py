@@ -1,13 +1,13 @@
 """Write GSM8K as parquet in the verl schema (needs network and `pip install datasets`).
 
-    python examples/data_preprocess/gsm8k.py --out ~/data/gsm8k
+python examples/data_preprocess/gsm8k.py --out ~/data/gsm8k
 """
 
 import argparse
 import os
 import re
 
-INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 
 
 def final_answer(solution: str) -> str:

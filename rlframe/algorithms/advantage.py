@@ -7,7 +7,7 @@ recursions: they neither add a time step nor reset the running sums.
 from __future__ import annotations
 
 import inspect
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -78,8 +78,9 @@ def compute_gae_advantage_return(token_level_rewards, response_mask, values, gam
 
 
 @register_adv_estimator("grpo")
-def compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon=1e-6,
-                                   norm_adv_by_std_in_grpo=True):
+def compute_grpo_outcome_advantage(
+    token_level_rewards, response_mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=True
+):
     """GRPO: (score - group mean) / (group std + eps), or Dr.GRPO without the std division.
 
     A group of size 1 uses mean 0 and std 1, so its advantage is its raw score.

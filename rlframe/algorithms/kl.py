@@ -4,7 +4,7 @@ the fixed and adaptive KL controllers, and the KL penalty subtracted from the re
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -80,8 +80,7 @@ class AdaptiveKLController:
         self.value *= 1 + error * n_steps / self.horizon
 
 
-def make_kl_controller(kl_ctrl_type: str, kl_coef: float, target_kl: float | None = None,
-                       horizon: int | None = None):
+def make_kl_controller(kl_ctrl_type: str, kl_coef: float, target_kl: float | None = None, horizon: int | None = None):
     """A `fixed` or `adaptive` KL controller (algorithm.kl_ctrl.type)."""
     if kl_ctrl_type == "fixed":
         return FixedKLController(kl_coef)
@@ -92,8 +91,7 @@ def make_kl_controller(kl_ctrl_type: str, kl_coef: float, target_kl: float | Non
     raise ValueError(f"unknown kl controller {kl_ctrl_type!r}; valid names: adaptive, fixed")
 
 
-def apply_kl_penalty(token_level_scores, old_log_prob, ref_log_prob, response_mask, kl_ctrl,
-                     kl_penalty="kl"):
+def apply_kl_penalty(token_level_scores, old_log_prob, ref_log_prob, response_mask, kl_ctrl, kl_penalty="kl"):
     """Rewards = scores − β·KL per token; then updates `kl_ctrl` with this batch's KL.
 
     Returns (token_level_rewards, metrics); metrics hold the batch KL (mean over sequences of the

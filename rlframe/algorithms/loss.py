@@ -7,7 +7,7 @@ call's tokens; the worker averages them over micro-batches.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -27,8 +27,7 @@ def get_policy_loss_fn(name: str) -> Callable:
     return lookup(POLICY_LOSSES, "policy loss", name)
 
 
-def agg_loss(loss_mat, loss_mask, loss_agg_mode, global_num_tokens=None, global_num_seqs=None,
-             norm_factor=None):
+def agg_loss(loss_mat, loss_mask, loss_agg_mode, global_num_tokens=None, global_num_seqs=None, norm_factor=None):
     """Reduce a [bs, len] token loss to a scalar, normalized by mini-batch-wide counts.
 
     Modes (sums run over this call's rows; N_tok / N_seq are the counts of the whole mini-batch):
@@ -81,9 +80,19 @@ def _ratio_metrics(log_ratio, loss_unclipped, loss_clipped, response_mask):
 
 
 @register_policy_loss("vanilla")
-def compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, clip_ratio_low,
-                                clip_ratio_high, clip_ratio_c, loss_agg_mode, global_num_tokens=None,
-                                global_num_seqs=None, norm_factor=None):
+def compute_policy_loss_vanilla(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    clip_ratio_low,
+    clip_ratio_high,
+    clip_ratio_c,
+    loss_agg_mode,
+    global_num_tokens=None,
+    global_num_seqs=None,
+    norm_factor=None,
+):
     """PPO clipped surrogate with ratio range [1 − clip_ratio_low, 1 + clip_ratio_high]; for
     negative advantages the loss is further capped at −A·clip_ratio_c (dual clip, Ye et al. 2020).
     """
@@ -107,9 +116,19 @@ def compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mas
 
 
 @register_policy_loss("gspo")
-def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask, clip_ratio_low,
-                             clip_ratio_high, clip_ratio_c, loss_agg_mode, global_num_tokens=None,
-                             global_num_seqs=None, norm_factor=None):
+def compute_policy_loss_gspo(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    clip_ratio_low,
+    clip_ratio_high,
+    clip_ratio_c,
+    loss_agg_mode,
+    global_num_tokens=None,
+    global_num_seqs=None,
+    norm_factor=None,
+):
     """GSPO (Zheng et al. 2025), token form: every token's ratio has the value of the sequence ratio
     exp(mean log π/π_old) and the gradient of its own log π (stop-grad trick). `clip_ratio_c` is
     unused; clip ranges are tiny (e.g. 3e-4/4e-4) and `seq-mean-token-mean` is the paper's mode.
@@ -128,8 +147,17 @@ def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask, 
     return pg_loss, metrics
 
 
-def compute_value_loss(vpreds, returns, values, response_mask, cliprange_value, loss_agg_mode="token-mean",
-                       global_num_tokens=None, global_num_seqs=None, norm_factor=None):
+def compute_value_loss(
+    vpreds,
+    returns,
+    values,
+    response_mask,
+    cliprange_value,
+    loss_agg_mode="token-mean",
+    global_num_tokens=None,
+    global_num_seqs=None,
+    norm_factor=None,
+):
     """Clipped value loss 0.5·max((v − R)², (clip(v, v_old ± c) − R)²); returns (vf_loss, vf_clipfrac).
 
     `cliprange_value=None` disables clipping; vf_clipfrac is a detached local masked mean.

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
+
 
 def _sum(x: torch.Tensor, axis: int | None) -> torch.Tensor:
     return x.sum() if axis is None else x.sum(dim=axis)
@@ -40,6 +41,7 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
 
 def register(registry: dict, kind: str, name: str) -> Callable:
     """Decorator: store `fn` in `registry` under `name`; a second, different `fn` is an error."""
+
     def decorator(fn: Callable) -> Callable:
         if name in registry and registry[name] is not fn:
             raise ValueError(f"{kind} {name!r} is already registered")

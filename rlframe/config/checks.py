@@ -23,8 +23,10 @@ ROLLOUT_ENGINES = {
 def check_rollout_name(name: str) -> None:
     """Raise a ValueError listing the valid engines when `name` is not one of them."""
     if name not in ROLLOUT_ENGINES:
-        raise ValueError(f"actor_rollout_ref.rollout.name={name!r} is not a rollout engine; "
-                         f"choose one of {', '.join(ROLLOUT_ENGINES)}")
+        raise ValueError(
+            f"actor_rollout_ref.rollout.name={name!r} is not a rollout engine; "
+            f"choose one of {', '.join(ROLLOUT_ENGINES)}"
+        )
 
 
 def resolve_device(device: str) -> str:
@@ -59,5 +61,7 @@ def check_fsdp_size(fsdp_size: int, world_size: int, key: str) -> None:
     if fsdp_size == -1:
         return
     if fsdp_size < 1 or world_size % fsdp_size:
-        raise ValueError(f"{key}={fsdp_size} must be -1 (shard over all {world_size} ranks) or a divisor of "
-                         f"world_size = trainer.nnodes × trainer.n_gpus_per_node = {world_size}")
+        raise ValueError(
+            f"{key}={fsdp_size} must be -1 (shard over all {world_size} ranks) or a divisor of "
+            f"world_size = trainer.nnodes × trainer.n_gpus_per_node = {world_size}"
+        )

@@ -20,15 +20,37 @@ from rlframe.config.schema import field_help, inactive_keys
 
 # Batch-relevant keys, shown "in effect" (with their declared help) unless a rule says otherwise.
 BATCH_KEYS = (
-    "trainer.nnodes", "trainer.n_gpus_per_node", "data.train_batch_size", f"{ROLLOUT}.n",
-    "data.max_prompt_length", "data.max_response_length",
-    ACTOR_KEYS.mini, ACTOR_KEYS.epochs, ACTOR_KEYS.dynamic, ACTOR_KEYS.micro, ACTOR_KEYS.max_token_len,
-    ACTOR_KEYS.packing, ACTOR_KEYS.sp, ACTOR_KEYS.remove_padding,
-    ACTOR_KEYS.forward.dynamic, ACTOR_KEYS.forward.micro, ACTOR_KEYS.forward.max_token_len,
-    f"{ROLLOUT}.micro_batch_size", f"{ROLLOUT}.tensor_model_parallel_size",
-    REF_KEYS.dynamic, REF_KEYS.micro, REF_KEYS.max_token_len, REF_KEYS.sp,
-    CRITIC_KEYS.mini, CRITIC_KEYS.dynamic, CRITIC_KEYS.micro, CRITIC_KEYS.max_token_len, CRITIC_KEYS.forward.micro,
-    CRITIC_KEYS.forward.max_token_len, CRITIC_KEYS.packing, CRITIC_KEYS.sp,
+    "trainer.nnodes",
+    "trainer.n_gpus_per_node",
+    "data.train_batch_size",
+    f"{ROLLOUT}.n",
+    "data.max_prompt_length",
+    "data.max_response_length",
+    ACTOR_KEYS.mini,
+    ACTOR_KEYS.epochs,
+    ACTOR_KEYS.dynamic,
+    ACTOR_KEYS.micro,
+    ACTOR_KEYS.max_token_len,
+    ACTOR_KEYS.packing,
+    ACTOR_KEYS.sp,
+    ACTOR_KEYS.remove_padding,
+    ACTOR_KEYS.forward.dynamic,
+    ACTOR_KEYS.forward.micro,
+    ACTOR_KEYS.forward.max_token_len,
+    f"{ROLLOUT}.micro_batch_size",
+    f"{ROLLOUT}.tensor_model_parallel_size",
+    REF_KEYS.dynamic,
+    REF_KEYS.micro,
+    REF_KEYS.max_token_len,
+    REF_KEYS.sp,
+    CRITIC_KEYS.mini,
+    CRITIC_KEYS.dynamic,
+    CRITIC_KEYS.micro,
+    CRITIC_KEYS.max_token_len,
+    CRITIC_KEYS.forward.micro,
+    CRITIC_KEYS.forward.max_token_len,
+    CRITIC_KEYS.packing,
+    CRITIC_KEYS.sp,
     "trainer.balance_batch",
 )
 
@@ -50,10 +72,16 @@ def _rules(cfg: DictConfig) -> list[KeyStatus]:
     """
     root = OmegaConf.to_object(cfg)
     inactive = inactive_keys(root)
-    outermost = {key: reason for key, reason in inactive.items()
-                 if not any(_under(key, other) and key != other for other in inactive)}
-    rows = [KeyStatus(key, True, field_help(root, key)) for key in BATCH_KEYS
-            if not any(_under(key, dead) for dead in outermost)]
+    outermost = {
+        key: reason
+        for key, reason in inactive.items()
+        if not any(_under(key, other) and key != other for other in inactive)
+    }
+    rows = [
+        KeyStatus(key, True, field_help(root, key))
+        for key in BATCH_KEYS
+        if not any(_under(key, dead) for dead in outermost)
+    ]
     return rows + [KeyStatus(key, False, reason) for key, reason in outermost.items()]
 
 
@@ -135,8 +163,9 @@ def ignored_keys(cfg: DictConfig, overrides: list[str]) -> list[tuple[str, str]]
 def ignored_key_warnings(cfg: DictConfig, overrides: list[str]) -> list[str]:
     """One line per user-set key that has no effect, as printed at launch."""
     values = {override_key(o): o.split("=", 1)[1] for o in overrides if override_key(o)}
-    return [f"rlframe: warning: {key}={values[key]} has no effect: {reason}"
-            for key, reason in ignored_keys(cfg, overrides)]
+    return [
+        f"rlframe: warning: {key}={values[key]} has no effect: {reason}" for key, reason in ignored_keys(cfg, overrides)
+    ]
 
 
 def warn_ignored_keys(cfg: DictConfig, overrides: list[str], stream: TextIO | None = None) -> list[str]:

@@ -48,34 +48,53 @@ class UpdateKeys:
 
 
 ACTOR_KEYS = UpdateKeys(
-    sp=f"{ACTOR}.ulysses_sequence_parallel_size", remove_padding=f"{MODEL}.use_remove_padding",
-    mini=f"{ACTOR}.ppo_mini_batch_size", epochs=f"{ACTOR}.ppo_epochs", dynamic=f"{ACTOR}.use_dynamic_bsz",
-    micro=f"{ACTOR}.ppo_micro_batch_size_per_gpu", global_micro=f"{ACTOR}.ppo_micro_batch_size",
+    sp=f"{ACTOR}.ulysses_sequence_parallel_size",
+    remove_padding=f"{MODEL}.use_remove_padding",
+    mini=f"{ACTOR}.ppo_mini_batch_size",
+    epochs=f"{ACTOR}.ppo_epochs",
+    dynamic=f"{ACTOR}.use_dynamic_bsz",
+    micro=f"{ACTOR}.ppo_micro_batch_size_per_gpu",
+    global_micro=f"{ACTOR}.ppo_micro_batch_size",
     max_token_len=f"{ACTOR}.ppo_max_token_len_per_gpu",
     packing=f"{ACTOR}.packing_algorithm",
     forward=ForwardKeys(  # old log-probs: the actor model, with the rollout's log_prob_* keys
-        sp=f"{ACTOR}.ulysses_sequence_parallel_size", remove_padding=f"{MODEL}.use_remove_padding",
-        dynamic=f"{ROLLOUT}.log_prob_use_dynamic_bsz", micro=f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu",
+        sp=f"{ACTOR}.ulysses_sequence_parallel_size",
+        remove_padding=f"{MODEL}.use_remove_padding",
+        dynamic=f"{ROLLOUT}.log_prob_use_dynamic_bsz",
+        micro=f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu",
         global_micro=f"{ROLLOUT}.log_prob_micro_batch_size",
-        max_token_len=f"{ROLLOUT}.log_prob_max_token_len_per_gpu", packing=f"{ACTOR}.packing_algorithm"),
+        max_token_len=f"{ROLLOUT}.log_prob_max_token_len_per_gpu",
+        packing=f"{ACTOR}.packing_algorithm",
+    ),
 )
 REF_KEYS = ForwardKeys(
-    sp=f"{REF}.ulysses_sequence_parallel_size", remove_padding=f"{MODEL}.use_remove_padding",
-    dynamic=f"{REF}.log_prob_use_dynamic_bsz", micro=f"{REF}.log_prob_micro_batch_size_per_gpu",
+    sp=f"{REF}.ulysses_sequence_parallel_size",
+    remove_padding=f"{MODEL}.use_remove_padding",
+    dynamic=f"{REF}.log_prob_use_dynamic_bsz",
+    micro=f"{REF}.log_prob_micro_batch_size_per_gpu",
     global_micro=f"{REF}.log_prob_micro_batch_size",
-    max_token_len=f"{REF}.log_prob_max_token_len_per_gpu", packing=f"{ACTOR}.packing_algorithm",
+    max_token_len=f"{REF}.log_prob_max_token_len_per_gpu",
+    packing=f"{ACTOR}.packing_algorithm",
 )
 CRITIC_KEYS = UpdateKeys(
-    sp="critic.ulysses_sequence_parallel_size", remove_padding="critic.model.use_remove_padding",
-    mini="critic.ppo_mini_batch_size", epochs="critic.ppo_epochs", dynamic="critic.use_dynamic_bsz",
-    micro="critic.ppo_micro_batch_size_per_gpu", global_micro="critic.ppo_micro_batch_size",
+    sp="critic.ulysses_sequence_parallel_size",
+    remove_padding="critic.model.use_remove_padding",
+    mini="critic.ppo_mini_batch_size",
+    epochs="critic.ppo_epochs",
+    dynamic="critic.use_dynamic_bsz",
+    micro="critic.ppo_micro_batch_size_per_gpu",
+    global_micro="critic.ppo_micro_batch_size",
     max_token_len="critic.ppo_max_token_len_per_gpu",
     packing="critic.packing_algorithm",
     forward=ForwardKeys(
-        sp="critic.ulysses_sequence_parallel_size", remove_padding="critic.model.use_remove_padding",
-        dynamic="critic.use_dynamic_bsz", micro="critic.forward_micro_batch_size_per_gpu",
+        sp="critic.ulysses_sequence_parallel_size",
+        remove_padding="critic.model.use_remove_padding",
+        dynamic="critic.use_dynamic_bsz",
+        micro="critic.forward_micro_batch_size_per_gpu",
         global_micro="critic.forward_micro_batch_size",
-        max_token_len="critic.forward_max_token_len_per_gpu", packing="critic.packing_algorithm"),
+        max_token_len="critic.forward_max_token_len_per_gpu",
+        packing="critic.packing_algorithm",
+    ),
 )
 
 

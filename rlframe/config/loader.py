@@ -15,15 +15,16 @@ def config_dir() -> str:
     for candidate in (package_dir / "configs", package_dir.parent / "configs"):
         if (candidate / f"{CONFIG_NAME}.yaml").is_file():
             return str(candidate)
-    raise FileNotFoundError(f"{CONFIG_NAME}.yaml not found next to the rlframe package ({package_dir}); "
-                            "reinstall rlframe so that its configs are included")
+    raise FileNotFoundError(
+        f"{CONFIG_NAME}.yaml not found next to the rlframe package ({package_dir}); "
+        "reinstall rlframe so that its configs are included"
+    )
 
 
 def load_config(overrides: list[str] | None = None, config_name: str = CONFIG_NAME) -> DictConfig:
     """Compose the trainer config exactly as the Hydra entry would, without starting a run."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
-
     from hydra.errors import ConfigCompositionException
 
     if GlobalHydra.instance().is_initialized():
@@ -49,8 +50,10 @@ def _unknown_key(overrides: list[str], cfg: DictConfig) -> str | None:
             continue  # added/deleted keys are judged against the typed schema; hydra.* is Hydra's own
         close = difflib.get_close_matches(key, keys, n=3, cutoff=0.6)
         hint = f" Did you mean {' or '.join(close)}?" if close else ""
-        return (f"unknown config key {key!r} (from the override {override!r}).{hint} "
-                "configs/ppo_trainer.yaml documents every key")
+        return (
+            f"unknown config key {key!r} (from the override {override!r}).{hint} "
+            "configs/ppo_trainer.yaml documents every key"
+        )
     return None
 
 

@@ -17,7 +17,8 @@ OmegaConf needs `typing.Optional`/`List`/`Dict` annotations, so sections use tho
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 Check = Callable[[Any], None]  # raises ValueError (its message is prefixed with "key=value: ")
 

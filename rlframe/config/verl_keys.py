@@ -29,8 +29,10 @@ _PROFILER = "profiling is not built in: rlframe reports timing_s/* for every pha
 _MULTIMODAL = "multimodal inputs are not supported (text-only models)"
 _LORA = "LoRA is not implemented yet (see the algorithms issue); train the full model"
 _AGENT = "multi-turn/tool-calling agent loops are not implemented yet (see the agent-loop issue)"
-_ROLLOUT_REWARD_MODEL = "generative reward models and verl's reward loop are not supported; use reward_model.enable " \
-                        "with a sequence-classification model, or a custom_reward_function"
+_ROLLOUT_REWARD_MODEL = (
+    "generative reward models and verl's reward loop are not supported; use reward_model.enable "
+    "with a sequence-classification model, or a custom_reward_function"
+)
 _QUANT = "quantized training and rollout are not supported"
 
 # prefix -> why rlframe does not implement it; the longest prefix that matches a key wins.
@@ -57,23 +59,23 @@ UNSUPPORTED = {
     "actor_rollout_ref.rollout.multi_turn": _AGENT,
     "actor_rollout_ref.rollout.agent": _AGENT,
     "actor_rollout_ref.rollout.mode": "verl 0.9.1 knows only async here; rlframe generates inside the training "
-                                      "workers and takes the key at that value (its rollout server is not "
-                                      "implemented yet: see the agent-loop issue)",
+    "workers and takes the key at that value (its rollout server is not "
+    "implemented yet: see the agent-loop issue)",
     "data.tool_config_path": _AGENT,
     "data.function_tool_path": _AGENT,
     "data.return_full_prompt": _AGENT,
     "algorithm.rollout_correction": "rollout correction (importance weights between engine and trainer log-probs) "
-                                    "is not implemented yet (see the algorithms issue)",
+    "is not implemented yet (see the algorithms issue)",
     "algorithm.filter_groups": "DAPO's dynamic sampling is not implemented yet (see the algorithms issue)",
     "data.gen_batch_size": "DAPO's dynamic sampling is not implemented yet (see the algorithms issue)",
     "algorithm.use_pf_ppo": "PF-PPO reweighting is not implemented",
     "algorithm.pf_ppo": "PF-PPO reweighting is not implemented",
     "actor_rollout_ref.actor.policy_loss": "this policy-loss parameter belongs to a loss mode rlframe does not "
-                                           "implement yet (see the algorithms issue)",
+    "implement yet (see the algorithms issue)",
     "actor_rollout_ref.actor.tau_pos": "SAPO's temperatures belong to a loss mode rlframe does not implement yet",
     "actor_rollout_ref.actor.tau_neg": "SAPO's temperatures belong to a loss mode rlframe does not implement yet",
     "actor_rollout_ref.actor.loss_scale_factor": "a constant loss scale is not implemented; rlframe normalizes "
-                                                 "seq-mean-token-sum-norm by the max response length",
+    "seq-mean-token-sum-norm by the max response length",
     "critic.loss_scale_factor": "a constant loss scale is not implemented",
     "distillation": "on-policy distillation is not supported",
     "transfer_queue": "verl's transfer queue is not used: rlframe moves batches through Ray's object store",
@@ -118,8 +120,10 @@ GENERIC = "rlframe does not implement this verl 0.9.1 setting"
 
 # verl 0.9.1 moved the critic's FSDP settings from critic.model.fsdp_config.* (where rlframe keeps
 # them, beside the actor's) to critic.fsdp.*: both spellings reach the same key.
-ALIASES = {f"critic.fsdp.{name}": f"critic.model.fsdp_config.{name}"
-           for name in ("param_offload", "optimizer_offload", "reshard_after_forward", "fsdp_size")}
+ALIASES = {
+    f"critic.fsdp.{name}": f"critic.model.fsdp_config.{name}"
+    for name in ("param_offload", "optimizer_offload", "reshard_after_forward", "fsdp_size")
+}
 
 
 @lru_cache(maxsize=1)
@@ -181,5 +185,7 @@ def check_verl_override(key: str, text: str) -> str | None:
             default_shown = json.dumps(default)
     else:  # a whole section (`key={...}`) or an entry under a dict-valued key
         default_shown = "its default"
-    return (f"{key}={text}: {reason_for(key)}. rlframe takes this verl key only at verl 0.9.1's default "
-            f"({default_shown}); remove it from the command line, or set it to the default.")
+    return (
+        f"{key}={text}: {reason_for(key)}. rlframe takes this verl key only at verl 0.9.1's default "
+        f"({default_shown}); remove it from the command line, or set it to the default."
+    )

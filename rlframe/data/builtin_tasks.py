@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from rlframe.utils.cache import cache_dir
 
@@ -33,13 +33,15 @@ def countdown_add_rows(split: str, num_samples: int, seed: int) -> list[dict]:
         answer = rng.randint(0, 9)
         a = rng.randint(0, answer)
         b = answer - a
-        rows.append({
-            "data_source": "countdown_add",
-            "prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}],
-            "ability": "arithmetic",
-            "reward_model": {"style": "rule", "ground_truth": str(answer)},
-            "extra_info": {"split": split, "index": index, "a": a, "b": b},
-        })
+        rows.append(
+            {
+                "data_source": "countdown_add",
+                "prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}],
+                "ability": "arithmetic",
+                "reward_model": {"style": "rule", "ground_truth": str(answer)},
+                "extra_info": {"split": split, "index": index, "a": a, "b": b},
+            }
+        )
     return rows
 
 
@@ -73,8 +75,10 @@ def _write_parquet_atomically(rows: list[dict], path: Path) -> None:
 def generate_builtin_task(name: str, builtin_dir: str | None, seed: int) -> dict[str, Path]:
     """Write every split of built-in task `name` (train and val use different seeds); return paths."""
     if name not in BUILTIN_TASKS:
-        raise ValueError(f"unknown built-in task {BUILTIN_PREFIX}{name}; known tasks: "
-                         f"{', '.join(BUILTIN_PREFIX + n for n in sorted(BUILTIN_TASKS))}")
+        raise ValueError(
+            f"unknown built-in task {BUILTIN_PREFIX}{name}; known tasks: "
+            f"{', '.join(BUILTIN_PREFIX + n for n in sorted(BUILTIN_TASKS))}"
+        )
     paths = {}
     for split, num_samples in SPLIT_SIZES.items():
         path = builtin_task_path(name, split, builtin_dir, seed)
@@ -99,7 +103,7 @@ def resolve_data_files(spec, builtin_dir: str | None = None, seed: int = 1, spli
     for entry in specs:
         entry = str(entry)
         if entry.startswith(BUILTIN_PREFIX):
-            name = entry[len(BUILTIN_PREFIX):]
+            name = entry[len(BUILTIN_PREFIX) :]
             paths.append(str(generate_builtin_task(name, builtin_dir, seed)[split]))
         else:
             paths.append(os.path.expanduser(entry))

@@ -13,8 +13,9 @@ TRUNCATION_MODES = ("error", "left", "right")
 @dataclass
 class DataConfig(Section):
     tokenizer: Optional[str] = key(None, "tokenizer path; null = actor_rollout_ref.model.path")
-    train_files: Any = key("builtin://countdown_add",
-                           "parquet file(s) (str or list) in verl's schema; builtin://NAME = built-in task")
+    train_files: Any = key(
+        "builtin://countdown_add", "parquet file(s) (str or list) in verl's schema; builtin://NAME = built-in task"
+    )
     val_files: Any = key("builtin://countdown_add", "validation parquet file(s); same schema")
     prompt_key: str = key("prompt", "column with chat messages (list of {role, content})")
     reward_fn_key: str = key("data_source", "column that picks the rule-based scorer")
@@ -26,13 +27,15 @@ class DataConfig(Section):
     shuffle: bool = key(True, "shuffle the training set each epoch")
     seed: int = key(1, "seed for shuffling and the built-in task generator")
     filter_overlong_prompts: bool = key(False, "drop prompts longer than max_prompt_length (count reported)")
-    truncation: str = key("error", "prompts over max_prompt_length (when not filtered): error|left|right",
-                          choices=TRUNCATION_MODES)
+    truncation: str = key(
+        "error", "prompts over max_prompt_length (when not filtered): error|left|right", choices=TRUNCATION_MODES
+    )
     trust_remote_code: bool = key(False, "passed to the tokenizer's from_pretrained")
     dataloader_num_workers: int = key(8, "verl's loader processes; no effect: prompts are tokenized up front")
     filter_overlong_prompts_workers: int = key(1, "verl's filter processes; no effect: prompts are tokenized once")
-    builtin_dir: Optional[str] = key(None, "where builtin:// tasks write their parquet; "
-                                           "null = $RLFRAME_CACHE/data (~/.cache/rlframe)")
+    builtin_dir: Optional[str] = key(
+        None, "where builtin:// tasks write their parquet; null = $RLFRAME_CACHE/data (~/.cache/rlframe)"
+    )
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         # every prompt is templated and tokenized once, up front, in the driver; batches are then only padded

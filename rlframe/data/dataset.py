@@ -35,8 +35,10 @@ def read_parquet_rows(files: list[str], required_columns: list[str]) -> list[dic
             raise FileNotFoundError(f"data file {path} does not exist") from None
         for column in required_columns:
             if column not in columns:
-                raise ValueError(f"data file {path} has no column {column!r} (columns: {columns}); "
-                                 f"rlframe expects verl's schema: {', '.join(required_columns)}")
+                raise ValueError(
+                    f"data file {path} has no column {column!r} (columns: {columns}); "
+                    f"rlframe expects verl's schema: {', '.join(required_columns)}"
+                )
     rows, columns = [], {}
     for path in files:
         table = pq.read_table(path)
@@ -89,29 +91,40 @@ class RLHFDataset(torch.utils.data.Dataset):
             self.rows.append(row)
             self.prompt_ids.append(ids)
         if self.num_filtered:
-            logger.warning("filtered %d of %d prompts longer than data.max_prompt_length=%d tokens (%s)",
-                           self.num_filtered, len(rows), self.max_prompt_length, ", ".join(self.files))
+            logger.warning(
+                "filtered %d of %d prompts longer than data.max_prompt_length=%d tokens (%s)",
+                self.num_filtered,
+                len(rows),
+                self.max_prompt_length,
+                ", ".join(self.files),
+            )
         if not self.rows:
-            raise ValueError(f"no prompts left in {self.files} after filtering prompts longer than "
-                             f"data.max_prompt_length={self.max_prompt_length}")
+            raise ValueError(
+                f"no prompts left in {self.files} after filtering prompts longer than "
+                f"data.max_prompt_length={self.max_prompt_length}"
+            )
 
     def _tokenize(self, messages) -> list[int]:
         if isinstance(messages, str):
-            raise TypeError(f"column {self.prompt_key!r} holds a plain string; expected chat messages "
-                            "(a list of {'role': ..., 'content': ...})")
+            raise TypeError(
+                f"column {self.prompt_key!r} holds a plain string; expected chat messages "
+                "(a list of {'role': ..., 'content': ...})"
+            )
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         # The template already wrote every special token; do not let the tokenizer add a BOS again.
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _truncate(self, ids: list[int], row_number: int) -> list[int]:
         if self.truncation == "left":  # keep the end: the question and the generation prompt
-            return ids[-self.max_prompt_length:]
+            return ids[-self.max_prompt_length :]
         if self.truncation == "right":
-            return ids[:self.max_prompt_length]
-        raise ValueError(f"prompt {row_number} of {self.files} is {len(ids)} tokens long, over "
-                         f"data.max_prompt_length={self.max_prompt_length} with data.truncation=error; "
-                         "raise data.max_prompt_length, set data.filter_overlong_prompts=true, "
-                         "or set data.truncation=left|right")
+            return ids[: self.max_prompt_length]
+        raise ValueError(
+            f"prompt {row_number} of {self.files} is {len(ids)} tokens long, over "
+            f"data.max_prompt_length={self.max_prompt_length} with data.truncation=error; "
+            "raise data.max_prompt_length, set data.filter_overlong_prompts=true, "
+            "or set data.truncation=left|right"
+        )
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -121,7 +134,8 @@ class RLHFDataset(torch.utils.data.Dataset):
         messages = out.pop(self.prompt_key)
         ids = self.prompt_ids[item]
         out["input_ids"], out["attention_mask"], out["position_ids"] = left_pad(
-            ids, self.max_prompt_length, self.tokenizer.pad_token_id)
+            ids, self.max_prompt_length, self.tokenizer.pad_token_id
+        )
         if self.return_raw_chat:
             out["raw_prompt"] = messages
         extra_info = out.get("extra_info")

@@ -23,14 +23,26 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from rlframe.distributed.padding import cu_seqlens_from_position_ids
-from rlframe.distributed.ulysses import (check_ulysses_config, head_to_seq_shard, kv_repeat_factor,
-                                         seq_to_head_shard, sp_size_of)
+from rlframe.distributed.ulysses import (
+    check_ulysses_config,
+    head_to_seq_shard,
+    kv_repeat_factor,
+    seq_to_head_shard,
+    sp_size_of,
+)
 
 ATTN_IMPLEMENTATION = "rlframe_varlen"
 
 
-def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                            max_seqlen: int | None, scaling: float | None, dropout: float = 0.0) -> torch.Tensor:
+def varlen_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None,
+    scaling: float | None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
     """Causal attention within each segment of a packed row.
 
     q [T, heads, dim], k/v [T, kv_heads, dim] -> [T, heads, dim]; `cu_seqlens` [num_segments + 1].
@@ -40,8 +52,18 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
         if max_seqlen is None:
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        return flash_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                            dropout_p=dropout, softmax_scale=scaling, causal=True)
+        return flash_varlen(
+            q,
+            k,
+            v,
+            cu_seqlens,
+            cu_seqlens,
+            max_seqlen,
+            max_seqlen,
+            dropout_p=dropout,
+            softmax_scale=scaling,
+            causal=True,
+        )
 
     # Fallback: torch SDPA on each segment, heads first. Exact causal attention per sequence
     # without a [T, T] mask; the loop is over sequences, not tokens.
@@ -55,16 +77,26 @@ def varlen_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     # A leading batch dim matters: on 3-D inputs SDPA picks its math kernel, which keeps the full
     # [heads, T, T] attention weights for backward (bench/ulysses_memory.py: 3.6× the memory).
     outs = [
-        F.scaled_dot_product_attention(q[None, :, s:e], k[None, :, s:e], v[None, :, s:e], dropout_p=dropout,
-                                       is_causal=True, scale=scaling)[0]
-        for s, e in zip(bounds[:-1], bounds[1:]) if e > s
+        F.scaled_dot_product_attention(
+            q[None, :, s:e], k[None, :, s:e], v[None, :, s:e], dropout_p=dropout, is_causal=True, scale=scaling
+        )[0]
+        for s, e in zip(bounds[:-1], bounds[1:])
+        if e > s
     ]
     return torch.cat(outs, dim=1).transpose(0, 1)
 
 
-def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                             sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """The `rlframe_varlen` attention function (see the module docstring for the calling convention)."""
     group = kwargs.get("ulysses_group")
     sp_size = sp_size_of(group)
@@ -73,10 +105,13 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         cu_seqlens, max_seqlen = cu_seqlens_from_position_ids(kwargs["position_ids"])
     if cu_seqlens is None:
         if sp_size > 1:
-            raise ValueError("Ulysses sequence parallelism needs the packed row's cu_seq_lens_q passed to the model "
-                             "forward (the position ids each rank sees are only its shard)")
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+            raise ValueError(
+                "Ulysses sequence parallelism needs the packed row's cu_seq_lens_q passed to the model "
+                "forward (the position ids each rank sees are only its shard)"
+            )
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
 
     if query.shape[0] != 1:
         raise ValueError(f"packed attention expects one packed row (batch 1), got batch {query.shape[0]}")
@@ -103,13 +138,15 @@ def _is_packed_row(query, key, attention_mask, position_ids) -> bool:
     return bool((position_ids.flatten()[1:] == 0).any())
 
 
-def _varlen_mask(batch_size: int, q_length: int, kv_length: int, attention_mask: torch.Tensor | None = None,
-                 **kwargs) -> torch.Tensor | None:
+def _varlen_mask(
+    batch_size: int, q_length: int, kv_length: int, attention_mask: torch.Tensor | None = None, **kwargs
+) -> torch.Tensor | None:
     """No mask for a fresh unpadded input (packing comes from cu_seqlens); sdpa's mask otherwise."""
     if attention_mask is None and q_length == kv_length:
         return None
-    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, attention_mask=attention_mask,
-                     **kwargs)
+    return sdpa_mask(
+        batch_size=batch_size, q_length=q_length, kv_length=kv_length, attention_mask=attention_mask, **kwargs
+    )
 
 
 @functools.cache

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 
-def unpad_input(input_ids: torch.Tensor, attention_mask: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def unpad_input(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """Pack the valid tokens of `input_ids` [batch, seqlen] into one row.
 
     Returns `(packed_ids [1, total_nnz], indices [total_nnz], cu_seqlens [batch + 1] int32, max_seqlen)`,

@@ -39,8 +39,9 @@ def sp_rank_of(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def check_ulysses_config(num_attention_heads: int, num_key_value_heads: int, sp_size: int,
-                         key: str = SP_SIZE_KEY) -> None:
+def check_ulysses_config(
+    num_attention_heads: int, num_key_value_heads: int, sp_size: int, key: str = SP_SIZE_KEY
+) -> None:
     """Raise ValueError unless a model with these heads can run with Ulysses degree `sp_size`.
 
     Query heads must divide evenly over the ranks. Key/value heads need not: they are repeated
@@ -54,8 +55,9 @@ def check_ulysses_config(num_attention_heads: int, num_key_value_heads: int, sp_
             f"(each SP rank attends with num_attention_heads / {key} heads)"
         )
     if num_attention_heads % num_key_value_heads != 0:
-        raise ValueError(f"num_attention_heads={num_attention_heads} is not a multiple of "
-                         f"num_key_value_heads={num_key_value_heads}")
+        raise ValueError(
+            f"num_attention_heads={num_attention_heads} is not a multiple of num_key_value_heads={num_key_value_heads}"
+        )
 
 
 def kv_repeat_factor(num_key_value_heads: int, sp_size: int) -> int:
@@ -105,9 +107,9 @@ def head_to_seq_shard(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor
     return x.transpose(0, 1).reshape(seq // sp, sp * heads_local, dim)
 
 
-def pad_packed_for_sp(input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                      max_seqlen: int, sp_size: int
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+def pad_packed_for_sp(
+    input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, sp_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
     """Pad a packed row [1, T] to a multiple of `sp_size`.
 
     The padding tokens (id 0) form one extra sequence with positions 0, 1, ...: they attend only
@@ -155,8 +157,7 @@ class _GatherSeq(torch.autograd.Function):
         return received.sum(dim=0), None, None
 
 
-def gather_outputs(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int = -1,
-                   pad_size: int = 0) -> torch.Tensor:
+def gather_outputs(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int = -1, pad_size: int = 0) -> torch.Tensor:
     """Gather per-rank sequence shards of `x` along `dim` and drop the last `pad_size` entries."""
     if sp_size_of(group) > 1:
         dim = dim % x.dim()

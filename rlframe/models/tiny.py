@@ -63,9 +63,17 @@ def build_tokenizer(vocab_size: int = 512):
     return hf_tok
 
 
-def build_model_config(vocab_size: int, hidden_size: int = 64, num_layers: int = 2,
-                       num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int | None = None,
-                       max_position_embeddings: int = 2048, pad_token_id: int = 0, eos_token_id: int = 2):
+def build_model_config(
+    vocab_size: int,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 2048,
+    pad_token_id: int = 0,
+    eos_token_id: int = 2,
+):
     """Qwen2 config with GQA (num_kv_heads < num_heads)."""
     from transformers import Qwen2Config
 
@@ -90,18 +98,28 @@ BUILTIN_MODEL = "builtin://tiny"  # the model path that names this model in conf
 TINY_SHAPE = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "vocab_size": 512}
 
 
-def make_tiny_model(out_dir: str, hidden_size: int = TINY_SHAPE["hidden_size"],
-                    num_layers: int = TINY_SHAPE["num_layers"], num_heads: int = TINY_SHAPE["num_heads"],
-                    num_kv_heads: int = TINY_SHAPE["num_kv_heads"], vocab_size: int = TINY_SHAPE["vocab_size"],
-                    seed: int = 0) -> str:
+def make_tiny_model(
+    out_dir: str,
+    hidden_size: int = TINY_SHAPE["hidden_size"],
+    num_layers: int = TINY_SHAPE["num_layers"],
+    num_heads: int = TINY_SHAPE["num_heads"],
+    num_kv_heads: int = TINY_SHAPE["num_kv_heads"],
+    vocab_size: int = TINY_SHAPE["vocab_size"],
+    seed: int = 0,
+) -> str:
     """Write a tiny random-init Qwen2 causal LM plus tokenizer to `out_dir`; return the path."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     tokenizer = build_tokenizer(vocab_size)
     config = build_model_config(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -121,8 +139,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    path = make_tiny_model(args.out_dir, args.hidden_size, args.num_layers, args.num_heads,
-                           args.num_kv_heads, args.vocab_size, args.seed)
+    path = make_tiny_model(
+        args.out_dir, args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads, args.vocab_size, args.seed
+    )
     print(f"tiny model written to {path}")
 
 

@@ -11,5 +11,6 @@ from rlframe.config.schema import Section, key
 @dataclass
 class CustomRewardFunctionConfig(Section):
     path: Optional[str] = key(None, "python file with a scorer")
-    name: str = key("compute_score",
-                    "function name: compute_score(data_source, solution_str, ground_truth, extra_info)")
+    name: str = key(
+        "compute_score", "function name: compute_score(data_source, solution_str, ground_truth, extra_info)"
+    )

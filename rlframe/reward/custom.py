@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import os
-from typing import Callable
+from collections.abc import Callable
 
 
 def load_custom_reward_function(path: str | None, name: str = "compute_score") -> Callable | None:
@@ -19,8 +19,10 @@ def load_custom_reward_function(path: str | None, name: str = "compute_score") -
         return None
     full_path = os.path.abspath(os.path.expanduser(str(path)))
     if not os.path.isfile(full_path):
-        raise FileNotFoundError(f"custom_reward_function.path={path!r}: no such file ({full_path}; "
-                                f"relative paths are resolved from the working directory {os.getcwd()})")
+        raise FileNotFoundError(
+            f"custom_reward_function.path={path!r}: no such file ({full_path}; "
+            f"relative paths are resolved from the working directory {os.getcwd()})"
+        )
     # Not registered in sys.modules on purpose: a function from an unregistered module is pickled by
     # value (cloudpickle), so Ray workers can call it without the file being importable there.
     module_name = f"rlframe_custom_reward_{abs(hash(full_path)):x}"
@@ -29,8 +31,9 @@ def load_custom_reward_function(path: str | None, name: str = "compute_score") -
     spec.loader.exec_module(module)  # errors inside the user's file surface with their own traceback
     fn = getattr(module, str(name), None)
     if fn is None or not callable(fn):
-        defined = sorted(n for n, v in vars(module).items()
-                         if inspect.isfunction(v) and v.__module__ == module_name)
-        raise ValueError(f"custom_reward_function.name={name!r} is not a function in {full_path}; "
-                         f"functions defined there: {defined or 'none'}")
+        defined = sorted(n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module_name)
+        raise ValueError(
+            f"custom_reward_function.name={name!r} is not a function in {full_path}; "
+            f"functions defined there: {defined or 'none'}"
+        )
     return fn

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -50,7 +50,7 @@ def response_lengths(data: DataProto) -> torch.Tensor:
     if "response_mask" in data.batch.keys():
         mask = data.batch["response_mask"]
     else:
-        mask = data.batch["attention_mask"][:, -responses.shape[1]:]
+        mask = data.batch["attention_mask"][:, -responses.shape[1] :]
     positions = torch.arange(1, mask.shape[1] + 1, device=mask.device).expand_as(mask)
     return (positions * (mask != 0)).max(dim=1).values
 
@@ -58,8 +58,9 @@ def response_lengths(data: DataProto) -> torch.Tensor:
 class RewardManager:
     """Shared decode -> score -> place logic; subclasses decide how the scorer is called."""
 
-    def __init__(self, tokenizer, compute_score: Callable | None = None, reward_fn_key: str = "data_source",
-                 num_examine: int = 0):
+    def __init__(
+        self, tokenizer, compute_score: Callable | None = None, reward_fn_key: str = "data_source", num_examine: int = 0
+    ):
         self.tokenizer = tokenizer
         self.compute_score = compute_score
         self.reward_fn_key = reward_fn_key
@@ -74,12 +75,15 @@ class RewardManager:
         """Score a batch; the reward tensor, or a dict with reward_tensor, reward_extra_info and metrics."""
         for key in (self.reward_fn_key, "reward_model"):
             if key not in data.non_tensor_batch:
-                raise ValueError(f"the batch has no non-tensor field {key!r} (needed for rule-based rewards); "
-                                 f"fields present: {sorted(data.non_tensor_batch)}")
+                raise ValueError(
+                    f"the batch has no non-tensor field {key!r} (needed for rule-based rewards); "
+                    f"fields present: {sorted(data.non_tensor_batch)}"
+                )
         responses = data.batch["responses"]
         lengths = response_lengths(data).tolist()
         solution_strs = self.tokenizer.batch_decode(
-            [responses[i, :n].tolist() for i, n in enumerate(lengths)], skip_special_tokens=True)
+            [responses[i, :n].tolist() for i, n in enumerate(lengths)], skip_special_tokens=True
+        )
         data_sources = list(data.non_tensor_batch[self.reward_fn_key])
         ground_truths = [reward_model["ground_truth"] for reward_model in data.non_tensor_batch["reward_model"]]
         extra_infos = list(data.non_tensor_batch.get("extra_info", [None] * len(data)))
@@ -109,8 +113,11 @@ class RewardManager:
         self._examine(data_sources, solution_strs, ground_truths, scores)
         if not return_dict:
             return reward_tensor
-        return {"reward_tensor": reward_tensor, "reward_extra_info": reward_extra_info,
-                "metrics": {"reward/num_scorer_errors": len(errors)}}
+        return {
+            "reward_tensor": reward_tensor,
+            "reward_extra_info": reward_extra_info,
+            "metrics": {"reward/num_scorer_errors": len(errors)},
+        }
 
     def _report_errors(self, errors: list, data_sources: list) -> None:
         if not errors:
@@ -119,11 +126,21 @@ class RewardManager:
         where = f"sample {first_index}, data_source={data_sources[first_index]!r}"
         if not self._logged_traceback:
             self._logged_traceback = True
-            logger.error("reward scorer failed on %d of %d samples (scored 0); first failure (%s):",
-                         len(errors), len(data_sources), where, exc_info=first_error)
+            logger.error(
+                "reward scorer failed on %d of %d samples (scored 0); first failure (%s):",
+                len(errors),
+                len(data_sources),
+                where,
+                exc_info=first_error,
+            )
         else:
-            logger.warning("reward scorer failed on %d of %d samples (scored 0); first: %s: %r",
-                           len(errors), len(data_sources), where, first_error)
+            logger.warning(
+                "reward scorer failed on %d of %d samples (scored 0); first: %s: %r",
+                len(errors),
+                len(data_sources),
+                where,
+                first_error,
+            )
 
     def _examine(self, data_sources, solution_strs, ground_truths, scores) -> None:
         shown: dict = {}
@@ -137,10 +154,12 @@ def score_each(fn: Callable, data_sources, solution_strs, ground_truths, extra_i
     """Call a per-sample scorer on every sample; a sample that fails gets its exception in its place."""
     results = []
     for data_source, solution_str, ground_truth, extra_info in zip(
-            data_sources, solution_strs, ground_truths, extra_infos):
+        data_sources, solution_strs, ground_truths, extra_infos
+    ):
         try:
-            results.append(fn(data_source=data_source, solution_str=solution_str,
-                              ground_truth=ground_truth, extra_info=extra_info))
+            results.append(
+                fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info)
+            )
         except Exception as error:  # noqa: BLE001 - counted and logged by the manager
             results.append(error)
     return results
@@ -155,8 +174,9 @@ class NaiveRewardManager(RewardManager):
     """One scorer call per sample: fn(data_source=, solution_str=, ground_truth=, extra_info=)."""
 
     def score_samples(self, data_sources, solution_strs, ground_truths, extra_infos) -> list:
-        return score_each(self.compute_score or default_compute_score,
-                          data_sources, solution_strs, ground_truths, extra_infos)
+        return score_each(
+            self.compute_score or default_compute_score, data_sources, solution_strs, ground_truths, extra_infos
+        )
 
 
 class BatchRewardManager(RewardManager):
@@ -169,8 +189,12 @@ class BatchRewardManager(RewardManager):
     def score_samples(self, data_sources, solution_strs, ground_truths, extra_infos) -> list:
         fn = self.compute_score or default_batch_compute_score
         try:
-            results = fn(data_sources=data_sources, solution_strs=solution_strs,
-                         ground_truths=ground_truths, extra_infos=extra_infos)
+            results = fn(
+                data_sources=data_sources,
+                solution_strs=solution_strs,
+                ground_truths=ground_truths,
+                extra_infos=extra_infos,
+            )
         except Exception as error:  # noqa: BLE001 - counted and logged by the caller
             return [error] * len(data_sources)
         return list(results)
@@ -186,16 +210,19 @@ def get_reward_manager_cls(name: str) -> type[RewardManager]:
     return REWARD_MANAGERS[name]
 
 
-def load_reward_manager(config, tokenizer, num_examine: int = 0,
-                        compute_score: Callable | None = None) -> RewardManager:
+def load_reward_manager(
+    config, tokenizer, num_examine: int = 0, compute_score: Callable | None = None
+) -> RewardManager:
     """The reward manager the full trainer config asks for, with the custom scorer if one is set.
 
     Pass `compute_score` (e.g. another manager's) to reuse a scorer instead of executing the
     user's file again.
     """
     if compute_score is None:
-        compute_score = load_custom_reward_function(config.custom_reward_function.path,
-                                                    config.custom_reward_function.name)
+        compute_score = load_custom_reward_function(
+            config.custom_reward_function.path, config.custom_reward_function.name
+        )
     manager_cls = get_reward_manager_cls(config.reward_model.reward_manager)
-    return manager_cls(tokenizer, compute_score=compute_score, reward_fn_key=config.data.reward_fn_key,
-                       num_examine=num_examine)
+    return manager_cls(
+        tokenizer, compute_score=compute_score, reward_fn_key=config.data.reward_fn_key, num_examine=num_examine
+    )

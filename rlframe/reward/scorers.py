@@ -32,8 +32,9 @@ def extract_gsm8k_answer(solution_str: str, method: str = "strict") -> str | Non
     return matches[-1] if matches else None
 
 
-def gsm8k_score(solution_str: str, ground_truth: str, method: str = "strict",
-                format_score: float = 0.0, score: float = 1.0) -> float:
+def gsm8k_score(
+    solution_str: str, ground_truth: str, method: str = "strict", format_score: float = 0.0, score: float = 1.0
+) -> float:
     """`score` if the extracted answer equals the ground truth numerically, `format_score` if wrong, 0 if none."""
     answer = extract_gsm8k_answer(solution_str, method)
     if answer is None:
@@ -66,8 +67,22 @@ def last_boxed(text: str) -> str | None:
     return None  # unbalanced: the answer was cut off
 
 
-_STRIP_SUBSTRINGS = ["\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\displaystyle", "$", "^\\circ",
-                     "^{\\circ}", "\\%", "%", " ", "\n"]
+_STRIP_SUBSTRINGS = [
+    "\\left",
+    "\\right",
+    "\\!",
+    "\\,",
+    "\\;",
+    "\\:",
+    "\\displaystyle",
+    "$",
+    "^\\circ",
+    "^{\\circ}",
+    "\\%",
+    "%",
+    " ",
+    "\n",
+]
 
 
 def normalize_math_answer(answer: str) -> str:
@@ -139,6 +154,8 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth, ext
     """Score one response with the rule-based scorer of its `data_source` (float or dict with "score")."""
     scorer = _SCORERS.get(data_source)
     if scorer is None:
-        raise ValueError(f"no rule-based scorer for data_source={data_source!r}; known data sources: "
-                         f"{', '.join(KNOWN_DATA_SOURCES)}. Set custom_reward_function.path to score others")
+        raise ValueError(
+            f"no rule-based scorer for data_source={data_source!r}; known data sources: "
+            f"{', '.join(KNOWN_DATA_SOURCES)}. Set custom_reward_function.path to score others"
+        )
     return scorer(solution_str, ground_truth)

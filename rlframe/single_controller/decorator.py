@@ -10,8 +10,9 @@ data all-gather their shares inside the worker (docs/single_controller.md says w
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from rlframe.protocol import DataProto, pad_dataproto_to_divisor, unpad_dataproto
 
@@ -47,13 +48,16 @@ def register(dispatch_mode: Dispatch = Dispatch.ONE_TO_ALL, execute_mode: Execut
     `dispatch_mode` and blocks until every executing rank has answered.
     """
     if not isinstance(dispatch_mode, Dispatch):
-        raise ValueError(f"dispatch_mode must be a Dispatch member ({', '.join(d.name for d in Dispatch)}), "
-                         f"got {dispatch_mode!r}")
+        raise ValueError(
+            f"dispatch_mode must be a Dispatch member ({', '.join(d.name for d in Dispatch)}), got {dispatch_mode!r}"
+        )
     if not isinstance(execute_mode, Execute):
         raise ValueError(f"execute_mode must be Execute.ALL or Execute.RANK_ZERO, got {execute_mode!r}")
     if execute_mode is Execute.RANK_ZERO and dispatch_mode is Dispatch.DP_COMPUTE_PROTO:
-        raise ValueError("Execute.RANK_ZERO runs one rank, which cannot take DP_COMPUTE_PROTO's per-rank "
-                         "shards; use Dispatch.ONE_TO_ALL or Dispatch.RANK_ZERO with it")
+        raise ValueError(
+            "Execute.RANK_ZERO runs one rank, which cannot take DP_COMPUTE_PROTO's per-rank "
+            "shards; use Dispatch.ONE_TO_ALL or Dispatch.RANK_ZERO with it"
+        )
     spec = RegisterSpec(dispatch_mode, execute_mode)
 
     def decorate(fn):
@@ -100,13 +104,16 @@ def _plan_dp_compute_proto(method: str, args: tuple, kwargs: dict, world_size: i
     length = _check_protos(method, args, kwargs)
     # Equal chunks keep every rank at the same number of micro-batches, so collectives stay in step.
     pad_size = 0 if length is None else (-length) % world_size
-    shards = {name: pad_dataproto_to_divisor(value, world_size)[0].chunk(world_size)
-              for name, value in _named(args, kwargs)}
-    return CallPlan(ranks=list(range(world_size)),
-                    args=[tuple(shards[i][r] for i in range(len(args))) for r in range(world_size)],
-                    kwargs=[{k: shards[k][r] for k in kwargs} for r in range(world_size)],
-                    collect=lambda outputs: _concat_unpad(method, outputs, length, pad_size),
-                    outputs_are_copied=True)
+    shards = {
+        name: pad_dataproto_to_divisor(value, world_size)[0].chunk(world_size) for name, value in _named(args, kwargs)
+    }
+    return CallPlan(
+        ranks=list(range(world_size)),
+        args=[tuple(shards[i][r] for i in range(len(args))) for r in range(world_size)],
+        kwargs=[{k: shards[k][r] for k in kwargs} for r in range(world_size)],
+        collect=lambda outputs: _concat_unpad(method, outputs, length, pad_size),
+        outputs_are_copied=True,
+    )
 
 
 def _named(args: tuple, kwargs: dict):
@@ -123,12 +130,16 @@ def _check_protos(method: str, args: tuple, kwargs: dict) -> int | None:
     lengths = {}
     for name, value in _named(args, kwargs):
         if not isinstance(value, DataProto):
-            raise TypeError(f"{method}() is Dispatch.DP_COMPUTE_PROTO: {_describe(name)} must be a DataProto "
-                            f"(it is split across data-parallel ranks), got {type(value).__name__}")
+            raise TypeError(
+                f"{method}() is Dispatch.DP_COMPUTE_PROTO: {_describe(name)} must be a DataProto "
+                f"(it is split across data-parallel ranks), got {type(value).__name__}"
+            )
         lengths[name] = len(value)
     if len(set(lengths.values())) > 1:
-        raise ValueError(f"{method}() is Dispatch.DP_COMPUTE_PROTO: its DataProto arguments must have one "
-                         f"length to be split alike, got lengths {lengths}")
+        raise ValueError(
+            f"{method}() is Dispatch.DP_COMPUTE_PROTO: its DataProto arguments must have one "
+            f"length to be split alike, got lengths {lengths}"
+        )
     return next(iter(lengths.values()), None)
 
 
@@ -138,14 +149,18 @@ def _concat_unpad(method: str, outputs: list, length: int | None, pad_size: int)
         return None
     if not all(isinstance(out, DataProto) for out in outputs):
         kinds = sorted({type(out).__name__ for out in outputs})
-        raise TypeError(f"{method}() is Dispatch.DP_COMPUTE_PROTO: every rank must return a DataProto "
-                        f"(or all None) to be concatenated, got {kinds}")
+        raise TypeError(
+            f"{method}() is Dispatch.DP_COMPUTE_PROTO: every rank must return a DataProto "
+            f"(or all None) to be concatenated, got {kinds}"
+        )
     merged = DataProto.concat(outputs)
     if pad_size == 0:
         return merged
     padded = length + pad_size
     if len(merged) % padded:
-        raise ValueError(f"{method}() returned {len(merged)} samples for {padded} dispatched ({length} + "
-                         f"{pad_size} padding); outputs must have one (or k) samples per input sample "
-                         f"for the padding to be stripped")
+        raise ValueError(
+            f"{method}() returned {len(merged)} samples for {padded} dispatched ({length} + "
+            f"{pad_size} padding); outputs must have one (or k) samples per input sample "
+            f"for the padding to be stripped"
+        )
     return unpad_dataproto(merged, pad_size * (len(merged) // padded))

@@ -42,8 +42,10 @@ class WorkerTimeoutError(WorkerGroupError, TimeoutError):
         self.ranks = list(ranks)
         self.method = method
         self.timeout_s = timeout_s
-        super().__init__(f"{method}: worker ranks {self.ranks} did not answer within {timeout_s:g}s "
-                         f"(alive but stuck, e.g. in a collective whose peer failed)")
+        super().__init__(
+            f"{method}: worker ranks {self.ranks} did not answer within {timeout_s:g}s "
+            f"(alive but stuck, e.g. in a collective whose peer failed)"
+        )
 
     def __reduce__(self):
         return type(self), (self.ranks, self.method, self.timeout_s)

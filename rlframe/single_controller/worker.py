@@ -73,8 +73,13 @@ class Worker:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(backend=backend, init_method=f"tcp://{self.master_addr}:{self.master_port}",
-                                rank=self.rank, world_size=self.world_size, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{self.master_addr}:{self.master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
 
     # ------------------------------------------------------------------ called by the worker group
     def _rlframe_target(self, role: str | None):
@@ -97,5 +102,9 @@ class Worker:
         """Where this process runs; the group asks once, so constructor failures surface at build time."""
         import ray
 
-        return {"rank": self.rank, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                **{key: os.environ.get(key) for key in RANK_ENV}}
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            **{key: os.environ.get(key) for key in RANK_ENV},
+        }

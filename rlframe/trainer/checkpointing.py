@@ -96,8 +96,10 @@ class TrainerCheckpointer:
         if folder is None:
             return None
         if not os.path.isfile(os.path.join(folder, DATA_FILE)):
-            raise ValueError(f"trainer.resume_from_path={folder!r} is not a complete checkpoint "
-                             f"(expected {os.path.join(folder, DATA_FILE)})")
+            raise ValueError(
+                f"trainer.resume_from_path={folder!r} is not a complete checkpoint "
+                f"(expected {os.path.join(folder, DATA_FILE)})"
+            )
         state = load_data(os.path.join(folder, DATA_FILE))  # before the workers: a refused file stops here
         print(f"[rlframe] resuming from {folder}", flush=True)
         actor_wg.load_checkpoint(os.path.join(folder, "actor"))
@@ -130,8 +132,10 @@ def plain_data(value, where: str):
     if isinstance(value, (list, tuple)):
         items = [plain_data(item, f"{where}[{i}]") for i, item in enumerate(value)]
         return items if isinstance(value, list) else tuple(items)
-    raise TypeError(f"checkpoint entry {where} is a {type(value).__name__}; a checkpoint holds only tensors, "
-                    "numbers, strings and lists/tuples/dicts of them (so that loading it cannot run code)")
+    raise TypeError(
+        f"checkpoint entry {where} is a {type(value).__name__}; a checkpoint holds only tensors, "
+        "numbers, strings and lists/tuples/dicts of them (so that loading it cannot run code)"
+    )
 
 
 def load_data(path: str) -> dict:
@@ -139,5 +143,6 @@ def load_data(path: str) -> dict:
     try:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as e:
-        raise pickle.UnpicklingError(f"{path} is not plain data (tensors and containers); refusing to load it: "
-                                     f"{e}") from e
+        raise pickle.UnpicklingError(
+            f"{path} is not plain data (tensors and containers); refusing to load it: {e}"
+        ) from e

@@ -16,15 +16,15 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from rlframe.algorithms.advantage import get_adv_estimator_fn
 from rlframe.algorithms.kl import get_kl_penalty_fn
 from rlframe.config.checks import check_fsdp_size
-from rlframe.config.keys import critic_enabled, ref_enabled
 from rlframe.config.key_status import override_key
+from rlframe.config.keys import critic_enabled, ref_enabled
 from rlframe.config.loader import load_config
-from rlframe.config.verl_keys import ALIASES, check_verl_override, verl_key_under
 from rlframe.config.schema import Section, key, render_yaml, section, validate, walk
+from rlframe.config.verl_keys import ALIASES, check_verl_override, verl_key_under
 from rlframe.data.config import DataConfig
 from rlframe.reward.config import CustomRewardFunctionConfig
 from rlframe.trainer.tracking import BACKENDS
-from rlframe.workers.config import (ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig)
+from rlframe.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
 from rlframe.workers.rollout.config import RolloutConfig
 
 RESUME_MODES = ("auto", "disable", "resume_path")
@@ -54,13 +54,17 @@ class ActorRolloutRefConfig(Section):
 
     def check(self, path: str, root: Any) -> None:
         if not self.hybrid_engine:
-            raise ValueError("actor_rollout_ref.hybrid_engine=false: rlframe always runs actor, rollout and reference "
-                             "in the same worker processes; set it to true (or leave it out)")
+            raise ValueError(
+                "actor_rollout_ref.hybrid_engine=false: rlframe always runs actor, rollout and reference "
+                "in the same worker processes; set it to true (or leave it out)"
+            )
         ref_sp, actor_sp = self.ref.ulysses_sequence_parallel_size, self.actor.ulysses_sequence_parallel_size
         if ref_sp != actor_sp:
-            raise ValueError(f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={ref_sp} must equal "
-                             f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={actor_sp}: actor and "
-                             "reference share worker processes and their Ulysses group")
+            raise ValueError(
+                f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={ref_sp} must equal "
+                f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={actor_sp}: actor and "
+                "reference share worker processes and their Ulysses group"
+            )
 
 
 @dataclass
@@ -80,8 +84,11 @@ class KLCtrlConfig(Section):
 class AlgorithmConfig(Section):
     gamma: float = key(1.0, "discount")
     lam: float = key(1.0, "GAE lambda")
-    adv_estimator: str = key("gae", "gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax",
-                             check=get_adv_estimator_fn)
+    adv_estimator: str = key(
+        "gae",
+        "gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax",
+        check=get_adv_estimator_fn,
+    )
     norm_adv_by_std_in_grpo: bool = key(True, "false = Dr.GRPO (no std normalization)")
     use_kl_in_reward: bool = key(False, "subtract a KL penalty from the rewards")
     kl_penalty: str = key("kl", "kl|k1|abs|mse|k2|low_var_kl|k3 (used in reward)", check=get_kl_penalty_fn)
@@ -114,8 +121,9 @@ class TrainerConfig(Section):
     total_training_steps: Optional[int] = key(None, "stop after this many steps (null = epochs decide)")
     project_name: str = key("rlframe", "tracking project")
     experiment_name: str = key("tiny_grpo", "tracking run name")
-    logger: List[str] = key(["console", "jsonl"], "console | jsonl | tensorboard | wandb (jsonl is always on)",
-                            check=_check_backends)
+    logger: List[str] = key(
+        ["console", "jsonl"], "console | jsonl | tensorboard | wandb (jsonl is always on)", check=_check_backends
+    )
     log_val_generations: int = key(0, "validation samples to log as text")
     val_before_train: bool = key(True, "run validation before the first step")
     test_freq: int = key(-1, "validate every N steps (-1 = only at the end)")
@@ -134,8 +142,11 @@ class TrainerConfig(Section):
         if self.resume_mode == "resume_path" and not self.resume_from_path:
             raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<dir>/global_step_N")
         world_size = self.nnodes * self.n_gpus_per_node
-        check_fsdp_size(root.actor_rollout_ref.actor.fsdp_config.fsdp_size, world_size,
-                        "actor_rollout_ref.actor.fsdp_config.fsdp_size")
+        check_fsdp_size(
+            root.actor_rollout_ref.actor.fsdp_config.fsdp_size,
+            world_size,
+            "actor_rollout_ref.actor.fsdp_config.fsdp_size",
+        )
         check_fsdp_size(root.critic.model.fsdp_config.fsdp_size, world_size, "critic.model.fsdp_config.fsdp_size")
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
@@ -160,8 +171,9 @@ class PPOTrainerConfig(Section):
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = {}
         if not ref_enabled(self):
-            out["actor_rollout_ref.ref"] = ("no reference model: actor_rollout_ref.actor.use_kl_loss=false and "
-                                            "algorithm.use_kl_in_reward=false")
+            out["actor_rollout_ref.ref"] = (
+                "no reference model: actor_rollout_ref.actor.use_kl_loss=false and algorithm.use_kl_in_reward=false"
+            )
         if not critic_enabled(self):
             out["critic"] = f"algorithm.adv_estimator={self.algorithm.adv_estimator}: only gae trains a critic"
         return out
@@ -240,7 +252,9 @@ def _unknown_key_message(full_key: str, overrides: list[str]) -> str:
     known = [path for path, value, _ in walk(PPOTrainerConfig()) if not isinstance(value, Section)]
     close = difflib.get_close_matches(full_key, known, n=3, cutoff=0.6)
     source = next((o for o in overrides if full_key in o.split("=", 1)[0]), None)
-    return (f"{full_key} is not a config key: no rlframe component reads it"
-            + (f" (from the override {source!r})" if source else "")
-            + (f". Did you mean {' or '.join(close)}?" if close else ".")
-            + " `rlframe explain` lists the keys; configs/ppo_trainer.yaml documents each one.")
+    return (
+        f"{full_key} is not a config key: no rlframe component reads it"
+        + (f" (from the override {source!r})" if source else "")
+        + (f". Did you mean {' or '.join(close)}?" if close else ".")
+        + " `rlframe explain` lists the keys; configs/ppo_trainer.yaml documents each one."
+    )

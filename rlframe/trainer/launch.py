@@ -32,10 +32,10 @@ class WorkerGroups:
     groups' pool, and whether this process started Ray (then it stops it too).
     """
 
-    actor_rollout: RayWorkerGroup                    # actor + rollout (+ reference) in every process
-    critic: RayWorkerGroup | None                    # None without a critic (e.g. GRPO)
-    reward_model: RayWorkerGroup | None              # None unless reward_model.enable
-    num_devices: int                                 # worker processes (one device each)
+    actor_rollout: RayWorkerGroup  # actor + rollout (+ reference) in every process
+    critic: RayWorkerGroup | None  # None without a critic (e.g. GRPO)
+    reward_model: RayWorkerGroup | None  # None unless reward_model.enable
+    num_devices: int  # worker processes (one device each)
     _owner: RayWorkerGroup = field(repr=False)
     _pool: RayResourcePool = field(repr=False)
     _started_ray: bool = field(repr=False)
@@ -54,18 +54,24 @@ def create_worker_groups(cfg: DictConfig, plan: BatchPlan, total_training_steps:
     """Actor/rollout(/ref), critic and reward model share each worker process; models are built here."""
     import ray
 
-    from rlframe.single_controller.ray import (RayClassWithInitArgs, RayResourcePool, RayWorkerGroup,
-                                               create_colocated_worker_cls, init_ray)
+    from rlframe.single_controller.ray import (
+        RayClassWithInitArgs,
+        RayResourcePool,
+        RayWorkerGroup,
+        create_colocated_worker_cls,
+        init_ray,
+    )
     from rlframe.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker, worker_env
     from rlframe.workers.reward_model import RewardModelWorker
 
     device_type = resolve_device(cfg.trainer.device)
     started_here = not ray.is_initialized()
-    init_ray(address=cfg.trainer.ray_init.address,
-             num_cpus=_num_cpus_for_local_ray(cfg, plan.world_size, device_type),
-             runtime_env={"env_vars": worker_env()})
-    pool = RayResourcePool([int(cfg.trainer.n_gpus_per_node)] * int(cfg.trainer.nnodes),
-                           use_gpu=device_type == "cuda")
+    init_ray(
+        address=cfg.trainer.ray_init.address,
+        num_cpus=_num_cpus_for_local_ray(cfg, plan.world_size, device_type),
+        runtime_env={"env_vars": worker_env()},
+    )
+    pool = RayResourcePool([int(cfg.trainer.n_gpus_per_node)] * int(cfg.trainer.nnodes), use_gpu=device_type == "cuda")
     config = OmegaConf.to_container(cfg)
     roles = {"actor_rollout": RayClassWithInitArgs(ActorRolloutRefWorker, config, plan, with_ref=plan.ref is not None)}
     if plan.critic is not None:
@@ -74,9 +80,15 @@ def create_worker_groups(cfg: DictConfig, plan: BatchPlan, total_training_steps:
         roles["reward_model"] = RayClassWithInitArgs(RewardModelWorker, config, plan)
     owner = RayWorkerGroup(pool, create_colocated_worker_cls(roles), call_timeout_s=float(cfg.trainer.worker_timeout_s))
     by_role = owner.spawn(list(roles))
-    groups = WorkerGroups(actor_rollout=by_role["actor_rollout"], critic=by_role.get("critic"),
-                          reward_model=by_role.get("reward_model"), num_devices=plan.world_size,
-                          _owner=owner, _pool=pool, _started_ray=started_here)
+    groups = WorkerGroups(
+        actor_rollout=by_role["actor_rollout"],
+        critic=by_role.get("critic"),
+        reward_model=by_role.get("reward_model"),
+        num_devices=plan.world_size,
+        _owner=owner,
+        _pool=pool,
+        _started_ray=started_here,
+    )
     for name in roles:  # in order: the actor's process group is created first
         by_role[name].init_model(total_training_steps)
     return groups

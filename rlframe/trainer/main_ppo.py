@@ -14,23 +14,28 @@ import sys
 from omegaconf import DictConfig, OmegaConf, read_write
 from transformers import AutoTokenizer
 
+from rlframe.batch_plan import BatchPlan, ModelShape, make_batch_plan, read_model_shape
+from rlframe.config import trace
+from rlframe.config.checks import check_model_path, resolve_device
+from rlframe.config.key_status import warn_ignored_keys
+from rlframe.config.loader import config_dir, resolved
 from rlframe.data.builtin_tasks import resolve_data_files
 from rlframe.data.dataloader import make_dataloader
 from rlframe.data.dataset import RLHFDataset
+from rlframe.models.builtin import resolve_model_path
 from rlframe.reward.manager import load_reward_manager
+from rlframe.trainer.config import compose, typed
 from rlframe.trainer.launch import create_worker_groups
 from rlframe.trainer.ray_trainer import PreparedRun, RayPPOTrainer
-from rlframe.batch_plan import BatchPlan, ModelShape, make_batch_plan, read_model_shape
-from rlframe.config.key_status import warn_ignored_keys
-from rlframe.config import trace
-from rlframe.config.checks import check_model_path, resolve_device
-from rlframe.config.loader import config_dir, resolved
-from rlframe.trainer.config import compose, typed
-from rlframe.models.builtin import resolve_model_path
 
 # Keys that may name the built-in tiny model (directly or through an interpolation).
-MODEL_PATH_KEYS = ("actor_rollout_ref.model.path", "critic.model.path", "critic.model.tokenizer_path",
-                   "reward_model.model.input_tokenizer", "data.tokenizer")
+MODEL_PATH_KEYS = (
+    "actor_rollout_ref.model.path",
+    "critic.model.path",
+    "critic.model.tokenizer_path",
+    "reward_model.model.input_tokenizer",
+    "data.tokenizer",
+)
 
 
 def normalize_config(cfg: DictConfig) -> DictConfig:
@@ -72,8 +77,9 @@ def total_steps(cfg: DictConfig, train_loader) -> int:
     return len(train_loader) * int(cfg.trainer.total_epochs)
 
 
-def check_config(overrides: list[str], check_files: bool = True
-                 ) -> tuple[DictConfig, DictConfig, ModelShape | None, BatchPlan]:
+def check_config(
+    overrides: list[str], check_files: bool = True
+) -> tuple[DictConfig, DictConfig, ModelShape | None, BatchPlan]:
     """The config checks: (composed, normalized, model shape, plan). `check_files=False` skips the model folder
     and device checks (`rlframe explain --plan-only`)."""
     composed = compose(overrides)  # unknown keys and wrong types fail here
@@ -87,12 +93,14 @@ def check_config(overrides: list[str], check_files: bool = True
 
 def load_data_and_rewards(cfg: DictConfig) -> tuple:
     """Tokenizer, dataloaders and reward functions: data errors (columns, prompt lengths) surface here."""
-    tokenizer = AutoTokenizer.from_pretrained(cfg.data.tokenizer or cfg.actor_rollout_ref.model.path,
-                                              trust_remote_code=bool(cfg.data.trust_remote_code))
+    tokenizer = AutoTokenizer.from_pretrained(
+        cfg.data.tokenizer or cfg.actor_rollout_ref.model.path, trust_remote_code=bool(cfg.data.trust_remote_code)
+    )
     train_loader, val_loader = build_data(cfg, tokenizer)
     reward_fn = load_reward_manager(cfg, tokenizer, num_examine=0)
-    val_reward_fn = load_reward_manager(cfg, tokenizer, num_examine=int(cfg.trainer.log_val_generations),
-                                        compute_score=reward_fn.compute_score)  # the user's file runs once
+    val_reward_fn = load_reward_manager(
+        cfg, tokenizer, num_examine=int(cfg.trainer.log_val_generations), compute_score=reward_fn.compute_score
+    )  # the user's file runs once
     return tokenizer, train_loader, val_loader, reward_fn, val_reward_fn
 
 
@@ -105,10 +113,17 @@ def prepare(overrides: list[str]) -> PreparedRun:
     composed, cfg, model_shape, plan = check_config(overrides)
     warn_ignored_keys(composed, overrides)
     tokenizer, train_loader, val_loader, reward_fn, val_reward_fn = load_data_and_rewards(cfg)
-    return PreparedRun(cfg=cfg, plan=plan, tokenizer=tokenizer, train_loader=train_loader, val_loader=val_loader,
-                       total_steps=total_steps(cfg, train_loader),
-                       hidden_size=model_shape.hidden_size,  # check_environment made sure config.json exists
-                       reward_fn=reward_fn, val_reward_fn=val_reward_fn)
+    return PreparedRun(
+        cfg=cfg,
+        plan=plan,
+        tokenizer=tokenizer,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        total_steps=total_steps(cfg, train_loader),
+        hidden_size=model_shape.hidden_size,  # check_environment made sure config.json exists
+        reward_fn=reward_fn,
+        val_reward_fn=val_reward_fn,
+    )
 
 
 def train(run: PreparedRun) -> dict:
@@ -119,9 +134,11 @@ def train(run: PreparedRun) -> dict:
     print(OmegaConf.to_yaml(cfg), flush=True)
     for name, loader in (("train", run.train_loader), ("val", run.val_loader)):
         dataset = loader.dataset
-        print(f"[rlframe] {name}: {len(dataset)} prompts"
-              f" ({dataset.num_filtered} longer than data.max_prompt_length={cfg.data.max_prompt_length} filtered out)",
-              flush=True)
+        print(
+            f"[rlframe] {name}: {len(dataset)} prompts"
+            f" ({dataset.num_filtered} longer than data.max_prompt_length={cfg.data.max_prompt_length} filtered out)",
+            flush=True,
+        )
     print(f"[rlframe] {run.total_steps} training steps; run folder {cfg.trainer.default_local_dir}", flush=True)
     groups = create_worker_groups(cfg, run.plan, run.total_steps)
     try:
@@ -148,9 +165,11 @@ def main(argv: list[str] | None = None) -> None:
     """Hydra-style `key=value` overrides on the command line."""
     overrides = sys.argv[1:] if argv is None else list(argv)
     if any(arg in ("-h", "--help") for arg in overrides):
-        print("usage: python -m rlframe.trainer.main_ppo KEY=VALUE ...   (or: rlframe train KEY=VALUE ...)\n"
-              f"keys and their defaults: {os.path.join(config_dir(), 'ppo_trainer.yaml')}\n"
-              "to see how a config's batch flows to each GPU: rlframe explain KEY=VALUE ...")
+        print(
+            "usage: python -m rlframe.trainer.main_ppo KEY=VALUE ...   (or: rlframe train KEY=VALUE ...)\n"
+            f"keys and their defaults: {os.path.join(config_dir(), 'ppo_trainer.yaml')}\n"
+            "to see how a config's batch flows to each GPU: rlframe explain KEY=VALUE ..."
+        )
         return
     configure_logging()
     trace.enable_from_env()

@@ -12,8 +12,11 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
     values = values.float()
     if values.numel() == 0:
         return {}
-    return {f"{prefix}/mean": float(values.mean()), f"{prefix}/max": float(values.max()),
-            f"{prefix}/min": float(values.min())}
+    return {
+        f"{prefix}/mean": float(values.mean()),
+        f"{prefix}/max": float(values.max()),
+        f"{prefix}/min": float(values.min()),
+    }
 
 
 def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]:
@@ -54,11 +57,13 @@ def compute_timing_metrics(timings: dict[str, float], num_tokens: dict[str, int]
 
 def compute_throughput_metrics(total_tokens: int, step_seconds: float, num_devices: int) -> dict[str, float]:
     """perf/throughput is tokens per second per device (prompt + response tokens of the step)."""
-    return {"perf/total_num_tokens": float(total_tokens), "perf/time_per_step": step_seconds,
-            "perf/throughput": total_tokens / max(step_seconds, 1e-9) / max(num_devices, 1)}
+    return {
+        "perf/total_num_tokens": float(total_tokens),
+        "perf/time_per_step": step_seconds,
+        "perf/throughput": total_tokens / max(step_seconds, 1e-9) / max(num_devices, 1),
+    }
 
 
 def reduce_metrics(metrics: dict[str, list]) -> dict[str, float]:
     """Mean of each metric's list of values (per mini-batch or per worker)."""
-    return {k: float(np.mean(v)) if isinstance(v, (list, tuple, np.ndarray)) else float(v)
-            for k, v in metrics.items()}
+    return {k: float(np.mean(v)) if isinstance(v, (list, tuple, np.ndarray)) else float(v) for k, v in metrics.items()}

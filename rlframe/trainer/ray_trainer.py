@@ -19,18 +19,22 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlframe.protocol import DataProto
-from rlframe.seqpack import balance_dp_partitions, packing_metrics
 from rlframe.algorithms.advantage import compute_advantage
 from rlframe.algorithms.kl import apply_kl_penalty, make_kl_controller
 from rlframe.algorithms.masked import masked_mean
-from rlframe.trainer.checkpointing import TrainerCheckpointer
-from rlframe.trainer.metrics import (compute_data_metrics, compute_throughput_metrics, compute_timing_metrics,
-                                     reduce_metrics)
 from rlframe.batch_plan import BatchPlan
 from rlframe.config.checks import resolve_device
-from rlframe.utils.flops import device_peak_tflops, train_flops
+from rlframe.protocol import DataProto
+from rlframe.seqpack import balance_dp_partitions, packing_metrics
+from rlframe.trainer.checkpointing import TrainerCheckpointer
+from rlframe.trainer.metrics import (
+    compute_data_metrics,
+    compute_throughput_metrics,
+    compute_timing_metrics,
+    reduce_metrics,
+)
 from rlframe.trainer.tracking import Tracking
+from rlframe.utils.flops import device_peak_tflops, train_flops
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -52,13 +56,13 @@ def timer(name: str, timings: dict):
 class PreparedRun:
     """Everything built and checked before Ray starts (`main_ppo.prepare`): the trainer's inputs."""
 
-    cfg: DictConfig                  # resolved and read-only
-    plan: BatchPlan                  # every batch size, from the config's arithmetic
+    cfg: DictConfig  # resolved and read-only
+    plan: BatchPlan  # every batch size, from the config's arithmetic
     tokenizer: PreTrainedTokenizerBase
-    train_loader: Any                # resumable (state_dict / load_state_dict), one batch of prompts per step
+    train_loader: Any  # resumable (state_dict / load_state_dict), one batch of prompts per step
     val_loader: Any
-    total_steps: int                 # trainer.total_training_steps, or total_epochs passes over train_loader
-    hidden_size: int                 # the model's, for the DP balancing workload
+    total_steps: int  # trainer.total_training_steps, or total_epochs passes over train_loader
+    hidden_size: int  # the model's, for the DP balancing workload
     reward_fn: RewardManager
     val_reward_fn: RewardManager
 
@@ -80,8 +84,9 @@ class RayPPOTrainer:
         self.num_devices = groups.num_devices
         self.hidden_size = run.hidden_size
         algo = config.algorithm
-        self.kl_ctrl = make_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef,
-                                          algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
+        self.kl_ctrl = make_kl_controller(
+            algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon
+        )
         self.checkpointer = TrainerCheckpointer(config.trainer)
         self.global_step = 0
         self.flops_info, self.peak_tflops = None, None
@@ -93,10 +98,14 @@ class RayPPOTrainer:
     def fit(self) -> dict:
         """Train until total_training_steps; returns the last step's metrics."""
         cfg = self.config.trainer
-        self.tracker = Tracking(cfg.project_name, cfg.experiment_name, list(cfg.logger), cfg.default_local_dir,
-                                OmegaConf.to_container(self.config))
-        driver_state = self.checkpointer.maybe_resume(self.actor_rollout_wg, self.critic_wg,
-                                                      self.train_dataloader)
+        self.tracker = Tracking(
+            cfg.project_name,
+            cfg.experiment_name,
+            list(cfg.logger),
+            cfg.default_local_dir,
+            OmegaConf.to_container(self.config),
+        )
+        driver_state = self.checkpointer.maybe_resume(self.actor_rollout_wg, self.critic_wg, self.train_dataloader)
         if driver_state is not None:
             self.global_step = driver_state["global_step"]
             self.kl_ctrl.value = driver_state["kl_coef"]
@@ -109,13 +118,19 @@ class RayPPOTrainer:
                 self.global_step += 1
                 last_metrics = self._train_step(DataProto.from_single_dict(batch_dict))
                 is_last = self.global_step >= self.total_training_steps
-                if self.val_reward_fn is not None and (is_last or (cfg.test_freq > 0
-                                                                   and self.global_step % cfg.test_freq == 0)):
+                if self.val_reward_fn is not None and (
+                    is_last or (cfg.test_freq > 0 and self.global_step % cfg.test_freq == 0)
+                ):
                     last_metrics.update(self._validate())
                 if cfg.save_freq > 0 and (is_last or self.global_step % cfg.save_freq == 0):
                     start = time.perf_counter()
-                    self.checkpointer.save(self.global_step, self.actor_rollout_wg, self.critic_wg,
-                                           self.train_dataloader, self._driver_state())
+                    self.checkpointer.save(
+                        self.global_step,
+                        self.actor_rollout_wg,
+                        self.critic_wg,
+                        self.train_dataloader,
+                        self._driver_state(),
+                    )
                     last_metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
                 self.tracker.log(last_metrics, step=self.global_step)
                 progress.update(last_metrics)
@@ -167,8 +182,11 @@ class RayPPOTrainer:
         timings["step"] = time.perf_counter() - step_start
         metrics.update(compute_data_metrics(batch, self.use_critic))
         num_tokens = int(batch.batch["attention_mask"].sum())
-        metrics.update(compute_timing_metrics(timings, {"gen": int(batch.batch["response_mask"].sum()),
-                                                        "update_actor": num_tokens}))
+        metrics.update(
+            compute_timing_metrics(
+                timings, {"gen": int(batch.batch["response_mask"].sum()), "update_actor": num_tokens}
+            )
+        )
         metrics.update(compute_throughput_metrics(num_tokens, timings["step"], self.num_devices))
         if self.peak_tflops and "update_actor" in timings:
             metrics["perf/mfu/actor"] = self._actor_mfu(batch, timings["update_actor"])
@@ -213,16 +231,26 @@ class RayPPOTrainer:
         order = [i for part in partitions for i in part]
         # each DP rank's tokens before (contiguous shares) and after balancing
         share = len(seqlens) // k
-        before = [sum(seqlens[r * share:(r + 1) * share]) for r in range(k)]
+        before = [sum(seqlens[r * share : (r + 1) * share]) for r in range(k)]
         after = [sum(seqlens[i] for i in part) for part in partitions]
         batch.reorder(torch.tensor(order))
-        metrics.update({"global_seqlen/min": min(before), "global_seqlen/max": max(before),
-                        "global_seqlen/minmax_diff": max(before) - min(before),
-                        "global_seqlen/balanced_min": min(after), "global_seqlen/balanced_max": max(after),
-                        "global_seqlen/mean": float(np.mean(after))})
+        metrics.update(
+            {
+                "global_seqlen/min": min(before),
+                "global_seqlen/max": max(before),
+                "global_seqlen/minmax_diff": max(before) - min(before),
+                "global_seqlen/balanced_min": min(after),
+                "global_seqlen/balanced_max": max(after),
+                "global_seqlen/mean": float(np.mean(after)),
+            }
+        )
         balanced = packing_metrics(after)
-        metrics.update({f"global_seqlen/balanced_{name}": balanced[name]
-                        for name in ("imbalance_ratio", "std", "cv", "max_over_mean")})
+        metrics.update(
+            {
+                f"global_seqlen/balanced_{name}": balanced[name]
+                for name in ("imbalance_ratio", "std", "cv", "max_over_mean")
+            }
+        )
 
     def _compute_reward(self, batch: DataProto, metrics: dict) -> None:
         """Rule-based scores; with a reward model enabled, its scores are the reward (as in verl)."""
@@ -243,31 +271,58 @@ class RayPPOTrainer:
         os.makedirs(folder, exist_ok=True)
         response_length = batch.batch["responses"].shape[-1]
         prompts = self.tokenizer.batch_decode(
-            [ids[mask.bool()] for ids, mask in zip(batch.batch["input_ids"][:, :-response_length],
-                                                   batch.batch["attention_mask"][:, :-response_length])])
+            [
+                ids[mask.bool()]
+                for ids, mask in zip(
+                    batch.batch["input_ids"][:, :-response_length], batch.batch["attention_mask"][:, :-response_length]
+                )
+            ]
+        )
         responses = self.tokenizer.batch_decode(
-            [ids[mask.bool()] for ids, mask in zip(batch.batch["responses"], batch.batch["response_mask"])])
+            [ids[mask.bool()] for ids, mask in zip(batch.batch["responses"], batch.batch["response_mask"])]
+        )
         scores = batch.batch["token_level_scores"].sum(-1).tolist()
         with open(os.path.join(folder, f"{self.global_step}.jsonl"), "w") as f:
             rows = zip(prompts, responses, scores, batch.non_tensor_batch["uid"], batch.non_tensor_batch["index"])
             for prompt, response, score, uid, index in rows:  # index: the prompt's row in the dataset
-                f.write(json.dumps({"step": self.global_step, "uid": uid, "index": int(index), "prompt": prompt,
-                                    "response": response, "score": score}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "step": self.global_step,
+                            "uid": uid,
+                            "index": int(index),
+                            "prompt": prompt,
+                            "response": response,
+                            "score": score,
+                        }
+                    )
+                    + "\n"
+                )
 
     def _compute_advantage(self, batch: DataProto, metrics: dict) -> None:
         algo = self.config.algorithm
         response_mask = batch.batch["response_mask"]
         if algo.use_kl_in_reward:
             rewards, kl_metrics = apply_kl_penalty(
-                batch.batch["token_level_scores"], batch.batch["old_log_probs"], batch.batch["ref_log_prob"],
-                response_mask, self.kl_ctrl, algo.kl_penalty)
+                batch.batch["token_level_scores"],
+                batch.batch["old_log_probs"],
+                batch.batch["ref_log_prob"],
+                response_mask,
+                self.kl_ctrl,
+                algo.kl_penalty,
+            )
             batch.batch["token_level_rewards"] = rewards
             metrics.update(kl_metrics)
         else:
             batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
-        inputs = {"token_level_rewards": batch.batch["token_level_rewards"], "response_mask": response_mask,
-                  "index": batch.non_tensor_batch["uid"], "gamma": algo.gamma, "lam": algo.lam,
-                  "norm_adv_by_std_in_grpo": algo.norm_adv_by_std_in_grpo}
+        inputs = {
+            "token_level_rewards": batch.batch["token_level_rewards"],
+            "response_mask": response_mask,
+            "index": batch.non_tensor_batch["uid"],
+            "gamma": algo.gamma,
+            "lam": algo.lam,
+            "norm_adv_by_std_in_grpo": algo.norm_adv_by_std_in_grpo,
+        }
         if self.use_critic:
             inputs["values"] = batch.batch["values"]
         if algo.adv_estimator == "remax":
@@ -280,8 +335,7 @@ class RayPPOTrainer:
         scores: dict[str, list[float]] = {}
         n = int(self.config.actor_rollout_ref.rollout.val_kwargs.n)
         for batch_dict in self.val_dataloader:
-            batch, _ = self._generate(DataProto.from_single_dict(batch_dict).repeat(n, interleave=True),
-                                      validate=True)
+            batch, _ = self._generate(DataProto.from_single_dict(batch_dict).repeat(n, interleave=True), validate=True)
             result = self.val_reward_fn(batch, return_dict=True)
             sources = batch.non_tensor_batch[self.config.data.reward_fn_key]
             for source, score in zip(sources, result["reward_tensor"].sum(-1).tolist()):
@@ -298,8 +352,12 @@ class _progress_bar:
         self.bar = tqdm(total=total, initial=initial, desc="training", unit="step", dynamic_ncols=True)
 
     def update(self, metrics: dict) -> None:
-        self.bar.set_postfix({"reward": f"{metrics.get('critic/score/mean', float('nan')):.3f}",
-                              "step_s": f"{metrics.get('timing_s/step', float('nan')):.1f}"})
+        self.bar.set_postfix(
+            {
+                "reward": f"{metrics.get('critic/score/mean', float('nan')):.3f}",
+                "step_s": f"{metrics.get('timing_s/step', float('nan')):.1f}",
+            }
+        )
         self.bar.update(1)
 
     def close(self) -> None:

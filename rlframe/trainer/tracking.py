@@ -32,8 +32,13 @@ class Tracking:
         if "wandb" in backends:
             import wandb  # offline-capable: WANDB_MODE=offline
 
-            self._wandb = wandb.init(project=project_name, name=experiment_name, config=config,
-                                     dir=log_dir, mode=os.environ.get("WANDB_MODE"))
+            self._wandb = wandb.init(
+                project=project_name,
+                name=experiment_name,
+                config=config,
+                dir=log_dir,
+                mode=os.environ.get("WANDB_MODE"),
+            )
 
     def log(self, metrics: dict, step: int) -> None:
         clean = {k: _plain(v) for k, v in metrics.items()}

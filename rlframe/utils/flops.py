@@ -9,9 +9,23 @@ import torch
 # Dense (no sparsity) bf16 tensor-core peak, TFLOP/s, from the vendors' datasheets. Matched as a
 # substring of torch.cuda.get_device_name(), first match wins, so specific names come first.
 PEAK_BF16_TFLOPS = [
-    ("GB200", 2500.0), ("B200", 2250.0), ("H200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0),
-    ("H100", 989.0), ("H800", 989.0), ("H20", 148.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
-    ("L40", 181.0), ("L4", 121.0), ("A10", 125.0), ("RTX 4090", 165.0), ("MI325X", 1307.0), ("MI300X", 1307.0),
+    ("GB200", 2500.0),
+    ("B200", 2250.0),
+    ("H200", 989.0),
+    ("H100 NVL", 835.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),
+    ("H800", 989.0),
+    ("H20", 148.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("L40", 181.0),
+    ("L4", 121.0),
+    ("A10", 125.0),
+    ("RTX 4090", 165.0),
+    ("MI325X", 1307.0),
+    ("MI300X", 1307.0),
 ]
 PEAK_ENV = "RLFRAME_PEAK_TFLOPS"
 
@@ -59,5 +73,8 @@ def model_flops_info(model: torch.nn.Module) -> dict:
     """What the driver needs to count an actor step's FLOPs (read before FSDP wrapping)."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return {"matmul_params": matmul_params(model), "num_layers": config.num_hidden_layers,
-            "attn_width": config.num_attention_heads * head_dim}
+    return {
+        "matmul_params": matmul_params(model),
+        "num_layers": config.num_hidden_layers,
+        "attn_width": config.num_attention_heads * head_dim,
+    }

@@ -19,8 +19,14 @@ from rlframe.algorithms.kl import kl_penalty
 from rlframe.algorithms.loss import agg_loss, get_policy_loss_fn
 from rlframe.protocol import DataProto
 from rlframe.seqpack import MicroBatchSpec
-from rlframe.workers.batching import (GlobalCounts, forward_inputs, response_mask_of, restore_order,
-                                      split_micro_batches, update_inputs)
+from rlframe.workers.batching import (
+    GlobalCounts,
+    forward_inputs,
+    response_mask_of,
+    restore_order,
+    split_micro_batches,
+    update_inputs,
+)
 from rlframe.workers.model_forward import forward_micro_batch
 from rlframe.workers.updater import PPOUpdater
 
@@ -29,9 +35,9 @@ from rlframe.workers.updater import PPOUpdater
 class ActorSettings:
     """Plain values for one actor, read once from the config and the batch plan."""
 
-    mini_batch_size: int                  # sequences per optimizer step on this DP rank
-    update: MicroBatchSpec                 # micro-batching of the update
-    log_prob: MicroBatchSpec               # micro-batching of forward-only log-probs
+    mini_batch_size: int  # sequences per optimizer step on this DP rank
+    update: MicroBatchSpec  # micro-batching of the update
+    log_prob: MicroBatchSpec  # micro-batching of forward-only log-probs
     ppo_epochs: int
     shuffle: bool
     grad_clip: float
@@ -45,7 +51,7 @@ class ActorSettings:
     kl_loss_coef: float
     kl_loss_type: str
     use_remove_padding: bool
-    use_torch_compile: bool = False       # torch.compile the log-prob/entropy kernels (CUDA)
+    use_torch_compile: bool = False  # torch.compile the log-prob/entropy kernels (CUDA)
 
 
 class PPOActor(PPOUpdater):
@@ -53,25 +59,42 @@ class PPOActor(PPOUpdater):
 
     role = "actor"
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None, settings: ActorSettings,
-                 dp_group=None, sp_group=None, dp_size: int = 1, lr_scheduler=None, seed: int = 0):
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        settings: ActorSettings,
+        dp_group=None,
+        sp_group=None,
+        dp_size: int = 1,
+        lr_scheduler=None,
+        seed: int = 0,
+    ):
         super().__init__(module, optimizer, settings, dp_group, sp_group, dp_size, lr_scheduler, seed)
         self.policy_loss_fn = get_policy_loss_fn(settings.policy_loss)
 
     def _forward(self, micro: dict, temperature: float, calculate_entropy: bool) -> dict:
-        return forward_micro_batch(self.module, micro, response_length=micro["responses"].shape[-1],
-                                   temperature=temperature, use_remove_padding=self.settings.use_remove_padding,
-                                   sp_group=self.sp_group, calculate_entropy=calculate_entropy,
-                                   use_torch_compile=self.settings.use_torch_compile)
+        return forward_micro_batch(
+            self.module,
+            micro,
+            response_length=micro["responses"].shape[-1],
+            temperature=temperature,
+            use_remove_padding=self.settings.use_remove_padding,
+            sp_group=self.sp_group,
+            calculate_entropy=calculate_entropy,
+            use_torch_compile=self.settings.use_torch_compile,
+        )
 
     @torch.no_grad()
-    def compute_log_prob(self, data: DataProto, calculate_entropy: bool = False
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def compute_log_prob(
+        self, data: DataProto, calculate_entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-response-token log-probs [bs, resp_len] (and entropy) in the input order."""
         self.module.eval()
         temperature = data.meta_info.get("temperature", 1.0)
-        micro_batches, reverse_idx = split_micro_batches(forward_inputs(data.batch), self.settings.log_prob,
-                                                         self.dp_group)
+        micro_batches, reverse_idx = split_micro_batches(
+            forward_inputs(data.batch), self.settings.log_prob, self.dp_group
+        )
         log_probs, entropies = [], []
         for micro in micro_batches:
             out = self._forward(micro, temperature, calculate_entropy)
@@ -85,8 +108,9 @@ class PPOActor(PPOUpdater):
         """`ppo_epochs` passes of mini-batch optimizer steps; returns metric lists (one value per step)."""
         temperature = data.meta_info.get("temperature", 1.0)
         keys = ["old_log_probs", "advantages"] + (["ref_log_prob"] if self.settings.use_kl_loss else [])
-        return self._train(update_inputs(data.batch, *keys),
-                           lambda micro, counts: self._loss(micro, counts, temperature))
+        return self._train(
+            update_inputs(data.batch, *keys), lambda micro, counts: self._loss(micro, counts, temperature)
+        )
 
     def _loss(self, micro, counts: GlobalCounts, temperature: float) -> tuple[torch.Tensor, dict]:
         """Policy loss, minus the entropy bonus, plus the KL loss, normalized by the mini-batch's global counts."""
@@ -95,13 +119,23 @@ class PPOActor(PPOUpdater):
         response_mask = response_mask_of(micro)
         out = self._forward(micro, temperature, calculate_entropy=s.entropy_coeff != 0)
         pg_loss, pg_metrics = self.policy_loss_fn(
-            micro["old_log_probs"], out["log_probs"], micro["advantages"], response_mask,
-            s.clip_ratio_low, s.clip_ratio_high, s.clip_ratio_c, s.loss_agg_mode, **norm)
+            micro["old_log_probs"],
+            out["log_probs"],
+            micro["advantages"],
+            response_mask,
+            s.clip_ratio_low,
+            s.clip_ratio_high,
+            s.clip_ratio_c,
+            s.loss_agg_mode,
+            **norm,
+        )
         loss = pg_loss
         # token-weighted metrics: local means weighted by this micro-batch's share of global tokens
         share = counts.token_share(response_mask)
-        metrics = {"pg_loss": pg_loss, **{name: pg_metrics[name] * share
-                                          for name in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")}}
+        metrics = {
+            "pg_loss": pg_loss,
+            **{name: pg_metrics[name] * share for name in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")},
+        }
         if s.entropy_coeff != 0:
             entropy = agg_loss(out["entropy"], response_mask, s.loss_agg_mode, **norm)
             loss = loss - s.entropy_coeff * entropy

@@ -24,18 +24,25 @@ MODEL_INPUTS = ("responses", "input_ids", "attention_mask", "position_ids")
 
 def micro_batch_spec(plan, token_len_key: str) -> MicroBatchSpec:
     """The MicroBatchSpec of one role's ForwardPlan/UpdatePlan (see rlframe.batch_plan)."""
-    return MicroBatchSpec(plan.use_dynamic_bsz, plan.micro_batch_size, plan.max_token_len, plan.packing_algorithm,
-                          token_len_key)
+    return MicroBatchSpec(
+        plan.use_dynamic_bsz, plan.micro_batch_size, plan.max_token_len, plan.packing_algorithm, token_len_key
+    )
 
 
-def split_micro_batches(batch: TensorDict, spec: MicroBatchSpec, dp_group=None
-                        ) -> tuple[list[TensorDict], list[int] | None]:
+def split_micro_batches(
+    batch: TensorDict, spec: MicroBatchSpec, dp_group=None
+) -> tuple[list[TensorDict], list[int] | None]:
     """Micro-batches of `batch`, plus the reverse index that restores order (None when order is kept)."""
     if not spec.use_dynamic_bsz:
         return list(batch.split(spec.micro_batch_size)), None
     micro_batches, index_lists = rearrange_micro_batches(
-        batch, max_token_len=spec.max_token_len, dp_group=dp_group, same_micro_num_in_dp=True,
-        packing_algorithm=spec.packing_algorithm, config_key=spec.token_len_key)
+        batch,
+        max_token_len=spec.max_token_len,
+        dp_group=dp_group,
+        same_micro_num_in_dp=True,
+        packing_algorithm=spec.packing_algorithm,
+        config_key=spec.token_len_key,
+    )
     return micro_batches, get_reverse_idx(index_lists)
 
 
@@ -45,8 +52,10 @@ def micro_batch_metrics(micro_batches: list[TensorDict], spec: MicroBatchSpec, p
         return {}
     loads = [int(micro["attention_mask"].sum()) for micro in micro_batches]
     packed = packing_metrics(loads, capacity=spec.max_token_len)
-    return {f"{prefix}/micro_batch/{name}": float(packed[name])
-            for name in ("num_groups", "max", "imbalance_ratio", "max_over_mean", "utilization", "wasted_tokens")}
+    return {
+        f"{prefix}/micro_batch/{name}": float(packed[name])
+        for name in ("num_groups", "max", "imbalance_ratio", "max_over_mean", "utilization", "wasted_tokens")
+    }
 
 
 def restore_order(outputs: list[torch.Tensor], reverse_idx: list[int] | None) -> torch.Tensor:
@@ -71,8 +80,11 @@ class GlobalCounts:
 
     def agg_kwargs(self) -> dict:
         """The normalization keywords of `rlframe.algorithms.loss.agg_loss` and the losses built on it."""
-        return {"global_num_tokens": self.num_tokens, "global_num_seqs": self.num_seqs,
-                "norm_factor": self.response_length}
+        return {
+            "global_num_tokens": self.num_tokens,
+            "global_num_seqs": self.num_seqs,
+            "norm_factor": self.response_length,
+        }
 
     def token_share(self, response_mask: torch.Tensor) -> torch.Tensor:
         """A micro-batch's share of the global tokens: weighting local means by it sums to the global mean."""

@@ -50,10 +50,18 @@ def rng_state() -> dict:
     version, internal, gauss_next = random.getstate()
     state = {
         "torch": torch.get_rng_state(),
-        "numpy": {"bit_generator": str(bit_generator), "key": torch.from_numpy(key.astype(np.int64)),
-                  "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
-        "random": {"version": int(version), "internal": torch.tensor(internal, dtype=torch.int64),
-                   "gauss_next": gauss_next},
+        "numpy": {
+            "bit_generator": str(bit_generator),
+            "key": torch.from_numpy(key.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "random": {
+            "version": int(version),
+            "internal": torch.tensor(internal, dtype=torch.int64),
+            "gauss_next": gauss_next,
+        },
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -64,8 +72,15 @@ def set_rng_state(state: dict) -> None:
     """Restore what `rng_state` returned."""
     torch.set_rng_state(state["torch"])
     np_state = state["numpy"]
-    np.random.set_state((np_state["bit_generator"], np_state["key"].numpy().astype(np.uint32), np_state["pos"],
-                         np_state["has_gauss"], np_state["cached_gaussian"]))
+    np.random.set_state(
+        (
+            np_state["bit_generator"],
+            np_state["key"].numpy().astype(np.uint32),
+            np_state["pos"],
+            np_state["has_gauss"],
+            np_state["cached_gaussian"],
+        )
+    )
     py_state = state["random"]
     random.setstate((py_state["version"], tuple(py_state["internal"].tolist()), py_state["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():
@@ -78,8 +93,15 @@ def set_rng_state(state: dict) -> None:
 # none can reach os/subprocess/eval, which is all that a crafted index could otherwise call.
 _METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "StorageMeta", "ChunkStorageMetadata", "TensorStorageMetadata",
-        "BytesStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING"},
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "ChunkStorageMetadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
@@ -102,7 +124,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         raise pickle.UnpicklingError(
             f"{self.path} refers to {module}.{name}, which is not part of a checkpoint index; refusing to load "
-            "it (a crafted .metadata could run code)")
+            "it (a crafted .metadata could run code)"
+        )
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -172,8 +195,11 @@ def read_full_tensors(folder: str) -> dict[str, torch.Tensor]:
 
     _require(os.path.join(folder, METADATA), os.path.dirname(folder) or folder)
     metadata = SafeFileSystemReader(folder).read_metadata()
-    state = {fqn: torch.empty(md.size, dtype=md.properties.dtype)
-             for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+    state = {
+        fqn: torch.empty(md.size, dtype=md.properties.dtype)
+        for fqn, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
     _dcp_load(state, folder, no_dist=True)
     return state
 
@@ -188,9 +214,17 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save_checkpoint(path: str, model: nn.Module, optimizer=None, lr_scheduler=None, save_contents=SAVE_CONTENTS,
-                    tokenizer=None, rank: int = 0, world_size: int = 1,
-                    generator: torch.Generator | None = None) -> None:
+def save_checkpoint(
+    path: str,
+    model: nn.Module,
+    optimizer=None,
+    lr_scheduler=None,
+    save_contents=SAVE_CONTENTS,
+    tokenizer=None,
+    rank: int = 0,
+    world_size: int = 1,
+    generator: torch.Generator | None = None,
+) -> None:
     """Write this rank's part of the checkpoint under `path` (a collective: every rank calls it)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
@@ -217,9 +251,12 @@ def save_checkpoint(path: str, model: nn.Module, optimizer=None, lr_scheduler=No
 def _save_extra(path: str, rank: int, world_size: int, lr_scheduler, generator) -> None:
     folder = os.path.join(path, EXTRA_DIR)
     os.makedirs(folder, exist_ok=True)
-    extra = {"world_size": world_size, "rng": rng_state(),
-             "generator": None if generator is None else generator.get_state(),
-             "lr_scheduler": None if lr_scheduler is None else lr_scheduler.state_dict()}
+    extra = {
+        "world_size": world_size,
+        "rng": rng_state(),
+        "generator": None if generator is None else generator.get_state(),
+        "lr_scheduler": None if lr_scheduler is None else lr_scheduler.state_dict(),
+    }
     file = os.path.join(folder, f"rank_{rank}.pt")
     tmp = f"{file}.tmp.{os.getpid()}"
     torch.save(extra, tmp)
@@ -236,19 +273,30 @@ def _require(file: str, checkpoint: str) -> None:
     found = sorted(os.listdir(checkpoint))
     old = [name for name in found if _OLD_LAYOUT.match(name)]
     if old:
-        raise ValueError(f"{checkpoint} holds per-rank torch.save files ({old[0]}, ...), a layout rlframe no longer "
-                         "reads (it resumed only at the same world size, and unpickling it could run code); "
-                         "start a fresh run or load it with the rlframe version that wrote it")
+        raise ValueError(
+            f"{checkpoint} holds per-rank torch.save files ({old[0]}, ...), a layout rlframe no longer "
+            "reads (it resumed only at the same world size, and unpickling it could run code); "
+            "start a fresh run or load it with the rlframe version that wrote it"
+        )
     parent = os.path.dirname(file)
     held = sorted(os.listdir(parent)) if os.path.isdir(parent) else found
     where = os.path.relpath(parent, checkpoint) + "/" if os.path.isdir(parent) and parent != checkpoint else "it"
-    raise FileNotFoundError(f"{checkpoint} is not a complete checkpoint: {os.path.relpath(file, checkpoint)} is "
-                            f"missing ({where} holds {held})")
+    raise FileNotFoundError(
+        f"{checkpoint} is not a complete checkpoint: {os.path.relpath(file, checkpoint)} is "
+        f"missing ({where} holds {held})"
+    )
 
 
-def load_checkpoint(path: str, model: nn.Module, optimizer=None, lr_scheduler=None, rank: int = 0,
-                    world_size: int = 1, load_contents=("model", "optimizer", "extra"),
-                    generator: torch.Generator | None = None) -> None:
+def load_checkpoint(
+    path: str,
+    model: nn.Module,
+    optimizer=None,
+    lr_scheduler=None,
+    rank: int = 0,
+    world_size: int = 1,
+    load_contents=("model", "optimizer", "extra"),
+    generator: torch.Generator | None = None,
+) -> None:
     """Load a checkpoint written by `save_checkpoint` at any world size (a collective: every rank calls it).
 
     The model is required; optimizer and extra state are loaded when the checkpoint has them
@@ -277,8 +325,11 @@ def load_checkpoint(path: str, model: nn.Module, optimizer=None, lr_scheduler=No
     if "extra" in load_contents and os.path.isdir(os.path.join(path, EXTRA_DIR)):
         extra = _load_extra(path, rank)
         if rank == 0 and extra["world_size"] != world_size:
-            print(f"[rlframe] {path} was saved by {extra['world_size']} ranks and is loaded by {world_size}: "
-                  f"rank r continues the RNG streams of saved rank r % {extra['world_size']}", flush=True)
+            print(
+                f"[rlframe] {path} was saved by {extra['world_size']} ranks and is loaded by {world_size}: "
+                f"rank r continues the RNG streams of saved rank r % {extra['world_size']}",
+                flush=True,
+            )
         set_rng_state(extra["rng"])
         if generator is not None and extra["generator"] is not None:
             generator.set_state(extra["generator"])
@@ -291,17 +342,22 @@ def _load_extra(path: str, rank: int) -> dict:
     folder = os.path.join(path, EXTRA_DIR)
     ranks = sorted(int(m.group(1)) for name in os.listdir(folder) if (m := _EXTRA_FILE.match(name)))
     if not ranks or ranks != list(range(len(ranks))):
-        raise FileNotFoundError(f"{path} is not a complete checkpoint: {EXTRA_DIR}/ should hold rank_0.pt .. "
-                                f"rank_<W-1>.pt but has ranks {ranks}")
+        raise FileNotFoundError(
+            f"{path} is not a complete checkpoint: {EXTRA_DIR}/ should hold rank_0.pt .. "
+            f"rank_<W-1>.pt but has ranks {ranks}"
+        )
     file = os.path.join(folder, f"rank_{rank % len(ranks)}.pt")
     try:
         extra = torch.load(file, weights_only=True)
     except pickle.UnpicklingError as e:
-        raise pickle.UnpicklingError(f"{file} is not plain data (tensors and containers); refusing to load it: "
-                                     f"{e}") from e
+        raise pickle.UnpicklingError(
+            f"{file} is not plain data (tensors and containers); refusing to load it: {e}"
+        ) from e
     if extra["world_size"] != len(ranks):
-        raise FileNotFoundError(f"{path} is not a complete checkpoint: {file} was saved at world size "
-                                f"{extra['world_size']} but {EXTRA_DIR}/ holds {len(ranks)} rank files")
+        raise FileNotFoundError(
+            f"{path} is not a complete checkpoint: {file} was saved at world size "
+            f"{extra['world_size']} but {EXTRA_DIR}/ holds {len(ranks)} rank files"
+        )
     return extra
 
 

@@ -64,19 +64,23 @@ class OptimConfig(Section):
     lr_warmup_steps: int = key(-1, "warmup steps; <= 0 = use lr_warmup_steps_ratio")
     lr_warmup_steps_ratio: float = key(0.0, "warmup as a fraction of total training steps")
     lr_scheduler_type: str = key("constant", "schedule after warmup: constant | cosine", choices=WARMUP_STYLES)
-    warmup_style: Optional[str] = key(None, "deprecated (verl 0.9.1) name of lr_scheduler_type; set, it wins",
-                                      choices=(None, *WARMUP_STYLES))
+    warmup_style: Optional[str] = key(
+        None, "deprecated (verl 0.9.1) name of lr_scheduler_type; set, it wins", choices=(None, *WARMUP_STYLES)
+    )
     min_lr_ratio: float = key(0.0, "cosine floor as a fraction of lr")
     weight_decay: float = key(0.01, "AdamW weight decay")
     betas: List[float] = key([0.9, 0.999], "AdamW betas")
     total_training_steps: int = key(-1, "filled in by the trainer from the data; do not set")
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
-        out = {f"{path}.total_training_steps": "filled in by the trainer from the data; set "
-                                               "trainer.total_training_steps instead"}
+        out = {
+            f"{path}.total_training_steps": "filled in by the trainer from the data; set "
+            "trainer.total_training_steps instead"
+        }
         if self.lr_warmup_steps > 0:  # as in verl, 0 or -1 defers to the ratio
-            out[f"{path}.lr_warmup_steps_ratio"] = (f"{path}.lr_warmup_steps={self.lr_warmup_steps} (> 0) "
-                                                    "takes precedence")
+            out[f"{path}.lr_warmup_steps_ratio"] = (
+                f"{path}.lr_warmup_steps={self.lr_warmup_steps} (> 0) takes precedence"
+            )
         if self.warmup_style is not None:
             out[f"{path}.lr_scheduler_type"] = f"{path}.warmup_style={self.warmup_style} (deprecated) replaces it"
         style = self.warmup_style or self.lr_scheduler_type
@@ -102,22 +106,26 @@ class FSDPConfig(Section):
 
 @dataclass
 class CheckpointConfig(Section):
-    save_contents: List[str] = key(["model", "optimizer", "extra"],
-                                   "what a checkpoint holds; add hf_model for an HF export",
-                                   check=_check_save_contents)
+    save_contents: List[str] = key(
+        ["model", "optimizer", "extra"],
+        "what a checkpoint holds; add hf_model for an HF export",
+        check=_check_save_contents,
+    )
 
 
 @dataclass
 class ActorConfig(Section):
     strategy: str = key("fsdp2", "fsdp2 (fully_shard) | fsdp (FSDP1)", choices=STRATEGIES)
     ppo_mini_batch_size: int = key(256, "prompts per optimizer step (x rollout.n sequences)")
-    ppo_micro_batch_size_per_gpu: Optional[int] = key(None, "sequences per forward/backward on one GPU "
-                                                            "(use_dynamic_bsz=false)")
+    ppo_micro_batch_size_per_gpu: Optional[int] = key(
+        None, "sequences per forward/backward on one GPU (use_dynamic_bsz=false)"
+    )
     ppo_micro_batch_size: Optional[int] = key(None, "deprecated (verl) global form: per GPU = this // dp")
     use_dynamic_bsz: bool = key(False, "micro-batch by token budget instead of sequence count")
     ppo_max_token_len_per_gpu: int = key(16384, "token budget per micro-batch per GPU (dynamic; x sp inside)")
-    packing_algorithm: str = key("kk", "dynamic micro-batch packing: kk (Karmarkar-Karp) | ffd",
-                                 choices=tuple(ALLOCATE_FNS))
+    packing_algorithm: str = key(
+        "kk", "dynamic micro-batch packing: kk (Karmarkar-Karp) | ffd", choices=tuple(ALLOCATE_FNS)
+    )
     grad_clip: float = key(1.0, "max global grad norm; non-finite norms skip the step")
     clip_ratio: float = key(0.2, "PPO clip epsilon, used where clip_ratio_low/high are null (as in verl)")
     clip_ratio_low: Optional[float] = key(0.2, "lower clip epsilon; null = clip_ratio")
@@ -144,13 +152,16 @@ class ActorConfig(Section):
         out.update(_entropy_memory_switches(path))
         if planned_device(root.trainer.device) != "cuda":
             out[f"{path}.use_torch_compile"] = "torch.compile is applied on CUDA only (the device here is cpu)"
-        dynamic_passes = [ACTOR_KEYS.dynamic, ACTOR_KEYS.forward.dynamic] + ([REF_KEYS.dynamic] if ref_enabled(root)
-                                                                           else [])
+        dynamic_passes = [ACTOR_KEYS.dynamic, ACTOR_KEYS.forward.dynamic] + (
+            [REF_KEYS.dynamic] if ref_enabled(root) else []
+        )
         if not any(get(root, k) for k in dynamic_passes):
             out[ACTOR_KEYS.packing] = f"{', '.join(k + '=false' for k in dynamic_passes)}: no pass packs by tokens"
         if self.clip_ratio_low is not None and self.clip_ratio_high is not None:
-            out[f"{path}.clip_ratio"] = (f"{path}.clip_ratio_low and clip_ratio_high are set (verl's defaults set both "
-                                         "to 0.2); clip_ratio applies only where they are null")
+            out[f"{path}.clip_ratio"] = (
+                f"{path}.clip_ratio_low and clip_ratio_high are set (verl's defaults set both "
+                "to 0.2); clip_ratio applies only where they are null"
+            )
         if not self.use_kl_loss:
             out.update({f"{path}.{name}": f"{path}.use_kl_loss=false" for name in ("kl_loss_coef", "kl_loss_type")})
         return out
@@ -160,10 +171,12 @@ class ActorConfig(Section):
 class RefFSDPConfig(Section):
     param_offload: bool = key(False, "keep ref parameters on CPU between uses")
     reshard_after_forward: bool = key(True, "free gathered params after forward")
-    param_dtype: str = key(f"${{{ACTOR}.fsdp_config.param_dtype}}", "auto = bf16 on GPU, fp32 on CPU",
-                           choices=DTYPE_NAMES)
-    reduce_dtype: str = key(f"${{{ACTOR}.fsdp_config.reduce_dtype}}", "unused for a frozen model; kept equal",
-                            choices=DTYPE_NAMES)
+    param_dtype: str = key(
+        f"${{{ACTOR}.fsdp_config.param_dtype}}", "auto = bf16 on GPU, fp32 on CPU", choices=DTYPE_NAMES
+    )
+    reduce_dtype: str = key(
+        f"${{{ACTOR}.fsdp_config.reduce_dtype}}", "unused for a frozen model; kept equal", choices=DTYPE_NAMES
+    )
 
 
 @dataclass
@@ -210,10 +223,12 @@ class CriticConfig(Section):
     ppo_mini_batch_size: int = key(f"${{{ACTOR}.ppo_mini_batch_size}}", "prompts per critic optimizer step")
     ppo_micro_batch_size_per_gpu: Optional[int] = key(None, "sequences per critic forward/backward on one GPU")
     ppo_micro_batch_size: Optional[int] = key(None, "deprecated (verl) global form: per GPU = this // dp")
-    forward_micro_batch_size_per_gpu: Optional[int] = key("${critic.ppo_micro_batch_size_per_gpu}",
-                                                          "sequences per value forward on one GPU")
-    forward_micro_batch_size: Optional[int] = key("${critic.ppo_micro_batch_size}",
-                                                  "deprecated (verl) global form: per GPU = this // dp")
+    forward_micro_batch_size_per_gpu: Optional[int] = key(
+        "${critic.ppo_micro_batch_size_per_gpu}", "sequences per value forward on one GPU"
+    )
+    forward_micro_batch_size: Optional[int] = key(
+        "${critic.ppo_micro_batch_size}", "deprecated (verl) global form: per GPU = this // dp"
+    )
     use_dynamic_bsz: bool = key(f"${{{ACTOR}.use_dynamic_bsz}}", "token-budget micro-batches")
     ppo_max_token_len_per_gpu: int = key(32768, "token budget per micro-batch per GPU (dynamic)")
     forward_max_token_len_per_gpu: int = key("${critic.ppo_max_token_len_per_gpu}", "token budget for value forward")
@@ -245,13 +260,15 @@ class RewardModelConfig(Section):
     enable: bool = key(False, "score with a reward model worker (in addition to rules)")
     model: RewardModelModelConfig = section(RewardModelModelConfig)
     micro_batch_size_per_gpu: int = key(4, "sequences per reward model forward")
-    reward_manager: str = key("naive", "naive (one call per sample) | batch (one call per batch)",
-                              check=get_reward_manager_cls)
+    reward_manager: str = key(
+        "naive", "naive (one call per sample) | batch (one call per batch)", check=get_reward_manager_cls
+    )
 
     def check(self, path: str, root: Any) -> None:
         if self.enable and not self.model.path:
-            raise ValueError("reward_model.enable=true needs reward_model.model.path "
-                             "(a sequence-classification model folder)")
+            raise ValueError(
+                "reward_model.enable=true needs reward_model.model.path (a sequence-classification model folder)"
+            )
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         if self.enable:

@@ -10,8 +10,14 @@ from rlframe.algorithms.loss import compute_value_loss
 from rlframe.algorithms.masked import masked_mean
 from rlframe.protocol import DataProto
 from rlframe.seqpack import MicroBatchSpec
-from rlframe.workers.batching import (GlobalCounts, forward_inputs, response_mask_of, restore_order,
-                                      split_micro_batches, update_inputs)
+from rlframe.workers.batching import (
+    GlobalCounts,
+    forward_inputs,
+    response_mask_of,
+    restore_order,
+    split_micro_batches,
+    update_inputs,
+)
 from rlframe.workers.model_forward import forward_micro_batch
 from rlframe.workers.updater import PPOUpdater
 
@@ -20,7 +26,7 @@ from rlframe.workers.updater import PPOUpdater
 class CriticSettings:
     """Plain values for one critic, read once from the config and the batch plan."""
 
-    mini_batch_size: int                  # sequences per optimizer step on this DP rank
+    mini_batch_size: int  # sequences per optimizer step on this DP rank
     update: MicroBatchSpec
     forward: MicroBatchSpec
     ppo_epochs: int
@@ -37,17 +43,23 @@ class PPOCritic(PPOUpdater):
     role = "critic"
 
     def _values(self, micro) -> torch.Tensor:
-        out = forward_micro_batch(self.module, micro, response_length=micro["responses"].shape[-1],
-                                  use_remove_padding=self.settings.use_remove_padding, sp_group=self.sp_group,
-                                  value_head=True)
+        out = forward_micro_batch(
+            self.module,
+            micro,
+            response_length=micro["responses"].shape[-1],
+            use_remove_padding=self.settings.use_remove_padding,
+            sp_group=self.sp_group,
+            value_head=True,
+        )
         return out["values"]
 
     @torch.no_grad()
     def compute_values(self, data: DataProto) -> torch.Tensor:
         """Per-response-token values [bs, resp_len] in the input order."""
         self.module.eval()
-        micro_batches, reverse_idx = split_micro_batches(forward_inputs(data.batch), self.settings.forward,
-                                                         self.dp_group)
+        micro_batches, reverse_idx = split_micro_batches(
+            forward_inputs(data.batch), self.settings.forward, self.dp_group
+        )
         return restore_order([self._values(micro) for micro in micro_batches], reverse_idx)
 
     def update_critic(self, data: DataProto) -> dict[str, list[float]]:
@@ -59,8 +71,18 @@ class PPOCritic(PPOUpdater):
         s = self.settings
         response_mask = response_mask_of(micro)
         vpreds = self._values(micro)
-        vf_loss, vf_clipfrac = compute_value_loss(vpreds, micro["returns"], micro["values"], response_mask,
-                                                  s.cliprange_value, s.loss_agg_mode, **counts.agg_kwargs())
+        vf_loss, vf_clipfrac = compute_value_loss(
+            vpreds,
+            micro["returns"],
+            micro["values"],
+            response_mask,
+            s.cliprange_value,
+            s.loss_agg_mode,
+            **counts.agg_kwargs(),
+        )
         share = counts.token_share(response_mask)
-        return vf_loss, {"vf_loss": vf_loss, "vf_clipfrac": vf_clipfrac * share,
-                         "vpred_mean": masked_mean(vpreds.detach(), response_mask) * share}
+        return vf_loss, {
+            "vf_loss": vf_loss,
+            "vf_clipfrac": vf_clipfrac * share,
+            "vpred_mean": masked_mean(vpreds.detach(), response_mask) * share,
+        }

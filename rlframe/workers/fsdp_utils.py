@@ -16,8 +16,14 @@ from torch import nn
 
 from rlframe.config.checks import STRATEGIES, check_fsdp_size
 
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-          "fp32": torch.float32, "float32": torch.float32}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+}
 
 
 def resolve_dtype(name: str, device_type: str) -> torch.dtype:
@@ -34,7 +40,7 @@ class ModelSpec:
     """What to load and how: plain values read once from the config."""
 
     path: str
-    role: str                      # "actor" (causal LM) or "critic" (scalar value head)
+    role: str  # "actor" (causal LM) or "critic" (scalar value head)
     dtype: torch.dtype
     use_remove_padding: bool
     gradient_checkpointing: bool = False
@@ -52,8 +58,7 @@ def load_hf_model(spec: ModelSpec) -> nn.Module:
     for key, value in (spec.override_config or {}).items():
         setattr(config, key, value)
     attn = register_varlen_attention() if spec.use_remove_padding else "sdpa"
-    kwargs = dict(config=config, dtype=spec.dtype, attn_implementation=attn,
-                  trust_remote_code=spec.trust_remote_code)
+    kwargs = dict(config=config, dtype=spec.dtype, attn_implementation=attn, trust_remote_code=spec.trust_remote_code)
     if spec.role == "critic":
         config.num_labels = 1
         config.classifier_dropout = 0.0
@@ -97,7 +102,7 @@ def build_fsdp_mesh(device_type: str, world_size: int, fsdp_size: int, key: str 
 
 @dataclass(frozen=True)
 class FSDPSpec:
-    strategy: str                  # fsdp2 | fsdp
+    strategy: str  # fsdp2 | fsdp
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     param_offload: bool
@@ -107,8 +112,10 @@ class FSDPSpec:
 def wrap_fsdp(model: nn.Module, spec: FSDPSpec, mesh, device_type: str) -> nn.Module:
     """Shard `model` over the 1-D `mesh` with FSDP2 (`fully_shard`) or FSDP1."""
     if spec.strategy not in STRATEGIES:
-        raise ValueError(f"strategy={spec.strategy!r} is not one of {', '.join(STRATEGIES)} "
-                         "(actor_rollout_ref.actor.strategy / critic.strategy)")
+        raise ValueError(
+            f"strategy={spec.strategy!r} is not one of {', '.join(STRATEGIES)} "
+            "(actor_rollout_ref.actor.strategy / critic.strategy)"
+        )
     if spec.strategy == "fsdp2":
         return _wrap_fsdp2(model, spec, mesh, device_type)
     return _wrap_fsdp1(model, spec, mesh, device_type)
@@ -123,8 +130,9 @@ def _wrap_fsdp2(model, spec, mesh, device_type):
 
     kwargs = {"mesh": mesh, "reshard_after_forward": spec.reshard_after_forward}
     if spec.param_dtype != torch.float32 or spec.reduce_dtype != torch.float32:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype,
-                                                   cast_forward_inputs=True)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype, cast_forward_inputs=True
+        )
     if spec.param_offload:
         # pin_memory needs a GPU; on CPU the policy still keeps the gathered copies off the "device"
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type == "cuda")
@@ -147,8 +155,7 @@ def _wrap_fsdp1(model, spec, mesh, device_type):
     policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: type(m) in layer_types)
     mixed = None
     if spec.param_dtype != torch.float32 or spec.reduce_dtype != torch.float32:
-        mixed = MixedPrecision(param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype,
-                               buffer_dtype=torch.float32)
+        mixed = MixedPrecision(param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype, buffer_dtype=torch.float32)
     # On a CPU host the parameters already live in host memory, and FSDP1's offload path asks for an
     # accelerator: offloading is a no-op there, so it is not requested.
     offload = spec.param_offload and device_type == "cuda"
@@ -158,10 +165,17 @@ def _wrap_fsdp1(model, spec, mesh, device_type):
     else:
         groups = {"process_group": mesh.get_group()}
         strategy = ShardingStrategy.FULL_SHARD if spec.reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
-    return FSDP(model, **groups, auto_wrap_policy=policy, mixed_precision=mixed,
-                cpu_offload=CPUOffload(offload_params=offload), sharding_strategy=strategy,
-                device_id=torch.cuda.current_device() if device_type == "cuda" else torch.device("cpu"),
-                use_orig_params=True, sync_module_states=False)
+    return FSDP(
+        model,
+        **groups,
+        auto_wrap_policy=policy,
+        mixed_precision=mixed,
+        cpu_offload=CPUOffload(offload_params=offload),
+        sharding_strategy=strategy,
+        device_id=torch.cuda.current_device() if device_type == "cuda" else torch.device("cpu"),
+        use_orig_params=True,
+        sync_module_states=False,
+    )
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -218,8 +232,9 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: str | torch.d
 
 
 def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
-                             weight_decay=optim_cfg.weight_decay)
+    return torch.optim.AdamW(
+        model.parameters(), lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay
+    )
 
 
 def cosine_lr_factor(step: int, warmup: int, total_steps: int, min_lr_ratio: float) -> float:

@@ -17,21 +17,30 @@ from dataclasses import replace
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from rlframe.batch_plan import BatchPlan, UpdatePlan
 from rlframe.config import trace
+from rlframe.config.checks import resolve_device
+from rlframe.config.keys import ACTOR_KEYS, CRITIC_KEYS, REF_KEYS
 from rlframe.models.builtin import copy_to_shm
 from rlframe.protocol import DataProto, all_gather_data_proto
 from rlframe.single_controller import Dispatch, Execute, Worker, register
-from rlframe.batch_plan import BatchPlan, UpdatePlan
-from rlframe.config.checks import resolve_device
-from rlframe.config.keys import ACTOR_KEYS, CRITIC_KEYS, REF_KEYS
 from rlframe.utils.flops import model_flops_info
 from rlframe.workers import checkpoint as ckpt
 from rlframe.workers.actor import ActorSettings, PPOActor
 from rlframe.workers.batching import micro_batch_spec
 from rlframe.workers.critic import CriticSettings, PPOCritic
-from rlframe.workers.fsdp_utils import (FSDPSpec, ModelSpec, build_fsdp_mesh, build_lr_scheduler, build_optimizer, iter_full_params,
-                                        load_hf_model, move_optimizer_state, resolve_dtype,
-                                        wrap_fsdp)
+from rlframe.workers.fsdp_utils import (
+    FSDPSpec,
+    ModelSpec,
+    build_fsdp_mesh,
+    build_lr_scheduler,
+    build_optimizer,
+    iter_full_params,
+    load_hf_model,
+    move_optimizer_state,
+    resolve_dtype,
+    wrap_fsdp,
+)
 
 
 def _or(value, fallback) -> float:
@@ -39,28 +48,42 @@ def _or(value, fallback) -> float:
     return float(fallback if value is None else value)
 
 
-def actor_settings(actor_cfg: DictConfig, plan: UpdatePlan, use_remove_padding: bool,
-                   device_type: str = "cpu") -> ActorSettings:
+def actor_settings(
+    actor_cfg: DictConfig, plan: UpdatePlan, use_remove_padding: bool, device_type: str = "cpu"
+) -> ActorSettings:
     return ActorSettings(
-        mini_batch_size=plan.mini_batch_size_per_dp, update=micro_batch_spec(plan, ACTOR_KEYS.max_token_len),
+        mini_batch_size=plan.mini_batch_size_per_dp,
+        update=micro_batch_spec(plan, ACTOR_KEYS.max_token_len),
         log_prob=micro_batch_spec(plan.forward, ACTOR_KEYS.forward.max_token_len),
-        ppo_epochs=plan.ppo_epochs, shuffle=bool(actor_cfg.shuffle), grad_clip=float(actor_cfg.grad_clip),
+        ppo_epochs=plan.ppo_epochs,
+        shuffle=bool(actor_cfg.shuffle),
+        grad_clip=float(actor_cfg.grad_clip),
         clip_ratio_low=_or(actor_cfg.clip_ratio_low, actor_cfg.clip_ratio),
         clip_ratio_high=_or(actor_cfg.clip_ratio_high, actor_cfg.clip_ratio),
-        clip_ratio_c=float(actor_cfg.clip_ratio_c), loss_agg_mode=str(actor_cfg.loss_agg_mode),
-        policy_loss=str(actor_cfg.policy_loss.loss_mode), entropy_coeff=float(actor_cfg.entropy_coeff),
-        use_kl_loss=bool(actor_cfg.use_kl_loss), kl_loss_coef=float(actor_cfg.kl_loss_coef),
-        kl_loss_type=str(actor_cfg.kl_loss_type), use_remove_padding=use_remove_padding,
-        use_torch_compile=bool(actor_cfg.use_torch_compile) and device_type == "cuda")
+        clip_ratio_c=float(actor_cfg.clip_ratio_c),
+        loss_agg_mode=str(actor_cfg.loss_agg_mode),
+        policy_loss=str(actor_cfg.policy_loss.loss_mode),
+        entropy_coeff=float(actor_cfg.entropy_coeff),
+        use_kl_loss=bool(actor_cfg.use_kl_loss),
+        kl_loss_coef=float(actor_cfg.kl_loss_coef),
+        kl_loss_type=str(actor_cfg.kl_loss_type),
+        use_remove_padding=use_remove_padding,
+        use_torch_compile=bool(actor_cfg.use_torch_compile) and device_type == "cuda",
+    )
 
 
 def critic_settings(critic_cfg: DictConfig, plan: UpdatePlan) -> CriticSettings:
     return CriticSettings(
-        mini_batch_size=plan.mini_batch_size_per_dp, update=micro_batch_spec(plan, CRITIC_KEYS.max_token_len),
+        mini_batch_size=plan.mini_batch_size_per_dp,
+        update=micro_batch_spec(plan, CRITIC_KEYS.max_token_len),
         forward=micro_batch_spec(plan.forward, CRITIC_KEYS.forward.max_token_len),
-        ppo_epochs=plan.ppo_epochs, shuffle=bool(critic_cfg.shuffle), grad_clip=float(critic_cfg.grad_clip),
-        cliprange_value=float(critic_cfg.cliprange_value), loss_agg_mode=str(critic_cfg.loss_agg_mode),
-        use_remove_padding=bool(critic_cfg.model.use_remove_padding))
+        ppo_epochs=plan.ppo_epochs,
+        shuffle=bool(critic_cfg.shuffle),
+        grad_clip=float(critic_cfg.grad_clip),
+        cliprange_value=float(critic_cfg.cliprange_value),
+        loss_agg_mode=str(critic_cfg.loss_agg_mode),
+        use_remove_padding=bool(critic_cfg.model.use_remove_padding),
+    )
 
 
 class FSDPWorkerBase(Worker):
@@ -93,18 +116,26 @@ class FSDPWorkerBase(Worker):
         if model_cfg.external_lib:  # registers custom model classes with transformers' Auto* factories
             importlib.import_module(model_cfg.external_lib)
         path = copy_to_shm(model_cfg.path) if model_cfg.use_shm else model_cfg.path
-        return load_hf_model(ModelSpec(
-            path=path, role=role, dtype=torch.float32, use_remove_padding=use_remove_padding,
-            gradient_checkpointing=bool(model_cfg.enable_gradient_checkpointing),
-            trust_remote_code=bool(model_cfg.trust_remote_code),
-            override_config=OmegaConf.to_container(model_cfg.override_config)))
+        return load_hf_model(
+            ModelSpec(
+                path=path,
+                role=role,
+                dtype=torch.float32,
+                use_remove_padding=use_remove_padding,
+                gradient_checkpointing=bool(model_cfg.enable_gradient_checkpointing),
+                trust_remote_code=bool(model_cfg.trust_remote_code),
+                override_config=OmegaConf.to_container(model_cfg.override_config),
+            )
+        )
 
     def _wrap(self, model, fsdp_cfg):
-        spec = FSDPSpec(strategy=self._strategy,
-                        param_dtype=resolve_dtype(str(fsdp_cfg.param_dtype), self.device_type),
-                        reduce_dtype=resolve_dtype(str(fsdp_cfg.reduce_dtype), self.device_type),
-                        param_offload=bool(fsdp_cfg.param_offload),
-                        reshard_after_forward=bool(fsdp_cfg.reshard_after_forward))
+        spec = FSDPSpec(
+            strategy=self._strategy,
+            param_dtype=resolve_dtype(str(fsdp_cfg.param_dtype), self.device_type),
+            reduce_dtype=resolve_dtype(str(fsdp_cfg.reduce_dtype), self.device_type),
+            param_offload=bool(fsdp_cfg.param_offload),
+            reshard_after_forward=bool(fsdp_cfg.reshard_after_forward),
+        )
         return wrap_fsdp(model, spec, self.fsdp_mesh, self.device_type)
 
     def _offload_optimizer(self) -> None:
@@ -147,24 +178,33 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         cfg = self.config.actor_rollout_ref
         self._init_dist(self.plan.actor.sequence_parallel_size, int(cfg.actor.fsdp_config.fsdp_size))
         use_rmpad = bool(cfg.model.use_remove_padding)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.config.data.tokenizer or cfg.model.path,
-                                                       trust_remote_code=bool(self.config.data.trust_remote_code))
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            self.config.data.tokenizer or cfg.model.path, trust_remote_code=bool(self.config.data.trust_remote_code)
+        )
         model = self._load(cfg.model, "actor", use_rmpad)
         self.actor_flops = model_flops_info(model)  # read before sharding
         self.actor_module = self._wrap(model, cfg.actor.fsdp_config)
         self.optimizer = build_optimizer(self.actor_module, cfg.actor.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.actor.optim, total_training_steps)
-        self.actor = PPOActor(self.actor_module, self.optimizer,
-                              actor_settings(cfg.actor, self.plan.actor, use_rmpad, self.device_type),
-                              self.dp_group, self.sp_group, self.dp_size, self.lr_scheduler,
-                              seed=int(self.config.data.seed))
+        self.actor = PPOActor(
+            self.actor_module,
+            self.optimizer,
+            actor_settings(cfg.actor, self.plan.actor, use_rmpad, self.device_type),
+            self.dp_group,
+            self.sp_group,
+            self.dp_size,
+            self.lr_scheduler,
+            seed=int(self.config.data.seed),
+        )
         self._offload_optimizer()
         if self.with_ref:
             ref_module = self._wrap(self._load(cfg.model, "actor", use_rmpad), cfg.ref.fsdp_config)
             ref_module.requires_grad_(False)
-            ref_settings = replace(actor_settings(cfg.actor, self.plan.actor, use_rmpad, self.device_type),
-                                   log_prob=micro_batch_spec(self.plan.ref, REF_KEYS.max_token_len),
-                                   use_torch_compile=bool(cfg.ref.use_torch_compile) and self.device_type == "cuda")
+            ref_settings = replace(
+                actor_settings(cfg.actor, self.plan.actor, use_rmpad, self.device_type),
+                log_prob=micro_batch_spec(self.plan.ref, REF_KEYS.max_token_len),
+                use_torch_compile=bool(cfg.ref.use_torch_compile) and self.device_type == "cuda",
+            )
             self.ref = PPOActor(ref_module, None, ref_settings, self.dp_group, self.sp_group, self.dp_size)
         self._init_rollout(cfg)
 
@@ -179,10 +219,16 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             mesh = init_device_mesh(self.device_type, (self.world_size // tp, tp), mesh_dim_names=("dp", "tp"))
             tp_group = mesh["tp"].get_group()
         self.tp_group = tp_group
-        self.rollout = build_rollout(str(cfg.rollout.name), cfg.rollout, cfg.model.path, self.tokenizer,
-                                     self.device_type, tp_group,
-                                     trust_remote_code=bool(cfg.model.trust_remote_code),
-                                     override_config=OmegaConf.to_container(cfg.model.override_config))
+        self.rollout = build_rollout(
+            str(cfg.rollout.name),
+            cfg.rollout,
+            cfg.model.path,
+            self.tokenizer,
+            self.device_type,
+            tp_group,
+            trust_remote_code=bool(cfg.model.trust_remote_code),
+            override_config=OmegaConf.to_container(cfg.model.override_config),
+        )
 
     @register(dispatch_mode=Dispatch.RANK_ZERO, execute_mode=Execute.RANK_ZERO)
     def flops_info(self) -> dict:
@@ -240,13 +286,29 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
         contents = list(self.config.actor_rollout_ref.actor.checkpoint.save_contents)
-        ckpt.save_checkpoint(path, self.actor_module, self.optimizer, self.lr_scheduler, contents, self.tokenizer,
-                             self.rank, self.world_size, generator=self.actor.generator)
+        ckpt.save_checkpoint(
+            path,
+            self.actor_module,
+            self.optimizer,
+            self.lr_scheduler,
+            contents,
+            self.tokenizer,
+            self.rank,
+            self.world_size,
+            generator=self.actor.generator,
+        )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
-        ckpt.load_checkpoint(path, self.actor_module, self.optimizer, self.lr_scheduler, self.rank, self.world_size,
-                             generator=self.actor.generator)
+        ckpt.load_checkpoint(
+            path,
+            self.actor_module,
+            self.optimizer,
+            self.lr_scheduler,
+            self.rank,
+            self.world_size,
+            generator=self.actor.generator,
+        )
         self._offload_optimizer()  # loading puts the optimizer state next to the parameters
         self._weights_dirty = True
 
@@ -266,13 +328,21 @@ class CriticWorker(FSDPWorkerBase):
         cfg = self.config.critic
         self._init_dist(self.plan.critic.sequence_parallel_size, int(cfg.model.fsdp_config.fsdp_size))
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path)
-        self.critic_module = self._wrap(self._load(cfg.model, "critic", bool(cfg.model.use_remove_padding)),
-                                        cfg.model.fsdp_config)
+        self.critic_module = self._wrap(
+            self._load(cfg.model, "critic", bool(cfg.model.use_remove_padding)), cfg.model.fsdp_config
+        )
         self.optimizer = build_optimizer(self.critic_module, cfg.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optim, total_training_steps)
-        self.critic = PPOCritic(self.critic_module, self.optimizer, critic_settings(cfg, self.plan.critic),
-                                self.dp_group, self.sp_group, self.dp_size, self.lr_scheduler,
-                                seed=int(self.config.data.seed))
+        self.critic = PPOCritic(
+            self.critic_module,
+            self.optimizer,
+            critic_settings(cfg, self.plan.critic),
+            self.dp_group,
+            self.sp_group,
+            self.dp_size,
+            self.lr_scheduler,
+            seed=int(self.config.data.seed),
+        )
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
@@ -291,13 +361,29 @@ class CriticWorker(FSDPWorkerBase):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
         contents = list(self.config.critic.checkpoint.save_contents)
-        ckpt.save_checkpoint(path, self.critic_module, self.optimizer, self.lr_scheduler, contents, self.tokenizer,
-                             self.rank, self.world_size, generator=self.critic.generator)
+        ckpt.save_checkpoint(
+            path,
+            self.critic_module,
+            self.optimizer,
+            self.lr_scheduler,
+            contents,
+            self.tokenizer,
+            self.rank,
+            self.world_size,
+            generator=self.critic.generator,
+        )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
-        ckpt.load_checkpoint(path, self.critic_module, self.optimizer, self.lr_scheduler, self.rank, self.world_size,
-                             generator=self.critic.generator)
+        ckpt.load_checkpoint(
+            path,
+            self.critic_module,
+            self.optimizer,
+            self.lr_scheduler,
+            self.rank,
+            self.world_size,
+            generator=self.critic.generator,
+        )
         self._offload_optimizer()  # loading puts the optimizer state next to the parameters
 
 

@@ -51,10 +51,17 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(shifted, dim=-1) - (probs * shifted).sum(dim=-1)
 
 
-def forward_micro_batch(model: torch.nn.Module, micro_batch: dict[str, torch.Tensor], response_length: int,
-                        temperature: float = 1.0, use_remove_padding: bool = True,
-                        sp_group: dist.ProcessGroup | None = None, calculate_entropy: bool = False,
-                        value_head: bool = False, use_torch_compile: bool = False) -> dict[str, torch.Tensor]:
+def forward_micro_batch(
+    model: torch.nn.Module,
+    micro_batch: dict[str, torch.Tensor],
+    response_length: int,
+    temperature: float = 1.0,
+    use_remove_padding: bool = True,
+    sp_group: dist.ProcessGroup | None = None,
+    calculate_entropy: bool = False,
+    value_head: bool = False,
+    use_torch_compile: bool = False,
+) -> dict[str, torch.Tensor]:
     """Run `model` on one micro-batch and score its responses.
 
     `micro_batch` holds `input_ids`, `attention_mask`, `position_ids` [batch, seqlen] and `responses`
@@ -69,25 +76,47 @@ def forward_micro_batch(model: torch.nn.Module, micro_batch: dict[str, torch.Ten
     batch_size, seqlen = input_ids.shape
 
     if use_remove_padding:
-        per_token, indices = _forward_packed(model, input_ids, attention_mask, position_ids, temperature, sp_group,
-                                             calculate_entropy, value_head, use_torch_compile)
+        per_token, indices = _forward_packed(
+            model,
+            input_ids,
+            attention_mask,
+            position_ids,
+            temperature,
+            sp_group,
+            calculate_entropy,
+            value_head,
+            use_torch_compile,
+        )
         # [total_nnz] per token -> [batch, seqlen] -> the columns scoring the response tokens
-        outputs = {name: pad_output(x, indices, batch_size, seqlen)[:, -response_length - 1:-1]
-                   for name, x in per_token.items()}
+        outputs = {
+            name: pad_output(x, indices, batch_size, seqlen)[:, -response_length - 1 : -1]
+            for name, x in per_token.items()
+        }
     else:
         if sp_size_of(sp_group) > 1:
-            raise ValueError("ulysses_sequence_parallel_size > 1 (actor_rollout_ref.actor./critic.) needs "
-                             "use_remove_padding=True (actor_rollout_ref.model./critic.model.)")
+            raise ValueError(
+                "ulysses_sequence_parallel_size > 1 (actor_rollout_ref.actor./critic.) needs "
+                "use_remove_padding=True (actor_rollout_ref.model./critic.model.)"
+            )
         output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-        logits = output.logits[:, -response_length - 1:-1]
+        logits = output.logits[:, -response_length - 1 : -1]
         outputs = _score(logits, responses, temperature, calculate_entropy, value_head, use_torch_compile)
 
     response_mask = attention_mask[:, -response_length:].bool()
     return {name: torch.where(response_mask, x, torch.zeros_like(x)) for name, x in outputs.items()}
 
 
-def _forward_packed(model, input_ids, attention_mask, position_ids, temperature, group, calculate_entropy,
-                    value_head, use_torch_compile=False) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _forward_packed(
+    model,
+    input_ids,
+    attention_mask,
+    position_ids,
+    temperature,
+    group,
+    calculate_entropy,
+    value_head,
+    use_torch_compile=False,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Forward the packed row; returns per-token results [total_nnz] and the packing `indices`."""
     ids, indices, cu_seqlens, max_seqlen = unpad_input(input_ids, attention_mask)
     pos = pack_tensor(position_ids, indices).unsqueeze(0)
@@ -98,22 +127,38 @@ def _forward_packed(model, input_ids, attention_mask, position_ids, temperature,
     if sp_size > 1:
         attn = getattr(getattr(model, "config", None), "_attn_implementation", ATTN_IMPLEMENTATION)
         if attn != ATTN_IMPLEMENTATION:  # any other attention would silently ignore the SP group
-            raise ValueError(f"Ulysses sequence parallelism needs attn_implementation={ATTN_IMPLEMENTATION!r}, "
-                             f"the model uses {attn!r}")
+            raise ValueError(
+                f"Ulysses sequence parallelism needs attn_implementation={ATTN_IMPLEMENTATION!r}, "
+                f"the model uses {attn!r}"
+            )
         ids, pos, cu_seqlens, max_seqlen, pad_size = pad_packed_for_sp(ids, pos, cu_seqlens, max_seqlen, sp_size)
         labels = torch.nn.functional.pad(labels, (0, pad_size))
         ids, pos, labels = (slice_for_rank(x, group, dim=1) for x in (ids, pos, labels))
         extra["ulysses_group"] = group
 
-    output = model(input_ids=ids, position_ids=pos, use_cache=False, cu_seq_lens_q=cu_seqlens,
-                   cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen, **extra)
+    output = model(
+        input_ids=ids,
+        position_ids=pos,
+        use_cache=False,
+        cu_seq_lens_q=cu_seqlens,
+        cu_seq_lens_k=cu_seqlens,
+        max_length_q=max_seqlen,
+        max_length_k=max_seqlen,
+        **extra,
+    )
     per_token = _score(output.logits[0], labels[0], temperature, calculate_entropy, value_head, use_torch_compile)
     per_token = {name: gather_outputs(x, group, dim=0, pad_size=pad_size) for name, x in per_token.items()}
     return per_token, indices
 
 
-def _score(logits: torch.Tensor, labels: torch.Tensor, temperature: float, calculate_entropy: bool,
-           value_head: bool, use_torch_compile: bool = False) -> dict[str, torch.Tensor]:
+def _score(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    calculate_entropy: bool,
+    value_head: bool,
+    use_torch_compile: bool = False,
+) -> dict[str, torch.Tensor]:
     """Per-token log-probs of `labels` (and entropy) from `logits` [..., vocab], or values from [..., 1].
 
     Computed in fp32 whatever the model's compute dtype: bf16 log-softmax and ratios are too coarse
@@ -137,14 +182,17 @@ def _compiled_kernels():
     return (torch.compile(logprobs_from_logits, dynamic=True), torch.compile(entropy_from_logits, dynamic=True))
 
 
-def _entropy_from_logits_chunked(logits: torch.Tensor, chunk_tokens: int = ENTROPY_CHUNK_TOKENS,
-                                 entropy_fn=entropy_from_logits) -> torch.Tensor:
+def _entropy_from_logits_chunked(
+    logits: torch.Tensor, chunk_tokens: int = ENTROPY_CHUNK_TOKENS, entropy_fn=entropy_from_logits
+) -> torch.Tensor:
     """`entropy_from_logits` a chunk of tokens at a time, so at most one chunk's softmax is alive.
 
     Under autograd each chunk is checkpointed: its softmax is recomputed in backward, not kept.
     """
     flat = logits.reshape(-1, logits.shape[-1])
     needs_grad = torch.is_grad_enabled() and flat.requires_grad
-    parts = [checkpoint(entropy_fn, chunk, use_reentrant=False) if needs_grad else entropy_fn(chunk)
-             for chunk in flat.split(chunk_tokens)]
+    parts = [
+        checkpoint(entropy_fn, chunk, use_reentrant=False) if needs_grad else entropy_fn(chunk)
+        for chunk in flat.split(chunk_tokens)
+    ]
     return torch.cat(parts).view(logits.shape[:-1])

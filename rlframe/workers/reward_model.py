@@ -2,10 +2,11 @@
 
 The model is loaded as token classification with one label: a sequence-classification checkpoint's
 `score` head loads into it unchanged, and the per-token logits let us read the score at each row's
-last valid token whatever the padding side. The score goes on the last valid response token (`rm_scores` [bs, response_length]), the same
-place rule-based rewards go. When the reward model's tokenizer differs from the policy's, the
-conversation is rebuilt from the raw chat (`data.return_raw_chat=true`) plus the decoded response,
-and re-tokenized with the reward model's own chat template.
+last valid token whatever the padding side. The score goes on the last valid response token
+(`rm_scores` [bs, response_length]), the same place rule-based rewards go. When the reward model's
+tokenizer differs from the policy's, the conversation is rebuilt from the raw chat
+(`data.return_raw_chat=true`) plus the decoded response, and re-tokenized with the reward model's
+own chat template.
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ from rlframe.workers.fsdp_workers import FSDPWorkerBase
 
 def last_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Score [bs] read at each row's last valid token (rows may be left- and right-padded)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=position_ids_from_mask(attention_mask),
-                   use_cache=False).logits[..., 0]
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    ).logits[..., 0]
     last = attention_mask.shape[1] - 1 - attention_mask.flip(-1).long().argmax(-1)
     return logits[torch.arange(logits.shape[0], device=logits.device), last].float()
 
@@ -55,12 +59,18 @@ class RewardModelWorker(FSDPWorkerBase):
         self.policy_tokenizer = AutoTokenizer.from_pretrained(str(rm_cfg.model.input_tokenizer))
         self.same_tokenizer = self.rm_tokenizer.get_vocab() == self.policy_tokenizer.get_vocab()
         config = AutoConfig.from_pretrained(path, num_labels=1)
-        model = AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32,
-                                                                attn_implementation="sdpa")
+        model = AutoModelForTokenClassification.from_pretrained(
+            path, config=config, dtype=torch.float32, attn_implementation="sdpa"
+        )
         model.requires_grad_(False).eval()
         dtype = resolve_dtype("auto", self.device_type)
-        spec = FSDPSpec(strategy=self._strategy, param_dtype=dtype, reduce_dtype=torch.float32,
-                        param_offload=False, reshard_after_forward=True)
+        spec = FSDPSpec(
+            strategy=self._strategy,
+            param_dtype=dtype,
+            reduce_dtype=torch.float32,
+            param_offload=False,
+            reshard_after_forward=True,
+        )
         self.module = wrap_fsdp(model, spec, self.fsdp_mesh, self.device_type)
         self.micro_batch_size = int(rm_cfg.micro_batch_size_per_gpu)
 
@@ -68,13 +78,18 @@ class RewardModelWorker(FSDPWorkerBase):
         if self.same_tokenizer:
             return data.batch["input_ids"], data.batch["attention_mask"]
         if "raw_prompt" not in data.non_tensor_batch:
-            raise ValueError("the reward model's tokenizer differs from the policy's: set "
-                             "data.return_raw_chat=true so conversations can be re-tokenized")
+            raise ValueError(
+                "the reward model's tokenizer differs from the policy's: set "
+                "data.return_raw_chat=true so conversations can be re-tokenized"
+            )
         responses = self.policy_tokenizer.batch_decode(
             [r[m.bool()] for r, m in zip(data.batch["responses"], data.batch["response_mask"])],
-            skip_special_tokens=True)
-        chats = [list(prompt) + [{"role": "assistant", "content": text}]
-                 for prompt, text in zip(data.non_tensor_batch["raw_prompt"], responses)]
+            skip_special_tokens=True,
+        )
+        chats = [
+            list(prompt) + [{"role": "assistant", "content": text}]
+            for prompt, text in zip(data.non_tensor_batch["raw_prompt"], responses)
+        ]
         texts = [self.rm_tokenizer.apply_chat_template(chat, tokenize=False) for chat in chats]
         encoded = self.rm_tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         return encoded["input_ids"], encoded["attention_mask"]
@@ -87,8 +102,8 @@ class RewardModelWorker(FSDPWorkerBase):
         with torch.no_grad():
             for start in range(0, len(input_ids), self.micro_batch_size):
                 rows = slice(start, start + self.micro_batch_size)
-                scores.append(last_token_scores(self.module, input_ids[rows].to(device),
-                                                attention_mask[rows].to(device)).cpu())
+                scores.append(
+                    last_token_scores(self.module, input_ids[rows].to(device), attention_mask[rows].to(device)).cpu()
+                )
         rm_scores = place_on_last_response_token(torch.cat(scores), data.batch["response_mask"])
         return DataProto.from_dict({"rm_scores": rm_scores})
-

@@ -33,8 +33,17 @@ class PPOUpdater:
 
     role: str
 
-    def __init__(self, module, optimizer, settings, dp_group=None, sp_group=None, dp_size: int = 1,
-                 lr_scheduler=None, seed: int = 0):
+    def __init__(
+        self,
+        module,
+        optimizer,
+        settings,
+        dp_group=None,
+        sp_group=None,
+        dp_size: int = 1,
+        lr_scheduler=None,
+        seed: int = 0,
+    ):
         self.module, self.optimizer, self.settings = module, optimizer, settings
         self.dp_group, self.sp_group, self.dp_size = dp_group, sp_group, dp_size
         self.lr_scheduler = lr_scheduler
@@ -82,5 +91,8 @@ def apply_gradients(module, optimizer, grad_clip: float, prefix: str) -> dict[st
         optimizer.zero_grad(set_to_none=True)
     else:
         optimizer.step()
-    return {f"{prefix}/grad_norm": grad_norm, f"{prefix}/skipped_steps": float(skipped),
-            f"{prefix}/lr": optimizer.param_groups[0]["lr"]}
+    return {
+        f"{prefix}/grad_norm": grad_norm,
+        f"{prefix}/skipped_steps": float(skipped),
+        f"{prefix}/lr": optimizer.param_groups[0]["lr"],
+    }

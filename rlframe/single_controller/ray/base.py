@@ -8,7 +8,8 @@ import inspect
 import os
 import socket
 import types
-from typing import Any, Generic, Iterable, TypeVar
+from collections.abc import Iterable
+from typing import Any, Generic, TypeVar
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
@@ -37,8 +38,10 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, **init_kwa
         ray.init(address="local", num_cpus=num_cpus, **{"include_dashboard": False, **init_kwargs})
         return
     if num_cpus is not None:
-        raise ValueError(f"num_cpus={num_cpus} only applies when starting a local cluster; the cluster at "
-                         f"{address!r} already has its resources")
+        raise ValueError(
+            f"num_cpus={num_cpus} only applies when starting a local cluster; the cluster at "
+            f"{address!r} already has its resources"
+        )
     ray.init(address=address, **init_kwargs)
 
 
@@ -47,8 +50,10 @@ class RayClassWithInitArgs(Generic[W]):
 
     def __init__(self, cls: type[W], *args, **kwargs):
         if not (isinstance(cls, type) and issubclass(cls, Worker)):
-            raise TypeError(f"RayClassWithInitArgs needs a subclass of rlframe.single_controller.Worker (the "
-                            f"plain class, not a @ray.remote one), got {cls!r}")
+            raise TypeError(
+                f"RayClassWithInitArgs needs a subclass of rlframe.single_controller.Worker (the "
+                f"plain class, not a @ray.remote one), got {cls!r}"
+            )
         self.cls = cls
         self.args = args
         self.kwargs = kwargs
@@ -74,16 +79,26 @@ class RayWorkerGroup(Generic[W]):
     method; annotate groups as `RayWorkerGroup[ActorWorker]` so readers know where to jump.
     """
 
-    def __init__(self, resource_pool: RayResourcePool, ray_cls_with_init: RayClassWithInitArgs[W], *,
-                 call_timeout_s: float | None = None, init_timeout_s: float = 300.0):
+    def __init__(
+        self,
+        resource_pool: RayResourcePool,
+        ray_cls_with_init: RayClassWithInitArgs[W],
+        *,
+        call_timeout_s: float | None = None,
+        init_timeout_s: float = 300.0,
+    ):
         self.resource_pool = resource_pool
         self.call_timeout_s = call_timeout_s
         self._role_classes = dict(ray_cls_with_init.roles)
         workers = _create_workers(resource_pool, ray_cls_with_init)
         self._setup(workers, ray_cls_with_init.cls, role=None)
         try:  # also surfaces constructor failures now, with their rank
-            self.worker_info = wait_all([w._rlframe_info.remote() for w in workers], list(range(len(workers))),
-                                        f"{self.worker_cls.__name__}.__init__", init_timeout_s)
+            self.worker_info = wait_all(
+                [w._rlframe_info.remote() for w in workers],
+                list(range(len(workers))),
+                f"{self.worker_cls.__name__}.__init__",
+                init_timeout_s,
+            )
         except BaseException:
             self.shutdown()
             raise
@@ -94,8 +109,10 @@ class RayWorkerGroup(Generic[W]):
         self.role = role
         for name, spec in registered_methods(worker_cls).items():
             if hasattr(RayWorkerGroup, name):
-                raise TypeError(f"{worker_cls.__name__}.{name} is registered, but RayWorkerGroup.{name} already "
-                                f"exists; rename the worker method")
+                raise TypeError(
+                    f"{worker_cls.__name__}.{name} is registered, but RayWorkerGroup.{name} already "
+                    f"exists; rename the worker method"
+                )
             setattr(self, name, types.MethodType(_group_method(name, spec, getattr(worker_cls, name)), self))
 
     # ------------------------------------------------------------------ the group
@@ -103,19 +120,24 @@ class RayWorkerGroup(Generic[W]):
     def world_size(self) -> int:
         return len(self._workers)
 
-    def spawn(self, prefix_set: Iterable[str]) -> dict[str, "RayWorkerGroup"]:
+    def spawn(self, prefix_set: Iterable[str]) -> dict[str, RayWorkerGroup]:
         """Per-role groups of a colocated group: same processes, methods of each role's class."""
         if not self._role_classes:
-            raise ValueError(f"spawn() needs a group built from create_colocated_worker_cls; this one runs "
-                             f"{self.worker_cls.__name__}")
+            raise ValueError(
+                f"spawn() needs a group built from create_colocated_worker_cls; this one runs "
+                f"{self.worker_cls.__name__}"
+            )
         unknown = sorted(set(prefix_set) - set(self._role_classes))
         if unknown:
             raise ValueError(f"unknown roles {unknown}; this colocated group has {sorted(self._role_classes)}")
         views = {}
         for role in prefix_set:
             view = RayWorkerGroup.__new__(RayWorkerGroup)
-            view.resource_pool, view.call_timeout_s, view.worker_info = \
-                self.resource_pool, self.call_timeout_s, self.worker_info
+            view.resource_pool, view.call_timeout_s, view.worker_info = (
+                self.resource_pool,
+                self.call_timeout_s,
+                self.worker_info,
+            )
             view._role_classes = {}
             view._setup(self._workers, self._role_classes[role], role=role)
             views[role] = view
@@ -152,9 +174,12 @@ class RayWorkerGroup(Generic[W]):
                 refs_by_id[id(value)] = ray.put(pack_value(value))
             return refs_by_id[id(value)]
 
-        return [workers[rank]._rlframe_call.remote(self.role, method, *map(prepare, args),
-                                                   **{k: prepare(v) for k, v in kwargs.items()})
-                for rank, args, kwargs in zip(plan.ranks, plan.args, plan.kwargs)]
+        return [
+            workers[rank]._rlframe_call.remote(
+                self.role, method, *map(prepare, args), **{k: prepare(v) for k, v in kwargs.items()}
+            )
+            for rank, args, kwargs in zip(plan.ranks, plan.args, plan.kwargs)
+        ]
 
     def _live_workers(self) -> list:
         if not self._workers:
@@ -164,6 +189,7 @@ class RayWorkerGroup(Generic[W]):
 
 def _group_method(name: str, spec: RegisterSpec, worker_fn):
     """The driver-side twin of a registered worker method (same name, signature and doc)."""
+
     @functools.wraps(worker_fn)
     def group_method(self: RayWorkerGroup, *args, **kwargs):
         return self._call(name, spec, args, kwargs)
@@ -172,7 +198,8 @@ def _group_method(name: str, spec: RegisterSpec, worker_fn):
     # (in place, on the driver's class too); the driver-side call never takes it.
     signature = inspect.signature(worker_fn)
     group_method.__signature__ = signature.replace(
-        parameters=[p for p in signature.parameters.values() if p.name != "_ray_trace_ctx"])
+        parameters=[p for p in signature.parameters.values() if p.name != "_ray_trace_ctx"]
+    )
     return group_method
 
 
@@ -180,16 +207,28 @@ def _create_workers(pool: RayResourcePool, cls_with_init: RayClassWithInitArgs) 
     """One actor per slot; rank order follows the pool's nodes, then the slots on each node."""
     pgs = pool.placement_groups()
     node_of_rank0 = ray.util.placement_group_table(pgs[0])["bundles_to_node_id"][0]
-    master_addr, master_port = ray.get(_node_address.options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_of_rank0, soft=False)).remote(), timeout=120)
+    master_addr, master_port = ray.get(
+        _node_address.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_of_rank0, soft=False)).remote(),
+        timeout=120,
+    )
     remote_cls = ray.remote(cls_with_init.cls)
     workers = []
     for pg, count in zip(pgs, pool.process_on_nodes):
         for local_rank in range(count):
-            env = {"RANK": len(workers), "WORLD_SIZE": pool.world_size, "LOCAL_RANK": local_rank,
-                   "LOCAL_WORLD_SIZE": count, "MASTER_ADDR": master_addr, "MASTER_PORT": master_port}
+            env = {
+                "RANK": len(workers),
+                "WORLD_SIZE": pool.world_size,
+                "LOCAL_RANK": local_rank,
+                "LOCAL_WORLD_SIZE": count,
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": master_port,
+            }
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=local_rank)
-            workers.append(remote_cls.options(
-                scheduling_strategy=strategy, runtime_env={"env_vars": {k: str(v) for k, v in env.items()}},
-                **pool.actor_resources()).remote(*cls_with_init.args, **cls_with_init.kwargs))
+            workers.append(
+                remote_cls.options(
+                    scheduling_strategy=strategy,
+                    runtime_env={"env_vars": {k: str(v) for k, v in env.items()}},
+                    **pool.actor_resources(),
+                ).remote(*cls_with_init.args, **cls_with_init.kwargs)
+            )
     return workers

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -18,12 +18,19 @@ class RayResourcePool:
     request fails at once, naming both sides.
     """
 
-    def __init__(self, process_on_nodes: Sequence[int], use_gpu: bool = False, num_cpus_per_process: float = 1.0,
-                 ready_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        process_on_nodes: Sequence[int],
+        use_gpu: bool = False,
+        num_cpus_per_process: float = 1.0,
+        ready_timeout_s: float = 120.0,
+    ):
         process_on_nodes = list(process_on_nodes)
         if not process_on_nodes or any(not isinstance(n, int) or n < 1 for n in process_on_nodes):
-            raise ValueError(f"process_on_nodes must be a non-empty list of positive ints (processes per node), "
-                             f"got {process_on_nodes!r}")
+            raise ValueError(
+                f"process_on_nodes must be a non-empty list of positive ints (processes per node), "
+                f"got {process_on_nodes!r}"
+            )
         if num_cpus_per_process <= 0:
             raise ValueError(f"num_cpus_per_process must be > 0, got {num_cpus_per_process}")
         self.process_on_nodes = process_on_nodes
@@ -49,16 +56,23 @@ class RayResourcePool:
         """The pool's placement groups, one per node, created and ready on first use."""
         if self._pgs is None:
             self._check_capacity()
-            pgs = [placement_group([dict(self.bundle) for _ in range(count)], strategy="STRICT_PACK",
-                                   name=f"rlframe_pg{i}_{id(self):x}")
-                   for i, count in enumerate(self.process_on_nodes)]
+            pgs = [
+                placement_group(
+                    [dict(self.bundle) for _ in range(count)],
+                    strategy="STRICT_PACK",
+                    name=f"rlframe_pg{i}_{id(self):x}",
+                )
+                for i, count in enumerate(self.process_on_nodes)
+            ]
             ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=self.ready_timeout_s)
             if len(ready) < len(pgs):
                 for pg in pgs:
                     remove_placement_group(pg)
-                raise RuntimeError(f"{self!r}: placement groups not ready after {self.ready_timeout_s:g}s; the "
-                                   f"cluster has room in total but other work holds it. Available now: "
-                                   f"{_resources_text(ray.available_resources())}")
+                raise RuntimeError(
+                    f"{self!r}: placement groups not ready after {self.ready_timeout_s:g}s; the "
+                    f"cluster has room in total but other work holds it. Available now: "
+                    f"{_resources_text(ray.available_resources())}"
+                )
             self._pgs = pgs
         return self._pgs
 
@@ -76,12 +90,15 @@ class RayResourcePool:
         for count in sorted(self.process_on_nodes, reverse=True):
             fitting = [i for i, n in enumerate(free) if n >= count]
             if not fitting:
-                described = "; ".join(f"{node['NodeManagerAddress']}: {_resources_text(node['Resources'])} "
-                                      f"(room for {n} processes)" for node, n in zip(nodes, slots))
+                described = "; ".join(
+                    f"{node['NodeManagerAddress']}: {_resources_text(node['Resources'])} (room for {n} processes)"
+                    for node, n in zip(nodes, slots)
+                )
                 raise ValueError(
                     f"{self!r} asks for {len(self.process_on_nodes)} node(s) × {self.process_on_nodes} processes "
                     f"with {self.bundle} each, but the Ray cluster has {len(nodes)} alive node(s): {described}. "
-                    f"Ask for fewer processes per node or nodes, lower num_cpus_per_process, or add nodes.")
+                    f"Ask for fewer processes per node or nodes, lower num_cpus_per_process, or add nodes."
+                )
             best = min(fitting, key=lambda i: free[i])
             free[best] -= count
 
@@ -92,8 +109,10 @@ class RayResourcePool:
         return slots
 
     def __repr__(self) -> str:
-        return (f"RayResourcePool(process_on_nodes={self.process_on_nodes}, use_gpu={self.use_gpu}, "
-                f"num_cpus_per_process={self.num_cpus_per_process:g})")
+        return (
+            f"RayResourcePool(process_on_nodes={self.process_on_nodes}, use_gpu={self.use_gpu}, "
+            f"num_cpus_per_process={self.num_cpus_per_process:g})"
+        )
 
 
 def _resources_text(resources: dict) -> str:

@@ -15,18 +15,38 @@ import torch.distributed as dist
 
 from rlframe.config.checks import ROLLOUT_ENGINES, check_rollout_name
 from rlframe.protocol import DataProto, all_gather_data_proto
-from rlframe.workers.rollout.base import (BaseRollout, RolloutSettings, SamplingParams, build_rollout_output,
-                                          check_prompts, response_metrics)
+from rlframe.workers.rollout.base import (
+    BaseRollout,
+    RolloutSettings,
+    SamplingParams,
+    build_rollout_output,
+    check_prompts,
+    response_metrics,
+)
 from rlframe.workers.rollout.tp import group_rank_and_size
 
-__all__ = ["BaseRollout", "RolloutSettings", "SamplingParams", "build_rollout",
-           "build_rollout_output", "check_prompts", "generate_in_tp_group"]
+__all__ = [
+    "BaseRollout",
+    "RolloutSettings",
+    "SamplingParams",
+    "build_rollout",
+    "build_rollout_output",
+    "check_prompts",
+    "generate_in_tp_group",
+]
 
 
-
-
-def build_rollout(name: str, rollout_cfg, model_path: str, tokenizer, device_type: str, tp_group=None, *,
-                  trust_remote_code: bool = False, override_config: dict | None = None) -> BaseRollout:
+def build_rollout(
+    name: str,
+    rollout_cfg,
+    model_path: str,
+    tokenizer,
+    device_type: str,
+    tp_group=None,
+    *,
+    trust_remote_code: bool = False,
+    override_config: dict | None = None,
+) -> BaseRollout:
     """Build the engine `name` from `actor_rollout_ref.rollout` for one worker process.
 
     `tp_group` is this rank's tensor-parallel process group (size `tensor_model_parallel_size`);
@@ -38,8 +58,16 @@ def build_rollout(name: str, rollout_cfg, model_path: str, tokenizer, device_typ
     module_name, class_name = ROLLOUT_ENGINES[name].split(":")
     engine = getattr(importlib.import_module(module_name), class_name)
     extra = {"rollout_cfg": rollout_cfg} if name == "vllm" else {}  # vLLM's engine settings
-    return engine(settings, model_path, tokenizer, device_type, tp_group, trust_remote_code=trust_remote_code,
-                  override_config=override_config, **extra)
+    return engine(
+        settings,
+        model_path,
+        tokenizer,
+        device_type,
+        tp_group,
+        trust_remote_code=trust_remote_code,
+        override_config=override_config,
+        **extra,
+    )
 
 
 def generate_in_tp_group(rollout: BaseRollout, prompts: DataProto, tp_group=None) -> DataProto:

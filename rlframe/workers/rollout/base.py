@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Iterable
 
 import torch
 
@@ -28,8 +28,8 @@ class SamplingParams:
 
     temperature: float
     top_p: float
-    top_k: int            # -1 (or 0) = off
-    n: int                # responses per prompt; repetition happens on the driver, engines see n copies
+    top_k: int  # -1 (or 0) = off
+    n: int  # responses per prompt; repetition happens on the driver, engines see n copies
     do_sample: bool
     response_length: int  # max generated tokens
 
@@ -38,12 +38,17 @@ class SamplingParams:
         return not self.do_sample or self.temperature == 0
 
     @classmethod
-    def from_config(cls, rollout_cfg, validate: bool = False) -> "SamplingParams":
+    def from_config(cls, rollout_cfg, validate: bool = False) -> SamplingParams:
         """Training sampling from `rollout.*`, or validation sampling from `rollout.val_kwargs.*`."""
         source, prefix = (rollout_cfg.val_kwargs, f"{KEY}.val_kwargs") if validate else (rollout_cfg, KEY)
-        params = cls(temperature=float(source.temperature), top_p=float(source.top_p), top_k=int(source.top_k),
-                     n=int(source.n), do_sample=bool(source.do_sample),
-                     response_length=int(rollout_cfg.response_length))
+        params = cls(
+            temperature=float(source.temperature),
+            top_p=float(source.top_p),
+            top_k=int(source.top_k),
+            n=int(source.n),
+            do_sample=bool(source.do_sample),
+            response_length=int(rollout_cfg.response_length),
+        )
         params.check(prefix)
         return params
 
@@ -76,15 +81,18 @@ class RolloutSettings:
     val: SamplingParams
 
     @classmethod
-    def from_config(cls, rollout_cfg) -> "RolloutSettings":
-        settings = cls(prompt_length=int(rollout_cfg.prompt_length),
-                       response_length=int(rollout_cfg.response_length),
-                       micro_batch_size=int(rollout_cfg.micro_batch_size),
-                       tensor_parallel_size=int(rollout_cfg.tensor_model_parallel_size),
-                       dtype=str(rollout_cfg.dtype), calculate_log_probs=bool(rollout_cfg.calculate_log_probs),
-                       free_cache_engine=bool(rollout_cfg.free_cache_engine),
-                       train=SamplingParams.from_config(rollout_cfg, validate=False),
-                       val=SamplingParams.from_config(rollout_cfg, validate=True))
+    def from_config(cls, rollout_cfg) -> RolloutSettings:
+        settings = cls(
+            prompt_length=int(rollout_cfg.prompt_length),
+            response_length=int(rollout_cfg.response_length),
+            micro_batch_size=int(rollout_cfg.micro_batch_size),
+            tensor_parallel_size=int(rollout_cfg.tensor_model_parallel_size),
+            dtype=str(rollout_cfg.dtype),
+            calculate_log_probs=bool(rollout_cfg.calculate_log_probs),
+            free_cache_engine=bool(rollout_cfg.free_cache_engine),
+            train=SamplingParams.from_config(rollout_cfg, validate=False),
+            val=SamplingParams.from_config(rollout_cfg, validate=True),
+        )
         for name in ("prompt_length", "micro_batch_size", "tensor_parallel_size"):
             if getattr(settings, name) < 1:
                 key = "tensor_model_parallel_size" if name == "tensor_parallel_size" else name
@@ -116,21 +124,28 @@ def check_prompts(prompts: DataProto, prompt_length: int) -> None:
     """Reject prompts the contract does not allow, with the offending sizes in the message."""
     missing = [k for k in PROMPT_KEYS if k not in prompts.batch_keys]
     if missing:
-        raise ValueError(f"rollout prompts need batch keys {list(PROMPT_KEYS)}; missing {missing} "
-                         f"(got {prompts.batch_keys})")
+        raise ValueError(
+            f"rollout prompts need batch keys {list(PROMPT_KEYS)}; missing {missing} (got {prompts.batch_keys})"
+        )
     input_ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
     if input_ids.dim() != 2 or input_ids.shape != mask.shape:
-        raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(mask.shape)} must be "
-                         "equal [batch, prompt_len] shapes")
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(mask.shape)} must be "
+            "equal [batch, prompt_len] shapes"
+        )
     if input_ids.shape[1] > prompt_length:
         lengths = mask.sum(-1)
-        raise ValueError(f"prompts are {input_ids.shape[1]} tokens wide (longest real prompt {int(lengths.max())}) "
-                         f"but {KEY}.prompt_length={prompt_length} (= data.max_prompt_length); filter or "
-                         "truncate them in the dataset (data.filter_overlong_prompts, data.truncation)")
+        raise ValueError(
+            f"prompts are {input_ids.shape[1]} tokens wide (longest real prompt {int(lengths.max())}) "
+            f"but {KEY}.prompt_length={prompt_length} (= data.max_prompt_length); filter or "
+            "truncate them in the dataset (data.filter_overlong_prompts, data.truncation)"
+        )
     if len(prompts) and not bool(mask[:, -1].all()):
         rows = torch.nonzero(mask[:, -1] == 0).flatten()[:5].tolist()
-        raise ValueError(f"prompts must be left-padded with at least one real token: rows {rows} end in "
-                         "padding (attention_mask[:, -1] == 0)")
+        raise ValueError(
+            f"prompts must be left-padded with at least one real token: rows {rows} end in "
+            "padding (attention_mask[:, -1] == 0)"
+        )
 
 
 def response_mask_from_tokens(responses: torch.Tensor, lengths: torch.Tensor, eos_ids: list[int]) -> torch.Tensor:
@@ -138,12 +153,19 @@ def response_mask_from_tokens(responses: torch.Tensor, lengths: torch.Tensor, eo
     width = responses.shape[1]
     generated = torch.arange(width, device=responses.device)[None, :] < lengths[:, None]
     is_eos = torch.isin(responses, torch.tensor(eos_ids, device=responses.device)) & generated
-    after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0   # strictly after the first EOS
+    after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0  # strictly after the first EOS
     return (generated & ~after_eos).long()
 
 
-def build_rollout_output(prompts: DataProto, responses: torch.Tensor, lengths: torch.Tensor, response_length: int,
-                         eos_ids: list[int], pad_id: int, log_probs: torch.Tensor | None = None) -> DataProto:
+def build_rollout_output(
+    prompts: DataProto,
+    responses: torch.Tensor,
+    lengths: torch.Tensor,
+    response_length: int,
+    eos_ids: list[int],
+    pad_id: int,
+    log_probs: torch.Tensor | None = None,
+) -> DataProto:
     """Lay out generated tokens in the rollout contract.
 
     `responses` [B, W] (W <= response_length) holds generated ids, `lengths` [B] how many of them the
@@ -171,7 +193,7 @@ def build_rollout_output(prompts: DataProto, responses: torch.Tensor, lengths: t
     }
     if log_probs is not None:
         full = torch.zeros(num, response_length, dtype=torch.float32, device=device)
-        full[:, :log_probs.shape[1]] = log_probs.to(device, torch.float32)
+        full[:, : log_probs.shape[1]] = log_probs.to(device, torch.float32)
         tensors["rollout_log_probs"] = full * response_mask
     return DataProto.from_dict(tensors, dict(prompts.non_tensor_batch))
 
@@ -186,8 +208,9 @@ def response_metrics(response_mask: torch.Tensor, responses: torch.Tensor, eos_i
     if lengths.numel() == 0:
         return {}
     last = (lengths - 1).clamp(min=0)
-    ended_with_eos = torch.isin(responses.gather(1, last[:, None]).squeeze(1),
-                                torch.tensor(eos_ids, device=responses.device)) & (lengths > 0)
+    ended_with_eos = torch.isin(
+        responses.gather(1, last[:, None]).squeeze(1), torch.tensor(eos_ids, device=responses.device)
+    ) & (lengths > 0)
     truncated = (lengths == responses.shape[1]) & ~ended_with_eos
     return {"response_length/truncated_ratio": float(truncated.float().mean())}
 
@@ -205,8 +228,10 @@ class BaseRollout(ABC):
         self.settings, self.eos_ids, self.pad_id = settings, list(eos_ids), int(pad_id)
         _, self.tp_size = group_rank_and_size(tp_group)
         if self.tp_size != settings.tensor_parallel_size:
-            raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={settings.tensor_parallel_size} "
-                             f"but the rollout was given a TP group of size {self.tp_size}")
+            raise ValueError(
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={settings.tensor_parallel_size} "
+                f"but the rollout was given a TP group of size {self.tp_size}"
+            )
 
     def sampling_for(self, meta_info: dict) -> SamplingParams:
         """This call's sampling: val_kwargs when `validate`, then `do_sample` / `temperature` overrides."""
@@ -232,8 +257,15 @@ class BaseRollout(ABC):
         start = time.perf_counter()
         responses, lengths, log_probs = self._generate(prompts, params, eos_ids, pad_id)
         elapsed = time.perf_counter() - start
-        out = build_rollout_output(prompts, responses, lengths, params.response_length, eos_ids, pad_id,
-                                   log_probs if self.settings.calculate_log_probs else None)
+        out = build_rollout_output(
+            prompts,
+            responses,
+            lengths,
+            params.response_length,
+            eos_ids,
+            pad_id,
+            log_probs if self.settings.calculate_log_probs else None,
+        )
         num_tokens = int(out.batch["response_mask"].sum())
         metrics = response_metrics(out.batch["response_mask"], out.batch["responses"], eos_ids)
         metrics["timing_s/generate"] = elapsed
@@ -242,8 +274,9 @@ class BaseRollout(ABC):
         return out
 
     @abstractmethod
-    def _generate(self, prompts: DataProto, params: SamplingParams, eos_ids: list[int],
-                  pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _generate(
+        self, prompts: DataProto, params: SamplingParams, eos_ids: list[int], pad_id: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Generate for every prompt row: (token ids [B, W], generated counts [B], log-probs [B, W] or None)."""
 
     @abstractmethod

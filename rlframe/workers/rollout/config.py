@@ -12,9 +12,19 @@ from rlframe.config.schema import Section, key, section
 ACTOR = "actor_rollout_ref.actor"
 ROLLOUT = "actor_rollout_ref.rollout"
 # vLLM engine settings (verl 0.9.1's names and defaults); the hf engine reads none of them.
-VLLM_ONLY_KEYS = ("gpu_memory_utilization", "max_num_batched_tokens", "max_num_seqs", "max_model_len",
-                  "enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "load_format",
-                  "disable_log_stats", "seed", "engine_kwargs.vllm")
+VLLM_ONLY_KEYS = (
+    "gpu_memory_utilization",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "max_model_len",
+    "enable_chunked_prefill",
+    "enable_prefix_caching",
+    "enforce_eager",
+    "load_format",
+    "disable_log_stats",
+    "seed",
+    "engine_kwargs.vllm",
+)
 # vLLM engine arguments that rlframe sets itself: through engine_kwargs.vllm they would break the
 # in-process engine or disagree with the actor. Argument -> what to use instead.
 RLFRAME_OWNED_VLLM_ARGS = {
@@ -52,27 +62,36 @@ def check_vllm_engine_kwargs(engine_kwargs: dict) -> None:
     owned = [name for name in engine_kwargs if name in RLFRAME_OWNED_VLLM_ARGS]
     if owned:
         uses = "; ".join(f"{name}: use {RLFRAME_OWNED_VLLM_ARGS[name]}" for name in owned)
-        raise ValueError(f"rlframe sets {', '.join(owned)} itself and cannot take it from engine_kwargs ({uses}); "
-                         f"remove it from {ROLLOUT}.engine_kwargs.vllm")
+        raise ValueError(
+            f"rlframe sets {', '.join(owned)} itself and cannot take it from engine_kwargs ({uses}); "
+            f"remove it from {ROLLOUT}.engine_kwargs.vllm"
+        )
 
 
 def _no_engine(name: str):
     """A check refusing any arguments for an engine rlframe does not have."""
+
     def check(engine_kwargs: dict) -> None:
         if engine_kwargs:
-            raise ValueError(f"rlframe has no {name} engine ({ROLLOUT}.name is hf or vllm), so nothing would read "
-                             f"these arguments; remove them, or give vLLM's under {ROLLOUT}.engine_kwargs.vllm")
+            raise ValueError(
+                f"rlframe has no {name} engine ({ROLLOUT}.name is hf or vllm), so nothing would read "
+                f"these arguments; remove them, or give vLLM's under {ROLLOUT}.engine_kwargs.vllm"
+            )
+
     return check
 
 
 @dataclass
 class EngineKwargsConfig(Section):
-    vllm: Dict[str, Any] = key({}, "more vLLM engine arguments, passed through (they win over the keys above)",
-                               check=check_vllm_engine_kwargs)
-    sglang: Dict[str, Any] = key({}, "verl's sglang arguments: only {} (rlframe has no sglang engine)",
-                                 check=_no_engine("sglang"))
-    trtllm: Dict[str, Any] = key({}, "verl's TensorRT-LLM arguments: only {} (no such engine here)",
-                                 check=_no_engine("trtllm"))
+    vllm: Dict[str, Any] = key(
+        {}, "more vLLM engine arguments, passed through (they win over the keys above)", check=check_vllm_engine_kwargs
+    )
+    sglang: Dict[str, Any] = key(
+        {}, "verl's sglang arguments: only {} (rlframe has no sglang engine)", check=_no_engine("sglang")
+    )
+    trtllm: Dict[str, Any] = key(
+        {}, "verl's TensorRT-LLM arguments: only {} (no such engine here)", check=_no_engine("trtllm")
+    )
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         return {f"{path}.{name}": f"rlframe has no {name} engine" for name in ("sglang", "trtllm")}
@@ -100,25 +119,34 @@ class RolloutConfig(Section):
     dtype: str = key("auto", "generation dtype: auto = bf16 on GPU, fp32 on CPU")
     micro_batch_size: int = key(32, "hf: sequences generated together (bounds memory)")
     tensor_model_parallel_size: int = key(1, "rollout TP degree")
-    gpu_memory_utilization: float = key(0.5, "vllm: fraction of GPU memory for weights + KV cache",
-                                        check=_check_memory_fraction)
-    max_num_batched_tokens: int = key(8192, "vllm: tokens per scheduler step (>= max_model_len without "
-                                            "chunked prefill)", check=_check_positive)
+    gpu_memory_utilization: float = key(
+        0.5, "vllm: fraction of GPU memory for weights + KV cache", check=_check_memory_fraction
+    )
+    max_num_batched_tokens: int = key(
+        8192, "vllm: tokens per scheduler step (>= max_model_len without chunked prefill)", check=_check_positive
+    )
     max_num_seqs: int = key(256, "vllm: sequences per scheduler step", check=_check_positive)
-    max_model_len: Optional[int] = key(None, "vllm: max prompt + response tokens; null = the model's "
-                                             "max_position_embeddings", check=_check_max_model_len)
+    max_model_len: Optional[int] = key(
+        None,
+        "vllm: max prompt + response tokens; null = the model's max_position_embeddings",
+        check=_check_max_model_len,
+    )
     enable_chunked_prefill: bool = key(True, "vllm: split long prefills across scheduler steps")
     enable_prefix_caching: bool = key(True, "vllm: reuse KV blocks of shared prompt prefixes")
     enforce_eager: bool = key(False, "vllm: false = capture CUDA graphs; true = eager (less memory)")
-    load_format: str = key("dummy", "vllm: first weights: dummy = random (the actor's are synced before "
-                                    "generating) | auto | safetensors")
+    load_format: str = key(
+        "dummy", "vllm: first weights: dummy = random (the actor's are synced before generating) | auto | safetensors"
+    )
     disable_log_stats: bool = key(True, "vllm: no periodic engine statistics in the log")
     seed: int = key(42, "vllm: engine seed (+ DP rank), mixed into every request's sampling seed")
     engine_kwargs: EngineKwargsConfig = section(EngineKwargsConfig, "extra engine arguments, by engine")
     free_cache_engine: bool = key(True, "release the engine's memory (vllm: sleep) during training")
-    layered_summon: bool = key(False, "verl's FSDP1 sync memory switch; no effect: rlframe streams one tensor at a time")
-    log_prob_micro_batch_size_per_gpu: Optional[int] = key(None, "sequences per old-log-prob forward on one GPU "
-                                                                 "(static)")
+    layered_summon: bool = key(
+        False, "verl's FSDP1 sync memory switch; no effect: rlframe streams one tensor at a time"
+    )
+    log_prob_micro_batch_size_per_gpu: Optional[int] = key(
+        None, "sequences per old-log-prob forward on one GPU (static)"
+    )
     log_prob_micro_batch_size: Optional[int] = key(None, "deprecated (verl) global form: per GPU = this // dp")
     log_prob_use_dynamic_bsz: bool = key(f"${{{ACTOR}.use_dynamic_bsz}}", "token-budget micro-batches")
     log_prob_max_token_len_per_gpu: int = key(f"${{{ACTOR}.ppo_max_token_len_per_gpu}}", "token budget (dynamic)")

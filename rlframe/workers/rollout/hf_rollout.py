@@ -9,7 +9,7 @@ group (see `tp.py`), and all TP ranks see the same prompts and RNG, hence the sa
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -49,19 +49,34 @@ class _LogProbRecorder:
 class HFRollout(BaseRollout):
     """`model.generate` over micro-batches, on a replica that `update_weights` keeps in sync with the actor."""
 
-    def __init__(self, settings: RolloutSettings, model_path: str, tokenizer, device_type: str, tp_group=None, *,
-                 trust_remote_code: bool = False, override_config: dict | None = None):
+    def __init__(
+        self,
+        settings: RolloutSettings,
+        model_path: str,
+        tokenizer,
+        device_type: str,
+        tp_group=None,
+        *,
+        trust_remote_code: bool = False,
+        override_config: dict | None = None,
+    ):
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
         super().__init__(settings, tokenizer, model_path, tp_group)
         tp_size = self.tp_size
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        )
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         for key, value in (override_config or {}).items():
             setattr(config, key, value)
-        model = AutoModelForCausalLM.from_pretrained(model_path, config=config,
-                                                     dtype=resolve_dtype(settings.dtype, device_type),
-                                                     attn_implementation="sdpa", trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path,
+            config=config,
+            dtype=resolve_dtype(settings.dtype, device_type),
+            attn_implementation="sdpa",
+            trust_remote_code=trust_remote_code,
+        )
         # A blank generation config: sampling comes from rlframe's config alone, never from a
         # checkpoint's generation_config.json (Qwen ships top_k=20, repetition_penalty=1.1, ...).
         model.generation_config = GenerationConfig(pad_token_id=self.pad_id, eos_token_id=self.eos_ids)
@@ -114,15 +129,23 @@ class HFRollout(BaseRollout):
     def _generate(self, prompts: DataProto, params: SamplingParams, eos_ids: list[int], pad_id: int):
         if self._released or self._missing:
             missing = sorted(self._missing)
-            raise RuntimeError(f"hf rollout weights were released and not reloaded ({len(missing)} parameters "
-                               f"missing, e.g. {missing[:3]}); call resume() and update_weights() with the full "
-                               "actor state before generating")
+            raise RuntimeError(
+                f"hf rollout weights were released and not reloaded ({len(missing)} parameters "
+                f"missing, e.g. {missing[:3]}); call resume() and update_weights() with the full "
+                "actor state before generating"
+            )
         from transformers import GenerationConfig, LogitsProcessorList
 
         input_ids = prompts.batch["input_ids"].to(self.device)
         attention_mask = prompts.batch["attention_mask"].to(self.device)
-        gen_kwargs = dict(max_new_tokens=params.response_length, eos_token_id=eos_ids, pad_token_id=pad_id,
-                          do_sample=not params.greedy, use_cache=True, return_dict_in_generate=True)
+        gen_kwargs = dict(
+            max_new_tokens=params.response_length,
+            eos_token_id=eos_ids,
+            pad_token_id=pad_id,
+            do_sample=not params.greedy,
+            use_cache=True,
+            return_dict_in_generate=True,
+        )
         if not params.greedy:
             # top_k=0 switches HF's top-k off (its global default would be 50)
             gen_kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0))
@@ -130,14 +153,18 @@ class HFRollout(BaseRollout):
         temperature = 1.0 if params.greedy else params.temperature
         tokens, lengths, log_probs = [], [], []
         for start in range(0, len(prompts), self.settings.micro_batch_size):
-            ids = input_ids[start:start + self.settings.micro_batch_size]
-            mask = attention_mask[start:start + self.settings.micro_batch_size]
+            ids = input_ids[start : start + self.settings.micro_batch_size]
+            mask = attention_mask[start : start + self.settings.micro_batch_size]
             first = int(mask.any(0).long().argmax())  # columns padded in every row cost compute, not results
             ids, mask = ids[:, first:], mask[:, first:]
             recorder = _LogProbRecorder(temperature) if self.settings.calculate_log_probs else None
-            out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=generation_config,
-                                      logits_processor=LogitsProcessorList([recorder] if recorder else []))
-            new = out.sequences[:, ids.shape[1]:]
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                generation_config=generation_config,
+                logits_processor=LogitsProcessorList([recorder] if recorder else []),
+            )
+            new = out.sequences[:, ids.shape[1] :]
             tokens.append(_pad_right(new, params.response_length, pad_id))
             lengths.append(torch.full((new.shape[0],), new.shape[1], dtype=torch.long))
             if recorder is not None:

@@ -8,7 +8,7 @@ the same token from the same RNG state. Works with gloo on CPU and nccl on GPU.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -27,14 +27,18 @@ def tp_mesh_from_group(tp_group, device_type: str):
 
 def check_tp_shapes(config, tp_size: int) -> None:
     """Every rank must own whole heads and an equal MLP slice; say which size does not divide."""
-    sizes = {"num_attention_heads": config.num_attention_heads,
-             "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-             "intermediate_size": config.intermediate_size}
+    sizes = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        "intermediate_size": config.intermediate_size,
+    }
     bad = {k: v for k, v in sizes.items() if v % tp_size}
     if bad:
-        raise ValueError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp_size} must divide the model's "
-                         f"{', '.join(f'{k}={v}' for k, v in bad.items())} for the hf rollout; pick a TP size that "
-                         "divides them (KV heads are not replicated across TP ranks)")
+        raise ValueError(
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp_size} must divide the model's "
+            f"{', '.join(f'{k}={v}' for k, v in bad.items())} for the hf rollout; pick a TP size that "
+            "divides them (KV heads are not replicated across TP ranks)"
+        )
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
@@ -50,8 +54,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> nn.Module:
         elif leaf in ROWWISE:
             plan[name] = RowwiseParallel()
     if not plan:
-        raise ValueError(f"no {COLWISE + ROWWISE} projections found in {type(model).__name__}; the hf rollout's "
-                         "tensor parallel plan covers Llama/Qwen-style decoders only (use tensor_model_parallel_size=1)")
+        raise ValueError(
+            f"no {COLWISE + ROWWISE} projections found in {type(model).__name__}; the hf rollout's "
+            "tensor parallel plan covers Llama/Qwen-style decoders only (use tensor_model_parallel_size=1)"
+        )
     parallelize_module(model, tp_mesh, plan)
     return model
 
@@ -70,8 +76,9 @@ def load_full_tensors(targets: dict[str, torch.Tensor], named_tensors: Iterable[
         target = targets.get(name)
         if target is None:
             known = ", ".join(list(targets)[:4])
-            raise KeyError(f"rollout update_weights: no parameter named {name!r} in the rollout model "
-                           f"(it has e.g. {known}, ...)")
+            raise KeyError(
+                f"rollout update_weights: no parameter named {name!r} in the rollout model (it has e.g. {known}, ...)"
+            )
         if isinstance(target, DTensor):
             local = target.to_local()
             full = full.to(local.device, local.dtype)
@@ -80,8 +87,10 @@ def load_full_tensors(targets: dict[str, torch.Tensor], named_tensors: Iterable[
             local.copy_(shard)
         else:
             if tuple(full.shape) != tuple(target.shape):
-                raise ValueError(f"rollout update_weights: {name} has shape {tuple(full.shape)}, "
-                                 f"the rollout model expects {tuple(target.shape)}")
+                raise ValueError(
+                    f"rollout update_weights: {name} has shape {tuple(full.shape)}, "
+                    f"the rollout model expects {tuple(target.shape)}"
+                )
             target.copy_(full.to(target.device, target.dtype))
         loaded.add(name)
     return loaded

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,10 +35,12 @@ from rlframe.workers.rollout.config import ROLLOUT, check_vllm_engine_kwargs
 
 logger = logging.getLogger(__name__)
 
-INSTALL_HINT = ("install the 'gpu' extra with `pip install -e '.[gpu]'` (or `bash scripts/setup.sh gpu`), "
-                "or use actor_rollout_ref.rollout.name=hf")
-WEIGHT_BUCKET_BYTES = 512 << 20   # bound on the extra GPU memory of one weight-sync step
-SLEEP_LEVEL = 1                    # 1 keeps a CPU copy of the weights; 2 would drop them (all must be re-sent)
+INSTALL_HINT = (
+    "install the 'gpu' extra with `pip install -e '.[gpu]'` (or `bash scripts/setup.sh gpu`), "
+    "or use actor_rollout_ref.rollout.name=hf"
+)
+WEIGHT_BUCKET_BYTES = 512 << 20  # bound on the extra GPU memory of one weight-sync step
+SLEEP_LEVEL = 1  # 1 keeps a CPU copy of the weights; 2 would drop them (all must be re-sent)
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
@@ -46,8 +49,10 @@ def import_vllm():
     try:
         import vllm
     except ImportError as err:
-        raise ImportError(f"actor_rollout_ref.rollout.name=vllm needs the vllm package, which is not installed "
-                          f"({err}); {INSTALL_HINT}") from err
+        raise ImportError(
+            f"actor_rollout_ref.rollout.name=vllm needs the vllm package, which is not installed "
+            f"({err}); {INSTALL_HINT}"
+        ) from err
     return vllm
 
 
@@ -55,8 +60,10 @@ def check_vllm_usable(device_type: str) -> None:
     """vllm importable and a CUDA device in use; otherwise a message naming the fix."""
     import_vllm()
     if device_type != "cuda" or not torch.cuda.is_available():
-        raise ValueError(f"actor_rollout_ref.rollout.name=vllm needs a CUDA device (trainer.device={device_type!r}, "
-                         f"CUDA available: {torch.cuda.is_available()}); on a GPU machine {INSTALL_HINT}")
+        raise ValueError(
+            f"actor_rollout_ref.rollout.name=vllm needs a CUDA device (trainer.device={device_type!r}, "
+            f"CUDA available: {torch.cuda.is_available()}); on a GPU machine {INSTALL_HINT}"
+        )
 
 
 def plain_dict(value: Any) -> dict:
@@ -71,14 +78,24 @@ def resolve_max_model_len(max_model_len: int | None, max_position_embeddings: in
     if max_model_len is None:
         return max_position_embeddings
     if max_model_len > max_position_embeddings:
-        raise ValueError(f"{ROLLOUT}.max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                         f"{max_position_embeddings}; set it to at most that, or null to use it")
+        raise ValueError(
+            f"{ROLLOUT}.max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+            f"{max_position_embeddings}; set it to at most that, or null to use it"
+        )
     return int(max_model_len)
 
 
-def vllm_engine_kwargs(rollout_cfg, *, model_path: str, tp_size: int, dtype: torch.dtype, dp_rank: int,
-                       max_position_embeddings: int, trust_remote_code: bool = False,
-                       override_config: dict | None = None) -> dict:
+def vllm_engine_kwargs(
+    rollout_cfg,
+    *,
+    model_path: str,
+    tp_size: int,
+    dtype: torch.dtype,
+    dp_rank: int,
+    max_position_embeddings: int,
+    trust_remote_code: bool = False,
+    override_config: dict | None = None,
+) -> dict:
     """`LLM(...)`'s keyword arguments from `actor_rollout_ref.rollout`, as verl 0.9.1 builds vLLM's.
 
     `dp_rank` is this rank's rollout DP coordinate (its TP group's index): verl seeds each engine
@@ -91,23 +108,36 @@ def vllm_engine_kwargs(rollout_cfg, *, model_path: str, tp_size: int, dtype: tor
     max_num_batched_tokens = int(rollout_cfg.max_num_batched_tokens)
     if not rollout_cfg.enable_chunked_prefill and max_num_batched_tokens < max_model_len:
         # without chunking a whole prompt must fit in one scheduler step; verl raises the budget likewise
-        logger.warning("%s.enable_chunked_prefill=false needs max_num_batched_tokens >= max_model_len (%d); "
-                       "raising max_num_batched_tokens from %d to %d", ROLLOUT, max_model_len,
-                       max_num_batched_tokens, max_model_len)
+        logger.warning(
+            "%s.enable_chunked_prefill=false needs max_num_batched_tokens >= max_model_len (%d); "
+            "raising max_num_batched_tokens from %d to %d",
+            ROLLOUT,
+            max_model_len,
+            max_num_batched_tokens,
+            max_model_len,
+        )
         max_num_batched_tokens = max_model_len
-    passthrough = {name: value for name, value in plain_dict(rollout_cfg.engine_kwargs.vllm).items()
-                   if value is not None}  # verl drops null entries
+    passthrough = {
+        name: value for name, value in plain_dict(rollout_cfg.engine_kwargs.vllm).items() if value is not None
+    }  # verl drops null entries
     check_vllm_engine_kwargs(passthrough)
     kwargs = dict(
-        model=model_path, skip_tokenizer_init=True, trust_remote_code=trust_remote_code,
-        tensor_parallel_size=tp_size, distributed_executor_backend="external_launcher",
-        dtype=_DTYPE_NAMES[dtype], seed=int(rollout_cfg.seed) + dp_rank,
+        model=model_path,
+        skip_tokenizer_init=True,
+        trust_remote_code=trust_remote_code,
+        tensor_parallel_size=tp_size,
+        distributed_executor_backend="external_launcher",
+        dtype=_DTYPE_NAMES[dtype],
+        seed=int(rollout_cfg.seed) + dp_rank,
         load_format=str(rollout_cfg.load_format),
         gpu_memory_utilization=float(rollout_cfg.gpu_memory_utilization),
-        max_num_seqs=int(rollout_cfg.max_num_seqs), max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=max_model_len, enable_chunked_prefill=bool(rollout_cfg.enable_chunked_prefill),
+        max_num_seqs=int(rollout_cfg.max_num_seqs),
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=bool(rollout_cfg.enable_chunked_prefill),
         enable_prefix_caching=bool(rollout_cfg.enable_prefix_caching),
-        enforce_eager=bool(rollout_cfg.enforce_eager), disable_log_stats=bool(rollout_cfg.disable_log_stats),
+        enforce_eager=bool(rollout_cfg.enforce_eager),
+        disable_log_stats=bool(rollout_cfg.disable_log_stats),
         enable_sleep_mode=bool(rollout_cfg.free_cache_engine),
         logprobs_mode="processed_logprobs",  # log-probs after temperature: what the actor computes
         hf_overrides=dict(override_config) if override_config else None,
@@ -120,9 +150,11 @@ def max_tokens_for(prompt_len: int, response_length: int, max_model_len: int) ->
     """A request's max_tokens: response_length, cut to what max_model_len leaves after the prompt (as verl)."""
     room = max_model_len - prompt_len
     if room < 1:
-        raise ValueError(f"a prompt of {prompt_len} tokens leaves no room to generate within {ROLLOUT}.max_model_len="
-                         f"{max_model_len}; raise max_model_len (or null: the model's limit) or shorten prompts "
-                         "(data.max_prompt_length)")
+        raise ValueError(
+            f"a prompt of {prompt_len} tokens leaves no room to generate within {ROLLOUT}.max_model_len="
+            f"{max_model_len}; raise max_model_len (or null: the model's limit) or shorten prompts "
+            "(data.max_prompt_length)"
+        )
     return min(response_length, room)
 
 
@@ -132,8 +164,9 @@ def request_seeds(draw: int, seed: int, dp_rank: int, count: int) -> list[int]:
     return [int(word) & 0x7FFFFFFF for word in words]
 
 
-def model_max_position_embeddings(model_path: str, trust_remote_code: bool = False,
-                                  override_config: dict | None = None) -> int:
+def model_max_position_embeddings(
+    model_path: str, trust_remote_code: bool = False, override_config: dict | None = None
+) -> int:
     """The model's max_position_embeddings (override_config wins), what max_model_len=null stands for."""
     from transformers import AutoConfig
 
@@ -155,8 +188,18 @@ def _dp_rank(tp_size: int) -> int:
 class VLLMRollout(BaseRollout):
     """A vLLM `LLM` engine shard in this process; weights synced from the FSDP actor after each update."""
 
-    def __init__(self, settings: RolloutSettings, model_path: str, tokenizer, device_type: str, tp_group=None, *,
-                 rollout_cfg, trust_remote_code: bool = False, override_config: dict | None = None):
+    def __init__(
+        self,
+        settings: RolloutSettings,
+        model_path: str,
+        tokenizer,
+        device_type: str,
+        tp_group=None,
+        *,
+        rollout_cfg,
+        trust_remote_code: bool = False,
+        override_config: dict | None = None,
+    ):
         check_vllm_usable(device_type)
         from vllm import LLM
 
@@ -170,9 +213,15 @@ class VLLMRollout(BaseRollout):
         self.dtype = resolve_dtype(settings.dtype, device_type)
         self.dp_rank, self.seed = _dp_rank(tp_size), int(rollout_cfg.seed)
         engine_kwargs = vllm_engine_kwargs(
-            rollout_cfg, model_path=model_path, tp_size=tp_size, dtype=self.dtype, dp_rank=self.dp_rank,
+            rollout_cfg,
+            model_path=model_path,
+            tp_size=tp_size,
+            dtype=self.dtype,
+            dp_rank=self.dp_rank,
             max_position_embeddings=model_max_position_embeddings(model_path, trust_remote_code, override_config),
-            trust_remote_code=trust_remote_code, override_config=override_config)
+            trust_remote_code=trust_remote_code,
+            override_config=override_config,
+        )
         self.max_model_len = engine_kwargs["max_model_len"]
         try:
             self.llm = LLM(**engine_kwargs)
@@ -234,8 +283,10 @@ class VLLMRollout(BaseRollout):
                 continue
         import vllm
 
-        raise RuntimeError(f"cannot reach the model inside vLLM {vllm.__version__}'s engine for weight sync; "
-                           "VLLM_ENABLE_V1_MULTIPROCESSING must be 0 and the executor external_launcher")
+        raise RuntimeError(
+            f"cannot reach the model inside vLLM {vllm.__version__}'s engine for weight sync; "
+            "VLLM_ENABLE_V1_MULTIPROCESSING must be 0 and the executor external_launcher"
+        )
 
     # ------------------------------------------------------------------ generation
     def _generate(self, prompts: DataProto, params: SamplingParams, eos_ids: list[int], pad_id: int):
@@ -255,8 +306,9 @@ class VLLMRollout(BaseRollout):
         for token_ids, seed in zip(prompt_token_ids, seeds):
             max_tokens = max_tokens_for(len(token_ids), params.response_length, self.max_model_len)
             sampling.append(self._sampling_params(params, eos_ids, seed, max_tokens))
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_token_ids], sampling_params=sampling,
-                                    use_tqdm=False)
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": p} for p in prompt_token_ids], sampling_params=sampling, use_tqdm=False
+        )
         width = params.response_length
         tokens = torch.full((len(outputs), width), pad_id, dtype=torch.long)
         log_probs = torch.zeros(len(outputs), width) if self.settings.calculate_log_probs else None
@@ -268,11 +320,12 @@ class VLLMRollout(BaseRollout):
             if isinstance(stop, int) and stop in eos_ids and (not generated or generated[-1] != stop):
                 generated.append(stop)  # the contract keeps the EOS token (masked in); never drop it
             generated = generated[:width]
-            tokens[i, :len(generated)] = torch.tensor(generated, dtype=torch.long)
+            tokens[i, : len(generated)] = torch.tensor(generated, dtype=torch.long)
             lengths[i] = len(generated)
             if log_probs is not None and completion.logprobs:
-                log_probs[i, :len(generated)] = torch.tensor(
-                    [step[token].logprob for step, token in zip(completion.logprobs, generated)])
+                log_probs[i, : len(generated)] = torch.tensor(
+                    [step[token].logprob for step, token in zip(completion.logprobs, generated)]
+                )
         return tokens, lengths, log_probs
 
     def _sampling_params(self, params: SamplingParams, eos_ids: list[int], seed: int, max_tokens: int):
@@ -282,10 +335,14 @@ class VLLMRollout(BaseRollout):
         if params.greedy:
             kwargs["temperature"] = 0.0
         else:
-            kwargs.update(temperature=params.temperature, top_p=params.top_p,
-                          top_k=params.top_k if params.top_k > 0 else -1, seed=seed)
+            kwargs.update(
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k if params.top_k > 0 else -1,
+                seed=seed,
+            )
         if self.settings.calculate_log_probs:
-            kwargs["logprobs"] = 0   # the sampled token's log-prob only
+            kwargs["logprobs"] = 0  # the sampled token's log-prob only
         return VLLMSamplingParams(**kwargs)
 
 
@@ -293,5 +350,7 @@ def _check_consecutive_ranks(tp_group, tp_size: int) -> None:
     """vLLM builds TP groups from consecutive global ranks; ours must be the same groups."""
     ranks = [dist.get_global_rank(tp_group, r) for r in range(tp_size)]
     if ranks != list(range(ranks[0], ranks[0] + tp_size)) or ranks[0] % tp_size:
-        raise ValueError(f"the vllm rollout's TP group must be consecutive ranks aligned to tp={tp_size} "
-                         f"(vLLM's layout), got ranks {ranks}; build the rollout mesh as (dp, tp) with tp innermost")
+        raise ValueError(
+            f"the vllm rollout's TP group must be consecutive ranks aligned to tp={tp_size} "
+            f"(vLLM's layout), got ranks {ranks}; build the rollout mesh as (dp, tp) with tp innermost"
+        )
