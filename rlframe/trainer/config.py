@@ -179,15 +179,6 @@ class PPOTrainerConfig(Section):
         return out
 
 
-def default_yaml() -> str:
-    """configs/ppo_trainer.yaml as generated from the typed sections."""
-    return render_yaml(PPOTrainerConfig, HEADER)
-
-
-if __name__ == "__main__":
-    print(default_yaml(), end="")
-
-
 def compose(overrides: list[str]) -> DictConfig:
     """Compose the YAML and `overrides`, checked against the typed sections: unknown keys and bad types fail.
 
@@ -258,3 +249,12 @@ def _unknown_key_message(full_key: str, overrides: list[str]) -> str:
         + (f". Did you mean {' or '.join(close)}?" if close else ".")
         + " `rlframe explain` lists the keys; configs/ppo_trainer.yaml documents each one."
     )
+
+
+def default_yaml() -> str:
+    """configs/ppo_trainer.yaml as generated from the typed sections."""
+    return render_yaml(PPOTrainerConfig, HEADER)
+
+
+if __name__ == "__main__":
+    print(default_yaml(), end="")
