@@ -416,8 +416,6 @@ def _update_plan(
 
 def _rollout_plan(cfg: DictConfig, world: _Quantity, sequences: _Quantity, model: ModelShape | None) -> RolloutPlan:
     name = str(get(cfg, f"{ROLLOUT}.name"))
-    if name not in ("hf", "vllm"):
-        raise ValueError(f"{ROLLOUT}.name = {name!r} is not a rollout engine; use hf or vllm")
     tp_key = f"{ROLLOUT}.tensor_model_parallel_size"
     micro = _int(cfg, f"{ROLLOUT}.micro_batch_size").value if name == "hf" else None  # vllm batches by tokens
     tp = _int(cfg, tp_key)  # both engines shard the replica over TP groups of consecutive ranks

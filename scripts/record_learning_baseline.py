@@ -56,7 +56,7 @@ OVERRIDES = [
     "actor_rollout_ref.actor.loss_agg_mode=token-mean",
     "actor_rollout_ref.actor.ppo_epochs=1",
     "actor_rollout_ref.actor.shuffle=false",
-    "actor_rollout_ref.actor.grad_clip=1.0",
+    "actor_rollout_ref.actor.optim.clip_grad=1.0",
     # batch sizes
     "data.train_batch_size=8",
     "actor_rollout_ref.rollout.n=4",

@@ -124,3 +124,19 @@ def test_a_list_key_takes_a_single_value_as_verl_does():
 
 def test_verls_newer_critic_fsdp_path_reaches_rlframes_key():
     assert compose(["critic.fsdp.param_offload=true"]).critic.model.fsdp_config.param_offload is True
+
+
+def test_verls_newer_spellings_reach_rlframes_keys_and_are_warned_about_like_them():
+    from rlframe.config.key_status import ignored_key_warnings
+
+    cfg = compose(["reward.reward_manager.name=batch", "ray_kwargs.ray_init.num_cpus=3"])
+    assert cfg.reward_model.reward_manager == "batch" and cfg.trainer.ray_init.num_cpus == 3
+    overrides = ["algorithm.adv_estimator=grpo", "critic.fsdp.param_offload=true"]  # no critic: no effect, said so
+    (line,) = ignored_key_warnings(compose(overrides), overrides)
+    assert "critic.model.fsdp_config.param_offload" in line and "only gae trains a critic" in line
+
+
+def test_a_verl_key_that_follows_another_is_taken_at_that_keys_value():
+    compose(["actor_rollout_ref.ref.strategy=fsdp2"])  # verl: ${actor.strategy}, fsdp2 here
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.ref.strategy=fsdp: .*here 'fsdp2'"):
+        compose(["actor_rollout_ref.ref.strategy=fsdp"])

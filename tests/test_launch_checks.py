@@ -128,3 +128,11 @@ def test_wandb_backend_runs_offline(tmp_path, monkeypatch):
     tracker.log({"critic/score/mean": 0.25}, step=1)
     tracker.finish()
     assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+def test_the_run_stops_at_total_epochs_even_with_more_total_training_steps(tmp_path):
+    # verl 0.9.1: the lr schedule spans total_training_steps; the loop also ends after total_epochs
+    run = _prepare(tmp_path, "trainer.total_epochs=1", "trainer.total_training_steps=100000")
+    assert run.total_steps == len(run.train_loader) and run.schedule_steps == 100000
+    run = _prepare(tmp_path, "trainer.total_epochs=1", "trainer.total_training_steps=3")
+    assert run.total_steps == run.schedule_steps == 3

@@ -61,6 +61,7 @@ def test_grpo_dp2_sp2_rollout_tp2_remove_padding_dynamic_bsz(tmp_path, cache_dir
             "actor_rollout_ref.rollout.tensor_model_parallel_size=2",  # the hf engine, sharded over 2 TP groups
             "actor_rollout_ref.actor.use_kl_loss=true",
             "trainer.save_freq=2",
+            "trainer.test_freq=2",
             "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
         ],
         cache_dir,
@@ -130,6 +131,7 @@ def test_ppo_with_critic_kl_in_reward_and_a_failing_reward_function(tmp_path, ca
             "algorithm.use_kl_in_reward=true",
             "algorithm.kl_ctrl.type=adaptive",
             "trainer.log_val_generations=1",
+            "trainer.test_freq=2",
             f"custom_reward_function.path={scorer}",
             f"trainer.rollout_data_dir={tmp_path / 'rollouts'}",
         ],

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlframe.config.keys import ACTOR_KEYS, CRITIC_KEYS, REF_KEYS, ROLLOUT
 from rlframe.config.loader import leaves
 from rlframe.config.schema import field_help, inactive_keys
+from rlframe.config.verl_keys import ALIASES
 
 # Batch-relevant keys, shown "in effect" (with their declared help) unless a rule says otherwise.
 BATCH_KEYS = (
@@ -141,7 +142,8 @@ def override_key(override: str) -> str | None:
     text = override.strip()
     if not text or text.startswith("~") or "=" not in text:
         return None
-    return text.split("=", 1)[0].lstrip("+").split("@", 1)[0]
+    key = text.split("=", 1)[0].lstrip("+").split("@", 1)[0]
+    return ALIASES.get(key, key)  # verl's newer spelling of a key names the key it reaches
 
 
 def ignored_keys(cfg: DictConfig, overrides: list[str]) -> list[tuple[str, str]]:

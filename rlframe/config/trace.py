@@ -50,10 +50,13 @@ def _patch(path: str) -> None:
         return getitem_(self, key)
 
     def traced_select(cfg, key, *args, **kwargs):
-        if isinstance(cfg, DictConfig) and key and key not in _seen:
-            _seen.add(key)
-            with open(path, "a") as f:
-                f.write(key + "\n")
+        if isinstance(cfg, DictConfig) and key:
+            prefix = cfg._get_full_key("")  # a select on a sub-section names keys relative to it
+            full = f"{prefix}.{key}" if prefix else key
+            if full not in _seen:
+                _seen.add(full)
+                with open(path, "a") as f:
+                    f.write(full + "\n")
         return select_(cfg, key, *args, **kwargs)
 
     DictConfig.__getattr__ = traced_getattr

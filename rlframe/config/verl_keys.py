@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -116,13 +117,21 @@ UNSUPPORTED = {
     "actor_rollout_ref.ref.fsdp_config.turbo_config": "verl's FSDP turbo engine is not used",
     "critic.fsdp.turbo_config": "verl's FSDP turbo engine is not used",
 }
+
 GENERIC = "rlframe does not implement this verl 0.9.1 setting"
 
-# verl 0.9.1 moved the critic's FSDP settings from critic.model.fsdp_config.* (where rlframe keeps
-# them, beside the actor's) to critic.fsdp.*: both spellings reach the same key.
+# verl 0.9.1's newer spellings of keys rlframe keeps at their older place: both reach the same key.
+# The critic's FSDP settings moved from critic.model.fsdp_config.* (beside the actor's, in rlframe) to
+# critic.fsdp.*; the reward function and manager to reward.*; Ray's init arguments to ray_kwargs.*.
 ALIASES = {
-    f"critic.fsdp.{name}": f"critic.model.fsdp_config.{name}"
-    for name in ("param_offload", "optimizer_offload", "reshard_after_forward", "fsdp_size")
+    **{
+        f"critic.fsdp.{name}": f"critic.model.fsdp_config.{name}"
+        for name in ("param_offload", "optimizer_offload", "reshard_after_forward", "fsdp_size")
+    },
+    "reward.custom_reward_function.path": "custom_reward_function.path",
+    "reward.custom_reward_function.name": "custom_reward_function.name",
+    "reward.reward_manager.name": "reward_model.reward_manager",
+    "ray_kwargs.ray_init.num_cpus": "trainer.ray_init.num_cpus",
 }
 
 
@@ -171,14 +180,31 @@ def same_value(value: Any, default: Any) -> bool:
     return value == default
 
 
-def check_verl_override(key: str, text: str) -> str | None:
-    """For a verl key rlframe does not declare: None when `text` is verl's default, else the refusal message."""
+def followed_key(key: str) -> tuple[str, Any] | None:
+    """(the key it follows, verl's fallback) when `key`'s verl default is an interpolation, else None."""
+    default = verl_defaults().get(key)
+    match = re.fullmatch(r"\$\{(?:oc\.select:)?([\w.]+)(?:,(.*))?\}", default) if isinstance(default, str) else None
+    if match is None:
+        return None
+    target, fallback = match.group(1), parse_value(match.group(2)) if match.group(2) is not None else None
+    if target.startswith("."):  # relative to the key's own section
+        target = key.rsplit(".", 1)[0] + target
+    return target, fallback
+
+
+def check_verl_override(key: str, text: str, followed_value: Any = None) -> str | None:
+    """For a verl key rlframe does not declare: None when `text` is verl's default, else the refusal message.
+
+    A key whose default follows another key is taken at that key's value in this config (`followed_value`).
+    """
     defaults = verl_defaults()
     value = parse_value(text)
     if key in defaults:
         default = defaults[key]
         if isinstance(default, str) and "${" in default:
-            default_shown = f"follows {default}"
+            if followed_value is not None and same_value(value, followed_value):
+                return None
+            default_shown = f"follows {default}" + ("" if followed_value is None else f", here {followed_value!r}")
         else:
             if same_value(value, default) or (isinstance(default, str) and text.strip("'\"") == default):
                 return None

@@ -29,20 +29,27 @@ SHM_ROOT = "/dev/shm"
 def copy_to_shm(path: str, shm_root: str = SHM_ROOT) -> str:
     """A copy of the model folder in shared memory (`model.use_shm`, as verl): later loads read RAM, not disk.
 
-    One copy per folder and node, named by the folder's path and modification time; concurrent
-    workers race harmlessly (each copies to a private name, the first rename wins).
+    One copy per folder version and node: the name hashes the path and every file's size and
+    modification time, and a lock makes the other workers of the node wait for the first one's copy
+    instead of making their own (each copy costs the model's size in RAM).
     """
+    import fcntl
     import hashlib
     import shutil
 
     source = os.path.abspath(path)
-    stamp = f"{source}:{os.path.getmtime(source)}".encode()
-    target = os.path.join(shm_root, "rlframe-models", hashlib.sha1(stamp).hexdigest()[:16])
-    if not os.path.isdir(target):
-        tmp = f"{target}.tmp.{os.getpid()}"
-        shutil.copytree(source, tmp)
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another worker on this node finished first
+    stamp = [source] + [
+        f"{name}:{os.path.getsize(os.path.join(source, name))}:{os.path.getmtime(os.path.join(source, name))}"
+        for name in sorted(os.listdir(source))
+    ]
+    folder = os.path.join(shm_root, "rlframe-models")
+    os.makedirs(folder, exist_ok=True)
+    target = os.path.join(folder, hashlib.sha1("\n".join(stamp).encode()).hexdigest()[:16])
+    with open(target + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not os.path.isdir(target):
+            tmp = f"{target}.tmp.{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(source, tmp)
+            os.replace(tmp, target)
     return target

@@ -20,7 +20,7 @@ from rlframe.config.key_status import override_key
 from rlframe.config.keys import critic_enabled, ref_enabled
 from rlframe.config.loader import load_config
 from rlframe.config.schema import Section, key, render_yaml, section, validate, walk
-from rlframe.config.verl_keys import ALIASES, check_verl_override, verl_key_under
+from rlframe.config.verl_keys import ALIASES, check_verl_override, followed_key, verl_key_under
 from rlframe.data.config import DataConfig
 from rlframe.reward.config import CustomRewardFunctionConfig
 from rlframe.trainer.tracking import BACKENDS
@@ -46,7 +46,7 @@ def _check_backends(backends: list) -> None:
 @dataclass
 class ActorRolloutRefConfig(Section):
     hybrid_engine: bool = key(True, "actor, rollout and ref share the same worker processes (the only mode)")
-    nccl_timeout: int = key(600, "seconds a collective may wait before the process group fails it")
+    nccl_timeout: int = key(600, "seconds a collective of the workers' default process group may wait")
     model: ModelConfig = section(ModelConfig)
     actor: ActorConfig = section(ActorConfig)
     ref: RefConfig = section(RefConfig)
@@ -98,6 +98,10 @@ class AlgorithmConfig(Section):
         out = {}
         if not self.use_kl_in_reward:
             out.update({f"{path}.{name}": f"{path}.use_kl_in_reward=false" for name in ("kl_penalty", "kl_ctrl")})
+        if self.adv_estimator not in ("gae", "reinforce_plus_plus"):
+            out[f"{path}.gamma"] = (
+                f"{path}.adv_estimator={self.adv_estimator}: only gae and reinforce_plus_plus discount"
+            )
         if self.adv_estimator != "gae":
             out[f"{path}.lam"] = f"{path}.adv_estimator={self.adv_estimator}: only gae uses lambda"
         if self.adv_estimator != "grpo":
@@ -118,7 +122,9 @@ class TrainerConfig(Section):
     n_gpus_per_node: int = key(2, "devices per node (on CPU: worker processes per node)")
     balance_batch: bool = key(True, "Karmarkar-Karp balance sequences across DP ranks each step")
     total_epochs: int = key(30, "passes over the training set")
-    total_training_steps: Optional[int] = key(None, "stop after this many steps (null = epochs decide)")
+    total_training_steps: Optional[int] = key(
+        None, "lr-schedule length and step limit; the run also stops after total_epochs (null = epochs decide)"
+    )
     project_name: str = key("rlframe", "tracking project")
     experiment_name: str = key("tiny_grpo", "tracking run name")
     logger: List[str] = key(
@@ -126,7 +132,7 @@ class TrainerConfig(Section):
     )
     log_val_generations: int = key(0, "validation samples to log as text")
     val_before_train: bool = key(True, "run validation before the first step")
-    test_freq: int = key(-1, "validate every N steps (-1 = only at the end)")
+    test_freq: int = key(-1, "validate every N steps and after the last (<= 0: never during training)")
     save_freq: int = key(-1, "checkpoint every N steps (-1 = never)")
     critic_warmup: int = key(0, "steps before the actor starts updating")
     resume_mode: str = key("auto", "auto | disable | resume_path", choices=RESUME_MODES)
@@ -153,8 +159,6 @@ class TrainerConfig(Section):
         out = {}
         if self.resume_mode != "resume_path":
             out[f"{path}.resume_from_path"] = f"{path}.resume_mode={self.resume_mode} (only resume_path reads it)"
-        if self.total_training_steps is not None:
-            out[f"{path}.total_epochs"] = f"{path}.total_training_steps={self.total_training_steps} decides the length"
         return out
 
 
@@ -184,37 +188,52 @@ def compose(overrides: list[str]) -> DictConfig:
 
     Interpolations stay intact (key statuses follow them); `typed` resolves and validates.
     """
-    raw = load_config(taken_overrides(overrides))
+    kept, following = taken_overrides(overrides)
+    raw = load_config(kept)
     try:
-        return OmegaConf.merge(OmegaConf.structured(PPOTrainerConfig), raw)
+        merged = OmegaConf.merge(OmegaConf.structured(PPOTrainerConfig), raw)
     except ConfigKeyError as err:
         raise ValueError(_unknown_key_message(err.full_key, overrides)) from None
     except ValidationError as err:
         value = OmegaConf.select(raw, err.full_key)
         reason = str(err).splitlines()[0]
         raise ValueError(f"{err.full_key}={value!r} has the wrong type: {reason}") from None
+    for verl_key, text, (target, fallback) in following:  # verl keys whose default follows another key
+        value = OmegaConf.select(merged, target, default=fallback)
+        refusal = check_verl_override(verl_key, text, followed_value=value)
+        if refusal is not None:
+            raise ValueError(refusal)
+    return merged
 
 
-def taken_overrides(overrides: list[str]) -> list[str]:
-    """The overrides for rlframe's own keys; a verl key rlframe does not declare is dropped at verl's default
-    (the same run) or refused with its reason. Unknown keys are left for the schema to name."""
+def taken_overrides(overrides: list[str]) -> tuple[list[str], list[tuple]]:
+    """(the overrides for rlframe's own keys, the verl keys to check once composed).
+
+    A verl key rlframe does not declare is dropped at verl's default (the same run) or refused with its
+    reason; one whose default follows another key waits for the composed config. Unknown keys are left
+    for the schema to name.
+    """
     declared, dict_keys, list_keys = _declared_keys()
-    kept = []
+    kept, following = [], []
     for override in overrides:
-        key = override_key(override)
-        if key in ALIASES:
-            override = override.replace(key, ALIASES[key], 1)
-            key = ALIASES[key]
+        key = override_key(override)  # an alias comes back as the key it reaches
+        for alias, target in ALIASES.items():
+            if key == target and alias in override.split("=", 1)[0]:
+                override = override.replace(alias, target, 1)
         under_dict = any(key.startswith(d + ".") for d in dict_keys) if key else False
         if key in list_keys and not override.split("=", 1)[1].lstrip().startswith("["):
             override = f"{override.split('=', 1)[0]}=[{override.split('=', 1)[1]}]"  # verl takes `logger=console`
         if key is None or key.startswith("hydra.") or key in declared or under_dict or not verl_key_under(key):
             kept.append(override)
             continue
-        refusal = check_verl_override(key, override.split("=", 1)[1])
+        text = override.split("=", 1)[1]
+        if followed_key(key) is not None:
+            following.append((key, text, followed_key(key)))
+            continue
+        refusal = check_verl_override(key, text)
         if refusal is not None:
             raise ValueError(refusal)
-    return kept
+    return kept, following
 
 
 @lru_cache(maxsize=1)

@@ -11,14 +11,14 @@ import logging
 import os
 import sys
 
-from omegaconf import DictConfig, OmegaConf, read_write
+from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
 from rlframe.batch_plan import BatchPlan, ModelShape, make_batch_plan, read_model_shape
 from rlframe.config import trace
 from rlframe.config.checks import check_model_path, resolve_device
 from rlframe.config.key_status import warn_ignored_keys
-from rlframe.config.loader import config_dir, resolved
+from rlframe.config.loader import config_dir
 from rlframe.data.builtin_tasks import resolve_data_files
 from rlframe.data.dataloader import make_dataloader
 from rlframe.data.dataset import RLHFDataset
@@ -40,12 +40,16 @@ MODEL_PATH_KEYS = (
 
 def normalize_config(cfg: DictConfig) -> DictConfig:
     """Resolve interpolations and built-in paths once; the result is read-only from here on."""
-    out = resolved(cfg)
-    with read_write(out):
-        for key in MODEL_PATH_KEYS:
-            value = OmegaConf.select(out, key)
-            if isinstance(value, str):
-                OmegaConf.update(out, key, resolve_model_path(value))
+    container = OmegaConf.to_container(cfg, resolve=True)
+    for key in MODEL_PATH_KEYS:  # on the plain container: not a read of the key (see rlframe.config.trace)
+        *parents, name = key.split(".")
+        node = container
+        for part in parents:
+            node = node[part]
+        if isinstance(node[name], str):
+            node[name] = resolve_model_path(node[name])
+    out = OmegaConf.create(container)
+    OmegaConf.set_readonly(out, True)
     return out
 
 
@@ -70,11 +74,18 @@ def build_data(cfg: DictConfig, tokenizer):
     return train_loader, val_loader
 
 
-def total_steps(cfg: DictConfig, train_loader) -> int:
-    """trainer.total_training_steps when set, else total_epochs passes over the training set."""
-    if cfg.trainer.total_training_steps is not None:
-        return int(cfg.trainer.total_training_steps)
-    return len(train_loader) * int(cfg.trainer.total_epochs)
+def step_counts(cfg: DictConfig, train_loader) -> tuple[int, int]:
+    """(steps the run takes, steps the lr schedule spans), as verl 0.9.1 counts them.
+
+    The schedule spans trainer.total_training_steps when set, else total_epochs passes over the
+    training set; the run stops at whichever ends first (verl loops over total_epochs and returns
+    once total_training_steps is reached).
+    """
+    epochs_steps = len(train_loader) * int(cfg.trainer.total_epochs)
+    if cfg.trainer.total_training_steps is None:
+        return epochs_steps, epochs_steps
+    schedule = int(cfg.trainer.total_training_steps)
+    return min(schedule, epochs_steps), schedule
 
 
 def check_config(
@@ -113,13 +124,15 @@ def prepare(overrides: list[str]) -> PreparedRun:
     composed, cfg, model_shape, plan = check_config(overrides)
     warn_ignored_keys(composed, overrides)
     tokenizer, train_loader, val_loader, reward_fn, val_reward_fn = load_data_and_rewards(cfg)
+    steps, schedule_steps = step_counts(cfg, train_loader)
     return PreparedRun(
         cfg=cfg,
         plan=plan,
         tokenizer=tokenizer,
         train_loader=train_loader,
         val_loader=val_loader,
-        total_steps=total_steps(cfg, train_loader),
+        total_steps=steps,
+        schedule_steps=schedule_steps,
         hidden_size=model_shape.hidden_size,  # check_environment made sure config.json exists
         reward_fn=reward_fn,
         val_reward_fn=val_reward_fn,
@@ -140,7 +153,7 @@ def train(run: PreparedRun) -> dict:
             flush=True,
         )
     print(f"[rlframe] {run.total_steps} training steps; run folder {cfg.trainer.default_local_dir}", flush=True)
-    groups = create_worker_groups(cfg, run.plan, run.total_steps)
+    groups = create_worker_groups(cfg, run.plan, run.schedule_steps)
     try:
         return RayPPOTrainer(run, groups).fit()
     finally:

@@ -61,7 +61,8 @@ class PreparedRun:
     tokenizer: PreTrainedTokenizerBase
     train_loader: Any  # resumable (state_dict / load_state_dict), one batch of prompts per step
     val_loader: Any
-    total_steps: int  # trainer.total_training_steps, or total_epochs passes over train_loader
+    total_steps: int  # steps this run takes: total_training_steps capped by total_epochs passes (as verl)
+    schedule_steps: int  # steps the lr schedule spans: total_training_steps, or total_epochs passes
     hidden_size: int  # the model's, for the DP balancing workload
     reward_fn: RewardManager
     val_reward_fn: RewardManager
@@ -118,8 +119,11 @@ class RayPPOTrainer:
                 self.global_step += 1
                 last_metrics = self._train_step(DataProto.from_single_dict(batch_dict))
                 is_last = self.global_step >= self.total_training_steps
-                if self.val_reward_fn is not None and (
-                    is_last or (cfg.test_freq > 0 and self.global_step % cfg.test_freq == 0)
+                # as verl: validation during training only with test_freq > 0 (then also after the last step)
+                if (
+                    self.val_reward_fn is not None
+                    and cfg.test_freq > 0
+                    and (is_last or self.global_step % cfg.test_freq == 0)
                 ):
                     last_metrics.update(self._validate())
                 if cfg.save_freq > 0 and (is_last or self.global_step % cfg.save_freq == 0):

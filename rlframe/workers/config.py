@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional
 from rlframe.algorithms.kl import get_kl_penalty_fn
 from rlframe.algorithms.loss import LOSS_AGG_MODES, get_policy_loss_fn
 from rlframe.config.checks import SAVE_CONTENTS, STRATEGIES, planned_device
-from rlframe.config.keys import ACTOR_KEYS, CRITIC_KEYS, REF_KEYS, get, micro_batch_inactive, ref_enabled
+from rlframe.config.keys import ACTOR, ACTOR_KEYS, CRITIC_KEYS, REF_KEYS, get, micro_batch_inactive, ref_enabled
 from rlframe.config.schema import Section, key, section
 from rlframe.models.builtin import SHM_ROOT
 from rlframe.reward.manager import get_reward_manager_cls
@@ -18,7 +18,6 @@ from rlframe.workers.fsdp_utils import DTYPES
 
 DTYPE_NAMES = ("auto", *DTYPES)
 WARMUP_STYLES = ("constant", "cosine")
-ACTOR = "actor_rollout_ref.actor"
 
 
 def _entropy_memory_switches(path: str) -> dict[str, str]:
@@ -69,8 +68,15 @@ class OptimConfig(Section):
     )
     min_lr_ratio: float = key(0.0, "cosine floor as a fraction of lr")
     weight_decay: float = key(0.01, "AdamW weight decay")
+    clip_grad: float = key(1.0, "max global grad norm (verl 0.9.1's clipping key); a non-finite norm skips the step")
     betas: List[float] = key([0.9, 0.999], "AdamW betas")
     total_training_steps: int = key(-1, "filled in by the trainer from the data; do not set")
+
+    def check(self, path: str, root: Any) -> None:
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(
+                f"{path}.min_lr_ratio={self.min_lr_ratio} must be in [0, 1] (the cosine floor as a fraction of lr)"
+            )
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = {
@@ -126,7 +132,7 @@ class ActorConfig(Section):
     packing_algorithm: str = key(
         "kk", "dynamic micro-batch packing: kk (Karmarkar-Karp) | ffd", choices=tuple(ALLOCATE_FNS)
     )
-    grad_clip: float = key(1.0, "max global grad norm; non-finite norms skip the step")
+    grad_clip: float = key(1.0, "verl's old clipping key; no effect: verl 0.9.1 and rlframe clip by optim.clip_grad")
     clip_ratio: float = key(0.2, "PPO clip epsilon, used where clip_ratio_low/high are null (as in verl)")
     clip_ratio_low: Optional[float] = key(0.2, "lower clip epsilon; null = clip_ratio")
     clip_ratio_high: Optional[float] = key(0.2, "upper clip epsilon (DAPO clip-higher); null = clip_ratio")
@@ -149,6 +155,7 @@ class ActorConfig(Section):
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = micro_batch_inactive(root, ACTOR_KEYS, "actor update")
+        out[f"{path}.grad_clip"] = f"verl 0.9.1 clips by {path}.optim.clip_grad (as rlframe does)"
         out.update(_entropy_memory_switches(path))
         if planned_device(root.trainer.device) != "cuda":
             out[f"{path}.use_torch_compile"] = "torch.compile is applied on CUDA only (the device here is cpu)"
@@ -236,13 +243,14 @@ class CriticConfig(Section):
     ulysses_sequence_parallel_size: int = key(1, "Ulysses SP degree for the critic")
     ppo_epochs: int = key(f"${{{ACTOR}.ppo_epochs}}", "passes over each batch")
     shuffle: bool = key(f"${{{ACTOR}.shuffle}}", "shuffle before mini-batches")
-    grad_clip: float = key(1.0, "max global grad norm")
+    grad_clip: float = key(1.0, "verl's old clipping key; no effect: verl 0.9.1 and rlframe clip by optim.clip_grad")
     cliprange_value: float = key(0.5, "value clipping range")
     loss_agg_mode: str = key(f"${{{ACTOR}.loss_agg_mode}}", "aggregation of the value loss", choices=LOSS_AGG_MODES)
     checkpoint: CheckpointConfig = section(CheckpointConfig)
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = micro_batch_inactive(root, CRITIC_KEYS, "critic update")
+        out[f"{path}.grad_clip"] = f"verl 0.9.1 clips by {path}.optim.clip_grad (as rlframe does)"
         out.update(micro_batch_inactive(root, CRITIC_KEYS.forward, "value"))
         if not self.use_dynamic_bsz:
             out[CRITIC_KEYS.packing] = f"{CRITIC_KEYS.dynamic}=false: no critic pass packs by tokens"

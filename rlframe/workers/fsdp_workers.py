@@ -57,7 +57,7 @@ def actor_settings(
         log_prob=micro_batch_spec(plan.forward, ACTOR_KEYS.forward.max_token_len),
         ppo_epochs=plan.ppo_epochs,
         shuffle=bool(actor_cfg.shuffle),
-        grad_clip=float(actor_cfg.grad_clip),
+        grad_clip=float(actor_cfg.optim.clip_grad),
         clip_ratio_low=_or(actor_cfg.clip_ratio_low, actor_cfg.clip_ratio),
         clip_ratio_high=_or(actor_cfg.clip_ratio_high, actor_cfg.clip_ratio),
         clip_ratio_c=float(actor_cfg.clip_ratio_c),
@@ -79,7 +79,7 @@ def critic_settings(critic_cfg: DictConfig, plan: UpdatePlan) -> CriticSettings:
         forward=micro_batch_spec(plan.forward, CRITIC_KEYS.forward.max_token_len),
         ppo_epochs=plan.ppo_epochs,
         shuffle=bool(critic_cfg.shuffle),
-        grad_clip=float(critic_cfg.grad_clip),
+        grad_clip=float(critic_cfg.optim.clip_grad),
         cliprange_value=float(critic_cfg.cliprange_value),
         loss_agg_mode=str(critic_cfg.loss_agg_mode),
         use_remove_padding=bool(critic_cfg.model.use_remove_padding),
@@ -208,6 +208,11 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             self.ref = PPOActor(ref_module, None, ref_settings, self.dp_group, self.sp_group, self.dp_size)
         self._init_rollout(cfg)
 
+    def _with_rollout_temperature(self, data: DataProto) -> DataProto:
+        """Score responses at the temperature they were sampled with (verl: log-probs of logits / T)."""
+        data.meta_info["temperature"] = float(self.config.actor_rollout_ref.rollout.temperature)
+        return data
+
     def _init_rollout(self, cfg) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -222,7 +227,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         self.rollout = build_rollout(
             str(cfg.rollout.name),
             cfg.rollout,
-            cfg.model.path,
+            copy_to_shm(cfg.model.path) if cfg.model.use_shm else cfg.model.path,
             self.tokenizer,
             self.device_type,
             tp_group,
@@ -261,20 +266,20 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """Old log-probs under the current actor (and their entropy, for the metrics)."""
-        data = self._to_device(self._gather_sp(data))
+        data = self._with_rollout_temperature(self._to_device(self._gather_sp(data)))
         log_probs, entropy = self.actor.compute_log_prob(data, calculate_entropy=True)
         out = DataProto.from_dict({"old_log_probs": log_probs, "entropys": entropy})
         return self._scatter_sp(out).to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
-        data = self._to_device(self._gather_sp(data))
+        data = self._with_rollout_temperature(self._to_device(self._gather_sp(data)))
         log_probs, _ = self.ref.compute_log_prob(data)
         return self._scatter_sp(DataProto.from_dict({"ref_log_prob": log_probs})).to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
-        data = self._to_device(self._gather_sp(data))
+        data = self._with_rollout_temperature(self._to_device(self._gather_sp(data)))
         self._load_optimizer()
         start = time.perf_counter()
         metrics = self.actor.update_policy(data)
@@ -327,7 +332,9 @@ class CriticWorker(FSDPWorkerBase):
 
         cfg = self.config.critic
         self._init_dist(self.plan.critic.sequence_parallel_size, int(cfg.model.fsdp_config.fsdp_size))
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            cfg.model.tokenizer_path, trust_remote_code=bool(cfg.model.trust_remote_code)
+        )
         self.critic_module = self._wrap(
             self._load(cfg.model, "critic", bool(cfg.model.use_remove_padding)), cfg.model.fsdp_config
         )

@@ -56,7 +56,9 @@ class RewardModelWorker(FSDPWorkerBase):
         self._init_dist(1)
         path = str(rm_cfg.model.path)
         self.rm_tokenizer = AutoTokenizer.from_pretrained(path)
-        self.policy_tokenizer = AutoTokenizer.from_pretrained(str(rm_cfg.model.input_tokenizer))
+        self.policy_tokenizer = AutoTokenizer.from_pretrained(
+            str(rm_cfg.model.input_tokenizer), trust_remote_code=bool(self.config.data.trust_remote_code)
+        )
         self.same_tokenizer = self.rm_tokenizer.get_vocab() == self.policy_tokenizer.get_vocab()
         config = AutoConfig.from_pretrained(path, num_labels=1)
         model = AutoModelForTokenClassification.from_pretrained(

@@ -78,7 +78,7 @@ def generate_in_tp_group(rollout: BaseRollout, prompts: DataProto, tp_group=None
     them). So the group's prompts are all-gathered in rank order, and generation runs under a seed
     drawn from TP rank 0's torch RNG plus the group's DP index: every worker's torch RNG starts from
     `data.seed`, so without the DP index all DP groups would sample with the same random stream.
-    With no group (TP=1) the same seeding applies, so sampled outputs do not depend on the TP degree.
+    With no group (TP=1) the same seeding applies.
     """
     rank, size = group_rank_and_size(tp_group)
     dp_index = dist.get_rank() // size if dist.is_initialized() else 0

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from rlframe.config.checks import ROLLOUT_ENGINES
-from rlframe.config.keys import ACTOR_KEYS, micro_batch_inactive
+from rlframe.config.keys import ACTOR, ACTOR_KEYS, ROLLOUT, micro_batch_inactive
 from rlframe.config.schema import Section, key, section
+from rlframe.workers.fsdp_utils import DTYPES
+from rlframe.workers.rollout.base import RolloutSettings
 
-ACTOR = "actor_rollout_ref.actor"
-ROLLOUT = "actor_rollout_ref.rollout"
 # vLLM engine settings (verl 0.9.1's names and defaults); the hf engine reads none of them.
 VLLM_ONLY_KEYS = (
     "gpu_memory_utilization",
@@ -39,6 +39,9 @@ RLFRAME_OWNED_VLLM_ARGS = {
     "enable_sleep_mode": f"{ROLLOUT}.free_cache_engine",
     "trust_remote_code": "actor_rollout_ref.model.trust_remote_code",
     "hf_overrides": "actor_rollout_ref.model.override_config (actor and engine must be the same model)",
+    "logprobs_mode": f"nothing: {ROLLOUT}.calculate_log_probs returns the sampled tokens' raw log-probs",
+    "max_model_len": f"{ROLLOUT}.max_model_len (checked against the model's max_position_embeddings)",
+    "max_num_batched_tokens": f"{ROLLOUT}.max_num_batched_tokens (raised with chunked prefill off, as verl does)",
 }
 
 
@@ -105,6 +108,12 @@ class ValKwargsConfig(Section):
     do_sample: bool = key(False, "greedy validation by default")
     n: int = key(1, "responses per validation prompt")
 
+    def inactive(self, path: str, root: Any) -> dict[str, str]:
+        if self.do_sample and self.temperature != 0:
+            return {}
+        why = f"{path}.do_sample={str(self.do_sample).lower()}, temperature={self.temperature}: validation is greedy"
+        return {f"{path}.{name}": why for name in ("top_k", "top_p", *(() if self.do_sample else ("temperature",)))}
+
 
 @dataclass
 class RolloutConfig(Section):
@@ -116,7 +125,7 @@ class RolloutConfig(Section):
     n: int = key(1, "responses per prompt (GRPO group size)")
     prompt_length: int = key("${data.max_prompt_length}", "max prompt tokens")
     response_length: int = key("${data.max_response_length}", "max generated tokens")
-    dtype: str = key("auto", "generation dtype: auto = bf16 on GPU, fp32 on CPU")
+    dtype: str = key("auto", "generation dtype: auto = bf16 on GPU, fp32 on CPU", choices=("auto", *DTYPES))
     micro_batch_size: int = key(32, "hf: sequences generated together (bounds memory)")
     tensor_model_parallel_size: int = key(1, "rollout TP degree")
     gpu_memory_utilization: float = key(
@@ -153,8 +162,14 @@ class RolloutConfig(Section):
     calculate_log_probs: bool = key(True, "return rollout_log_probs from the engine")
     val_kwargs: ValKwargsConfig = section(ValKwargsConfig)
 
+    def check(self, path: str, root: Any) -> None:
+        # the engine-independent values the workers read, checked here so that they fail before Ray starts
+        RolloutSettings.from_config(self)
+
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = micro_batch_inactive(root, ACTOR_KEYS.forward, "old log-prob")
+        if not self.do_sample:  # temperature still scales the log-probs of the actor's passes, as in verl
+            out.update({f"{path}.{name}": f"{path}.do_sample=false: greedy" for name in ("top_k", "top_p")})
         # verl gathers FSDP1 weights layer by layer with it on; rlframe always syncs one full tensor at a time,
         # which holds less memory than either of verl's modes
         out[f"{path}.layered_summon"] = "rlframe always syncs the rollout one full parameter at a time"
