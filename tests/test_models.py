@@ -1,4 +1,4 @@
-"""Model-loading options verl users set: model.use_shm and actor.use_torch_compile."""
+"""Options of the model passes verl users set: model.use_shm, use_torch_compile, the scoring temperature."""
 
 import os
 
@@ -25,3 +25,17 @@ def test_torch_compiled_kernels_match_the_eager_ones():
     logprobs, entropy = _compiled_kernels()
     torch.testing.assert_close(logprobs(logits, labels), logprobs_from_logits(logits, labels), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(entropy(logits), entropy_from_logits(logits), rtol=1e-5, atol=1e-5)
+
+
+def test_actor_and_ref_score_at_the_rollout_temperature():
+    # verl 0.9.1: old, ref and update log-probs are of logits / rollout.temperature
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from rlframe.protocol import DataProto
+    from rlframe.workers.fsdp_workers import ActorRolloutRefWorker
+
+    worker = SimpleNamespace(config=OmegaConf.create({"actor_rollout_ref": {"rollout": {"temperature": 0.7}}}))
+    data = DataProto.from_dict({"responses": torch.zeros(2, 3, dtype=torch.long)})
+    assert ActorRolloutRefWorker._with_rollout_temperature(worker, data).meta_info["temperature"] == 0.7
