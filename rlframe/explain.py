@@ -1,6 +1,8 @@
 """`rlframe explain`: the batch plan of a config, its keys in effect, and a packing simulation.
 
-No Ray, no model load. The simulation runs the real code path on made-up or recorded lengths:
+No Ray and no model weights: it runs `rlframe train`'s launch checks (config, model folder, device,
+datasets; `--plan-only` skips those that need files), then prints the plan. The simulation runs the
+real code path on made-up or recorded lengths:
 the driver's `_balance_batch` (Karmarkar–Karp over DP ranks, weighted by `calculate_workload`),
 then on each DP rank the mini-batch cut and the micro-batching of the actor update and of the
 old-log-prob forward, with the dynamic micro-batch count taken as the MAX over DP ranks, as the

@@ -35,8 +35,8 @@ def test_every_section_is_a_typed_dataclass():
 def test_an_added_key_that_nothing_reads_is_refused_by_name():
     with pytest.raises(
         ValueError,
-        match=r"actor_rollout_ref.actor.overlong_buffer is not a config key: no "
-        r"rlframe component reads it \(from the override",
+        match=r"unknown config key 'actor_rollout_ref.actor.overlong_buffer' \(from the override "
+        r"'\+actor_rollout_ref.actor.overlong_buffer=4'\): no rlframe component reads it",
     ):
         compose(["+actor_rollout_ref.actor.overlong_buffer=4"])
 

@@ -137,13 +137,18 @@ def key_statuses(cfg: DictConfig) -> list[KeyStatus]:
     return out
 
 
-def override_key(override: str) -> str | None:
-    """The key a Hydra override sets (`a.b=1`, `+a.b=1`, `++a.b=1`); None for deletions (`~a.b`)."""
+def raw_override_key(override: str) -> str | None:
+    """The key as an override spells it (`a.b=1`, `+a.b=1`, `++a.b=1`); None for deletions (`~a.b`)."""
     text = override.strip()
     if not text or text.startswith("~") or "=" not in text:
         return None
-    key = text.split("=", 1)[0].lstrip("+").split("@", 1)[0]
-    return ALIASES.get(key, key)  # verl's newer spelling of a key names the key it reaches
+    return text.split("=", 1)[0].lstrip("+").split("@", 1)[0]
+
+
+def override_key(override: str) -> str | None:
+    """The key an override sets: verl's newer spelling of a key names the key it reaches."""
+    key = raw_override_key(override)
+    return ALIASES.get(key, key)
 
 
 def ignored_keys(cfg: DictConfig, overrides: list[str]) -> list[tuple[str, str]]:

@@ -36,6 +36,17 @@ def key(default: Any, help: str, *, choices: tuple | dict | None = None, check: 
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def each_of(valid: tuple) -> Check:
+    """A `check` for a list key: every entry must be one of `valid`."""
+
+    def check(values: list) -> None:
+        unknown = [v for v in values if v not in valid]
+        if unknown:
+            raise ValueError(f"unknown entries {unknown}; valid: {', '.join(valid)}")
+
+    return check
+
+
 def section(cls: type, help: str = "") -> Any:
     """A nested section (a `Section` dataclass) with its defaults."""
     return dataclasses.field(default_factory=cls, metadata={"help": help, "choices": None, "check": None})
@@ -127,6 +138,7 @@ def _lines(cls: type, indent: int) -> list[str]:
         pad = "  " * indent
         help_text = field.metadata.get("help", "")
         if field.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(field.default_factory):
+            lines += [""] if indent == 0 else []  # a blank line before each top-level section
             lines.append(f"{pad}{field.name}:" + (f"  # {help_text}" if help_text else ""))
             lines += _lines(field.default_factory, indent + 1)
             continue
@@ -138,11 +150,4 @@ def _lines(cls: type, indent: int) -> list[str]:
 
 def render_yaml(root_cls: type, header: str) -> str:
     """The YAML of every default with its help line as a comment, sections in declaration order."""
-    body = []
-    for field in dataclasses.fields(root_cls):
-        if not dataclasses.is_dataclass(field.default_factory):
-            raise TypeError(f"the root config holds only sections; {field.name} is a key")
-        help_text = field.metadata.get("help", "")
-        body += ["", f"{field.name}:" + (f"  # {help_text}" if help_text else "")]
-        body += _lines(field.default_factory, 1)
-    return header.rstrip("\n") + "\n" + "\n".join(body) + "\n"
+    return header.rstrip("\n") + "\n" + "\n".join(_lines(root_cls, 0)) + "\n"

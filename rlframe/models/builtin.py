@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 from rlframe.models.tiny import BUILTIN_MODEL, make_tiny_model
@@ -26,6 +27,7 @@ def resolve_model_path(path: str) -> str:
 SHM_ROOT = "/dev/shm"
 
 
+@functools.cache  # actor, reference and rollout of a worker load the same folder
 def copy_to_shm(path: str, shm_root: str = SHM_ROOT) -> str:
     """A copy of the model folder in shared memory (`model.use_shm`, as verl): later loads read RAM, not disk.
 

@@ -16,10 +16,10 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 from rlframe.algorithms.advantage import get_adv_estimator_fn
 from rlframe.algorithms.kl import get_kl_penalty_fn
 from rlframe.config.checks import check_fsdp_size
-from rlframe.config.key_status import override_key
+from rlframe.config.key_status import raw_override_key
 from rlframe.config.keys import critic_enabled, ref_enabled
 from rlframe.config.loader import load_config
-from rlframe.config.schema import Section, key, render_yaml, section, validate, walk
+from rlframe.config.schema import Section, each_of, key, render_yaml, section, validate, walk
 from rlframe.config.verl_keys import ALIASES, check_verl_override, followed_key, verl_key_under
 from rlframe.data.config import DataConfig
 from rlframe.reward.config import CustomRewardFunctionConfig
@@ -35,12 +35,6 @@ HEADER = """\
 # Batch sizes are global and counted in prompts unless the key ends in _per_gpu.
 # `rlframe explain key=value ...` shows what they become.
 """
-
-
-def _check_backends(backends: list) -> None:
-    unknown = [b for b in backends if b not in BACKENDS]
-    if unknown:
-        raise ValueError(f"unknown backends {unknown}; valid: {', '.join(BACKENDS)}")
 
 
 @dataclass
@@ -128,7 +122,7 @@ class TrainerConfig(Section):
     project_name: str = key("rlframe", "tracking project")
     experiment_name: str = key("tiny_grpo", "tracking run name")
     logger: List[str] = key(
-        ["console", "jsonl"], "console | jsonl | tensorboard | wandb (jsonl is always on)", check=_check_backends
+        ["console", "jsonl"], "console | jsonl | tensorboard | wandb (jsonl is always on)", check=each_of(BACKENDS)
     )
     log_val_generations: int = key(0, "validation samples to log as text")
     val_before_train: bool = key(True, "run validation before the first step")
@@ -207,31 +201,32 @@ def compose(overrides: list[str]) -> DictConfig:
 
 
 def taken_overrides(overrides: list[str]) -> tuple[list[str], list[tuple]]:
-    """(the overrides for rlframe's own keys, the verl keys to check once composed).
+    """(the overrides to compose, the verl keys to check once composed).
 
-    A verl key rlframe does not declare is dropped at verl's default (the same run) or refused with its
-    reason; one whose default follows another key waits for the composed config. Unknown keys are left
-    for the schema to name.
+    verl's newer spellings become the keys they reach; a list key takes a single value. A verl key
+    rlframe does not declare is dropped at verl's default (the same run) or refused with its reason;
+    one whose default follows another key waits for the composed config. Any other key rlframe does
+    not declare is passed on as an addition (`+key`), for the typed schema to refuse by name.
     """
     declared, dict_keys, list_keys = _declared_keys()
     kept, following = [], []
     for override in overrides:
-        key = override_key(override)  # an alias comes back as the key it reaches
-        for alias, target in ALIASES.items():
-            if key == target and alias in override.split("=", 1)[0]:
-                override = override.replace(alias, target, 1)
-        under_dict = any(key.startswith(d + ".") for d in dict_keys) if key else False
-        if key in list_keys and not override.split("=", 1)[1].lstrip().startswith("["):
-            override = f"{override.split('=', 1)[0]}=[{override.split('=', 1)[1]}]"  # verl takes `logger=console`
-        if key is None or key.startswith("hydra.") or key in declared or under_dict or not verl_key_under(key):
+        key = raw_override_key(override)
+        if key is None or key.startswith("hydra."):  # deletions, and Hydra's own settings
             kept.append(override)
             continue
-        text = override.split("=", 1)[1]
-        if followed_key(key) is not None:
-            following.append((key, text, followed_key(key)))
-            continue
-        refusal = check_verl_override(key, text)
-        if refusal is not None:
+        spelled, text = override.split("=", 1)
+        if key in ALIASES:
+            spelled, key = spelled.replace(key, ALIASES[key], 1), ALIASES[key]
+        if key in list_keys and not text.lstrip().startswith("["):
+            text = f"[{text}]"  # verl takes `trainer.logger=console`
+        if key in declared or any(key.startswith(d + ".") for d in dict_keys):
+            kept.append(f"{spelled}={text}")
+        elif not verl_key_under(key):
+            kept.append(f"+{spelled.lstrip('+')}={text}")
+        elif (followed := followed_key(key)) is not None:
+            following.append((key, text, followed))
+        elif (refusal := check_verl_override(key, text)) is not None:
             raise ValueError(refusal)
     return kept, following
 
@@ -263,10 +258,11 @@ def _unknown_key_message(full_key: str, overrides: list[str]) -> str:
     close = difflib.get_close_matches(full_key, known, n=3, cutoff=0.6)
     source = next((o for o in overrides if full_key in o.split("=", 1)[0]), None)
     return (
-        f"{full_key} is not a config key: no rlframe component reads it"
+        f"unknown config key {full_key!r}"
         + (f" (from the override {source!r})" if source else "")
+        + ": no rlframe component reads it"
         + (f". Did you mean {' or '.join(close)}?" if close else ".")
-        + " `rlframe explain` lists the keys; configs/ppo_trainer.yaml documents each one."
+        + " configs/ppo_trainer.yaml documents every key."
     )
 
 

@@ -10,7 +10,7 @@ from rlframe.algorithms.kl import get_kl_penalty_fn
 from rlframe.algorithms.loss import LOSS_AGG_MODES, get_policy_loss_fn
 from rlframe.config.checks import SAVE_CONTENTS, STRATEGIES, planned_device
 from rlframe.config.keys import ACTOR, ACTOR_KEYS, CRITIC_KEYS, REF_KEYS, get, micro_batch_inactive, ref_enabled
-from rlframe.config.schema import Section, key, section
+from rlframe.config.schema import Section, each_of, key, section
 from rlframe.models.builtin import SHM_ROOT
 from rlframe.reward.manager import get_reward_manager_cls
 from rlframe.seqpack import ALLOCATE_FNS
@@ -20,22 +20,20 @@ DTYPE_NAMES = ("auto", *DTYPES)
 WARMUP_STYLES = ("constant", "cosine")
 
 
-def _entropy_memory_switches(path: str) -> dict[str, str]:
+def _log_prob_pass_switches(path: str, root: Any) -> dict[str, str]:
+    """The verl switches of a log-prob pass (actor or ref) that have no effect here, with why."""
     # rlframe always computes entropy a chunk of tokens at a time and recomputes each chunk in backward:
     # the same numbers as verl with either switch, in less memory than verl with both off
     reason = "rlframe always computes entropy in chunks and recomputes them in backward (same values, less memory)"
-    return {f"{path}.{name}": reason for name in ("entropy_from_logits_with_chunking", "entropy_checkpointing")}
+    out = {f"{path}.{name}": reason for name in ("entropy_from_logits_with_chunking", "entropy_checkpointing")}
+    if planned_device(root.trainer.device) != "cuda":
+        out[f"{path}.use_torch_compile"] = "torch.compile is applied on CUDA only (the device here is cpu)"
+    return out
 
 
 def _check_shm(path: str, use_shm: bool) -> None:
     if use_shm and not os.path.isdir(SHM_ROOT):
         raise ValueError(f"{path}.use_shm=true needs {SHM_ROOT} (a Linux shared-memory mount); set it to false")
-
-
-def _check_save_contents(contents: list) -> None:
-    unknown = [c for c in contents if c not in SAVE_CONTENTS]
-    if unknown:
-        raise ValueError(f"unknown entries {unknown}; valid: {', '.join(SAVE_CONTENTS)}")
 
 
 @dataclass
@@ -115,7 +113,7 @@ class CheckpointConfig(Section):
     save_contents: List[str] = key(
         ["model", "optimizer", "extra"],
         "what a checkpoint holds; add hf_model for an HF export",
-        check=_check_save_contents,
+        check=each_of(SAVE_CONTENTS),
     )
 
 
@@ -156,9 +154,7 @@ class ActorConfig(Section):
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = micro_batch_inactive(root, ACTOR_KEYS, "actor update")
         out[f"{path}.grad_clip"] = f"verl 0.9.1 clips by {path}.optim.clip_grad (as rlframe does)"
-        out.update(_entropy_memory_switches(path))
-        if planned_device(root.trainer.device) != "cuda":
-            out[f"{path}.use_torch_compile"] = "torch.compile is applied on CUDA only (the device here is cpu)"
+        out.update(_log_prob_pass_switches(path, root))
         dynamic_passes = [ACTOR_KEYS.dynamic, ACTOR_KEYS.forward.dynamic] + (
             [REF_KEYS.dynamic] if ref_enabled(root) else []
         )
@@ -200,9 +196,7 @@ class RefConfig(Section):
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = micro_batch_inactive(root, REF_KEYS, "ref log-prob")
-        out.update(_entropy_memory_switches(path))
-        if planned_device(root.trainer.device) != "cuda":
-            out[f"{path}.use_torch_compile"] = "torch.compile is applied on CUDA only (the device here is cpu)"
+        out.update(_log_prob_pass_switches(path, root))
         return out
 
 
