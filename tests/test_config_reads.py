@@ -5,6 +5,7 @@ Each run traces the config keys the driver and the workers read (`rlframe.config
 walks every leaf of the run's config and looks for it among the reads and the keys reported ignored.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -81,5 +82,9 @@ def test_every_key_is_read_or_reported_ignored(name, tmp_path, cache_dir):
         env=env,
     )
     assert out.returncode == 0, out.stderr[-4000:]
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        validated = any(key.startswith("val-core/") for line in f for key in json.loads(line))
+    # as verl: without test_freq > 0 (and val_before_train=false) a run does not validate
+    assert validated == (name == "grpo_kl_loss_dynamic")
     missing = unread_and_active(overrides, str(trace_dir))
     assert not missing, "accepted but neither read nor reported ignored:\n" + "\n".join(missing)

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+from small_config import SMALL
 
 from rlframe.config.loader import config_dir
 from rlframe.config.schema import Section, walk
@@ -140,3 +141,63 @@ def test_a_verl_key_that_follows_another_is_taken_at_that_keys_value():
     compose(["actor_rollout_ref.ref.strategy=fsdp2"])  # verl: ${actor.strategy}, fsdp2 here
     with pytest.raises(ValueError, match=r"actor_rollout_ref.ref.strategy=fsdp: .*here 'fsdp2'"):
         compose(["actor_rollout_ref.ref.strategy=fsdp"])
+
+
+# Keys whose default differs from verl 0.9.1's on purpose; each is listed, with why, in docs/verl_compatibility.md.
+DELIBERATE_DEFAULTS = {
+    "actor_rollout_ref.actor.strategy",
+    "critic.strategy",
+    "actor_rollout_ref.model.path",
+    "critic.model.path",
+    "critic.model.tokenizer_path",
+    "actor_rollout_ref.rollout.dtype",
+    "actor_rollout_ref.rollout.name",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size",
+    "custom_reward_function.name",
+    "data.seed",
+    "data.train_files",
+    "data.val_files",
+    "reward_model.enable",
+    "reward_model.reward_manager",
+    "trainer.device",
+    "trainer.experiment_name",
+    "trainer.logger",
+    "trainer.n_gpus_per_node",
+    "trainer.project_name",
+}
+
+
+def test_every_shared_key_has_verls_default_unless_the_docs_say_why():
+    from omegaconf import OmegaConf
+
+    from rlframe.config.loader import leaves
+    from rlframe.config.verl_keys import same_value, verl_defaults
+
+    ours = leaves(OmegaConf.to_container(compose([]), resolve=True))
+    differ = {
+        key
+        for key, default in verl_defaults().items()
+        if key in ours and not (isinstance(default, str) and "${" in default) and not same_value(ours[key], default)
+    }
+    assert differ == DELIBERATE_DEFAULTS
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "verl_compatibility.md").read_text()
+    assert all(f"`{key}`" in docs for key in DELIBERATE_DEFAULTS)
+
+
+def test_gradients_are_clipped_by_optim_clip_grad_as_in_verl():
+    # verl 0.9.1 clips by optim.clip_grad and never reads actor.grad_clip / critic.grad_clip
+    from rlframe.batch_plan import make_batch_plan
+    from rlframe.workers.fsdp_workers import actor_settings, critic_settings
+
+    cfg = compose(
+        [
+            *SMALL,
+            "algorithm.adv_estimator=gae",
+            "actor_rollout_ref.actor.optim.clip_grad=0.5",
+            "critic.optim.clip_grad=0.25",
+            "actor_rollout_ref.actor.grad_clip=9",
+        ]
+    )
+    plan = make_batch_plan(cfg)
+    assert actor_settings(cfg.actor_rollout_ref.actor, plan.actor, True).grad_clip == 0.5
+    assert critic_settings(cfg.critic, plan.critic).grad_clip == 0.25
