@@ -44,7 +44,8 @@ CORPUS = Path(__file__).resolve().parent.parent / "tests" / "assets" / "verl_exa
 MODEL_KEYS = re.compile(r"(^|\.)(model\.path|tokenizer_path|input_tokenizer|tokenizer)$")
 DATA_KEYS = re.compile(r"^data\.(train_files|val_files)$")
 STAND_IN_HEADS = {"num_attention_heads": 64, "num_key_value_heads": 16, "hidden_size": 1024}
-STAND_IN_DATA = "builtin://countdown_add"
+STAND_IN_ROWS = 8192  # more than the largest data.train_batch_size of the corpus (4096)
+REWARD_FILE_KEY = re.compile(r"^(reward\.)?custom_reward_function\.path$")
 # A failure the issue's rule accepts: the config is fine, this machine lacks a GPU or an engine.
 NEEDS_GPU_OR_ENGINE = re.compile(r"no CUDA device|CUDA is not available|no GPU|not installed|No module named", re.I)
 # The loader's refusals of a key no component reads (a typo, or a verl key rlframe lacks): "unknown".
@@ -142,17 +143,52 @@ def make_stand_in_model(folder: Path) -> str:
     return str(folder)
 
 
-def with_stand_ins(overrides: list[str], model: str) -> tuple[list[str], list[str]]:
-    """Overrides with model folders and data files that are not on this machine replaced; what was."""
+def make_stand_in_data(folder: Path) -> str:
+    """A parquet file in verl's schema (rows of the built-in `countdown_add` task) with more rows than the
+    largest train batch of the corpus: the launch checks compare the data set's size with the batch."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlframe.data.builtin_tasks import countdown_add_rows
+
+    path = folder / "stand_in_data.parquet"
+    pq.write_table(pa.Table.from_pylist(countdown_add_rows("train", STAND_IN_ROWS, 0)), path)
+    return str(path)
+
+
+def make_stand_in_reward(folder: Path, overrides: list[str]) -> str:
+    """A reward file defining the function the script names (`custom_reward_function.name`, else verl's
+    default `compute_score`): the launch checks import the file and look the function up."""
+    names = [o.partition("=")[2] for o in overrides if bare_key(o).endswith("custom_reward_function.name")]
+    name = names[-1] if names and names[-1] else "compute_score"
+    path = folder / f"stand_in_reward_{name}.py"
+    path.write_text(f"def {name}(data_source, solution_str, ground_truth, extra_info=None, **_):\n    return 0.0\n")
+    return str(path)
+
+
+@dataclass(frozen=True)
+class StandIns:
+    """Files the scripts name that are not on this machine, replaced by ones the launch checks can read."""
+
+    folder: Path
+    model: str
+    data: str
+
+
+def with_stand_ins(overrides: list[str], stand_ins: StandIns) -> tuple[list[str], list[str]]:
+    """Overrides with model folders, data files and reward files that are not on this machine replaced;
+    what was."""
     out, replaced = [], []
     for override in overrides:
         key, _, value = override.partition("=")
         bare = key.lstrip("+~")
         if value and value.lower() not in ("null", "none") and not Path(value).exists():
             if MODEL_KEYS.search(bare):
-                override = f"{key}={model}"
-            elif DATA_KEYS.match(bare) and not value.startswith("builtin://"):
-                override = f"{key}={STAND_IN_DATA}"
+                override = f"{key}={stand_ins.model}"
+            elif DATA_KEYS.match(bare):  # the corpus writes a built-in task where the script named its files
+                override = f"{key}={stand_ins.data}"
+            elif REWARD_FILE_KEY.match(bare):
+                override = f"{key}={make_stand_in_reward(stand_ins.folder, overrides)}"
         if override != f"{key}={value}" and "=" in override:
             replaced.append(f"{bare}: {value} -> {override.partition('=')[2]}")
         out.append(override)
@@ -249,9 +285,9 @@ def classify_keys(overrides: list[str], first: tuple[int, str, list[str]], known
     return uses
 
 
-def check_script(example: Example, known: ConfigKeys, model: str) -> ScriptResult:
-    """Explain with the script's overrides (stand-ins for missing models and data), then per key use."""
-    overrides, stand_ins = with_stand_ins(example.overrides, model)
+def check_script(example: Example, known: ConfigKeys, stand_ins: StandIns) -> ScriptResult:
+    """Explain with the script's overrides (stand-ins for missing models and files), then per key use."""
+    overrides, replaced = with_stand_ins(example.overrides, stand_ins)
     first = run_explain(overrides)
     status, message, _ = first
     if status == 0:
@@ -260,7 +296,7 @@ def check_script(example: Example, known: ConfigKeys, model: str) -> ScriptResul
         verdict = "taken (needs GPU/engine)"
     else:
         verdict = "refused"
-    result = ScriptResult(example.name, example.source, verdict, message, example.hydra_options, stand_ins)
+    result = ScriptResult(example.name, example.source, verdict, message, example.hydra_options, replaced)
     result.key_uses = classify_keys(overrides, first, known)
     for use, written in zip(result.key_uses, example.overrides):
         use.override = written  # report the key use as the script wrote it
@@ -343,8 +379,9 @@ def report(examples: list[Example]) -> tuple[list[ScriptResult], dict]:
     """Check every example; return the per-script results and the summary."""
     known = config_keys()
     with tempfile.TemporaryDirectory(prefix="verl_compat_") as tmp:
-        model = make_stand_in_model(Path(tmp) / "stand_in_model")
-        results = [check_script(example, known, model) for example in examples]
+        folder = Path(tmp)
+        stand_ins = StandIns(folder, make_stand_in_model(folder / "stand_in_model"), make_stand_in_data(folder))
+        results = [check_script(example, known, stand_ins) for example in examples]
     return results, summarize(results, examples)
 
 
