@@ -53,11 +53,15 @@ def test_masked_whiten_zero_mean_unit_var_and_shift_mean_option():
 
 
 def test_registry_lists_valid_names_on_unknown():
-    with pytest.raises(ValueError, match="gae, grpo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, rloo"):
+    with pytest.raises(ValueError, match="gae, gpg, grpo, grpo_passk, grpo_vectorized, opo, optimal_token_baseline, "):
         advantage.get_adv_estimator_fn("ppo")
-    with pytest.raises(ValueError, match="gspo, vanilla"):
+    with pytest.raises(
+        ValueError, match="cispo, clip_cov, dppo_kl, dppo_tv, dro, geo_mean, gpg, gspo, kl_cov, sapo, vanilla"
+    ):
         loss_math.get_policy_loss_fn("clip")
-    with pytest.raises(ValueError, match="abs, k1, k2, k3, kl, low_var_kl, mse"):
+    with pytest.raises(
+        ValueError, match=r"abs, abs\+, k1, k1\+, k2, k2\+, k3, k3\+, kl, kl\+, low_var_kl, low_var_kl\+, mse, mse\+"
+    ):
         kl_math.kl_penalty(torch.zeros(1), torch.zeros(1), "full")
     with pytest.raises(ValueError, match="seq-mean-token-sum-norm"):
         loss_math.agg_loss(torch.zeros(1, 1), torch.ones(1, 1), "mean")
@@ -170,6 +174,8 @@ def test_compute_advantage_passes_only_the_inputs_each_estimator_needs():
         lam=1.0,
         reward_baselines=torch.zeros(2),
         norm_adv_by_std_in_grpo=True,
+        old_log_probs=torch.full((2, 3), -1.0),
+        sum_pi_squared=torch.full((2, 3), 0.5),
     )
     for name in advantage.ADV_ESTIMATORS:
         adv, ret = advantage.compute_advantage(name, **inputs)

@@ -138,3 +138,118 @@ def compute_remax_outcome_advantage(token_level_rewards, response_mask, reward_b
     returns = rewards.flip(-1).cumsum(-1).flip(-1) * response_mask
     advantages = (returns - reward_baselines.unsqueeze(-1)) * response_mask
     return advantages, returns
+
+
+@register_adv_estimator("grpo_vectorized")
+def compute_grpo_vectorized_outcome_advantage(token_level_rewards, response_mask, index, epsilon=1e-6):
+    """verl's vectorized GRPO: GRPO with std normalization, always.
+
+    verl 0.9.1's trainer does not pass `norm_adv_by_std_in_grpo` to this estimator, so it always
+    divides by the group std; rlframe reports that key as without effect here.
+    """
+    return compute_grpo_outcome_advantage(token_level_rewards, response_mask, index, epsilon, True)
+
+
+@register_adv_estimator("rloo_vectorized")
+def compute_rloo_vectorized_outcome_advantage(token_level_rewards, response_mask, index):
+    """verl's vectorized RLOO: as `rloo`, except that a group of size 1 gets advantage 0 (not its score)."""
+    scores = _sequence_scores(token_level_rewards, response_mask)
+    size, total, _, _ = _group_stats(scores, index)
+    baseline = (total - scores) / (size - 1).clamp(min=1)
+    advantages = torch.where(size > 1, scores - baseline, 0.0).unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_estimator("opo")
+def compute_opo_outcome_advantage(token_level_rewards, response_mask, index):
+    """OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline", arXiv 2505.23585): the score
+    minus the group's length-weighted mean score b_g = Σ_j |o_j| s_j / Σ_j |o_j| (0 for a group of one;
+    0 for a group whose responses are all empty, where verl divides 0 by 0).
+    """
+    scores = _sequence_scores(token_level_rewards, response_mask)
+    lengths = response_mask.sum(dim=-1).to(scores.dtype)
+    size, length_sum, _, _ = _group_stats(lengths, index)
+    _, weighted_sum, _, _ = _group_stats(lengths * scores, index)
+    baseline = torch.where(size > 1, weighted_sum / length_sum.clamp(min=1), 0.0)
+    advantages = (scores - baseline).unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_estimator("gpg")
+def compute_gpg_outcome_advantage(token_level_rewards, response_mask, index):
+    """GPG (Chu et al. 2025, "GPG: A Simple and Strong RL Baseline", arXiv 2504.02546):
+    α·(s_i − mean_g) with α = B / (number of samples with a non-zero score), B the batch size — the
+    correction for groups whose samples all score alike (they add no gradient). No std division;
+    a group of one uses mean 0.
+    """
+    scores = _sequence_scores(token_level_rewards, response_mask)
+    size, _, mean, _ = _group_stats(scores, index)
+    # in the scores' dtype (verl 0.9.1 divides two integers into an fp32 α)
+    alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1).to(scores.dtype)
+    advantages = (alpha * (scores - mean.masked_fill(size < 2, 0.0))).unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+@register_adv_estimator("grpo_passk")
+def compute_grpo_passk_outcome_advantage(
+    token_level_rewards, response_mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=True
+):
+    """Pass@k training (Chen et al. 2025, arXiv 2503.19595, as verl implements it): in each group only
+    the best sample gets an advantage, r_max − r_second (divided by the group's unbiased std + ε when
+    `norm_adv_by_std_in_grpo`); ties for the best give 0. Every group needs ≥ 2 samples.
+    """
+    scores = _sequence_scores(token_level_rewards, response_mask)
+    size, _, _, std = _group_stats(scores, index)
+    if (size < 2).any():
+        raise ValueError(
+            "algorithm.adv_estimator=grpo_passk needs at least 2 samples per prompt "
+            "(actor_rollout_ref.rollout.n >= 2); a group has 1"
+        )
+    advantages = torch.zeros_like(scores)
+    for rows in _group_rows(index).values():
+        group = scores[rows]
+        top = torch.topk(group, 2)
+        gap = top.values[0] - top.values[1]
+        if norm_adv_by_std_in_grpo:
+            gap = gap / (std[rows[0]] + epsilon)
+        advantages[rows[int(top.indices[0])]] = gap
+    advantages = advantages.unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+def _group_rows(index: np.ndarray) -> dict:
+    """uid -> the row indices of its samples, in batch order."""
+    rows: dict = {}
+    for i, uid in enumerate(index):
+        rows.setdefault(uid, []).append(i)
+    return rows
+
+
+@register_adv_estimator("optimal_token_baseline")
+def compute_optimal_token_baseline_advantage(
+    token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, epsilon=1e-8
+):
+    """Optimal Token Baseline (verl 0.9.1; Yingru Li, "The Optimal Token Baseline"): a per-step baseline
+    B_t = Σ_i G_{i,t} W_{i,t} / (Σ_i W_{i,t} + ε) over the valid tokens of a prompt group, where
+    G_t is the reward-to-go and W_t = Σ_{j≤t} (1 − 2π_j + Σ_v π(v)²) the cumulative path-variance
+    proxy (π_j = exp(old_log_probs), Σπ² = `sum_pi_squared` from the actor's old-log-prob pass).
+    A_t = G_t − B_t. A group of one has no baseline; in a group whose longest response is longer
+    than all others, that response's baseline is 0 beyond the second-longest length.
+    Returns (advantages, reward-to-go).
+    """
+    mask = response_mask.to(token_level_rewards.dtype)
+    returns = (token_level_rewards * mask).flip(-1).cumsum(-1).flip(-1)
+    path_variance = ((1 - 2 * old_log_probs.exp() + sum_pi_squared) * mask).cumsum(-1)
+    baselines = torch.zeros_like(returns)
+    for rows in _group_rows(index).values():
+        if len(rows) < 2:
+            continue
+        rows = torch.tensor(rows, device=returns.device)
+        weight = path_variance[rows] * mask[rows]
+        baselines[rows] = (returns[rows] * weight).sum(0) / (weight.sum(0) + epsilon)
+        lengths = mask[rows].sum(-1)
+        longest, second = torch.topk(lengths, 2).values.tolist()
+        if longest > second:
+            baselines[rows[lengths.argmax()], int(second) :] = 0.0
+    advantages = (returns - baselines) * mask
+    return advantages, returns

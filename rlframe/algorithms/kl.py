@@ -51,8 +51,28 @@ def _kl_k3(logprob, ref_logprob):
     return (log_ratio.exp() - log_ratio - 1).clamp(-10.0, 10.0)
 
 
+def _straight_through(value_fn: Callable) -> Callable:
+    """The estimator with `value_fn`'s value and k2's gradient (verl 0.9.1's `name+` types).
+
+    k1 and k3 are unbiased for the KL's value but their expected gradients are not the KL's
+    gradient; k2's is (for samples from π, up to the sampling distribution's own dependence), so
+    `k3+` reports k3 and trains with ∇k2 = (log π − log π_ref)·∇log π.
+    """
+
+    def estimator(logprob, ref_logprob):
+        k2 = _kl_k2(logprob, ref_logprob)
+        return k2 - k2.detach() + value_fn(logprob, ref_logprob).detach()
+
+    return estimator
+
+
+for _name, _fn in list(KL_PENALTIES.items()):
+    register(KL_PENALTIES, "kl penalty", f"{_name}+")(_straight_through(_fn))
+
+
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
-    """Per-token KL estimate of type `kl_penalty` (kl/k1, abs, mse/k2, low_var_kl/k3)."""
+    """Per-token KL estimate of type `kl_penalty` (kl/k1, abs, mse/k2, low_var_kl/k3, and each with a
+    `+`: that value with k2's gradient)."""
     return get_kl_penalty_fn(kl_penalty)(logprob, ref_logprob)
 
 
