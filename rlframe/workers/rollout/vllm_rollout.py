@@ -8,28 +8,55 @@ as consecutive global ranks, so the worker's rollout mesh must be `(dp, tp)` wit
 
 Engine arguments come from `actor_rollout_ref.rollout` with verl 0.9.1's names, defaults and
 meanings (`vllm_engine_kwargs`, a pure function); `engine_kwargs.vllm` is passed through last.
+Optional engine features are detected from vLLM's own declarations (the fields of `EngineArgs`,
+the parameters of `LLM.wake_up`, the worker's attributes), never by catching a `TypeError`, which
+could hide a real error and build a second engine.
 
-Memory around training: with `free_cache_engine`, `release()` puts the engine to sleep (level 1:
-weights offloaded to CPU, KV cache freed); `resume()` wakes the weights only, `update_weights`
-streams the new actor weights in buckets, and the KV cache is woken at the next generation, so the
+The process around the engine (`engine_environment`): Ray gives each worker one GPU, so the visible
+device index is 0 on every rank, while `LOCAL_RANK` is the process's index on its node; vLLM takes
+`LOCAL_RANK` as a device index, so it is set to the visible device while the engine is built. With
+one visible GPU per process, vLLM's peer-to-peer all-reduces (custom, symmetric memory, FlashInfer)
+cannot map their peers' memory: TP all-reduces go through NCCL. `LLM(seed=...)` reseeds `random`,
+numpy and torch for the whole process; the engine is built under a saved and restored RNG state.
+
+Memory around training: with `free_cache_engine`, `release()` puts the engine to sleep (level 2:
+weights and KV cache dropped, as vLLM advises when the weights will be replaced; level 1, which
+keeps a host copy of the weights, only on a vLLM that would not restore its buffers after level 2);
+`resume()` wakes the weights only, `update_weights` streams every actor weight in buckets and checks
+that each engine parameter was loaded, and the KV cache is woken at the next generation, so the
 weight copy and the KV cache never peak together.
+
+`rollout_log_probs` (`calculate_log_probs`) are vLLM's `processed_logprobs`, verl 0.9.1's default:
+the log-probs of the distribution the token was drawn from, after temperature and after top-k/top-p
+truncation and renormalization. With top-k/top-p off they equal the actor's log_softmax(logits / T);
+with them on they are the truncated distribution's (the behaviour policy that importance weights
+need), which the actor's untruncated log-probs differ from.
 
 Nothing here imports vllm at module import time: it is an optional extra (`pip install -e '.[gpu]'`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+import inspect
 import logging
 import os
-from collections.abc import Iterable
+import random
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from rlframe.models.builtin import SHM_ROOT
 from rlframe.protocol import DataProto
 from rlframe.workers.fsdp_utils import resolve_dtype
+from rlframe.workers.lora import vllm_base_layer_name, vllm_lora_engine_kwargs
 from rlframe.workers.rollout.base import BaseRollout, RolloutSettings, SamplingParams
 from rlframe.workers.rollout.config import ROLLOUT, check_vllm_engine_kwargs
 
@@ -40,8 +67,18 @@ INSTALL_HINT = (
     "or use actor_rollout_ref.rollout.name=hf"
 )
 WEIGHT_BUCKET_BYTES = 512 << 20  # bound on the extra GPU memory of one weight-sync step
-SLEEP_LEVEL = 1  # 1 keeps a CPU copy of the weights; 2 would drop them (all must be re-sent)
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+# vLLM's SamplingParams refuses temperature > 2 and silently raises 0 < T < 0.01 to 0.01
+# (vllm 0.33.0 sampling_params.py: _verify_args, __post_init__); the actor would score at the other value.
+VLLM_MAX_TEMPERATURE = 2.0
+VLLM_MIN_TEMPERATURE = 0.01
+# Engine arguments rlframe sets that an older vLLM may lack; without them the engine still runs.
+OPTIONAL_ENGINE_ARGS = {
+    "logprobs_mode": "rollout_log_probs are then before temperature (raw), unlike the actor's",
+}
+# vLLM's peer-to-peer all-reduce switches (vllm 0.33.0 envs.py); they map peer GPUs' memory, which a
+# process that sees one GPU cannot do. Custom all-reduce is turned off by an engine argument instead.
+P2P_ALLREDUCE_ENV = ("VLLM_ALLREDUCE_USE_SYMM_MEM", "VLLM_ALLREDUCE_USE_FLASHINFER")
 
 
 def import_vllm():
@@ -95,8 +132,11 @@ def vllm_engine_kwargs(
     max_position_embeddings: int,
     trust_remote_code: bool = False,
     override_config: dict | None = None,
+    lora_rank: int = 0,
 ) -> dict:
     """`LLM(...)`'s keyword arguments from `actor_rollout_ref.rollout`, as verl 0.9.1 builds vLLM's.
+
+    `lora_rank > 0` (the actor trains a LoRA adapter) makes the engine serve one adapter of that rank.
 
     `dp_rank` is this rank's rollout DP coordinate (its TP group's index): verl seeds each engine
     replica with `seed + replica rank`, the same on the TP ranks of one engine.
@@ -139,11 +179,114 @@ def vllm_engine_kwargs(
         enforce_eager=bool(rollout_cfg.enforce_eager),
         disable_log_stats=bool(rollout_cfg.disable_log_stats),
         enable_sleep_mode=bool(rollout_cfg.free_cache_engine),
-        logprobs_mode="processed_logprobs",  # log-probs after temperature: what the actor computes
+        # the sampling distribution's log-probs: after temperature and top-k/top-p (module docstring)
+        logprobs_mode="processed_logprobs",
+        # each process sees one GPU (Ray), so the custom all-reduce's peer checks and IPC buffers
+        # cannot work; verl's in-process rollout passed the same
+        disable_custom_all_reduce=True,
         hf_overrides=dict(override_config) if override_config else None,
+        **vllm_lora_engine_kwargs(lora_rank),
     )
     kwargs.update(passthrough)  # as in verl, engine_kwargs.vllm wins over the keys above
     return kwargs
+
+
+def engine_arg_names() -> frozenset[str]:
+    """The engine arguments this vLLM declares (the fields of its `EngineArgs` dataclass)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return frozenset(field.name for field in dataclasses.fields(EngineArgs))
+
+
+def drop_unsupported_args(kwargs: dict, supported: frozenset[str], user_keys: Iterable[str] = ()) -> dict:
+    """`kwargs` without the optional arguments this vLLM lacks (each one logged); others are left to vLLM.
+
+    An argument the user passed through `engine_kwargs.vllm` is never dropped: vLLM's own error names it.
+    """
+    user_keys = set(user_keys)
+    out = dict(kwargs)
+    for name, consequence in OPTIONAL_ENGINE_ARGS.items():
+        if name in out and name not in supported and name not in user_keys:
+            logger.warning("this vLLM has no engine argument %s; %s", name, consequence)
+            del out[name]
+    return out
+
+
+def check_vllm_temperature(value: float, key: str) -> None:
+    """vLLM's accepted sampling temperatures: 0 (greedy) or [0.01, 2]; anything else named by its key."""
+    if value == 0 or VLLM_MIN_TEMPERATURE <= value <= VLLM_MAX_TEMPERATURE:
+        return
+    raise ValueError(
+        f"{key}={value}: with {ROLLOUT}.name=vllm the temperature must be 0 (greedy) or in "
+        f"[{VLLM_MIN_TEMPERATURE}, {VLLM_MAX_TEMPERATURE}] (vLLM refuses more than {VLLM_MAX_TEMPERATURE} and "
+        f"raises less than {VLLM_MIN_TEMPERATURE} to it, while the actor would score at {value}); "
+        f"change {key}, or use {ROLLOUT}.name=hf"
+    )
+
+
+def engine_environment(device_index: int, tp_size: int) -> dict[str, str]:
+    """Environment variables the in-process engine needs while it is built (see the module docstring).
+
+    LOCAL_RANK: vLLM's external launcher takes it as the CUDA device index (vllm 0.33.0
+    v1/executor/uniproc_executor.py `_distributed_args`, checked against the visible device count in
+    v1/worker/gpu_worker.py `init_device`; vllm 0.8.0: `cuda:{local_rank}`), so it must be the visible
+    index of this process's device, not the process's index on its node.
+    VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine core in this process, so the weight sync reaches the
+    model (external_launcher asserts it too).
+    """
+    env = {"LOCAL_RANK": str(device_index), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if tp_size > 1:
+        env.update({name: "0" for name in P2P_ALLREDUCE_ENV})
+    return env
+
+
+@contextmanager
+def scoped_local_rank(env: dict[str, str]) -> Iterator[None]:
+    """Set `env` for the engine's construction; LOCAL_RANK goes back to the worker's value afterwards.
+
+    The other variables stay: vLLM reads some of them again after construction.
+    """
+    before = os.environ.get("LOCAL_RANK")
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = before
+
+
+@contextmanager
+def preserved_rng_state(cuda_devices: Iterable[int] = ()) -> Iterator[None]:
+    """Run a block without changing the process's `random`, numpy and torch (CPU and CUDA) RNG states.
+
+    Building `LLM(seed=...)` calls vLLM's set_random_seed on all of them (vllm 0.33.0
+    v1/worker/gpu_worker.py, utils/torch_utils.py), which would reset the trainer's streams.
+    """
+    py_state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=list(cuda_devices)):
+        try:
+            yield
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+
+
+def sleep_level(restores_buffers_after_level_2: bool) -> int:
+    """Level 2 (drop the weights: they are all re-sent) unless this vLLM would lose its buffers there."""
+    return 2 if restores_buffers_after_level_2 else 1
+
+
+def check_all_loaded(parameter_names: Iterable[str], loaded: set[str]) -> None:
+    """Every engine parameter received a weight: after a level-2 sleep the rest would be garbage."""
+    missing = sorted(set(parameter_names) - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise RuntimeError(
+            f"the weight sync left {len(missing)} vLLM parameter(s) without a value: {shown}; the actor's "
+            "state dict must cover the engine's model (same architecture and override_config)"
+        )
 
 
 def max_tokens_for(prompt_len: int, response_length: int, max_model_len: int) -> int:
@@ -185,6 +328,25 @@ def _dp_rank(tp_size: int) -> int:
     return rank // tp_size
 
 
+def _worker_load_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> set[str]:
+    """Inside the engine's worker: load one bucket within vLLM's config context; the names loaded."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config):
+        loaded = worker.get_model().load_weights(weights)
+    return set(loaded or ())
+
+
+def _worker_parameter_names(worker) -> list[str]:
+    """Inside the engine's worker: the model's parameter names (tied ones once)."""
+    return [name for name, _ in worker.get_model().named_parameters()]
+
+
+def _worker_restores_buffers(worker) -> bool:
+    """Inside the engine's worker: whether it saves and restores the model's buffers around a level-2 sleep."""
+    return hasattr(worker, "_sleep_saved_buffers")
+
+
 class VLLMRollout(BaseRollout):
     """A vLLM `LLM` engine shard in this process; weights synced from the FSDP actor after each update."""
 
@@ -199,6 +361,7 @@ class VLLMRollout(BaseRollout):
         rollout_cfg,
         trust_remote_code: bool = False,
         override_config: dict | None = None,
+        lora_rank: int = 0,
     ):
         check_vllm_usable(device_type)
         from vllm import LLM
@@ -207,9 +370,6 @@ class VLLMRollout(BaseRollout):
         tp_size = self.tp_size
         if tp_size > 1:
             _check_consecutive_ranks(tp_group, tp_size)
-        # The engine must live in this process (not a V1 engine-core subprocess) so that
-        # update_weights can reach the model; external_launcher requires it too.
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self.dtype = resolve_dtype(settings.dtype, device_type)
         self.dp_rank, self.seed = _dp_rank(tp_size), int(rollout_cfg.seed)
         engine_kwargs = vllm_engine_kwargs(
@@ -221,72 +381,103 @@ class VLLMRollout(BaseRollout):
             max_position_embeddings=model_max_position_embeddings(model_path, trust_remote_code, override_config),
             trust_remote_code=trust_remote_code,
             override_config=override_config,
+            lora_rank=lora_rank,
+        )
+        engine_kwargs = drop_unsupported_args(
+            engine_kwargs, engine_arg_names(), plain_dict(rollout_cfg.engine_kwargs.vllm)
         )
         self.max_model_len = engine_kwargs["max_model_len"]
-        try:
+        device = torch.cuda.current_device()
+        self.device = torch.device("cuda", device)  # where the weight sync puts the actor's tensors
+        with scoped_local_rank(engine_environment(device, tp_size)), preserved_rng_state([device]):
             self.llm = LLM(**engine_kwargs)
-        except TypeError as err:  # a vLLM without logprobs_mode returns log-probs before temperature
-            if "logprobs_mode" not in str(err) or "logprobs_mode" in plain_dict(rollout_cfg.engine_kwargs.vllm):
-                raise
-            engine_kwargs.pop("logprobs_mode")
-            self.llm = LLM(**engine_kwargs)
+        self._sleep_level = sleep_level(all(self.llm.collective_rpc(_worker_restores_buffers)))
+        self._wake_takes_tags = "tags" in inspect.signature(self.llm.wake_up).parameters
+        self._parameter_names = self.llm.collective_rpc(_worker_parameter_names)[0]
         self._released = False
         self._kv_cache_asleep = False
+        self._init_lora(lora_rank)
+
+    # ------------------------------------------------------------------ LoRA: the base once, then the adapter
+    def _init_lora(self, lora_rank: int) -> None:
+        """With a LoRA actor the engine keeps the base weights (which never change) across sleeps: level 1."""
+        self.takes_lora_adapter = lora_rank > 0
+        self.needs_base_weights = True  # the engine starts from load_format's weights (verl's default: dummy)
+        self._lora_request = None
+        self._lora_root = os.path.join(SHM_ROOT if os.path.isdir(SHM_ROOT) else tempfile.gettempdir(), "rlframe-lora")
+        if self.takes_lora_adapter:
+            self._sleep_level = 1
+
+    def update_lora_adapter(self, tensors: dict[str, torch.Tensor], peft_config) -> None:
+        """Serve a new adapter version: written as a PEFT folder, requested under a fresh id, the old one removed."""
+        from vllm.lora.request import LoRARequest
+
+        from rlframe.workers.lora import vllm_adapter_config, write_adapter_folder
+
+        previous = self._lora_request
+        version = 1 if previous is None else previous.lora_int_id + 1
+        folder = os.path.join(self._lora_root, f"{os.getpid()}-v{version}")
+        write_adapter_folder(folder, tensors, vllm_adapter_config(peft_config))
+        self._lora_request = LoRARequest(lora_name=f"rlframe-v{version}", lora_int_id=version, lora_path=folder)
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old adapter
 
     # ------------------------------------------------------------------ weights and memory
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Stream full actor tensors into the engine in buckets of ~WEIGHT_BUCKET_BYTES."""
-        model = self._model()
-        device = torch.device("cuda", torch.cuda.current_device())
+        """Stream full actor tensors into the engine in buckets of ~WEIGHT_BUCKET_BYTES; check all arrived."""
+        device = self.device
+        loaded: set[str] = set()
         bucket, bucket_bytes = [], 0
         for name, tensor in named_tensors:
             tensor = tensor.to(device, self.dtype if tensor.is_floating_point() else tensor.dtype, non_blocking=True)
-            bucket.append((name, tensor))
+            bucket.append((vllm_base_layer_name(name) if self.takes_lora_adapter else name, tensor))
             bucket_bytes += tensor.numel() * tensor.element_size()
             if bucket_bytes >= WEIGHT_BUCKET_BYTES:
-                model.load_weights(bucket)
+                loaded |= self._load_bucket(bucket)
                 bucket, bucket_bytes = [], 0
         if bucket:
-            model.load_weights(bucket)
+            loaded |= self._load_bucket(bucket)
         del bucket
+        check_all_loaded(self._parameter_names, loaded)
+        self.needs_base_weights = False
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         torch.cuda.synchronize()
 
+    def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> set[str]:
+        """One bucket into this process's engine worker (in-process: nothing is serialized)."""
+        return self.llm.collective_rpc(_worker_load_weights, args=(bucket,))[0]
+
     def release(self) -> None:
-        """Sleep: offload weights to CPU, free the KV cache (only with free_cache_engine)."""
+        """Sleep: drop the weights (level 2) and the KV cache (only with free_cache_engine)."""
         if not self.settings.free_cache_engine or self._released:
             return
-        self.llm.sleep(level=SLEEP_LEVEL)
+        self.llm.sleep(level=self._sleep_level)
         self._released = True
 
     def resume(self) -> None:
         """Wake the weights now and the KV cache at the next generation (lower peak during the weight sync)."""
         if not self._released:
             return
-        try:
+        # The trainer's freed blocks stay in torch's cache, where vLLM's own allocator cannot use them
+        # (vllm 0.33.0 frees them itself in CuMemAllocator.wake_up; 0.8.0 does not).
+        torch.cuda.empty_cache()
+        if self._wake_takes_tags:
             self.llm.wake_up(tags=["weights"])
             self._kv_cache_asleep = True
-        except TypeError:  # vLLM without wake-up tags: wake everything
+        else:
             self.llm.wake_up()
         self._released = False
 
-    def _model(self):
-        """The engine's torch model (reached in-process; the attribute path moved across vLLM versions)."""
-        executor = self.llm.llm_engine.model_executor
-        for path in ("driver_worker.worker.model_runner.model", "driver_worker.model_runner.model"):
-            obj = executor
-            try:
-                for attr in path.split("."):
-                    obj = getattr(obj, attr)
-                return obj
-            except AttributeError:
-                continue
-        import vllm
-
-        raise RuntimeError(
-            f"cannot reach the model inside vLLM {vllm.__version__}'s engine for weight sync; "
-            "VLLM_ENABLE_V1_MULTIPROCESSING must be 0 and the executor external_launcher"
-        )
+    def shutdown(self) -> None:
+        """Stop the engine: its memory and vLLM's TP groups go; the default process group (the trainer's) stays."""
+        if self.llm is None:
+            return
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm = None
+        gc.collect()
+        torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ generation
     def _generate(self, prompts: DataProto, params: SamplingParams, eos_ids: list[int], pad_id: int):
@@ -307,7 +498,10 @@ class VLLMRollout(BaseRollout):
             max_tokens = max_tokens_for(len(token_ids), params.response_length, self.max_model_len)
             sampling.append(self._sampling_params(params, eos_ids, seed, max_tokens))
         outputs = self.llm.generate(
-            [{"prompt_token_ids": p} for p in prompt_token_ids], sampling_params=sampling, use_tqdm=False
+            [{"prompt_token_ids": p} for p in prompt_token_ids],
+            sampling_params=sampling,
+            use_tqdm=False,
+            lora_request=self._lora_request,  # None without LoRA
         )
         width = params.response_length
         tokens = torch.full((len(outputs), width), pad_id, dtype=torch.long)
@@ -335,6 +529,7 @@ class VLLMRollout(BaseRollout):
         if params.greedy:
             kwargs["temperature"] = 0.0
         else:
+            check_vllm_temperature(params.temperature, f"{ROLLOUT}.temperature")
             kwargs.update(
                 temperature=params.temperature,
                 top_p=params.top_p,
