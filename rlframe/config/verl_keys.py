@@ -29,7 +29,10 @@ DEFAULTS_FILE = Path(__file__).with_name("verl_defaults.json")
 _PROFILER = "profiling is not built in: rlframe reports timing_s/* for every phase; run a profiler on the workers"
 _MULTIMODAL = "multimodal inputs are not supported (text-only models)"
 _LORA = "LoRA is not implemented yet (see the algorithms issue); train the full model"
-_AGENT = "multi-turn/tool-calling agent loops are not implemented yet (see the agent-loop issue)"
+_AGENT = (
+    "rlframe reads tools from actor_rollout_ref.rollout.multi_turn.tool_config_path / function_tool_path "
+    "(the rollout renders their schemas into the prompt); dataset-side tool settings are not implemented"
+)
 _ROLLOUT_REWARD_MODEL = (
     "generative reward models and verl's reward loop are not supported; use reward_model.enable "
     "with a sequence-classification model, or a custom_reward_function"
@@ -57,8 +60,8 @@ UNSUPPORTED = {
     "critic.model.lora_adapter_path": _LORA,
     "critic.model.target_modules": _LORA,
     "critic.model.exclude_modules": _LORA,
-    "actor_rollout_ref.rollout.multi_turn": _AGENT,
-    "actor_rollout_ref.rollout.agent": _AGENT,
+    "actor_rollout_ref.rollout.agent.custom_async_server": "custom rollout servers are not implemented: the agent "
+    "loop drives rlframe's own engines",
     "actor_rollout_ref.rollout.mode": "verl 0.9.1 knows only async here; rlframe generates inside the training "
     "workers and takes the key at that value (its rollout server is not "
     "implemented yet: see the agent-loop issue)",

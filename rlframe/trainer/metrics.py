@@ -24,7 +24,8 @@ def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]
     response_length = batch.batch["responses"].shape[-1]
     response_mask = batch.batch["response_mask"].bool()
     prompt_mask = batch.batch["attention_mask"][:, :-response_length].bool()
-    response_lens = response_mask.sum(-1).float()
+    # as verl: a response's length counts every token in it, tool turns of a multi-turn trajectory too
+    response_lens = batch.batch["attention_mask"][:, -response_length:].sum(-1).float()
     prompt_lens = prompt_mask.sum(-1).float()
     metrics = {}
     metrics.update(_stats("critic/score", batch.batch["token_level_scores"].sum(-1)))
@@ -43,6 +44,8 @@ def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]
     metrics["response_length/clip_ratio"] = float((response_lens == response_length).float().mean())
     metrics.update(_stats("prompt_length", prompt_lens))
     metrics["prompt_length/clip_ratio"] = float((prompt_lens == prompt_mask.shape[-1]).float().mean())
+    if "__num_turns__" in batch.non_tensor_batch:  # multi-turn rollouts: user + assistant turns + 1, as verl
+        metrics.update(_stats("num_turns", torch.as_tensor(batch.non_tensor_batch["__num_turns__"]).float()))
     return metrics
 
 

@@ -23,6 +23,7 @@ from rlframe.workers.rollout.base import (
     check_prompts,
     response_metrics,
 )
+from rlframe.workers.rollout.multi_turn import build_multi_turn, uses_tool_agent
 from rlframe.workers.rollout.tp import group_rank_and_size
 
 __all__ = [
@@ -58,7 +59,7 @@ def build_rollout(
     module_name, class_name = ROLLOUT_ENGINES[name].split(":")
     engine = getattr(importlib.import_module(module_name), class_name)
     extra = {"rollout_cfg": rollout_cfg} if name == "vllm" else {}  # vLLM's engine settings
-    return engine(
+    rollout = engine(
         settings,
         model_path,
         tokenizer,
@@ -68,6 +69,9 @@ def build_rollout(
         override_config=override_config,
         **extra,
     )
+    if uses_tool_agent(rollout_cfg):  # rows may call tools: the multi-turn loop drives the engine
+        return build_multi_turn(rollout, tokenizer, rollout_cfg)
+    return rollout
 
 
 def generate_in_tp_group(rollout: BaseRollout, prompts: DataProto, tp_group=None) -> DataProto:

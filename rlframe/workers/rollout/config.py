@@ -39,8 +39,7 @@ RLFRAME_OWNED_VLLM_ARGS = {
     "enable_sleep_mode": f"{ROLLOUT}.free_cache_engine",
     "trust_remote_code": "actor_rollout_ref.model.trust_remote_code",
     "hf_overrides": "actor_rollout_ref.model.override_config (actor and engine must be the same model)",
-    "logprobs_mode": f"nothing: {ROLLOUT}.calculate_log_probs returns the sampling distribution's log-probs",
-    "disable_custom_all_reduce": "nothing: each process sees one GPU, where vLLM's custom all-reduce cannot run",
+    "logprobs_mode": f"nothing: {ROLLOUT}.calculate_log_probs returns the sampled tokens' raw log-probs",
     "max_model_len": f"{ROLLOUT}.max_model_len (checked against the model's max_position_embeddings)",
     "max_num_batched_tokens": f"{ROLLOUT}.max_num_batched_tokens (raised with chunked prefill off, as verl does)",
 }
@@ -116,6 +115,73 @@ class ValKwargsConfig(Section):
         return {f"{path}.{name}": why for name in ("top_k", "top_p", *(() if self.do_sample else ("temperature",)))}
 
 
+def _check_null_or_positive(value: Optional[int]) -> None:
+    if value is not None and value < 1:
+        raise ValueError("must be >= 1, or null for no limit")
+
+
+def _check_must_be_null(what: str):
+    def check(value) -> None:
+        if value is not None:
+            raise ValueError(f"{what} is not implemented in rlframe; leave it null")
+
+    return check
+
+
+@dataclass
+class MultiTurnConfig(Section):
+    enable: bool = key(False, "verl 0.9.1 passes it to the actor only; the agent is chosen per row (agent_name)")
+    max_assistant_turns: Optional[int] = key(
+        None, "stop a trajectory after this many policy turns (null: no limit)", check=_check_null_or_positive
+    )
+    tool_config_path: Optional[str] = key(None, "verl-format YAML of tool classes (a `tools:` list)")
+    function_tool_path: Optional[str] = key(None, "a Python file of @function_tool functions")
+    max_user_turns: Optional[int] = key(
+        None, "stop after this many tool turns (null: no limit)", check=_check_null_or_positive
+    )
+    max_parallel_calls: int = key(1, "tool calls run per policy turn (the rest are dropped)", check=_check_positive)
+    max_tool_response_length: int = key(256, "characters of a tool's answer kept", check=_check_positive)
+    tool_response_truncate_side: str = key(
+        "middle", "where a long tool answer is cut", choices=("left", "middle", "right")
+    )
+    use_inference_chat_template: bool = key(
+        False, "only false: the training chat template renders every turn", choices=(False,)
+    )
+    tokenization_sanity_check_mode: str = key(
+        "strict",
+        "compare turn-by-turn ids with the whole conversation's",
+        choices=("strict", "ignore_strippable", "disable"),
+    )
+    format: str = key("hermes", "tool-call format the policy writes", choices=("hermes",))
+    num_repeat_rollouts: Optional[int] = key(
+        None, "verl's interaction repeats: only null", check=_check_must_be_null("num_repeat_rollouts")
+    )
+    tool_timeout_s: float = key(30.0, "rlframe: seconds a tool call may run before the model reads a timeout error")
+
+    def check(self, path: str, root: Any) -> None:
+        from rlframe.workers.rollout.tools import load_tools
+
+        load_tools(self.tool_config_path, self.function_tool_path)  # bad files fail before Ray starts
+
+    def inactive(self, path: str, root: Any) -> dict[str, str]:
+        # verl 0.9.1 sets only the actor's meta_info from it; rows pick single_turn_agent or tool_agent
+        return {f"{path}.enable": f"the agent is chosen per row: agent_name, else {ROLLOUT}.agent.default_agent_loop"}
+
+
+@dataclass
+class AgentConfig(Section):
+    num_workers: int = key(8, "verl's agent-loop worker processes; rlframe runs trajectories inside the rollout")
+    default_agent_loop: str = key(
+        "single_turn_agent", "agent of rows without agent_name", choices=("single_turn_agent", "tool_agent")
+    )
+    agent_loop_config_path: Optional[str] = key(
+        None, "custom agent loops: only null", check=_check_must_be_null("a custom agent loop")
+    )
+
+    def inactive(self, path: str, root: Any) -> dict[str, str]:
+        return {f"{path}.num_workers": "rlframe runs the trajectories' tool calls concurrently in the rollout worker"}
+
+
 @dataclass
 class RolloutConfig(Section):
     name: str = key("hf", "hf (CPU and GPU) | vllm (GPU, extra 'gpu')", choices=tuple(ROLLOUT_ENGINES))
@@ -162,6 +228,8 @@ class RolloutConfig(Section):
     log_prob_max_token_len_per_gpu: int = key(f"${{{ACTOR}.ppo_max_token_len_per_gpu}}", "token budget (dynamic)")
     calculate_log_probs: bool = key(True, "return rollout_log_probs from the engine")
     val_kwargs: ValKwargsConfig = section(ValKwargsConfig)
+    multi_turn: MultiTurnConfig = section(MultiTurnConfig, "multi-turn rollouts with tools (tool_agent rows)")
+    agent: AgentConfig = section(AgentConfig, "which agent loop runs a row")
 
     def check(self, path: str, root: Any) -> None:
         # the engine-independent values the workers read, checked here so that they fail before Ray starts
@@ -179,10 +247,3 @@ class RolloutConfig(Section):
         else:
             out[f"{path}.micro_batch_size"] = f"{path}.name={self.name}: the engine batches by max_num_batched_tokens"
         return out
-        if self.name == "vllm":  # vLLM's own sampling limits, before Ray rather than at the first generation
-            from rlframe.workers.rollout.vllm_rollout import check_vllm_temperature
-
-            if self.do_sample:
-                check_vllm_temperature(self.temperature, f"{path}.temperature")
-            if self.val_kwargs.do_sample:
-                check_vllm_temperature(self.val_kwargs.temperature, f"{path}.val_kwargs.temperature")

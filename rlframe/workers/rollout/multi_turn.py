@@ -1,0 +1,381 @@
+"""Multi-turn rollouts with tool calls, on any engine: generate, run the tools, append their answers, repeat.
+
+One row is one trajectory (the driver repeats prompts `n` times). Each turn the engine generates for every
+still-active row at once (`BaseRollout._generate` on a left-padded batch), so the HF and vLLM engines both
+serve it unchanged. Per row, a turn goes:
+
+1. the policy's tokens are appended with `response_mask = 1` (and their engine log-probs);
+2. its text is searched for tool calls (`format: hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`);
+   none, or a limit reached (`max_assistant_turns`, `max_user_turns`, `response_length`), ends the trajectory;
+3. the calls (at most `max_parallel_calls`) run concurrently through `ToolRunner` (timeouts and tool errors
+   become messages to the model), and the tool turn is appended with `response_mask = 0`: the tokens the chat
+   template renders after the policy's end-of-turn token and for the `tool` messages, up to the next
+   assistant header. Those tokens are context, never trained: losses, KL, entropy and advantages all
+   weight tokens by `response_mask`.
+
+The tool turn's tokens come from the chat template itself: the template renders a fixed conversation that
+ends with an assistant turn, then the same conversation plus the tool messages and the generation prompt;
+the difference is the tool turn (verl's "continuous token" idea). The part of the assistant turn's closing
+that generation does not produce (ChatML's newline after `<|im_end|>`) is found the same way.
+
+`tokenization_sanity_check_mode` (verl's name): `strict` re-renders each finished conversation with the
+chat template in one go and counts the trajectories whose ids differ from the turn-by-turn ids
+(`multi_turn/tokenization_mismatch_ratio`; a warning once); `disable` skips it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+
+from rlframe.protocol import DataProto
+from rlframe.workers.rollout.base import BaseRollout, SamplingParams, check_prompts
+from rlframe.workers.rollout.tools import ToolCallResult, ToolRunner
+
+logger = logging.getLogger(__name__)
+KEY = "actor_rollout_ref.rollout.multi_turn"
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_PROBE_SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
+_PROBE_USER = {"role": "user", "content": "Use the tool."}
+_PROBE_ASSISTANT_TEXT = "Calling the tool."
+
+
+# dataset columns a tool agent reads: the chat messages, `extra_info.tools_kwargs`, the row's agent
+AGENT_INPUT_KEYS = ("raw_prompt", "extra_info", "agent_name")
+
+
+def uses_tool_agent(rollout_cfg) -> bool:
+    """Whether rows may run the tool agent: tools are configured or it is the default agent."""
+    multi_turn, agent = rollout_cfg.multi_turn, rollout_cfg.agent
+    return bool(multi_turn.tool_config_path or multi_turn.function_tool_path) or (
+        agent.default_agent_loop == "tool_agent"
+    )
+
+
+def build_multi_turn(engine: BaseRollout, tokenizer, rollout_cfg) -> MultiTurnRollout:
+    """The tool-agent rollout around `engine`, from `actor_rollout_ref.rollout.multi_turn` / `.agent`."""
+    from rlframe.workers.rollout.tools import load_tools
+
+    tools = load_tools(rollout_cfg.multi_turn.tool_config_path, rollout_cfg.multi_turn.function_tool_path)
+    settings = MultiTurnSettings.from_config(rollout_cfg.multi_turn)
+    return MultiTurnRollout(engine, tokenizer, settings, tools, str(rollout_cfg.agent.default_agent_loop))
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    """One tool call found in the policy's text; `error` when the call itself is malformed."""
+
+    name: str
+    arguments: str  # JSON text of the arguments object
+    error: str | None = None
+
+
+def parse_hermes_tool_calls(text: str) -> list[ParsedCall]:
+    """Hermes-format calls in order; a block that is not `{"name": str, "arguments": object}` JSON is kept
+    as a malformed call so the model is told what was wrong."""
+    calls = []
+    for block in TOOL_CALL.findall(text):
+        try:
+            payload = json.loads(block)
+            name, arguments = payload["name"], payload.get("arguments", {})
+            if not isinstance(name, str):
+                raise TypeError("name is not a string")
+            calls.append(ParsedCall(name, arguments if isinstance(arguments, str) else json.dumps(arguments)))
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            calls.append(ParsedCall("", "", error=f"malformed tool call {block.strip()[:200]!r}: {err}"))
+    return calls
+
+
+@dataclass(frozen=True)
+class MultiTurnSettings:
+    """The values of `actor_rollout_ref.rollout.multi_turn` the loop reads."""
+
+    max_assistant_turns: int | None
+    max_user_turns: int | None
+    max_parallel_calls: int
+    max_tool_response_length: int
+    tool_response_truncate_side: str
+    tool_timeout_s: float
+    sanity_check: bool
+
+    @classmethod
+    def from_config(cls, cfg) -> MultiTurnSettings:
+        return cls(
+            max_assistant_turns=cfg.max_assistant_turns,
+            max_user_turns=cfg.max_user_turns,
+            max_parallel_calls=int(cfg.max_parallel_calls),
+            max_tool_response_length=int(cfg.max_tool_response_length),
+            tool_response_truncate_side=str(cfg.tool_response_truncate_side),
+            tool_timeout_s=float(cfg.tool_timeout_s),
+            sanity_check=str(cfg.tokenization_sanity_check_mode) != "disable",
+        )
+
+
+@dataclass
+class Trajectory:
+    """One row's conversation as it grows: messages, token ids, and which tokens the policy produced."""
+
+    messages: list[dict]
+    prompt_ids: list[int]
+    tools_kwargs: dict
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    assistant_turns: int = 0
+    user_turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_latency_s: float = 0.0
+    single_turn: bool = False  # a single_turn_agent row: one generation, its text never parsed for calls
+    pending: list[ParsedCall] = field(default_factory=list)  # this turn's tool calls, not yet run
+    done: bool = False
+    truncated: bool = False
+
+    def append(self, ids: list[int], trained: bool, log_probs: list[float] | None = None) -> None:
+        self.response_ids += ids
+        self.response_mask += [int(trained)] * len(ids)
+        self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
+
+
+class ChatTemplateTurns:
+    """Token ids of the turns the chat template adds around the policy's own text."""
+
+    def __init__(self, tokenizer, tools: list[dict] | None, eos_ids: list[int]):
+        self.tokenizer, self.tools = tokenizer, tools or None
+        probe = [_PROBE_SYSTEM, _PROBE_USER, {"role": "assistant", "content": _PROBE_ASSISTANT_TEXT}]
+        rendered = self._render_text(probe, add_generation_prompt=False)
+        after = rendered[rendered.rindex(_PROBE_ASSISTANT_TEXT) + len(_PROBE_ASSISTANT_TEXT) :]
+        closing = self.encode(after)  # e.g. ChatML: <|im_end|> "\n"
+        # generation stops at an EOS; the rest of the template's closing is context added after it
+        self.closing_rest = closing[1:] if closing and closing[0] in eos_ids else closing
+        self._probe = probe
+
+    def _render_text(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The first prompt: the conversation so far with the tools and the assistant header."""
+        return self.encode(self._render_text(messages, add_generation_prompt=True))
+
+    def tool_turn_ids(self, tool_messages: list[dict]) -> list[int]:
+        """The tokens between the policy's closing and its next turn: tool messages + assistant header."""
+        base = self._render_text(self._probe, add_generation_prompt=False)
+        full = self._render_text(self._probe + tool_messages, add_generation_prompt=True)
+        if not full.startswith(base):
+            raise ValueError("the chat template renders earlier messages differently once tool messages follow")
+        return self.encode(full[len(base) :])
+
+    def whole_conversation_ids(self, messages: list[dict]) -> list[int]:
+        """The finished conversation rendered in one go (for the tokenization sanity check)."""
+        return self.encode(self._render_text(messages, add_generation_prompt=False))
+
+
+class MultiTurnRollout:
+    """Wraps an engine: `generate_sequences` runs multi-turn tool trajectories; weights and memory pass through."""
+
+    def __init__(self, engine: BaseRollout, tokenizer, settings: MultiTurnSettings, tools: dict, default_agent: str):
+        self.engine, self.tokenizer, self.mt, self.default_agent = engine, tokenizer, settings, default_agent
+        self.settings = engine.settings
+        self.runner = ToolRunner(
+            tools, settings.tool_timeout_s, settings.max_tool_response_length, settings.tool_response_truncate_side
+        )
+        schemas = [tool.tool_schema for tool in tools.values()]
+        self.turns = ChatTemplateTurns(tokenizer, schemas, engine.eos_ids)
+        self._warned_mismatch = False
+
+    # the engine's lifecycle, unchanged
+    def update_weights(self, named_tensors) -> None:
+        self.engine.update_weights(named_tensors)
+
+    def release(self) -> None:
+        self.engine.release()
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def special_tokens_for(self, meta_info: dict) -> tuple[list[int], int]:
+        return self.engine.special_tokens_for(meta_info)
+
+    @torch.no_grad()
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Rows with `raw_prompt` (chat messages) in; the rollout contract out, with holes in `response_mask`."""
+        check_prompts(prompts, self.settings.prompt_length)
+        if "raw_prompt" not in prompts.non_tensor_batch:
+            raise ValueError(f"{KEY}.enable=true needs the chat messages of each prompt: set data.return_raw_chat=true")
+        params = self.engine.sampling_for(prompts.meta_info)
+        eos_ids, pad_id = self.engine.special_tokens_for(prompts.meta_info)
+        start = time.perf_counter()
+        trajectories = [self._start(row, prompts) for row in range(len(prompts))]
+        while True:
+            active = [t for t in trajectories if not t.done]
+            if not active:
+                break
+            self._generate_turn(active, params, eos_ids, pad_id)
+            asyncio.run(self._run_tools([t for t in active if not t.done]))
+        elapsed = time.perf_counter() - start
+        mismatches = self._sanity_check(trajectories) if self.mt.sanity_check else 0
+        out = self._layout(prompts, trajectories, params.response_length, pad_id, prompts.batch["input_ids"].device)
+        out.meta_info["metrics"] = self._metrics(trajectories, out, elapsed, mismatches)
+        return out
+
+    def _start(self, row: int, prompts: DataProto) -> Trajectory:
+        messages = [dict(m) for m in prompts.non_tensor_batch["raw_prompt"][row]]
+        extra = prompts.non_tensor_batch.get("extra_info")
+        extra = extra[row] if extra is not None else None
+        tools_kwargs = (extra or {}).get("tools_kwargs", {}) if isinstance(extra, dict) else {}
+        agents = prompts.non_tensor_batch.get("agent_name")
+        agent = str(agents[row]) if agents is not None else self.default_agent
+        if agent not in ("single_turn_agent", "tool_agent"):
+            raise ValueError(f"row {row}: agent_name={agent!r}; rlframe has single_turn_agent and tool_agent")
+        ids = self.turns.prompt_ids(messages)
+        if len(ids) > self.settings.prompt_length:
+            raise ValueError(
+                f"row {row}: the prompt rendered with the tools' schemas is {len(ids)} tokens, more than "
+                f"actor_rollout_ref.rollout.prompt_length={self.settings.prompt_length} (= data.max_prompt_length); "
+                "raise data.max_prompt_length or shorten the tool descriptions"
+            )
+        return Trajectory(messages, ids, dict(tools_kwargs or {}), single_turn=agent == "single_turn_agent")
+
+    def _generate_turn(self, active: list[Trajectory], params: SamplingParams, eos_ids: list[int], pad_id: int):
+        """One assistant turn for every active trajectory, as one engine batch."""
+        budgets = [self.settings.response_length - len(t.response_ids) for t in active]
+        contexts = [t.prompt_ids + t.response_ids for t in active]
+        width = max(len(c) for c in contexts)
+        ids = torch.full((len(active), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(active), width), dtype=torch.long)
+        for row, context in enumerate(contexts):
+            ids[row, width - len(context) :] = torch.tensor(context)
+            mask[row, width - len(context) :] = 1
+        batch = DataProto.from_dict(
+            {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+        )
+        turn_params = replace(params, response_length=max(budgets))
+        tokens, lengths, log_probs = self.engine._generate(batch, turn_params, eos_ids, pad_id)
+        for row, trajectory in enumerate(active):
+            new = tokens[row, : min(int(lengths[row]), budgets[row])].tolist()
+            stop = next((i for i, token in enumerate(new) if token in eos_ids), None)
+            ended = stop is not None
+            new = new[: stop + 1] if ended else new
+            lp = log_probs[row, : len(new)].tolist() if log_probs is not None else None
+            trajectory.append(new, trained=True, log_probs=lp)
+            trajectory.assistant_turns += 1
+            text = self.tokenizer.decode(new[:-1] if ended else new, skip_special_tokens=False)
+            trajectory.messages.append({"role": "assistant", "content": text})
+            trajectory.pending = parse_hermes_tool_calls(text) if ended and not trajectory.single_turn else []
+            trajectory.truncated = not ended and len(trajectory.response_ids) >= self.settings.response_length
+            if not trajectory.pending or self._at_limit(trajectory):
+                trajectory.done = True
+
+    def _at_limit(self, trajectory: Trajectory) -> bool:
+        mt = self.mt
+        if mt.max_assistant_turns and trajectory.assistant_turns >= mt.max_assistant_turns:
+            return True
+        if mt.max_user_turns and trajectory.user_turns >= mt.max_user_turns:
+            return True
+        return len(trajectory.response_ids) >= self.settings.response_length
+
+    async def _run_tools(self, trajectories: list[Trajectory]) -> None:
+        """Every pending call of every trajectory, concurrently; then each tool turn is appended."""
+        jobs = [self._tool_turn(t) for t in trajectories]
+        for trajectory, results in zip(trajectories, await asyncio.gather(*jobs)):
+            tool_messages = [{"role": "tool", "content": r.text} for r in results]
+            context = self.turns.closing_rest + self.turns.tool_turn_ids(tool_messages)
+            room = self.settings.response_length - len(trajectory.response_ids)
+            trajectory.append(context[:room], trained=False)
+            trajectory.messages += tool_messages
+            trajectory.user_turns += 1
+            trajectory.tool_calls += len(results)
+            trajectory.tool_errors += sum(r.error is not None for r in results)
+            trajectory.tool_latency_s += sum(r.latency_s for r in results)
+            if len(context) >= room or self._at_limit(trajectory):
+                trajectory.done, trajectory.truncated = True, len(context) >= room
+
+    async def _tool_turn(self, trajectory: Trajectory) -> list[ToolCallResult]:
+        calls = trajectory.pending[: self.mt.max_parallel_calls]
+        return await asyncio.gather(*(self._one_call(call, trajectory.tools_kwargs) for call in calls))
+
+    async def _one_call(self, call: ParsedCall, tools_kwargs: dict) -> ToolCallResult:
+        if call.error:
+            return ToolCallResult(call.error, error="malformed_call")
+        return await self.runner.call(call.name, call.arguments, tools_kwargs)
+
+    def _sanity_check(self, trajectories: list[Trajectory]) -> int:
+        """How many trajectories' turn-by-turn ids differ from their conversation rendered in one go."""
+        mismatches = 0
+        for t in trajectories:
+            if t.truncated or t.messages[-1]["role"] != "assistant":
+                continue  # a cut conversation, or one stopped after a tool turn, has no whole rendering to compare
+            whole = self.turns.whole_conversation_ids(t.messages)
+            turn_by_turn = t.prompt_ids + t.response_ids + self.turns.closing_rest
+            mismatches += whole != turn_by_turn
+        if mismatches and not self._warned_mismatch:
+            self._warned_mismatch = True
+            logger.warning(
+                "multi-turn: %d of %d trajectories tokenize differently turn by turn than as one conversation "
+                "(the chat template re-renders some turn differently); training uses the turn-by-turn ids, which "
+                "are what the policy saw. Set %s.tokenization_sanity_check_mode=disable to skip this check.",
+                mismatches,
+                len(trajectories),
+                KEY,
+            )
+        return mismatches
+
+    def _layout(self, prompts, trajectories, response_length: int, pad_id: int, device) -> DataProto:
+        """Left-padded prompts and right-padded responses: the rollout contract, with holes in response_mask."""
+        num, prompt_length = len(trajectories), self.settings.prompt_length
+        prompt = torch.full((num, prompt_length), pad_id, dtype=torch.long)
+        prompt_mask = torch.zeros((num, prompt_length), dtype=torch.long)
+        response = torch.full((num, response_length), pad_id, dtype=torch.long)
+        response_attention = torch.zeros((num, response_length), dtype=torch.long)
+        response_mask = torch.zeros((num, response_length), dtype=torch.long)
+        log_probs = torch.zeros((num, response_length), dtype=torch.float32)
+        for row, t in enumerate(trajectories):
+            prompt[row, prompt_length - len(t.prompt_ids) :] = torch.tensor(t.prompt_ids)
+            prompt_mask[row, prompt_length - len(t.prompt_ids) :] = 1
+            length = len(t.response_ids)
+            response[row, :length] = torch.tensor(t.response_ids, dtype=torch.long)
+            response_attention[row, :length] = 1
+            response_mask[row, :length] = torch.tensor(t.response_mask)
+            log_probs[row, :length] = torch.tensor(t.log_probs)
+        attention_mask = torch.cat([prompt_mask, response_attention], dim=-1)
+        tensors = {
+            "prompts": prompt,
+            "responses": response,
+            "input_ids": torch.cat([prompt, response], dim=-1),
+            "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+            "response_mask": response_mask,
+        }
+        if self.settings.calculate_log_probs:
+            tensors["rollout_log_probs"] = log_probs * response_mask
+        non_tensor = {k: v for k, v in prompts.non_tensor_batch.items() if k not in AGENT_INPUT_KEYS}
+        non_tensor["__num_turns__"] = np.array([t.assistant_turns + t.user_turns + 1 for t in trajectories])
+        return DataProto.from_dict({k: v.to(device) for k, v in tensors.items()}, non_tensor)
+
+    @staticmethod
+    def _metrics(trajectories: list[Trajectory], out: DataProto, elapsed: float, mismatches: int) -> dict:
+        num = max(len(trajectories), 1)
+        trained = int(out.batch["response_mask"].sum())
+        calls = sum(t.tool_calls for t in trajectories)
+        return {
+            "timing_s/generate": elapsed,
+            "perf/rollout_tokens_per_s": trained / max(elapsed, 1e-9),
+            "multi_turn/assistant_turns_mean": sum(t.assistant_turns for t in trajectories) / num,
+            "multi_turn/tool_calls_per_trajectory": calls / num,
+            "multi_turn/tool_errors_per_trajectory": sum(t.tool_errors for t in trajectories) / num,
+            "multi_turn/tool_latency_s_mean": sum(t.tool_latency_s for t in trajectories) / max(calls, 1),
+            "multi_turn/truncated_ratio": sum(t.truncated for t in trajectories) / num,
+            "multi_turn/tokenization_mismatch_ratio": mismatches / num,
+        }

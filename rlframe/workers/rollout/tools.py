@@ -1,0 +1,439 @@
+"""Tools a policy can call during a multi-turn rollout, loaded the way verl's configs name them.
+
+Two kinds, as in verl 0.9.1:
+
+- **Class tools** (`rollout.multi_turn.tool_config_path`, verl's YAML: a `tools:` list of `class_name`,
+  `config`, `tool_schema`): a class with verl's lifecycle — `create(instance_id, create_kwargs=...)`,
+  `execute(instance_id, parameters) -> (response, step reward, metrics)`, `calc_reward`, `release`. Per-row
+  arguments come from the dataset's `extra_info.tools_kwargs[tool_name]` (`create_kwargs`, ...).
+  verl's own demo classes are mapped to rlframe's equivalents (`VERL_CLASS_EQUIVALENTS`).
+- **Function tools** (`rollout.multi_turn.function_tool_path`, a Python file): plain functions decorated
+  with `@function_tool`; the JSON schema comes from the type hints and the Google-style docstring
+  (transformers' `get_json_schema`, the same source as verl).
+
+`ToolRunner.call` runs one parsed call: an unknown tool, arguments that are not a JSON object, a tool that
+raises or that runs past `timeout_s` each become an error *message to the model* (and a count in the
+metrics), never an exception that stops the run. Long outputs are cut to `max_tool_response_length`
+characters on `tool_response_truncate_side` (left | middle | right), as verl does.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import json
+import operator
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+TOOL_CONFIG_KEY = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
+FUNCTION_TOOL_KEY = "actor_rollout_ref.rollout.multi_turn.function_tool_path"
+
+
+@dataclass
+class ToolResponse:
+    """What a tool gives back to the conversation (text only: rlframe trains text models)."""
+
+    text: str = ""
+
+
+@dataclass
+class ToolCallResult:
+    """One executed call: the text the model will read, the tool's step reward, and what went wrong."""
+
+    text: str
+    reward: float = 0.0
+    error: str | None = None  # unknown_tool | bad_arguments | raised | timeout
+    latency_s: float = 0.0
+
+
+class BaseTool:
+    """verl's tool lifecycle; subclass and override `execute` (and `create`/`calc_reward`/`release`)."""
+
+    def __init__(self, config: dict, tool_schema: dict | None):
+        self.config = dict(config or {})
+        self.tool_schema = tool_schema or self.default_schema()
+        if not self.tool_schema:
+            raise ValueError(f"{type(self).__name__}: no tool_schema given and the class has no default_schema()")
+        self.name = self.tool_schema["function"]["name"]
+
+    def default_schema(self) -> dict | None:
+        """The OpenAI function schema used when the config gives none."""
+        return None
+
+    async def create(self, instance_id: str | None = None, **kwargs) -> tuple[str, ToolResponse]:
+        return instance_id or uuid.uuid4().hex, ToolResponse()
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[Any, float, dict]:
+        raise NotImplementedError(f"{type(self).__name__}.execute")
+
+    async def calc_reward(self, instance_id: str, **kwargs) -> float:
+        return 0.0
+
+    async def release(self, instance_id: str, **kwargs) -> None:
+        return None
+
+
+@dataclass
+class FunctionTool:
+    """A plain (sync or async) function exposed as a tool; stateless, no lifecycle."""
+
+    name: str
+    fn: Callable[..., Any]
+    tool_schema: dict
+
+    async def call(self, parameters: dict[str, Any]) -> Any:
+        if inspect.iscoroutinefunction(self.fn):
+            return await self.fn(**parameters)
+        return await asyncio.to_thread(self.fn, **parameters)
+
+
+_FUNCTION_TOOLS: dict[str, FunctionTool] = {}
+
+
+def function_tool(name: str | Callable | None = None, *, schema: dict | None = None):
+    """Register a function as a tool: `@function_tool`, `@function_tool("name")` or with an explicit `schema`.
+
+    Without `schema` the function needs type hints and a Google-style docstring with an `Args:` block.
+    """
+
+    def register(fn: Callable, tool_name: str | None) -> Callable:
+        if schema is not None:
+            built = schema
+        else:
+            from transformers.utils import get_json_schema
+
+            built = get_json_schema(fn)
+        tool_name = tool_name or built["function"]["name"]
+        built = {**built, "function": {**built["function"], "name": tool_name}}
+        _FUNCTION_TOOLS[tool_name] = FunctionTool(tool_name, fn, built)
+        return fn
+
+    if callable(name):
+        return register(name, None)
+    return lambda fn: register(fn, name)
+
+
+# ----------------------------------------------------------------------------------------- built-in tools
+_OPERATORS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
+MAX_EXPONENT = 64  # keeps 9**9**9 from eating the worker
+
+
+def evaluate_arithmetic(expression: str) -> int | float:
+    """The value of an arithmetic expression (numbers, + - * / // % **, parentheses); anything else raises."""
+
+    def value(node: ast.AST):
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
+                raise ValueError(f"exponent {right} is too large (at most {MAX_EXPONENT})")
+            return _OPERATORS[type(node.op)](left, right)
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
+            return _OPERATORS[type(node.op)](value(node.operand))
+        raise ValueError(f"not an arithmetic expression: {ast.unparse(node)!r}")
+
+    return value(ast.parse(expression.strip(), mode="eval").body)
+
+
+class CalculatorTool(BaseTool):
+    """`calculator(expression)`: evaluates arithmetic exactly (integers stay integers)."""
+
+    def default_schema(self) -> dict:
+        return {
+            "type": "function",
+            "function": {
+                "name": "calculator",
+                "description": "Evaluate an arithmetic expression, e.g. '(12 + 7) * 3'.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"expression": {"type": "string", "description": "the expression"}},
+                    "required": ["expression"],
+                },
+            },
+        }
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[Any, float, dict]:
+        result = evaluate_arithmetic(str(parameters.get("expression", "")))
+        if isinstance(result, float) and result.is_integer():
+            result = int(result)
+        return ToolResponse(text=str(result)), 0.0, {}
+
+
+class PythonTool(BaseTool):
+    """`python(code)`: runs code in a fresh interpreter with CPU-time, memory and output limits.
+
+    The child gets an empty environment and a temporary working directory, in isolated mode (`-I`: no
+    site-packages of the user, no PYTHON* variables). It is a resource sandbox, not a security boundary:
+    without OS namespaces it can still open sockets; run untrusted policies in a container without network.
+    Limits come from the tool's `config`: `timeout_s` (default 5), `memory_mb` (256), `max_output_chars` (4096).
+    """
+
+    def default_schema(self) -> dict:
+        return {
+            "type": "function",
+            "function": {
+                "name": "python",
+                "description": "Run Python code and return what it prints.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"code": {"type": "string", "description": "the program"}},
+                    "required": ["code"],
+                },
+            },
+        }
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[Any, float, dict]:
+        import tempfile
+
+        timeout = float(self.config.get("timeout_s", 5))
+        memory = int(self.config.get("memory_mb", 256)) * 2**20
+        limit = int(self.config.get("max_output_chars", 4096))
+
+        def limits() -> None:  # runs in the child before exec
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_CPU, (int(timeout) + 1, int(timeout) + 1))
+            resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+            resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
+
+        with tempfile.TemporaryDirectory(prefix="rlframe_python_tool_") as cwd:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-I",
+                "-c",
+                str(parameters.get("code", "")),
+                cwd=cwd,
+                env={},
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                preexec_fn=limits,
+            )
+            try:
+                out, _ = await asyncio.wait_for(process.communicate(), timeout)
+            except asyncio.TimeoutError:
+                process.kill()
+                await process.wait()
+                return ToolResponse(text=f"error: the program ran longer than {timeout:g} s"), 0.0, {}
+        text = out.decode("utf-8", errors="replace")[:limit]
+        if process.returncode:
+            text += f"\n(exit status {process.returncode})"
+        return ToolResponse(text=text), 0.0, {}
+
+
+class Gsm8kAnswerTool(BaseTool):
+    """verl's GSM8K demo tool: the model submits an answer, the tool says whether it is right.
+
+    Reward: the GSM8K scorer (flexible, format score 0) of `#### <answer>` against `create_kwargs.ground_truth`;
+    the step reward is -0.05 when a submission does not improve on the previous one, as in verl's demo.
+    """
+
+    def __init__(self, config: dict, tool_schema: dict | None):
+        super().__init__(config, tool_schema)
+        self._instances: dict[str, dict] = {}
+
+    def default_schema(self) -> dict:
+        return {
+            "type": "function",
+            "function": {
+                "name": "calc_gsm8k_reward",
+                "description": "Check an answer to the math problem (1.0 if correct, else 0.0).",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"answer": {"type": "string", "description": "the answer, digits only"}},
+                    "required": ["answer"],
+                },
+            },
+        }
+
+    async def create(self, instance_id: str | None = None, **kwargs) -> tuple[str, ToolResponse]:
+        instance_id = instance_id or uuid.uuid4().hex
+        truth = kwargs.get("ground_truth", kwargs.get("create_kwargs", {}).get("ground_truth"))
+        self._instances[instance_id] = {"answer": "", "ground_truth": truth, "reward": 0.0}
+        return instance_id, ToolResponse()
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[Any, float, dict]:
+        answer = str(parameters.get("answer", ""))
+        state = self._instances[instance_id]
+        state["answer"] = answer if answer.startswith("#### ") else f"#### {answer}"
+        reward = await self.calc_reward(instance_id)
+        step_reward = 0.0 if reward > state["reward"] else -0.05
+        state["reward"] = reward
+        return ToolResponse(text=f"Current parsed answer={answer!r} reward={reward}"), step_reward, {}
+
+    async def calc_reward(self, instance_id: str, **kwargs) -> float:
+        from rlframe.reward.scorers import gsm8k_score
+
+        state = self._instances[instance_id]
+        return float(gsm8k_score(state["answer"], str(state["ground_truth"]), method="flexible"))
+
+    async def release(self, instance_id: str, **kwargs) -> None:
+        self._instances.pop(instance_id, None)
+
+
+BUILTIN_TOOLS = {
+    "rlframe.workers.rollout.tools.CalculatorTool": CalculatorTool,
+    "rlframe.workers.rollout.tools.PythonTool": PythonTool,
+    "rlframe.workers.rollout.tools.Gsm8kAnswerTool": Gsm8kAnswerTool,
+}
+# verl's demo tool classes (verl is not a dependency) -> rlframe's tool with the same behaviour
+VERL_CLASS_EQUIVALENTS = {"verl.tools.gsm8k_tool.Gsm8kTool": Gsm8kAnswerTool}
+
+
+# ----------------------------------------------------------------------------------------- loading
+def _import_class(class_name: str, where: str):
+    if class_name in BUILTIN_TOOLS:
+        return BUILTIN_TOOLS[class_name]
+    if class_name in VERL_CLASS_EQUIVALENTS:
+        return VERL_CLASS_EQUIVALENTS[class_name]
+    module_name, _, attr = class_name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as err:
+        known = sorted([*BUILTIN_TOOLS, *VERL_CLASS_EQUIVALENTS])
+        raise ValueError(
+            f"{where}: class_name {class_name!r} cannot be imported ({err}); give an importable "
+            f"module.Class, or one of {known}"
+        ) from None
+
+
+def load_tool_config(path: str) -> list[BaseTool]:
+    """Instantiate the tools of a verl-format tool config YAML."""
+    import yaml
+
+    where = f"{TOOL_CONFIG_KEY}={path}"
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{where}: no such file")
+    with open(path) as handle:
+        spec = yaml.safe_load(handle) or {}
+    entries = spec.get("tools")
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"{where}: expected a top-level `tools:` list of {{class_name, config, tool_schema}}")
+    tools = []
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict) or "class_name" not in entry:
+            raise ValueError(f"{where}: tools[{index}] has no class_name")
+        config = dict(entry.get("config") or {})
+        kind = config.get("type", "native")
+        if kind != "native":
+            raise ValueError(f"{where}: tools[{index}].config.type={kind!r}; only 'native' tools are supported")
+        tool_class = _import_class(str(entry["class_name"]), f"{where}: tools[{index}]")
+        tools.append(tool_class(config, entry.get("tool_schema")))
+    return tools
+
+
+def load_function_tools(path: str) -> list[FunctionTool]:
+    """Run a Python file and return the tools its `@function_tool` decorators registered."""
+    where = f"{FUNCTION_TOOL_KEY}={path}"
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{where}: no such file")
+    before = set(_FUNCTION_TOOLS)
+    name = "rlframe_function_tools_" + "".join(c if c.isalnum() else "_" for c in os.path.abspath(path))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    found = [tool for key, tool in _FUNCTION_TOOLS.items() if key not in before or tool.fn.__module__ == name]
+    if not found:
+        raise ValueError(f"{where}: the file registers no tool; decorate functions with @function_tool")
+    return found
+
+
+def load_tools(tool_config_path: str | None, function_tool_path: str | None) -> dict[str, BaseTool | FunctionTool]:
+    """Every configured tool by name; two tools with one name are refused."""
+    tools: list = []
+    if tool_config_path:
+        tools += load_tool_config(tool_config_path)
+    if function_tool_path:
+        tools += load_function_tools(function_tool_path)
+    by_name: dict[str, BaseTool | FunctionTool] = {}
+    for tool in tools:
+        if tool.name in by_name:
+            raise ValueError(
+                f"two tools are named {tool.name!r} ({TOOL_CONFIG_KEY} / {FUNCTION_TOOL_KEY}); names must be unique"
+            )
+        by_name[tool.name] = tool
+    return by_name
+
+
+# ----------------------------------------------------------------------------------------- running
+def truncate(text: str, limit: int, side: str) -> str:
+    """verl's cut of a long tool response: keep `limit` characters on the given side(s)."""
+    if len(text) <= limit:
+        return text
+    if side == "left":
+        return "(truncated)..." + text[-limit:]
+    if side == "right":
+        return text[:limit] + "...(truncated)"
+    half = limit // 2
+    return text[:half] + "...(truncated)..." + text[-half:]
+
+
+@dataclass
+class ToolRunner:
+    """Executes parsed tool calls for one trajectory's turn, turning every failure into a message."""
+
+    tools: dict[str, BaseTool | FunctionTool]
+    timeout_s: float
+    max_response_chars: int
+    truncate_side: str = "middle"
+    stats: dict[str, float] = field(default_factory=dict)
+
+    async def call(self, name: str, arguments: str, tools_kwargs: dict) -> ToolCallResult:
+        """Run one call; never raises for the tool's or the model's mistakes."""
+        start = time.perf_counter()
+        result = await self._call(name, arguments, tools_kwargs)
+        result.latency_s = time.perf_counter() - start
+        result.text = truncate(result.text, self.max_response_chars, self.truncate_side)
+        return result
+
+    async def _call(self, name: str, arguments: str, tools_kwargs: dict) -> ToolCallResult:
+        tool = self.tools.get(name)
+        if tool is None:
+            known = sorted(self.tools)
+            return ToolCallResult(f"Unknown function {name!r}. Available tools: {known}", error="unknown_tool")
+        try:
+            parameters = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except json.JSONDecodeError as err:
+            return ToolCallResult(f"Invalid JSON in arguments for {name!r}: {err}", error="bad_arguments")
+        if not isinstance(parameters, dict):
+            return ToolCallResult(f"Arguments for {name!r} must be a JSON object", error="bad_arguments")
+        try:
+            return await asyncio.wait_for(self._execute(tool, parameters, tools_kwargs.get(name, {})), self.timeout_s)
+        except asyncio.TimeoutError:
+            return ToolCallResult(f"Error: tool {name!r} timed out after {self.timeout_s:g} s", error="timeout")
+        except Exception as err:  # the tool's own bug or a bad argument value: the model reads it
+            return ToolCallResult(f"Error executing tool {name!r}: {type(err).__name__}: {err}", error="raised")
+
+    @staticmethod
+    async def _execute(tool, parameters: dict, kwargs: dict) -> ToolCallResult:
+        if isinstance(tool, FunctionTool):
+            raw = await tool.call(parameters)
+            return ToolCallResult(raw.text if isinstance(raw, ToolResponse) else str(raw))
+        instance_id, _ = await tool.create(create_kwargs=kwargs.get("create_kwargs", {}))
+        try:
+            response, reward, _ = await tool.execute(instance_id, parameters, **kwargs.get("execute_kwargs", {}))
+        finally:
+            await tool.release(instance_id)
+        text = response.text if isinstance(response, ToolResponse) else str(response)
+        return ToolCallResult(text or "", float(reward or 0.0))
