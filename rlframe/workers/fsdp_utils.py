@@ -136,8 +136,9 @@ def _wrap_fsdp2(model, spec, mesh, device_type):
     if spec.param_offload:
         # pin_memory needs a GPU; on CPU the policy still keeps the gathered copies off the "device"
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type == "cuda")
-    if device_type == "cuda" and not spec.param_offload:
-        model.to(torch.device("cuda", torch.cuda.current_device()))
+    # The model stays where it was loaded (CPU): each fully_shard call moves the states it manages to
+    # the mesh's device before sharding them (torch/distributed/fsdp/_fully_shard/_fsdp_init.py,
+    # `_move_states_to_device`), so the peak is one layer unsharded, not the whole fp32 model per GPU.
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
@@ -185,7 +186,9 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     if isinstance(model, FSDP):
         return model.clip_grad_norm_(max_norm)
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    # FSDP2: the norm of sharded grads is a DTensor whose reduction runs on the mesh's backend; under
+    # param_offload the grads (and so the norm) live on the CPU, which nccl does not take.
+    norm = on_mesh_device(torch.nn.utils.get_total_norm([p.grad for p in params]))
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return norm
@@ -194,9 +197,22 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """A CPU copy of the unsharded parameters (every rank calls; every rank gets them)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
 
     if not dist.is_initialized() or not _is_fsdp(model):
         return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+def on_mesh_device(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor moved to its mesh's device type when its local shard is elsewhere; anything else as is.
+
+    FSDP2's CPUOffloadPolicy keeps shards on the CPU while the mesh (and its nccl group) is CUDA: a
+    collective on such a DTensor (`full_tensor`, a norm's reduction) must run on a CUDA copy.
+    """
+    mesh = getattr(tensor, "device_mesh", None)
+    if mesh is None or tensor.device.type == mesh.device_type:
+        return tensor
+    return tensor.to(mesh.device_type)
+
+
     # FSDP1's CPU-offload gather crashes on CPU (docs/fsdp_engine.md): gather first, then move.
     options = StateDictOptions(full_state_dict=True, cpu_offload=False)
     return {k: v.detach().cpu() for k, v in get_model_state_dict(model, options=options).items()}
@@ -214,7 +230,7 @@ def iter_full_params(model: nn.Module):
         yield from full_state_dict(model).items()
         return
     for name, tensor in model.state_dict().items():
-        yield name, (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
+        yield name, (on_mesh_device(tensor).full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
 
 
 def _is_fsdp(model: nn.Module) -> bool:
@@ -223,12 +239,31 @@ def _is_fsdp(model: nn.Module) -> bool:
     return isinstance(model, FSDP) or any(hasattr(p, "device_mesh") for p in model.parameters())
 
 
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: str | torch.device) -> None:
-    """Move optimizer state tensors (optimizer_offload): to CPU after a step, back before the next."""
-    for state in optimizer.state.values():
+def optimizer_state_device(param: torch.Tensor, target: str | int | torch.device) -> torch.device:
+    """Where one parameter's optimizer state goes when it is moved to `target` (optimizer_offload).
+
+    Adam's step runs where the parameter and its grad are: a parameter kept on the CPU by param_offload
+    keeps its state on the CPU too, or the step would mix devices.
+    """
+    target = torch.device("cuda", target) if isinstance(target, int) else torch.device(target)
+    return param.device if target.type != "cpu" and param.device.type == "cpu" else target
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: str | int | torch.device) -> None:
+    """Move optimizer state tensors (optimizer_offload): to CPU after a step, back before the next.
+
+    A device-to-host copy with non_blocking returns before the data has arrived, so the offload waits
+    for it: a checkpoint may read the state right after.
+    """
+    copied_from_cuda = False
+    for param, state in optimizer.state.items():
+        target = optimizer_state_device(param, device)
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and key != "step":
-                state[key] = value.to(device, non_blocking=True)
+            if isinstance(value, torch.Tensor) and key != "step" and value.device != target:
+                copied_from_cuda |= value.is_cuda and target.type == "cpu"
+                state[key] = value.to(target, non_blocking=True)
+    if copied_from_cuda:
+        torch.cuda.synchronize()
 
 
 def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
