@@ -218,6 +218,9 @@ def _create_workers(pool: RayResourcePool, cls_with_init: RayClassWithInitArgs) 
             env = {
                 "RANK": len(workers),
                 "WORLD_SIZE": pool.world_size,
+                # torchrun's meaning: the process's index on its node, not a CUDA device index (Ray
+                # narrows each worker to one visible GPU, index 0); the vLLM rollout sets LOCAL_RANK to
+                # its visible device while building its engine (vllm_rollout.engine_environment)
                 "LOCAL_RANK": local_rank,
                 "LOCAL_WORLD_SIZE": count,
                 "MASTER_ADDR": master_addr,

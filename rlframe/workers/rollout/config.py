@@ -39,7 +39,8 @@ RLFRAME_OWNED_VLLM_ARGS = {
     "enable_sleep_mode": f"{ROLLOUT}.free_cache_engine",
     "trust_remote_code": "actor_rollout_ref.model.trust_remote_code",
     "hf_overrides": "actor_rollout_ref.model.override_config (actor and engine must be the same model)",
-    "logprobs_mode": f"nothing: {ROLLOUT}.calculate_log_probs returns the sampled tokens' raw log-probs",
+    "logprobs_mode": f"nothing: {ROLLOUT}.calculate_log_probs returns the sampling distribution's log-probs",
+    "disable_custom_all_reduce": "nothing: each process sees one GPU, where vLLM's custom all-reduce cannot run",
     "max_model_len": f"{ROLLOUT}.max_model_len (checked against the model's max_position_embeddings)",
     "max_num_batched_tokens": f"{ROLLOUT}.max_num_batched_tokens (raised with chunked prefill off, as verl does)",
 }
@@ -234,6 +235,13 @@ class RolloutConfig(Section):
     def check(self, path: str, root: Any) -> None:
         # the engine-independent values the workers read, checked here so that they fail before Ray starts
         RolloutSettings.from_config(self)
+        if self.name == "vllm":  # vLLM's own sampling limits, before Ray rather than at the first generation
+            from rlframe.workers.rollout.vllm_rollout import check_vllm_temperature
+
+            if self.do_sample:
+                check_vllm_temperature(self.temperature, f"{path}.temperature")
+            if self.val_kwargs.do_sample:
+                check_vllm_temperature(self.val_kwargs.temperature, f"{path}.val_kwargs.temperature")
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = micro_batch_inactive(root, ACTOR_KEYS.forward, "old log-prob")
