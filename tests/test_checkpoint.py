@@ -18,6 +18,7 @@ import pytest
 import torch
 from fsdp_harness import free_port
 
+from rlframe.utils.manifest import write_manifest
 from rlframe.workers import checkpoint as ckpt
 from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, build_fsdp_mesh, load_hf_model, wrap_fsdp
 
@@ -410,6 +411,7 @@ def test_crafted_data_pt_is_refused_before_any_worker_loads(tmp_path):
     checkpointer.save(1, _RecordingGroup(), None, _Loader({}), {"global_step": 1})
     marker = tmp_path / "pwned"
     torch.save({"dataloader": {}, "driver": _RunsCode(str(marker))}, tmp_path / "global_step_1" / "data.pt")
+    write_manifest(str(tmp_path / "global_step_1"))  # whoever can write the folder can rewrite its manifest
     actor = _RecordingGroup()
     with pytest.raises(pickle.UnpicklingError, match=r"global_step_1/data.pt is not plain data"):
         checkpointer.maybe_resume(actor, None, _Loader(None))

@@ -1,8 +1,11 @@
-"""Trainer checkpoints: `global_step_N/` with actor, critic, dataloader and driver state.
+"""Trainer checkpoints: `global_step_N/` with actor, critic, dataloader and driver state, and a manifest.
 
-Nothing is lost (docs/architecture.md, invariant 4): a step is written into `global_step_N.tmp`, renamed to
-`global_step_N` when complete, and only then is `latest_checkpointed_iteration.txt` rewritten
-(itself through a temporary file). A crash at any point leaves the previous checkpoint as latest.
+Nothing is lost (docs/architecture.md, invariant 4; docs/reliability.md). A step is written into
+`global_step_N.tmp`; `manifest.json` (every file's size and SHA-256) is written last; the folder is
+renamed to `global_step_N`; only then is `latest_checkpointed_iteration.txt` rewritten (through a
+temporary file). Resuming takes the newest `global_step_N` whose files match its manifest; a
+folder that does not (truncated or corrupted shard, interrupted save, lost file) is skipped with a
+warning naming the file, and the previous complete checkpoint is used.
 
 `data.pt` holds the dataloader's `state_dict()` and the driver state as tensors and plain
 containers only; it is read with `torch.load(weights_only=True)`, so a crafted file cannot run code.
@@ -10,6 +13,8 @@ containers only; it is read with `torch.load(weights_only=True)`, so a crafted f
 
 from __future__ import annotations
 
+import errno
+import logging
 import numbers
 import os
 import pickle
@@ -19,10 +24,19 @@ import shutil
 import numpy as np
 import torch
 
+from rlframe.utils.faults import kill_point
+from rlframe.utils.manifest import CorruptCheckpointError, verify_manifest, write_manifest
+
+logger = logging.getLogger(__name__)
+
 LATEST = "latest_checkpointed_iteration.txt"
 DATA_FILE = "data.pt"
 RESUME_MODES = ("auto", "disable", "resume_path")
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+class CheckpointSaveError(RuntimeError):
+    """Saving a step failed (e.g. the disk is full); the previous checkpoint is untouched and still the latest."""
 
 
 class TrainerCheckpointer:
@@ -39,20 +53,50 @@ class TrainerCheckpointer:
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, actor_wg, critic_wg, dataloader, driver_state: dict) -> str:
+        """Write step `step` completely or not at all; a failure leaves the previous checkpoint as latest."""
         final = os.path.join(self.root, f"global_step_{step}")
         tmp = final + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        actor_wg.save_checkpoint(os.path.join(tmp, "actor"))
-        if critic_wg is not None:
-            critic_wg.save_checkpoint(os.path.join(tmp, "critic"))
-        data = {"dataloader": dataloader.state_dict(), "driver": driver_state}
-        torch.save(plain_data(data, "data.pt"), os.path.join(tmp, DATA_FILE))
+        data = plain_data({"dataloader": dataloader.state_dict(), "driver": driver_state}, DATA_FILE)
+        try:
+            self._write_step(tmp, actor_wg, critic_wg, data)
+        except Exception as error:
+            shutil.rmtree(tmp, ignore_errors=True)  # frees the space a full disk needs back
+            raise CheckpointSaveError(self._save_failure(step, tmp, error)) from error
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+        kill_point("save.renamed")
         self._write_latest(step)
+        kill_point("save.latest")
         self._prune()
         return final
+
+    def _write_step(self, tmp: str, actor_wg, critic_wg, data: dict) -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        kill_point("save.begin")
+        actor_wg.save_checkpoint(os.path.join(tmp, "actor"))
+        kill_point("save.actor")
+        if critic_wg is not None:
+            critic_wg.save_checkpoint(os.path.join(tmp, "critic"))
+            kill_point("save.critic")
+        torch.save(data, os.path.join(tmp, DATA_FILE))
+        kill_point("save.data")
+        write_manifest(tmp)  # last: a folder with a manifest was complete
+        kill_point("save.manifest")
+
+    def _save_failure(self, step: int, tmp: str, error: BaseException) -> str:
+        """The message of a failed save: the cause (disk full named as such) and which checkpoint is still latest."""
+        latest = self._pointer_step()
+        kept = (
+            f"the previous checkpoint global_step_{latest} is intact and still the latest"
+            if latest is not None
+            else "no earlier checkpoint exists"
+        )
+        if _disk_full(error):
+            cause = f"no space left on the device of {self.root} (trainer.default_local_dir)"
+        else:
+            cause = f"{type(error).__name__}: {error}"
+        return f"cannot save checkpoint global_step_{step} (written to {tmp}, now removed): {cause}; {kept}"
 
     def _write_latest(self, step: int) -> None:
         path = os.path.join(self.root, LATEST)
@@ -74,32 +118,59 @@ class TrainerCheckpointer:
                 shutil.rmtree(os.path.join(self.root, f"global_step_{step}", "critic"), ignore_errors=True)
 
     def saved_steps(self) -> list[int]:
+        """Steps with a `global_step_N` folder, oldest first (complete or not)."""
         if not os.path.isdir(self.root):
             return []
         return sorted(int(m.group(1)) for name in os.listdir(self.root) if (m := _STEP_DIR.match(name)))
 
     # ------------------------------------------------------------------ resume
-    def latest_path(self) -> str | None:
-        path = os.path.join(self.root, LATEST)
-        if not os.path.isfile(path):
+    def _pointer_step(self) -> int | None:
+        """The step `latest_checkpointed_iteration.txt` names (verl's pointer), or None."""
+        try:
+            with open(os.path.join(self.root, LATEST)) as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
             return None
-        with open(path) as f:
-            step = int(f.read().strip())
-        folder = os.path.join(self.root, f"global_step_{step}")
-        return folder if os.path.isdir(folder) else None
+
+    def latest_path(self) -> str | None:
+        """The newest complete checkpoint (its files match its manifest); incomplete newer ones are logged."""
+        skipped = []
+        for step in reversed(self.saved_steps()):
+            folder = os.path.join(self.root, f"global_step_{step}")
+            try:
+                verify_manifest(folder)
+            except CorruptCheckpointError as error:
+                logger.warning("skipping checkpoint %s: %s", folder, error)
+                skipped.append(f"{folder}: {error}")
+                continue
+            if skipped:
+                logger.warning("falling back to the previous complete checkpoint %s", folder)
+            return folder
+        if skipped:
+            raise CorruptCheckpointError(
+                f"no complete checkpoint under {self.root} (trainer.default_local_dir) to resume from; "
+                "refusing to start over it (set trainer.resume_mode=disable to start a fresh run):\n  "
+                + "\n  ".join(skipped)
+            )
+        return None
+
+    def resume_folder(self) -> str | None:
+        """The folder the resume mode asks for, verified against its manifest; None for a fresh start."""
+        if self.resume_mode == "disable":
+            return None
+        if self.resume_mode == "auto":
+            return self.latest_path()
+        folder = str(self.resume_from_path)
+        if not os.path.isdir(folder):
+            raise ValueError(f"trainer.resume_from_path={folder!r} does not exist")
+        verify_manifest(folder)  # an explicit choice: no fallback, the error names the file
+        return folder
 
     def maybe_resume(self, actor_wg, critic_wg, dataloader) -> dict | None:
         """Load the checkpoint the resume mode asks for; returns the driver state, or None for a fresh start."""
-        if self.resume_mode == "disable":
-            return None
-        folder = self.latest_path() if self.resume_mode == "auto" else str(self.resume_from_path)
+        folder = self.resume_folder()
         if folder is None:
             return None
-        if not os.path.isfile(os.path.join(folder, DATA_FILE)):
-            raise ValueError(
-                f"trainer.resume_from_path={folder!r} is not a complete checkpoint "
-                f"(expected {os.path.join(folder, DATA_FILE)})"
-            )
         state = load_data(os.path.join(folder, DATA_FILE))  # before the workers: a refused file stops here
         print(f"[rlframe] resuming from {folder}", flush=True)
         actor_wg.load_checkpoint(os.path.join(folder, "actor"))
@@ -107,6 +178,18 @@ class TrainerCheckpointer:
             critic_wg.load_checkpoint(os.path.join(folder, "critic"))
         dataloader.load_state_dict(state["dataloader"])
         return state["driver"]
+
+
+def _disk_full(error: BaseException) -> bool:
+    """Whether `error` (or a cause, or a worker's traceback text) is ENOSPC."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(seen):  # a worker's error arrives as its traceback's text
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def plain_data(value, where: str):

@@ -4,11 +4,13 @@ Layout of `<dir>/`:
 
 - `model/`, `optimizer/`: DCP folders (`.metadata` + `__<rank>_0.distcp`). Every rank writes only its
   own shards (no full gather); any world size, FSDP1, FSDP2, HSDP or a plain module reads them back,
-  DCP re-slicing the saved shards onto the new layout.
+  DCP re-slicing the saved shards onto the new layout. With LoRA, `model/` holds the adapter alone
+  (the frozen base is re-read from model.path) and `optimizer/` the adapter's state.
 - `extra_state/rank_<r>.pt`: per rank, the RNG states (torch, CUDA, numpy, `random`, the mini-batch
   shuffle generator) and the lr scheduler, as tensors and plain containers only. Resuming at another
   world size, rank r takes the file of saved rank `r % saved_world_size`.
-- `huggingface/` (with `hf_model` in save_contents): `save_pretrained` of the full model + tokenizer.
+- `huggingface/` (with `hf_model` in save_contents): `save_pretrained` of the full model + tokenizer;
+  with LoRA the merged model, and the PEFT adapter in `huggingface/lora_adapter/`.
 
 Nothing in a checkpoint is loaded by code that can execute it: extra state goes through
 `torch.load(weights_only=True)`, DCP's tensors too, and DCP's two pickles (the `.metadata` index and
@@ -32,10 +34,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 from rlframe.config.checks import SAVE_CONTENTS
+from rlframe.utils.faults import kill_point
 from rlframe.workers.fsdp_utils import full_state_dict
+from rlframe.workers.lora import checkpoint_options, export_lora_hf, is_lora
 
 MODEL_DIR, OPTIMIZER_DIR, EXTRA_DIR, HF_DIR = "model", "optimizer", "extra_state", "huggingface"
 METADATA = ".metadata"
@@ -128,8 +133,31 @@ class _MetadataUnpickler(pickle.Unpickler):
         )
 
 
+class _NamedFiles(FileSystem):
+    """DCP's local file system; a failed read names its file, and each written file is a kill point."""
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+        except pickle.UnpicklingError as e:
+            raise pickle.UnpicklingError(f"{path} is not plain data; refusing to load it: {e}") from e
+        except Exception as e:
+            if "r" not in mode:
+                raise
+            raise RuntimeError(f"cannot read {path}: {type(e).__name__}: {e}") from e
+        if "w" in mode:
+            kill_point("checkpoint.file")
+
+
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's FileSystemReader with the `.metadata` index read by `_MetadataUnpickler`, not `pickle.load`."""
+    """DCP's FileSystemReader with the `.metadata` index read by `_MetadataUnpickler`, not `pickle.load`,
+    and read failures naming the shard file."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.fs = _NamedFiles()
 
     def read_metadata(self, *args, **kwargs):
         from torch.distributed.checkpoint.metadata import StorageMeta
@@ -177,8 +205,10 @@ def _dcp_errors(action: str, folder: str):
 
 
 def _dcp_save(state: dict, folder: str, no_dist: bool) -> None:
+    writer = FileSystemWriter(folder)
+    writer.fs = _NamedFiles()
     with _dcp_errors("save", folder):
-        dcp.save(state, checkpoint_id=folder, no_dist=no_dist)
+        dcp.save(state, storage_writer=writer, no_dist=no_dist)
 
 
 def _dcp_load(state: dict, folder: str, no_dist: bool) -> None:
@@ -238,7 +268,8 @@ def save_checkpoint(
     _barrier()
     no_dist = not _distributed()
     if "model" in save_contents:
-        _dcp_save(get_model_state_dict(model), os.path.join(path, MODEL_DIR), no_dist)
+        state = get_model_state_dict(model, options=checkpoint_options(model))  # with LoRA: the adapter only
+        _dcp_save(state, os.path.join(path, MODEL_DIR), no_dist)
     if "optimizer" in save_contents and optimizer is not None:
         _dcp_save(get_optimizer_state_dict(model, optimizer), os.path.join(path, OPTIMIZER_DIR), no_dist)
     if "extra" in save_contents:
@@ -261,6 +292,7 @@ def _save_extra(path: str, rank: int, world_size: int, lr_scheduler, generator) 
     tmp = f"{file}.tmp.{os.getpid()}"
     torch.save(extra, tmp)
     os.replace(tmp, file)
+    kill_point("checkpoint.file")
 
 
 # ---------------------------------------------------------------- load
@@ -315,9 +347,10 @@ def load_checkpoint(
         _require(os.path.join(optim_dir, METADATA), path)
     no_dist = not _distributed()
     if "model" in load_contents:
-        state = get_model_state_dict(model)  # this rank's shards, filled in place by DCP
+        options = checkpoint_options(model)  # with LoRA: the adapter only
+        state = get_model_state_dict(model, options=options)  # this rank's shards, filled in place by DCP
         _dcp_load(state, model_dir, no_dist)
-        set_model_state_dict(model, state)
+        set_model_state_dict(model, state, options=options)
     if "optimizer" in load_contents and optimizer is not None and os.path.isdir(optim_dir):
         state = get_optimizer_state_dict(model, optimizer)
         _dcp_load(state, optim_dir, no_dist)
@@ -366,6 +399,9 @@ def export_hf(out_dir: str, model: nn.Module, tokenizer=None, rank: int = 0) -> 
     """`save_pretrained` of the full (gathered) model on rank 0, written to a temp dir then renamed."""
     state = full_state_dict(model)  # collective: every rank takes part
     if rank != 0:
+        return
+    if is_lora(model):  # the merged model, and the adapter in lora_adapter/
+        export_lora_hf(out_dir, model, state, tokenizer)
         return
     inner = getattr(model, "module", model)  # FSDP1 wraps; FSDP2 does not
     tmp = f"{out_dir}.tmp.{os.getpid()}"
