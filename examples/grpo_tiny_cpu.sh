@@ -19,5 +19,7 @@ RUN_DIR="${RUN_DIR:-checkpoints/rlframe/tiny_grpo}"
     trainer.n_gpus_per_node=2 trainer.device=cpu \
     trainer.total_training_steps=100 trainer.test_freq=25 \
     trainer.logger=[jsonl] trainer.resume_mode=disable \
-    trainer.default_local_dir="$RUN_DIR" "$@"
+    trainer.default_local_dir="$RUN_DIR" trainer.rollout_data_dir="$RUN_DIR/rollouts" "$@"
 "$PYTHON" "$(dirname "${BASH_SOURCE[0]}")/../scripts/summarize_run.py" "$RUN_DIR"
+"$PYTHON" -m rlframe.cli plot "$RUN_DIR" -o "$RUN_DIR/curves.png"
+echo "a page with the curves, the config and rollout samples: rlframe report $RUN_DIR"

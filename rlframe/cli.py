@@ -1,4 +1,4 @@
-"""The `rlframe` command: `train`, `explain`, `make-tiny-model`.
+"""The `rlframe` command: `train`, `explain`, `make-tiny-model`, `plot`, `report`, `compare`.
 
 Each subcommand forwards its arguments to the module that owns it, imported only when used, so
 `rlframe explain` never imports Ray or torch's distributed stack.
@@ -15,6 +15,11 @@ commands:
   explain KEY=VALUE ...      print the batch plan of a config, its keys in effect and ignored, and
                              with --lengths uniform|bimodal|FILE a balancing/micro-batching simulation
   make-tiny-model OUT_DIR    write a tiny random-init model and tokenizer (no downloads)
+  plot RUN_DIR [RUN_DIR ...] [-o OUT.png] [--smooth N] [--metrics PATTERN]
+                             one PNG of a run's standard panels (several runs overlaid)
+  report RUN_DIR [-o OUT.html]
+                             one self-contained HTML page: curves, config, batch plan, rollout samples
+  compare RUN_A RUN_B        the config keys two runs differ in, and their final and best metrics
 
 `rlframe COMMAND --help` for the options of one command."""
 
@@ -39,7 +44,26 @@ def _make_tiny_model(args: list[str]) -> int:
     return 0
 
 
+def _plot(args: list[str]) -> int:
+    from rlframe.viz.plot import main as plot_main
+
+    return plot_main(args)
+
+
+def _report(args: list[str]) -> int:
+    from rlframe.viz.report import main as report_main
+
+    return report_main(args)
+
+
+def _compare(args: list[str]) -> int:
+    from rlframe.viz.compare import main as compare_main
+
+    return compare_main(args)
+
+
 COMMANDS = {"train": _train, "explain": _explain, "make-tiny-model": _make_tiny_model}
+COMMANDS.update({"plot": _plot, "report": _report, "compare": _compare})
 
 
 def main(argv: list[str] | None = None) -> int:

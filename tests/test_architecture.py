@@ -20,6 +20,7 @@ LAYERS = [
     "workers",
     "trainer",
     "explain",
+    "viz",
     "cli",
 ]
 

@@ -24,6 +24,10 @@ class Worker:
     single process.
     """
 
+    def __repr__(self) -> str:
+        # Ray prefixes what a worker prints with its repr: "(ColocatedWorker rank 1 pid=...)" names the rank
+        return f"{type(self).__name__} rank {self.rank}"
+
     @property
     def rank(self) -> int:
         """Global rank of this process in its worker group."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -50,8 +51,18 @@ class WorkerGroups:
             ray.shutdown()
 
 
-def create_worker_groups(cfg: DictConfig, plan: BatchPlan, total_training_steps: int) -> WorkerGroups:
-    """Actor/rollout(/ref), critic and reward model share each worker process; models are built here."""
+# Set on the workers unless --verbose: no "Loading weights" bars, transformers' errors only. Errors,
+# tracebacks and anything a worker prints still reach the console, prefixed with the worker's rank.
+QUIET_WORKER_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+
+
+def create_worker_groups(
+    cfg: DictConfig, plan: BatchPlan, total_training_steps: int, verbose: bool = False
+) -> WorkerGroups:
+    """Actor/rollout(/ref), critic and reward model share each worker process; models are built here.
+
+    Unless `verbose`, Ray's own start-up messages below ERROR and the workers' loading bars are muted.
+    """
     import ray
 
     from rlframe.single_controller.ray import (
@@ -69,7 +80,8 @@ def create_worker_groups(cfg: DictConfig, plan: BatchPlan, total_training_steps:
     init_ray(
         address=cfg.trainer.ray_init.address,
         num_cpus=_num_cpus_for_local_ray(cfg, plan.world_size, device_type),
-        runtime_env={"env_vars": worker_env()},
+        runtime_env={"env_vars": {**worker_env(), **({} if verbose else QUIET_WORKER_ENV)}},
+        logging_level=logging.INFO if verbose else logging.ERROR,  # Ray's driver-side logger
     )
     pool = RayResourcePool([int(cfg.trainer.n_gpus_per_node)] * int(cfg.trainer.nnodes), use_gpu=device_type == "cuda")
     config = OmegaConf.to_container(cfg)

@@ -139,12 +139,18 @@ def prepare(overrides: list[str]) -> PreparedRun:
     )
 
 
-def train(run: PreparedRun) -> dict:
-    """Save and print the resolved config, create the worker groups and run the trainer."""
+def train(run: PreparedRun, verbose: bool = False, print_config: bool = False) -> dict:
+    """Save the resolved config (print it too with `print_config`), create the worker groups and run the trainer.
+
+    `verbose` lets Ray's start-up messages and the workers' loading bars through (`docs/seeing_a_run.md`).
+    """
     cfg = run.cfg
     os.makedirs(cfg.trainer.default_local_dir, exist_ok=True)
-    OmegaConf.save(cfg, os.path.join(cfg.trainer.default_local_dir, "config.yaml"))
-    print(OmegaConf.to_yaml(cfg), flush=True)
+    config_path = os.path.join(cfg.trainer.default_local_dir, "config.yaml")
+    OmegaConf.save(cfg, config_path)
+    if print_config or verbose:
+        print(OmegaConf.to_yaml(cfg), flush=True)
+    print(f"[rlframe] resolved config saved to {config_path} (--print-config shows it here)", flush=True)
     for name, loader in (("train", run.train_loader), ("val", run.val_loader)):
         dataset = loader.dataset
         print(
@@ -153,7 +159,7 @@ def train(run: PreparedRun) -> dict:
             flush=True,
         )
     print(f"[rlframe] {run.total_steps} training steps; run folder {cfg.trainer.default_local_dir}", flush=True)
-    groups = create_worker_groups(cfg, run.plan, run.schedule_steps)
+    groups = create_worker_groups(cfg, run.plan, run.schedule_steps, verbose=verbose)
     try:
         return RayPPOTrainer(run, groups).fit()
     finally:
@@ -174,16 +180,29 @@ def configure_logging() -> None:
     logger.setLevel(logging.INFO)
 
 
+CONSOLE_FLAGS = ("--verbose", "--print-config")
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Hydra-style `key=value` overrides on the command line."""
-    overrides = sys.argv[1:] if argv is None else list(argv)
-    if any(arg in ("-h", "--help") for arg in overrides):
+    """Hydra-style `key=value` overrides on the command line, plus the console flags."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if any(arg in ("-h", "--help") for arg in args):
         print(
-            "usage: python -m rlframe.trainer.main_ppo KEY=VALUE ...   (or: rlframe train KEY=VALUE ...)\n"
+            "usage: python -m rlframe.trainer.main_ppo [--verbose] [--print-config] KEY=VALUE ...\n"
+            "       (or: rlframe train ...)\n"
             f"keys and their defaults: {os.path.join(config_dir(), 'ppo_trainer.yaml')}\n"
-            "to see how a config's batch flows to each GPU: rlframe explain KEY=VALUE ..."
+            "to see how a config's batch flows to each GPU: rlframe explain KEY=VALUE ...\n"
+            "  --print-config  print the resolved config (it is always saved to the run folder's config.yaml)\n"
+            "  --verbose       also Ray's start-up messages and the workers' loading bars (implies --print-config)"
         )
         return
+    overrides = [arg for arg in args if arg not in CONSOLE_FLAGS]
+    unknown = [arg for arg in overrides if arg.startswith("--")]
+    if unknown:
+        print(
+            f"rlframe: error: unknown option {unknown[0]}; the options are {', '.join(CONSOLE_FLAGS)}", file=sys.stderr
+        )
+        sys.exit(2)
     configure_logging()
     trace.enable_from_env()
     try:
@@ -191,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:  # config and data errors: one clear message, before any work starts
         print(f"rlframe: error: {err}", file=sys.stderr)
         sys.exit(2)
-    train(run)
+    train(run, verbose="--verbose" in args, print_config="--print-config" in args)
 
 
 if __name__ == "__main__":

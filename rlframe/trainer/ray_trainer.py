@@ -33,7 +33,7 @@ from rlframe.trainer.metrics import (
     compute_timing_metrics,
     reduce_metrics,
 )
-from rlframe.trainer.tracking import Tracking
+from rlframe.trainer.tracking import ProgressBar, Tracking
 from rlframe.utils.flops import device_peak_tflops, train_flops
 from rlframe.workers.rollout.multi_turn import AGENT_INPUT_KEYS, uses_tool_agent
 
@@ -111,10 +111,12 @@ class RayPPOTrainer:
         if driver_state is not None:
             self.global_step = driver_state["global_step"]
             self.kl_ctrl.value = driver_state["kl_coef"]
+        progress = ProgressBar(self.total_training_steps, self.global_step)
         if self.val_reward_fn is not None and cfg.val_before_train and self.global_step == 0:
-            self.tracker.log(self._validate(), step=0)
+            validation = self._validate()
+            progress.validation(validation, 0)
+            self.tracker.log(validation, step=0)
         last_metrics: dict = {}
-        progress = _progress_bar(self.total_training_steps, self.global_step)
         while self.global_step < self.total_training_steps:
             for batch_dict in self.train_dataloader:
                 self.global_step += 1
@@ -126,7 +128,9 @@ class RayPPOTrainer:
                     and cfg.test_freq > 0
                     and (is_last or self.global_step % cfg.test_freq == 0)
                 ):
-                    last_metrics.update(self._validate())
+                    validation = self._validate()
+                    progress.validation(validation, self.global_step)
+                    last_metrics.update(validation)
                 if cfg.save_freq > 0 and (is_last or self.global_step % cfg.save_freq == 0):
                     start = time.perf_counter()
                     self.checkpointer.save(
@@ -348,24 +352,3 @@ class RayPPOTrainer:
             for source, score in zip(sources, result["reward_tensor"].sum(-1).tolist()):
                 scores.setdefault(str(source), []).append(score)
         return {f"val-core/{source}/reward/mean@{n}": float(np.mean(v)) for source, v in scores.items()}
-
-
-class _progress_bar:
-    """A tqdm bar with step, reward and step time (stderr), when tqdm is available."""
-
-    def __init__(self, total: int, initial: int):
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total, initial=initial, desc="training", unit="step", dynamic_ncols=True)
-
-    def update(self, metrics: dict) -> None:
-        self.bar.set_postfix(
-            {
-                "reward": f"{metrics.get('critic/score/mean', float('nan')):.3f}",
-                "step_s": f"{metrics.get('timing_s/step', float('nan')):.1f}",
-            }
-        )
-        self.bar.update(1)
-
-    def close(self) -> None:
-        self.bar.close()

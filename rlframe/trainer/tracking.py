@@ -1,4 +1,8 @@
-"""Experiment tracking: console, jsonl (always on), tensorboard, wandb — one `log(metrics, step)` call."""
+"""Experiment tracking: console, jsonl (always on), tensorboard, wandb — one `log(metrics, step)` call.
+
+Also the console a person watches: one progress bar (step, reward, step time, ETA) and one line per
+validation (`ProgressBar`).
+"""
 
 from __future__ import annotations
 
@@ -44,7 +48,9 @@ class Tracking:
         clean = {k: _plain(v) for k, v in metrics.items()}
         self._jsonl.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
         if "console" in self.backends:
-            print(format_console(clean, step), flush=True)
+            from tqdm import tqdm
+
+            tqdm.write(format_console(clean, step))  # above the progress bar, not through it
         if self._tb is not None:
             for key, value in clean.items():
                 if isinstance(value, (int, float)):
@@ -75,3 +81,56 @@ def format_console(metrics: dict, step: int) -> str:
         value = metrics[key]
         parts.append(f"{key}:{value:.4g}" if isinstance(value, float) else f"{key}:{value}")
     return " - ".join(parts)
+
+
+VAL_PREFIX = "val-core/"
+
+
+def format_validation(metrics: dict, step: int, first: dict | None = None) -> str | None:
+    """One line for a validation's `val-core/*` metrics, with each one's first value for comparison."""
+    scores = {k: v for k, v in metrics.items() if k.startswith(VAL_PREFIX) and isinstance(v, (int, float))}
+    if not scores:
+        return None
+    parts = []
+    for key in sorted(scores):
+        text = f"{key[len(VAL_PREFIX) :]} {scores[key]:.3f}"
+        if first and key in first and first[key][0] != step:
+            start_step, start_value = first[key]
+            text += f" (step {start_step}: {start_value:.3f})"
+        parts.append(text)
+    return f"validation at step {step}: " + ", ".join(parts)
+
+
+class ProgressBar:
+    """The training bar on stderr: steps done, reward, step time and ETA; validation lines above it."""
+
+    # tqdm puts ", " before a postfix: at the end of the bracket it reads "[…, ETA 00:12, reward 0.250, step 0.41s]"
+    FORMAT = "{desc} {n_fmt}/{total_fmt} |{bar}| [{elapsed} elapsed, ETA {remaining}{postfix}]"
+
+    def __init__(self, total: int, initial: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(
+            total=total, initial=initial, desc="training", unit="step", dynamic_ncols=True, bar_format=self.FORMAT
+        )
+        self.first_validation: dict[str, tuple[int, float]] = {}
+
+    def update(self, metrics: dict) -> None:
+        """Advance one step, showing its mean training score and step time."""
+        reward = metrics.get("critic/score/mean", float("nan"))
+        step_s = metrics.get("timing_s/step", float("nan"))
+        self.bar.set_postfix_str(f"reward {reward:.3f}, step {step_s:.2f}s", refresh=False)
+        self.bar.update(1)
+
+    def validation(self, metrics: dict, step: int) -> None:
+        """Print the one-line summary of a validation above the bar."""
+        line = format_validation(metrics, step, self.first_validation)
+        if line is not None:
+            self.bar.write(line)
+        for key, value in metrics.items():
+            if key.startswith(VAL_PREFIX) and isinstance(value, (int, float)):
+                self.first_validation.setdefault(key, (step, value))
+
+    def close(self) -> None:
+        """Leave the finished bar on screen."""
+        self.bar.close()
