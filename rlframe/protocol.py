@@ -30,6 +30,23 @@ __all__ = [
 ]
 
 
+def _plain(value: Any, where: str) -> Any:
+    """`value` with numpy scalars as Python numbers; anything a weights_only load would refuse fails here."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return value
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        return {k: _plain(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    raise TypeError(
+        f"{where} is a {type(value).__name__}; DataProto.save_to_disk writes only tensors, numbers, strings "
+        "and lists/tuples/dicts of them (so that loading the file cannot run code)"
+    )
+
+
 def _as_object_array(values: Any, key: str) -> np.ndarray:
     """Turn a list/array of per-sample values into a 1-D numpy object array."""
     if isinstance(values, np.ndarray) and values.dtype == object and values.ndim == 1:
@@ -331,16 +348,32 @@ class DataProto:
         return self
 
     def save_to_disk(self, path: str) -> None:
-        with open(path, "wb") as f:
-            pickle.dump(self, f, protocol=pickle.HIGHEST_PROTOCOL)
+        """Write with `torch.save` as tensors and plain containers only, so that loading cannot run code."""
+        torch.save(
+            {
+                "batch": None if self.batch is None else {k: v for k, v in self.batch.items()},
+                "batch_size": None if self.batch is None else list(self.batch.batch_size),
+                "non_tensor_batch": {
+                    k: [_plain(v, f"non_tensor_batch[{k!r}][{i}]") for i, v in enumerate(values)]
+                    for k, values in self.non_tensor_batch.items()
+                },
+                "meta_info": _plain(self.meta_info, "meta_info"),
+            },
+            path,
+        )
 
     @staticmethod
     def load_from_disk(path: str) -> DataProto:
-        with open(path, "rb") as f:
-            data = pickle.load(f)
-        if not isinstance(data, DataProto):
-            raise TypeError(f"{path} does not hold a DataProto (found {type(data).__name__})")
-        return data
+        """Read what `save_to_disk` wrote, with `torch.load(weights_only=True)`: a crafted file is refused."""
+        try:
+            saved = torch.load(path, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise pickle.UnpicklingError(f"{path} is not plain data; refusing to load it: {e}") from e
+        if not isinstance(saved, dict) or set(saved) != {"batch", "batch_size", "non_tensor_batch", "meta_info"}:
+            raise TypeError(f"{path} does not hold a DataProto written by DataProto.save_to_disk")
+        batch = None if saved["batch"] is None else TensorDict(saved["batch"], batch_size=saved["batch_size"])
+        non_tensor = {k: _as_object_array(v, k) for k, v in saved["non_tensor_batch"].items()}
+        return DataProto(batch=batch, non_tensor_batch=non_tensor, meta_info=saved["meta_info"])
 
     def __getstate__(self):
         # Tensors travel as (dict of tensors, batch size): one buffer per tensor, as fast as

@@ -229,3 +229,47 @@ def test_disk_full_during_save_is_a_clear_error_and_the_previous_checkpoint_stay
     assert sorted(os.listdir(root)) == ["global_step_1", "global_step_2", "latest_checkpointed_iteration.txt"]
     found = run_steps(root, tiny_model_path, 3, records)  # room again: resume from step 2 and go on
     assert found["resumed"] == 2 and found["matches"]
+
+
+# ---------------------------------------------------------------- 3: every other file rlframe loads
+def test_dataproto_from_disk_round_trips_and_refuses_a_crafted_file(tmp_path):
+    import numpy as np
+
+    from rlframe.protocol import DataProto
+
+    data = DataProto.from_dict(
+        {"input_ids": torch.arange(6).view(3, 2)},
+        {"uid": ["a", "b", "c"], "reward_model": [{"ground_truth": "1"}, {"ground_truth": 2}, {"x": [np.int64(3)]}]},
+        {"temperature": np.float32(0.5)},
+    )
+    path = str(tmp_path / "batch.pt")
+    data.save_to_disk(path)
+    loaded = DataProto.load_from_disk(path)
+    assert loaded.batch["input_ids"].equal(data.batch["input_ids"]) and loaded.meta_info == {"temperature": 0.5}
+    assert list(loaded.non_tensor_batch["reward_model"]) == [{"ground_truth": "1"}, {"ground_truth": 2}, {"x": [3]}]
+    marker = tmp_path / "pwned"
+    with open(path, "wb") as f:
+        pickle.dump(_RunsCode(str(marker)), f)
+    with pytest.raises(pickle.UnpicklingError, match=f"{path} is not plain data; refusing to load it"):
+        DataProto.load_from_disk(path)
+    assert not marker.exists()
+    data.meta_info["model"] = object()
+    with pytest.raises(TypeError, match=r"meta_info\['model'\] is a object"):
+        data.save_to_disk(path)
+
+
+def test_crafted_pytorch_model_bin_in_a_model_folder_is_refused(tiny_model_path, tmp_path):
+    # Hugging Face folders (actor, critic, reward model, merge output) load through from_pretrained, which
+    # reads *.safetensors, or *.bin with weights_only=True: a crafted .bin never runs.
+    from rlframe.workers.fsdp_utils import ModelSpec, load_hf_model
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_path, folder)
+    for name in os.listdir(folder):
+        if name.endswith(".safetensors"):
+            os.remove(folder / name)
+    marker = tmp_path / "pwned"
+    torch.save({"model.embed_tokens.weight": _RunsCode(str(marker))}, folder / "pytorch_model.bin")
+    with pytest.raises(Exception, match="(?i)weights.only"):
+        load_hf_model(ModelSpec(path=str(folder), role="actor", dtype=torch.float32, use_remove_padding=False))
+    assert not marker.exists()
