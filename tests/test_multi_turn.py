@@ -353,3 +353,30 @@ def test_settings_read_verl_names():
     assert settings.max_parallel_calls == 3 and not settings.sanity_check
     assert settings.max_tool_response_length == 256 and settings.tool_response_truncate_side == "middle"
     assert isinstance(function_tool, object) and MultiTurnRollout
+
+
+# ------------------------------------------------------------------------------------------ end to end
+@pytest.mark.slow
+def test_grpo_with_the_tool_agent_trains_through_ray(tmp_path, cache_dir):
+    """The driver sends the chat and tool arguments to the rollout, the multi-turn batch trains, metrics arrive."""
+    from test_trainer_e2e import COMMON, read_metrics, run_main
+
+    tools = tmp_path / "tools.yaml"
+    tools.write_text("tools:\n  - class_name: rlframe.workers.rollout.tools.CalculatorTool\n    config: {type: native}\n")
+    out = run_main(
+        COMMON
+        + [
+            f"trainer.default_local_dir={tmp_path}",
+            "trainer.total_training_steps=1",
+            "algorithm.adv_estimator=grpo",
+            "data.max_response_length=24",
+            "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
+            f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
+        ],
+        cache_dir,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    (step,) = [m for m in read_metrics(tmp_path) if "actor/pg_loss" in m]
+    assert step["num_turns/min"] >= 2 and "multi_turn/tool_calls_per_trajectory" in step
+    assert step["multi_turn/tokenization_mismatch_ratio"] == 0.0

@@ -45,7 +45,7 @@ def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]
     metrics.update(_stats("prompt_length", prompt_lens))
     metrics["prompt_length/clip_ratio"] = float((prompt_lens == prompt_mask.shape[-1]).float().mean())
     if "__num_turns__" in batch.non_tensor_batch:  # multi-turn rollouts: user + assistant turns + 1, as verl
-        metrics.update(_stats("num_turns", torch.as_tensor(batch.non_tensor_batch["__num_turns__"]).float()))
+        metrics.update(_stats("num_turns", torch.tensor([float(t) for t in batch.non_tensor_batch["__num_turns__"]])))
     return metrics
 
 
