@@ -157,3 +157,13 @@ def test_validation_line():
     first = {"val-core/a/reward/mean@1": (0, 0.125)}
     assert format_validation(metrics, 10, first).startswith("validation at step 10: a/reward/mean@1 0.250 (step 0:")
     assert format_validation({"actor/entropy": 1.0}, 3) is None
+
+
+def test_console_logger_lines_are_written_above_the_bar(tmp_path, capsys):
+    from rlframe.trainer.tracking import Tracking
+
+    tracker = Tracking("p", "e", ["console"], str(tmp_path))
+    tracker.log({"critic/score/mean": 0.25, "training/global_step": 3}, step=3)
+    tracker.finish()
+    assert capsys.readouterr().out == "step:3 - critic/score/mean:0.25 - training/global_step:3\n"
+    assert json.loads(open(tmp_path / "metrics.jsonl").read())["critic/score/mean"] == 0.25

@@ -364,3 +364,17 @@ def test_report_renders_in_headless_chromium(runs, tmp_path):
     assert (pixels < 0.9).any(axis=1).mean() > 0.05  # a fair share of the page is drawn on
     assert len(np.unique((pixels * 255).astype(np.uint8), axis=0)) > 200  # the panels' colours, not one flat fill
     print(f"screenshot: {screenshot}")
+
+
+def test_the_rlframe_command_dispatches_the_three_commands(runs, tmp_path, capsys):
+    from rlframe import cli
+
+    assert cli.main(["compare", runs[0], runs[1], "--metrics", "actor/entropy"]) == 0
+    assert "actor/entropy" in capsys.readouterr().out
+    assert cli.main(["plot", runs[0], "-o", str(tmp_path / "c.png")]) == 0
+    assert cli.main(["report", runs[0], "-o", str(tmp_path / "r.html")]) == 0
+    assert (tmp_path / "c.png").stat().st_size > 0 and "panel-balance" in (tmp_path / "r.html").read_text()
+    capsys.readouterr()
+    cli.main(["--help"])
+    usage = capsys.readouterr().out
+    assert all(f"\n  {name} RUN_" in usage for name in ("plot", "report", "compare"))
