@@ -106,6 +106,12 @@ class BatchPlan:
     actor: UpdatePlan
     ref: ForwardPlan | None  # None: no reference model (no KL loss, no KL in reward)
     critic: UpdatePlan | None  # None: the estimator needs no critic (only gae does)
+    # DAPO's dynamic sampling (algorithm.filter_groups): a step generates rounds of gen_batch_size
+    # prompts until train_batch_size prompts have groups with a spread of scores, then trims.
+    filter_groups: bool = False
+    gen_batch_size: int = 0  # prompts per generation round (data.gen_batch_size; = train_batch_size without)
+    sequences_per_gen_batch: int = 0  # gen_batch_size × n: what the rollout generates per round
+    max_num_gen_batches: int = 0  # rounds allowed per step; 0 = unlimited
 
     def to_dict(self) -> dict:
         """Plain nested dict (JSON-ready); `from_dict` rebuilds the plan on a worker."""
@@ -461,7 +467,17 @@ def make_batch_plan(cfg: DictConfig, model: ModelShape | None = None) -> BatchPl
         why="DP_COMPUTE_PROTO gives every worker an equal share; a remainder would be padded with "
         "copies that the update trains on",
     )
-    rollout = _rollout_plan(cfg, world, sequences, model)
+    gen_batch, filter_groups = _gen_batch(cfg, train_batch)
+    gen_sequences = _mul(gen_batch, n)
+    if filter_groups:
+        _require_multiple(
+            gen_sequences,
+            world,
+            f"{gen_sequences} sequences per generation round must split evenly over {world} workers",
+            _multiple_fix("data.gen_batch_size", n, world),
+            why="DP_COMPUTE_PROTO gives every rollout worker an equal share",
+        )
+    rollout = _rollout_plan(cfg, world, gen_sequences, model)
     actor = _update_plan(cfg, ACTOR_KEYS, world, train_batch, n, max_seq, model)
     ref = _forward_plan(cfg, REF_KEYS, world, sequences, max_seq, model) if ref_enabled(cfg) else None
     critic = _update_plan(cfg, CRITIC_KEYS, world, train_batch, n, max_seq, model) if critic_enabled(cfg) else None
@@ -481,4 +497,23 @@ def make_batch_plan(cfg: DictConfig, model: ModelShape | None = None) -> BatchPl
         actor=actor,
         ref=ref,
         critic=critic,
+        filter_groups=filter_groups,
+        gen_batch_size=gen_batch.value,
+        sequences_per_gen_batch=gen_sequences.value,
+        max_num_gen_batches=int(get(cfg, "algorithm.filter_groups.max_num_gen_batches")),
     )
+
+
+def _gen_batch(cfg: DictConfig, train_batch: _Quantity) -> tuple[_Quantity, bool]:
+    """(prompts per generation round, whether dynamic sampling is on); checks data.gen_batch_size."""
+    filter_groups = get_bool(cfg, "algorithm.filter_groups.enable")
+    if get(cfg, "data.gen_batch_size") is None:
+        return train_batch, filter_groups
+    gen_batch = _int(cfg, "data.gen_batch_size")
+    if not filter_groups and gen_batch.value != train_batch.value:
+        raise ValueError(
+            f"data.gen_batch_size = {gen_batch.value} differs from data.train_batch_size = {train_batch.value}, "
+            "but algorithm.filter_groups.enable = false: without dynamic sampling a step generates exactly "
+            "train_batch_size prompts. Fix: remove data.gen_batch_size, or set algorithm.filter_groups.enable=true."
+        )
+    return gen_batch, filter_groups

@@ -336,10 +336,20 @@ def format_plan(plan: BatchPlan) -> str:
         f"{plan.world_size} workers",
         f"step      train_batch_size {plan.train_batch_size} prompts × n {plan.n} = {plan.sequences_per_step} "
         f"sequences, each ≤ {plan.max_prompt_length} + {plan.max_response_length} = {plan.max_sequence_length} tokens",
+    ]
+    if plan.filter_groups:
+        limit = plan.max_num_gen_batches or "no limit"
+        lines.append(
+            f"sampling  DAPO dynamic sampling: rounds of gen_batch_size {plan.gen_batch_size} prompts × n {plan.n} = "
+            f"{plan.sequences_per_gen_batch} sequences until train_batch_size {plan.train_batch_size} prompts have "
+            f"groups whose metric varies, then cut to {plan.sequences_per_step} (max_num_gen_batches: {limit})"
+        )
+    lines += [
         "",
-        f"rollout   {r.name}, tp {r.tensor_parallel_size}: {r.dp_size} generation groups",
+        f"rollout   {r.name}, tp {r.tensor_parallel_size}: {r.dp_size} generation groups"
+        + (" (per generation round)" if plan.filter_groups else ""),
         "  dispatch     "
-        + _dispatch_line(r, "tp", r.tensor_parallel_size, plan.world_size, plan.sequences_per_step, "group"),
+        + _dispatch_line(r, "tp", r.tensor_parallel_size, plan.world_size, plan.sequences_per_gen_batch, "group"),
     ]
     if r.micro_batch_size is not None:
         lines.append(

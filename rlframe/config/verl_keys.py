@@ -68,10 +68,8 @@ UNSUPPORTED = {
     "data.tool_config_path": _AGENT,
     "data.function_tool_path": _AGENT,
     "data.return_full_prompt": _AGENT,
-    "algorithm.rollout_correction": "rollout correction (importance weights between engine and trainer log-probs) "
-    "is not implemented yet (see the algorithms issue)",
-    "algorithm.filter_groups": "DAPO's dynamic sampling is not implemented yet (see the algorithms issue)",
-    "data.gen_batch_size": "DAPO's dynamic sampling is not implemented yet (see the algorithms issue)",
+    "algorithm.filter_groups.max_inflight_gen_batches": "a knob of verl's streaming (V1) replay buffer; rlframe "
+    "generates one data.gen_batch_size batch at a time and checks its groups before the next",
     "algorithm.use_pf_ppo": "PF-PPO reweighting is not implemented",
     "algorithm.pf_ppo": "PF-PPO reweighting is not implemented",
     "actor_rollout_ref.actor.policy_loss": "this policy-loss parameter belongs to a loss mode rlframe does not "
@@ -134,6 +132,16 @@ ALIASES = {
     "reward.custom_reward_function.path": "custom_reward_function.path",
     "reward.custom_reward_function.name": "custom_reward_function.name",
     "reward.reward_manager.name": "reward_model.reward_manager",
+    **{
+        f"reward.reward_kwargs.{name}": f"reward_model.reward_kwargs.{name}"
+        for name in (
+            "max_resp_len",
+            "overlong_buffer_cfg.enable",
+            "overlong_buffer_cfg.len",
+            "overlong_buffer_cfg.penalty_factor",
+            "overlong_buffer_cfg.log",
+        )
+    },
     "ray_kwargs.ray_init.num_cpus": "trainer.ray_init.num_cpus",
 }
 

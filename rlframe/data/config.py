@@ -22,6 +22,9 @@ class DataConfig(Section):
     max_prompt_length: int = key(512, "prompt tokens after chat template (left-padded to this)")
     max_response_length: int = key(512, "generated tokens per response")
     train_batch_size: int = key(1024, "prompts per training step")
+    gen_batch_size: Optional[int] = key(
+        None, "prompts per generation round with algorithm.filter_groups (DAPO); null = train_batch_size"
+    )
     val_batch_size: Optional[int] = key(None, "prompts per validation batch; null = whole val set at once")
     return_raw_chat: bool = key(True, "keep raw chat messages in non_tensor_batch")
     shuffle: bool = key(True, "shuffle the training set each epoch")

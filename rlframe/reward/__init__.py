@@ -1,6 +1,7 @@
 """Rule-based rewards: scorers chosen by data source, and the managers that apply them to a batch."""
 
 from rlframe.reward.custom import load_custom_reward_function
+from rlframe.reward.dapo import DAPORewardManager  # registers reward_manager=dapo
 from rlframe.reward.manager import (
     REWARD_MANAGERS,
     BatchRewardManager,
@@ -15,6 +16,7 @@ __all__ = [
     "KNOWN_DATA_SOURCES",
     "REWARD_MANAGERS",
     "BatchRewardManager",
+    "DAPORewardManager",
     "NaiveRewardManager",
     "RewardManager",
     "default_compute_score",

@@ -71,6 +71,11 @@ class RewardManager:
         """Per sample: the scorer's result, or the exception it raised."""
         raise NotImplementedError
 
+    @classmethod
+    def config_kwargs(cls, config) -> dict:
+        """The manager's own arguments, read from the trainer config (none here)."""
+        return {}
+
     def __call__(self, data: DataProto, return_dict: bool = False):
         """Score a batch; the reward tensor, or a dict with reward_tensor, reward_extra_info and metrics."""
         for key in (self.reward_fn_key, "reward_model"):
@@ -224,5 +229,9 @@ def load_reward_manager(
         )
     manager_cls = get_reward_manager_cls(config.reward_model.reward_manager)
     return manager_cls(
-        tokenizer, compute_score=compute_score, reward_fn_key=config.data.reward_fn_key, num_examine=num_examine
+        tokenizer,
+        compute_score=compute_score,
+        reward_fn_key=config.data.reward_fn_key,
+        num_examine=num_examine,
+        **manager_cls.config_kwargs(config),
     )

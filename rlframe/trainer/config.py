@@ -15,6 +15,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from rlframe.algorithms.advantage import get_adv_estimator_fn
 from rlframe.algorithms.kl import get_kl_penalty_fn
+from rlframe.algorithms.rollout_correction import RolloutCorrectionConfig
 from rlframe.config.checks import check_fsdp_size
 from rlframe.config.key_status import raw_override_key
 from rlframe.config.keys import critic_enabled, ref_enabled
@@ -23,6 +24,7 @@ from rlframe.config.schema import Section, each_of, key, render_yaml, section, v
 from rlframe.config.verl_keys import ALIASES, check_verl_override, followed_key, verl_key_under
 from rlframe.data.config import DataConfig
 from rlframe.reward.config import CustomRewardFunctionConfig
+from rlframe.trainer.dynamic_sampling import FilterGroupsConfig
 from rlframe.trainer.tracking import BACKENDS
 from rlframe.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
 from rlframe.workers.rollout.config import RolloutConfig
@@ -87,6 +89,11 @@ class AlgorithmConfig(Section):
     use_kl_in_reward: bool = key(False, "subtract a KL penalty from the rewards")
     kl_penalty: str = key("kl", "kl|k1|abs|mse|k2|low_var_kl|k3 (used in reward)", check=get_kl_penalty_fn)
     kl_ctrl: KLCtrlConfig = section(KLCtrlConfig)
+    filter_groups: FilterGroupsConfig = section(FilterGroupsConfig, "DAPO's dynamic sampling")
+    rollout_correction: RolloutCorrectionConfig = section(
+        RolloutCorrectionConfig, "IS weights and rejection between the rollout engine's and the trainer's policy"
+    )
+
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = {}
@@ -220,7 +227,9 @@ def taken_overrides(overrides: list[str]) -> tuple[list[str], list[tuple]]:
             spelled, key = spelled.replace(key, ALIASES[key], 1), ALIASES[key]
         if key in list_keys and not text.lstrip().startswith("["):
             text = f"[{text}]"  # verl takes `trainer.logger=console`
-        if key in declared or any(key.startswith(d + ".") for d in dict_keys):
+        if key in declared:  # verl's scripts add (`+key`) what verl's YAML lacks and rlframe declares
+            kept.append(f"{spelled.lstrip('+')}={text}")
+        elif any(key.startswith(d + ".") for d in dict_keys):
             kept.append(f"{spelled}={text}")
         elif not verl_key_under(key):
             kept.append(f"+{spelled.lstrip('+')}={text}")

@@ -68,7 +68,10 @@ def build_data(cfg: DictConfig, tokenizer):
     val_files = resolve_data_files(data.val_files, data.builtin_dir, data.seed, split="val")
     train = RLHFDataset(train_files, tokenizer, data)
     val = RLHFDataset(val_files, tokenizer, data)
-    train_loader = make_dataloader(train, data.train_batch_size, shuffle=data.shuffle, seed=data.seed)
+    # one loader batch is one generation round: gen_batch_size prompts with DAPO's dynamic sampling
+    train_loader = make_dataloader(
+        train, data.gen_batch_size or data.train_batch_size, shuffle=data.shuffle, seed=data.seed
+    )
     val_batch = data.val_batch_size or len(val)
     val_loader = make_dataloader(val, val_batch, shuffle=False, seed=data.seed, drop_last=False)
     return train_loader, val_loader

@@ -22,11 +22,13 @@ from omegaconf import DictConfig, OmegaConf
 from rlframe.algorithms.advantage import compute_advantage
 from rlframe.algorithms.kl import apply_kl_penalty, make_kl_controller
 from rlframe.algorithms.masked import masked_mean
+from rlframe.algorithms.rollout_correction import rollout_correction
 from rlframe.batch_plan import BatchPlan
 from rlframe.config.checks import resolve_device
 from rlframe.protocol import DataProto
 from rlframe.seqpack import balance_dp_partitions, packing_metrics
 from rlframe.trainer.checkpointing import TrainerCheckpointer
+from rlframe.trainer.dynamic_sampling import DynamicSampler
 from rlframe.trainer.metrics import (
     compute_data_metrics,
     compute_throughput_metrics,
@@ -90,6 +92,11 @@ class RayPPOTrainer:
             algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon
         )
         self.checkpointer = TrainerCheckpointer(config.trainer)
+        self.sampler = None  # DAPO's dynamic sampling: collects informative groups over generation rounds
+        if plan.filter_groups:
+            metric = algo.filter_groups.metric
+            self.sampler = DynamicSampler(plan.train_batch_size, plan.n, plan.max_num_gen_batches, metric)
+        self._pending = None  # (metrics, timings, start) of a step whose generation rounds are under way
         self.global_step = 0
         self.flops_info, self.peak_tflops = None, None
         if resolve_device(config.trainer.device) == "cuda":  # MFU is a GPU metric
@@ -117,10 +124,14 @@ class RayPPOTrainer:
             progress.validation(validation, 0)
             self.tracker.log(validation, step=0)
         last_metrics: dict = {}
+        passes = 0
         while self.global_step < self.total_training_steps:
             for batch_dict in self.train_dataloader:
+                rolled_out = self._rollout_step(DataProto.from_single_dict(batch_dict))
+                if rolled_out is None:  # dynamic sampling: the training batch is not full yet
+                    continue
                 self.global_step += 1
-                last_metrics = self._train_step(DataProto.from_single_dict(batch_dict))
+                last_metrics = self._train_step(*rolled_out)
                 is_last = self.global_step >= self.total_training_steps
                 # as verl: validation during training only with test_freq > 0 (then also after the last step)
                 if (
@@ -145,13 +156,30 @@ class RayPPOTrainer:
                 progress.update(last_metrics)
                 if is_last:
                     break
+            passes += 1
+            # dynamic sampling spends several loader batches per step: the data's epochs end the run first
+            if self.sampler is not None and passes >= int(cfg.total_epochs):
+                if self.sampler.num_gen_batches:
+                    print(
+                        f"[rlframe] dynamic sampling: the data ran out after {self.sampler.num_gen_batches} more "
+                        f"generation rounds with {self.sampler.num_prompts} of data.train_batch_size="
+                        f"{self.plan.train_batch_size} prompts kept; that partial batch is not trained on",
+                        flush=True,
+                    )
+                break
         progress.close()
         self.tracker.finish()
         return last_metrics
 
-    def _train_step(self, batch: DataProto) -> dict:
-        metrics, timings = {}, {}
-        step_start = time.perf_counter()
+    def _rollout_step(self, batch: DataProto) -> tuple | None:
+        """Generate and score one loader batch; (batch, metrics, timings, start) once a training batch is ready.
+
+        Without dynamic sampling every loader batch is a training batch. With it, the informative
+        groups of successive rounds are collected until train_batch_size prompts (see DynamicSampler).
+        """
+        if self._pending is None:
+            self._pending = ({}, {}, time.perf_counter())
+        metrics, timings, step_start = self._pending
         batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
         if self.config.algorithm.adv_estimator == "remax":
             with timer("gen_max", timings):
@@ -160,18 +188,33 @@ class RayPPOTrainer:
         with timer("gen", timings):
             batch, gen_metrics = self._generate(batch, validate=False)
             metrics.update(gen_metrics)
+        with timer("reward", timings):
+            extra_info = self._compute_reward(batch, metrics)
+        if self.sampler is not None:
+            with timer("filter_groups", timings):
+                if not self.sampler.add(batch, extra_info):
+                    return None
+                batch, sampling_metrics = self.sampler.take()
+            metrics.update(sampling_metrics)
+        self._pending = None
+        return batch, metrics, timings, step_start
+
+    def _train_step(self, batch: DataProto, metrics: dict, timings: dict, step_start: float) -> dict:
         if self.plan.balance_batch:
             with timer("balance", timings):
                 self._balance_batch(batch, metrics)
-        with timer("reward", timings):
-            self._compute_reward(batch, metrics)
         if self.config.trainer.rollout_data_dir:
             self._dump_rollouts(batch, str(self.config.trainer.rollout_data_dir))
-        with timer("old_log_prob", timings):
-            old = self.actor_rollout_wg.compute_log_prob(batch)
-            entropy = old.pop(batch_keys=["entropys"]).batch["entropys"]
-            metrics["actor/entropy"] = float(masked_mean(entropy, batch.batch["response_mask"]))
-            batch = batch.union(old)
+        correction = self.config.algorithm.rollout_correction
+        if correction.bypass_mode:  # verl: π_old := π_rollout, no old-log-prob pass; the actor corrects per micro-batch
+            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+            batch.meta_info["rollout_correction"] = OmegaConf.to_container(correction)
+        else:
+            with timer("old_log_prob", timings):
+                old = self.actor_rollout_wg.compute_log_prob(batch)
+                entropy = old.pop(batch_keys=["entropys"]).batch["entropys"]
+                metrics["actor/entropy"] = float(masked_mean(entropy, batch.batch["response_mask"]))
+                batch = batch.union(old)
         if self.use_reference:
             with timer("ref", timings):
                 batch = batch.union(self.actor_rollout_wg.compute_ref_log_prob(batch))
@@ -263,8 +306,11 @@ class RayPPOTrainer:
             }
         )
 
-    def _compute_reward(self, batch: DataProto, metrics: dict) -> None:
-        """Rule-based scores; with a reward model enabled, its scores are the reward (as in verl)."""
+    def _compute_reward(self, batch: DataProto, metrics: dict) -> dict:
+        """Rule-based scores; with a reward model enabled, its scores are the reward (as in verl).
+
+        Returns the reward manager's per-sample extra info (lists by name).
+        """
         result = self.reward_fn(batch, return_dict=True)
         batch.batch["token_level_scores"] = result["reward_tensor"]
         if self.reward_model_wg is not None:
@@ -276,6 +322,7 @@ class RayPPOTrainer:
             values = np.asarray(values, dtype=float)
             if np.isfinite(values).any():
                 metrics[f"reward/{key}/mean"] = float(np.nanmean(values))
+        return result.get("reward_extra_info", {})
 
     def _dump_rollouts(self, batch: DataProto, folder: str) -> None:
         """One jsonl file per step: prompt, response, score and uid of every sample."""
@@ -326,6 +373,8 @@ class RayPPOTrainer:
             metrics.update(kl_metrics)
         else:
             batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+        if "rollout_log_probs" in batch.batch.keys() and not algo.rollout_correction.bypass_mode:
+            response_mask = self._rollout_correction(batch, metrics)
         inputs = {
             "token_level_rewards": batch.batch["token_level_rewards"],
             "response_mask": response_mask,
@@ -340,6 +389,24 @@ class RayPPOTrainer:
             inputs["reward_baselines"] = batch.batch["reward_baselines"]
         advantages, returns = compute_advantage(algo.adv_estimator, **inputs)
         batch.batch["advantages"], batch.batch["returns"] = advantages, returns
+
+    def _rollout_correction(self, batch: DataProto, metrics: dict) -> torch.Tensor:
+        """verl's decoupled mode: IS weights and rejection between π_rollout and π_old over the whole batch.
+
+        Rejection narrows `response_mask` (for the advantages and the losses); the weights go to the
+        actor as `rollout_is_weights`. Returns the new response mask.
+        """
+        weights, mask, corr_metrics = rollout_correction(
+            batch.batch["old_log_probs"],
+            batch.batch["rollout_log_probs"],
+            batch.batch["response_mask"],
+            self.config.algorithm.rollout_correction,
+        )
+        batch.batch["response_mask"] = mask
+        if weights is not None:
+            batch.batch["rollout_is_weights"] = weights
+        metrics.update(corr_metrics)
+        return mask
 
     def _validate(self) -> dict:
         """Greedy (val_kwargs) generation on the validation set; mean reward per data source."""

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from rlframe.algorithms.kl import kl_penalty
-from rlframe.algorithms.loss import agg_loss, get_policy_loss_fn
+from rlframe.algorithms.loss import agg_loss, compute_policy_loss_vanilla, get_policy_loss_fn
+from rlframe.algorithms.rollout_correction import PREFIX, bypass_policy_loss
 from rlframe.protocol import DataProto
 from rlframe.seqpack import MicroBatchSpec
 from rlframe.workers.batching import (
@@ -58,6 +59,7 @@ class PPOActor(PPOUpdater):
     """Computes log-probs and updates a (possibly FSDP-wrapped) causal LM."""
 
     role = "actor"
+    _bypass: dict | None = None  # algorithm.rollout_correction in bypass mode (set per update from meta_info)
 
     def __init__(
         self,
@@ -108,9 +110,17 @@ class PPOActor(PPOUpdater):
         """`ppo_epochs` passes of mini-batch optimizer steps; returns metric lists (one value per step)."""
         temperature = data.meta_info.get("temperature", 1.0)
         keys = ["old_log_probs", "advantages"] + (["ref_log_prob"] if self.settings.use_kl_loss else [])
-        return self._train(
+        keys += [k for k in ("rollout_is_weights",) if k in data.batch.keys()]  # decoupled rollout correction
+        self._bypass = data.meta_info.get("rollout_correction")  # bypass mode: old_log_probs are the rollout's
+        metrics = self._train(
             update_inputs(data.batch, *keys), lambda micro, counts: self._loss(micro, counts, temperature)
         )
+        # verl names the rollout-correction metrics without the role
+        role_prefix = f"{self.role}/"
+        return {
+            name.removeprefix(role_prefix) if name.startswith(role_prefix + PREFIX) else name: values
+            for name, values in metrics.items()
+        }
 
     def _loss(self, micro, counts: GlobalCounts, temperature: float) -> tuple[torch.Tensor, dict]:
         """Policy loss, minus the entropy bonus, plus the KL loss, normalized by the mini-batch's global counts."""
@@ -118,23 +128,35 @@ class PPOActor(PPOUpdater):
         norm = counts.agg_kwargs()
         response_mask = response_mask_of(micro)
         out = self._forward(micro, temperature, calculate_entropy=s.entropy_coeff != 0)
-        pg_loss, pg_metrics = self.policy_loss_fn(
-            micro["old_log_probs"],
-            out["log_probs"],
-            micro["advantages"],
-            response_mask,
-            s.clip_ratio_low,
-            s.clip_ratio_high,
-            s.clip_ratio_c,
-            s.loss_agg_mode,
-            **norm,
-        )
+        advantages = micro["advantages"]
+        if "rollout_is_weights" in micro.keys():  # ℓ(w·A) = w·ℓ(A) for the losses that take them
+            advantages = advantages * micro["rollout_is_weights"]
+        args = (s.clip_ratio_low, s.clip_ratio_high, s.clip_ratio_c, s.loss_agg_mode)
+        if self._bypass is not None:
+            pg_loss, pg_metrics = bypass_policy_loss(
+                micro["old_log_probs"],
+                out["log_probs"],
+                advantages,
+                response_mask,
+                self._bypass,
+                lambda old, new, adv, mask: compute_policy_loss_vanilla(old, new, adv, mask, *args, **norm),
+                lambda mat, mask: agg_loss(mat, mask, s.loss_agg_mode, **norm),
+            )
+        else:
+            pg_loss, pg_metrics = self.policy_loss_fn(
+                micro["old_log_probs"], out["log_probs"], advantages, response_mask, *args, **norm
+            )
         loss = pg_loss
         # token-weighted metrics: local means weighted by this micro-batch's share of global tokens
         share = counts.token_share(response_mask)
         metrics = {
             "pg_loss": pg_loss,
-            **{name: pg_metrics[name] * share for name in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")},
+            **{
+                name: pg_metrics[name] * share
+                for name in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")
+                if name in pg_metrics
+            },
+            **{name: value * share for name, value in pg_metrics.items() if name.startswith(PREFIX)},
         }
         if s.entropy_coeff != 0:
             entropy = agg_loss(out["entropy"], response_mask, s.loss_agg_mode, **norm)

@@ -12,6 +12,7 @@ from rlframe.config.checks import SAVE_CONTENTS, STRATEGIES, planned_device
 from rlframe.config.keys import ACTOR, ACTOR_KEYS, CRITIC_KEYS, REF_KEYS, get, micro_batch_inactive, ref_enabled
 from rlframe.config.schema import Section, each_of, key, section
 from rlframe.models.builtin import SHM_ROOT
+from rlframe.reward.dapo import RewardKwargsConfig
 from rlframe.reward.manager import get_reward_manager_cls
 from rlframe.seqpack import ALLOCATE_FNS
 from rlframe.workers.fsdp_utils import DTYPES
@@ -263,8 +264,12 @@ class RewardModelConfig(Section):
     model: RewardModelModelConfig = section(RewardModelModelConfig)
     micro_batch_size_per_gpu: int = key(4, "sequences per reward model forward")
     reward_manager: str = key(
-        "naive", "naive (one call per sample) | batch (one call per batch)", check=get_reward_manager_cls
+        "naive",
+        "naive (one call per sample) | batch (one call per batch) | dapo (naive + overlong penalty)",
+        check=get_reward_manager_cls,
     )
+    reward_kwargs: RewardKwargsConfig = section(RewardKwargsConfig)
+
 
     def check(self, path: str, root: Any) -> None:
         if self.enable and not self.model.path:
