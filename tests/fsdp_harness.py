@@ -20,6 +20,7 @@ from rlframe.seqpack import MicroBatchSpec
 from rlframe.workers.actor import ActorSettings, PPOActor
 from rlframe.workers.critic import CriticSettings, PPOCritic
 from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, build_fsdp_mesh, load_hf_model, wrap_fsdp
+from rlframe.workers.lora import LoraSpec, adapter_disabled, apply_lora
 
 PROMPT_LEN, RESPONSE_LEN = 8, 8
 
@@ -39,6 +40,7 @@ class Scenario:
     param_offload: bool = False
     fsdp_size: int = -1  # -1: shard over all ranks; else hybrid sharding (HSDP)
     gradient_checkpointing: bool = False
+    lora_adapter: str | None = None  # a PEFT adapter folder: train it on the frozen model (lora_adapter_path)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -153,6 +155,8 @@ def run_scenario(
     )
     torch.manual_seed(0)  # the critic's fresh value head must start equal everywhere
     model = load_hf_model(spec)
+    if sc.lora_adapter is not None:
+        model = apply_lora(model, LoraSpec(1, 1, "all-linear", None, adapter_path=sc.lora_adapter))
     if sc.strategy != "none":
         spec = FSDPSpec(sc.strategy, torch.float32, torch.float32, sc.param_offload, True)
         model = wrap_fsdp(model, spec, mesh, "cpu")
@@ -167,6 +171,9 @@ def run_scenario(
         actor = PPOActor(model, optimizer, settings, dp_group, sp_group, dp_size=sc.dp)
         log_probs, entropy = actor.compute_log_prob(shard, calculate_entropy=True)
         outputs = {"log_probs": log_probs, "entropy": entropy}
+        if sc.lora_adapter is not None:  # the reference policy: the base model, adapter disabled
+            with adapter_disabled(model):
+                outputs["ref_log_probs"] = actor.compute_log_prob(shard)[0]
         metrics = actor.update_policy(shard)
     return {"outputs": outputs, "metrics": metrics, "grads": optimizer.grads}
 

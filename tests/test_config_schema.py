@@ -90,17 +90,17 @@ def test_clip_ratio_alone_is_reported_as_without_effect_like_in_verl():
 def test_a_verl_key_rlframe_does_not_implement_is_taken_at_verls_default_only():
     compose(
         [
-            "actor_rollout_ref.model.lora_rank=0",
+            "critic.model.lora_rank=0",
             "algorithm.filter_groups.enable=False",
             "actor_rollout_ref.rollout.mode=async",
         ]
     )  # the same run as without them
     with pytest.raises(
         ValueError,
-        match=r"actor_rollout_ref.model.lora_rank=32: LoRA is not implemented yet.*"
+        match=r"critic.model.lora_rank=32: LoRA for the critic is not implemented.*"
         r"verl 0.9.1's default \(0\)",
     ):
-        compose(["actor_rollout_ref.model.lora_rank=32"])
+        compose(["critic.model.lora_rank=32"])
     with pytest.raises(ValueError, match=r"trainer.val_only=True: rlframe does not implement"):
         compose(["trainer.val_only=True"])
 

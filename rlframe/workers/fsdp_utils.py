@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlframe.config.checks import STRATEGIES, check_fsdp_size
+from rlframe.workers.lora import trainable_parameters, trains_leaf_weight
 
 DTYPES = {
     "bf16": torch.bfloat16,
@@ -153,7 +154,12 @@ def _wrap_fsdp1(model, spec, mesh, device_type):
     from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
     layer_types = {type(layer) for layer in decoder_layers(model)}
-    policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: type(m) in layer_types)
+    # With LoRA, each adapter linear is its own unit too, so every flat parameter is all frozen or all
+    # trainable and gradients are allocated for the adapter only (verl's LoRA wrap policy)
+    lora = any(not p.requires_grad for p in model.parameters())
+    policy = functools.partial(
+        lambda_auto_wrap_policy, lambda_fn=lambda m: type(m) in layer_types or (lora and trains_leaf_weight(m))
+    )
     mixed = None
     if spec.param_dtype != torch.float32 or spec.reduce_dtype != torch.float32:
         mixed = MixedPrecision(param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype, buffer_dtype=torch.float32)
@@ -267,8 +273,12 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: str | int | t
 
 
 def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
+    """AdamW over the parameters that train (with LoRA: the adapter only, so state is kept for it alone)."""
     return torch.optim.AdamW(
-        model.parameters(), lr=optim_cfg.lr, betas=tuple(optim_cfg.betas), weight_decay=optim_cfg.weight_decay
+        trainable_parameters(model),
+        lr=optim_cfg.lr,
+        betas=tuple(optim_cfg.betas),
+        weight_decay=optim_cfg.weight_decay,
     )
 
 

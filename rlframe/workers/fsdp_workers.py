@@ -26,6 +26,7 @@ from rlframe.protocol import DataProto, all_gather_data_proto
 from rlframe.single_controller import Dispatch, Execute, Worker, register
 from rlframe.utils.flops import model_flops_info
 from rlframe.workers import checkpoint as ckpt
+from rlframe.workers import lora
 from rlframe.workers.actor import ActorSettings, PPOActor
 from rlframe.workers.batching import micro_batch_spec
 from rlframe.workers.critic import CriticSettings, PPOCritic
@@ -183,6 +184,9 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         )
         model = self._load(cfg.model, "actor", use_rmpad)
         self.actor_flops = model_flops_info(model)  # read before sharding
+        lora_spec = lora.LoraSpec.from_config(cfg.model)
+        if lora_spec is not None:
+            model = lora.apply_lora(model, lora_spec, use_shm=bool(cfg.model.use_shm))
         self.actor_module = self._wrap(model, cfg.actor.fsdp_config)
         self.optimizer = build_optimizer(self.actor_module, cfg.actor.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.actor.optim, total_training_steps)
@@ -198,8 +202,11 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         )
         self._offload_optimizer()
         if self.with_ref:
-            ref_module = self._wrap(self._load(cfg.model, "actor", use_rmpad), cfg.ref.fsdp_config)
-            ref_module.requires_grad_(False)
+            if lora_spec is not None:  # verl's ref_in_actor: the actor with its adapter disabled
+                ref_module = self.actor_module
+            else:
+                ref_module = self._wrap(self._load(cfg.model, "actor", use_rmpad), cfg.ref.fsdp_config)
+                ref_module.requires_grad_(False)
             ref_settings = replace(
                 actor_settings(cfg.actor, self.plan.actor, use_rmpad, self.device_type),
                 log_prob=micro_batch_spec(self.plan.ref, REF_KEYS.max_token_len),
@@ -233,6 +240,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             tp_group,
             trust_remote_code=bool(cfg.model.trust_remote_code),
             override_config=OmegaConf.to_container(cfg.model.override_config),
+            lora_rank=lora.lora_rank_of(self.actor_module),
         )
 
     @register(dispatch_mode=Dispatch.RANK_ZERO, execute_mode=Execute.RANK_ZERO)
@@ -249,7 +257,10 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         start = time.perf_counter()
         self.rollout.resume()
         if self._weights_dirty:
-            self.rollout.update_weights(iter_full_params(self.actor_module))
+            if lora.is_lora(self.actor_module):
+                lora.sync_to_rollout(self.rollout, self.actor_module)
+            else:
+                self.rollout.update_weights(iter_full_params(self.actor_module))
             self._weights_dirty = False
         sync_s = time.perf_counter() - start
         # validation must not advance the training RNG stream, or resuming would diverge
@@ -274,7 +285,8 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         data = self._with_rollout_temperature(self._to_device(self._gather_sp(data)))
-        log_probs, _ = self.ref.compute_log_prob(data)
+        with lora.adapter_disabled(self.ref.module):  # with LoRA the reference is the actor's base model
+            log_probs, _ = self.ref.compute_log_prob(data)
         return self._scatter_sp(DataProto.from_dict({"ref_log_prob": log_probs})).to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

@@ -47,18 +47,20 @@ def build_rollout(
     *,
     trust_remote_code: bool = False,
     override_config: dict | None = None,
+    lora_rank: int = 0,
 ) -> BaseRollout:
     """Build the engine `name` from `actor_rollout_ref.rollout` for one worker process.
 
     `tp_group` is this rank's tensor-parallel process group (size `tensor_model_parallel_size`);
     None means TP=1. Initial weights are read from `model_path`; later ones come through
-    `update_weights`.
+    `update_weights`. `lora_rank > 0` (a LoRA actor) sets vLLM up to serve its adapter; the HF engine
+    takes merged weights and needs nothing.
     """
     check_rollout_name(name)
     settings = RolloutSettings.from_config(rollout_cfg)
     module_name, class_name = ROLLOUT_ENGINES[name].split(":")
     engine = getattr(importlib.import_module(module_name), class_name)
-    extra = {"rollout_cfg": rollout_cfg} if name == "vllm" else {}  # vLLM's engine settings
+    extra = {"rollout_cfg": rollout_cfg, "lora_rank": lora_rank} if name == "vllm" else {}  # vLLM's engine settings
     rollout = engine(
         settings,
         model_path,

@@ -43,6 +43,8 @@ import inspect
 import logging
 import os
 import random
+import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -51,8 +53,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rlframe.models.builtin import SHM_ROOT
 from rlframe.protocol import DataProto
 from rlframe.workers.fsdp_utils import resolve_dtype
+from rlframe.workers.lora import vllm_base_layer_name, vllm_lora_engine_kwargs
 from rlframe.workers.rollout.base import BaseRollout, RolloutSettings, SamplingParams
 from rlframe.workers.rollout.config import ROLLOUT, check_vllm_engine_kwargs
 
@@ -128,8 +132,11 @@ def vllm_engine_kwargs(
     max_position_embeddings: int,
     trust_remote_code: bool = False,
     override_config: dict | None = None,
+    lora_rank: int = 0,
 ) -> dict:
     """`LLM(...)`'s keyword arguments from `actor_rollout_ref.rollout`, as verl 0.9.1 builds vLLM's.
+
+    `lora_rank > 0` (the actor trains a LoRA adapter) makes the engine serve one adapter of that rank.
 
     `dp_rank` is this rank's rollout DP coordinate (its TP group's index): verl seeds each engine
     replica with `seed + replica rank`, the same on the TP ranks of one engine.
@@ -178,6 +185,7 @@ def vllm_engine_kwargs(
         # cannot work; verl's in-process rollout passed the same
         disable_custom_all_reduce=True,
         hf_overrides=dict(override_config) if override_config else None,
+        **vllm_lora_engine_kwargs(lora_rank),
     )
     kwargs.update(passthrough)  # as in verl, engine_kwargs.vllm wins over the keys above
     return kwargs
@@ -353,6 +361,7 @@ class VLLMRollout(BaseRollout):
         rollout_cfg,
         trust_remote_code: bool = False,
         override_config: dict | None = None,
+        lora_rank: int = 0,
     ):
         check_vllm_usable(device_type)
         from vllm import LLM
@@ -372,6 +381,7 @@ class VLLMRollout(BaseRollout):
             max_position_embeddings=model_max_position_embeddings(model_path, trust_remote_code, override_config),
             trust_remote_code=trust_remote_code,
             override_config=override_config,
+            lora_rank=lora_rank,
         )
         engine_kwargs = drop_unsupported_args(
             engine_kwargs, engine_arg_names(), plain_dict(rollout_cfg.engine_kwargs.vllm)
@@ -386,6 +396,33 @@ class VLLMRollout(BaseRollout):
         self._parameter_names = self.llm.collective_rpc(_worker_parameter_names)[0]
         self._released = False
         self._kv_cache_asleep = False
+        self._init_lora(lora_rank)
+
+    # ------------------------------------------------------------------ LoRA: the base once, then the adapter
+    def _init_lora(self, lora_rank: int) -> None:
+        """With a LoRA actor the engine keeps the base weights (which never change) across sleeps: level 1."""
+        self.takes_lora_adapter = lora_rank > 0
+        self.needs_base_weights = True  # the engine starts from load_format's weights (verl's default: dummy)
+        self._lora_request = None
+        self._lora_root = os.path.join(SHM_ROOT if os.path.isdir(SHM_ROOT) else tempfile.gettempdir(), "rlframe-lora")
+        if self.takes_lora_adapter:
+            self._sleep_level = 1
+
+    def update_lora_adapter(self, tensors: dict[str, torch.Tensor], peft_config) -> None:
+        """Serve a new adapter version: written as a PEFT folder, requested under a fresh id, the old one removed."""
+        from vllm.lora.request import LoRARequest
+
+        from rlframe.workers.lora import vllm_adapter_config, write_adapter_folder
+
+        previous = self._lora_request
+        version = 1 if previous is None else previous.lora_int_id + 1
+        folder = os.path.join(self._lora_root, f"{os.getpid()}-v{version}")
+        write_adapter_folder(folder, tensors, vllm_adapter_config(peft_config))
+        self._lora_request = LoRARequest(lora_name=f"rlframe-v{version}", lora_int_id=version, lora_path=folder)
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old adapter
 
     # ------------------------------------------------------------------ weights and memory
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -395,7 +432,7 @@ class VLLMRollout(BaseRollout):
         bucket, bucket_bytes = [], 0
         for name, tensor in named_tensors:
             tensor = tensor.to(device, self.dtype if tensor.is_floating_point() else tensor.dtype, non_blocking=True)
-            bucket.append((name, tensor))
+            bucket.append((vllm_base_layer_name(name) if self.takes_lora_adapter else name, tensor))
             bucket_bytes += tensor.numel() * tensor.element_size()
             if bucket_bytes >= WEIGHT_BUCKET_BYTES:
                 loaded |= self._load_bucket(bucket)
@@ -464,6 +501,7 @@ class VLLMRollout(BaseRollout):
             [{"prompt_token_ids": p} for p in prompt_token_ids],
             sampling_params=sampling,
             use_tqdm=False,
+            lora_request=self._lora_request,  # None without LoRA
         )
         width = params.response_length
         tokens = torch.full((len(outputs), width), pad_id, dtype=torch.long)
