@@ -28,7 +28,11 @@ DEFAULTS_FILE = Path(__file__).with_name("verl_defaults.json")
 
 _PROFILER = "profiling is not built in: rlframe reports timing_s/* for every phase; run a profiler on the workers"
 _MULTIMODAL = "multimodal inputs are not supported (text-only models)"
-_LORA = "LoRA is not implemented yet (see the algorithms issue); train the full model"
+_MEGATRON_LORA = (
+    "model.lora.* configures verl's Megatron-backend LoRA; with FSDP (rlframe's, and verl's) LoRA is "
+    "actor_rollout_ref.model.lora_rank, lora_alpha, target_modules, exclude_modules, lora_adapter_path"
+)
+_CRITIC_LORA = "LoRA for the critic is not implemented; the actor's is actor_rollout_ref.model.lora_rank (docs/lora.md)"
 _AGENT = (
     "rlframe reads tools from actor_rollout_ref.rollout.multi_turn.tool_config_path / function_tool_path "
     "(the rollout renders their schemas into the prompt); dataset-side tool settings are not implemented"
@@ -48,18 +52,13 @@ UNSUPPORTED = {
     "actor_rollout_ref.rollout.prometheus": _PROFILER,
     "critic.profiler": _PROFILER,
     "global_profiler": _PROFILER,
-    "actor_rollout_ref.model.lora": _LORA,
-    "actor_rollout_ref.model.lora_rank": _LORA,
-    "actor_rollout_ref.model.lora_alpha": _LORA,
-    "actor_rollout_ref.model.lora_adapter_path": _LORA,
-    "actor_rollout_ref.model.target_modules": _LORA,
-    "actor_rollout_ref.model.exclude_modules": _LORA,
-    "critic.model.lora": _LORA,
-    "critic.model.lora_rank": _LORA,
-    "critic.model.lora_alpha": _LORA,
-    "critic.model.lora_adapter_path": _LORA,
-    "critic.model.target_modules": _LORA,
-    "critic.model.exclude_modules": _LORA,
+    "actor_rollout_ref.model.lora": _MEGATRON_LORA,
+    "critic.model.lora": _MEGATRON_LORA,
+    "critic.model.lora_rank": _CRITIC_LORA,
+    "critic.model.lora_alpha": _CRITIC_LORA,
+    "critic.model.lora_adapter_path": _CRITIC_LORA,
+    "critic.model.target_modules": _CRITIC_LORA,
+    "critic.model.exclude_modules": _CRITIC_LORA,
     "actor_rollout_ref.rollout.agent.custom_async_server": "custom rollout servers are not implemented: the agent "
     "loop drives rlframe's own engines",
     "actor_rollout_ref.rollout.mode": "verl 0.9.1 knows only async here; rlframe generates inside the training "

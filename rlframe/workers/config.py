@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -47,8 +48,57 @@ class ModelConfig(Section):
     trust_remote_code: bool = key(False, "passed to from_pretrained")
     use_shm: bool = key(False, "copy the model folder to /dev/shm once per node and load from there")
 
+    lora_rank: int = key(0, "LoRA rank; 0 = train the full model, > 0 = train a PEFT LoRA adapter (docs/lora.md)")
+    lora_alpha: int = key(16, "LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank")
+    target_modules: Any = key("all-linear", "modules given an adapter: all-linear, a regex, or a list of names")
+    exclude_modules: Any = key(None, "modules never given an adapter: null, a regex, or a list of names")
+    lora_adapter_path: Optional[str] = key(None, "PEFT adapter folder to continue training (needs lora_rank > 0)")
+
     def check(self, path: str, root: Any) -> None:
         _check_shm(path, self.use_shm)
+        _check_lora(path, self)
+
+    def inactive(self, path: str, root: Any) -> dict[str, str]:
+        shaping = ("lora_alpha", "target_modules", "exclude_modules")
+        if self.lora_rank == 0:
+            return {f"{path}.{name}": f"{path}.lora_rank=0 (LoRA off)" for name in shaping}
+        out = {}
+        if self.lora_adapter_path is not None:
+            reason = f"{path}.lora_adapter_path is set: the adapter's adapter_config.json decides"
+            out.update({f"{path}.{name}": reason for name in shaping})
+        if ref_enabled(root):
+            out[f"{ACTOR.rsplit('.', 1)[0]}.ref.fsdp_config"] = (
+                f"{path}.lora_rank > 0: the reference policy is the actor's base model with the adapter "
+                "disabled (verl's ref_in_actor); no separate reference model is built"
+            )
+        return out
+
+
+def _check_lora(path: str, model: ModelConfig) -> None:
+    """LoRA keys: types PEFT accepts, and an adapter folder only together with lora_rank > 0."""
+    if model.lora_rank < 0:
+        raise ValueError(f"{path}.lora_rank={model.lora_rank} must be >= 0 (0 turns LoRA off)")
+    for name in ("target_modules", "exclude_modules"):
+        value = getattr(model, name)
+        if name == "exclude_modules" and value is None:
+            continue
+        names = isinstance(value, Sequence) and all(isinstance(v, str) for v in value)
+        if not isinstance(value, str) and not names:
+            raise ValueError(
+                f"{path}.{name}={value!r} must be a string (all-linear or a regex) or a list of module names"
+            )
+    adapter = model.lora_adapter_path
+    if adapter is None:
+        return
+    if model.lora_rank == 0:
+        raise ValueError(
+            f"{path}.lora_adapter_path={adapter} needs {path}.lora_rank > 0 (as in verl 0.9.1's FSDP engine, "
+            "LoRA is on only with a positive rank; the adapter's own rank is used)"
+        )
+    if not os.path.isfile(os.path.join(os.path.expanduser(adapter), "adapter_config.json")):
+        raise ValueError(
+            f"{path}.lora_adapter_path={adapter} is not a PEFT adapter folder (no adapter_config.json there)"
+        )
 
 
 @dataclass
