@@ -170,11 +170,12 @@ def test_overlong_prompt_error_names_index_length_and_keys(mixed_length_file, to
     with pytest.raises(ValueError) as info:
         RLHFDataset(mixed_length_file, tokenizer, config)
     message = str(info.value)
-    assert "prompt 1 of" in message and "data.max_prompt_length=32" in message and "data.truncation" in message
+    assert f"data file {mixed_length_file}, row 1, column 'prompt'" in message
+    assert "data.max_prompt_length=32" in message and "data.truncation" in message
     full_length = len(
         RLHFDataset(mixed_length_file, tokenizer, with_overrides(config, max_prompt_length=128)).prompt_ids[1]
     )
-    assert f"is {full_length} tokens long" in message
+    assert f"the prompt is {full_length} tokens long" in message
 
 
 @pytest.mark.parametrize("truncation", ["left", "right"])

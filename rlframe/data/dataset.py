@@ -24,29 +24,101 @@ logger = logging.getLogger(__name__)
 TRUNCATION_MODES = ("error", "left", "right")
 
 
-def read_parquet_rows(files: list[str], required_columns: list[str]) -> list[dict]:
-    """Read parquet files into row dicts, checking every file's columns before reading any rows."""
+def _read_table(path: str, required_columns: list[str]):
+    """One parquet file as a pyarrow table, after checking that it is parquet, has the columns and has rows."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    for path in files:
-        try:
-            columns = pq.read_schema(path).names
-        except FileNotFoundError:
-            raise FileNotFoundError(f"data file {path} does not exist") from None
-        for column in required_columns:
-            if column not in columns:
-                raise ValueError(
-                    f"data file {path} has no column {column!r} (columns: {columns}); "
-                    f"rlframe expects verl's schema: {', '.join(required_columns)}"
-                )
-    rows, columns = [], {}
-    for path in files:
+    try:
+        columns = pq.read_schema(path).names
         table = pq.read_table(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"data file {path} does not exist") from None
+    except (pa.ArrowInvalid, OSError) as e:
+        raise ValueError(f"data file {path} is not a readable parquet file ({e})") from e
+    for column in required_columns:
+        if column not in columns:
+            raise ValueError(
+                f"data file {path} has no column {column!r} (columns: {columns}); "
+                f"rlframe expects verl's schema: {', '.join(required_columns)}"
+            )
+    if table.num_rows == 0:
+        raise ValueError(f"data file {path} has no rows")
+    return table
+
+
+def _column_values(table, column: str, path: str) -> list:
+    """A column as Python values; text that is not valid UTF-8 is named by row and column."""
+    try:
+        return table.column(column).to_pylist()
+    except UnicodeDecodeError:
+        chunked = table.column(column)
+        for row_number in range(len(chunked)):
+            try:
+                chunked[row_number].as_py()
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"data file {path}, row {row_number}, column {column!r}: text is not UTF-8 ({e})"
+                ) from e
+        raise
+
+
+def read_parquet_rows(files: list[str], required_columns: list[str]) -> tuple[list[dict], list[tuple[str, int]]]:
+    """Read parquet files into row dicts and each row's (file, row number), checking every file first."""
+    tables = [(path, _read_table(path, required_columns)) for path in files]
+    rows, origins, columns = [], [], {}
+    for path, table in tables:
         columns.update(dict.fromkeys(table.column_names))
-        rows.extend(table.to_pylist())  # plain python: lists and dicts, no numpy
+        values = {column: _column_values(table, column, path) for column in table.column_names}
+        rows.extend(dict(zip(values, row)) for row in zip(*values.values()))  # plain python: lists and dicts
+        origins.extend((path, row_number) for row_number in range(table.num_rows))
     if len(files) > 1:  # files may carry different optional columns; give every row all of them
         rows = [{column: row.get(column) for column in columns} for row in rows]
-    return rows
+    return rows, origins
+
+
+def check_row(row: dict, where: str, prompt_key: str, reward_fn_key: str) -> None:
+    """The types verl's schema needs, each error naming the file, row and column (`where`)."""
+    messages = row[prompt_key]
+    expected = "chat messages (a non-empty list of {'role': str, 'content': str})"
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"{where}, column {prompt_key!r}: expected {expected}, got {_describe(messages)}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ValueError(
+                f"{where}, column {prompt_key!r}, message {i}: expected {expected}, got {_describe(message)}"
+            )
+        content = message.get("content")
+        if isinstance(content, bytes):
+            raise ValueError(
+                f"{where}, column {prompt_key!r}, message {i}: content is bytes, not text"
+                + ("" if _is_utf8(content) else " (and not valid UTF-8)")
+            )
+        if not isinstance(content, str):
+            raise ValueError(f"{where}, column {prompt_key!r}, message {i}: content is {_describe(content)}, not text")
+    if not isinstance(row[reward_fn_key], str):
+        raise ValueError(
+            f"{where}, column {reward_fn_key!r} (data.reward_fn_key): expected a string naming the scorer, "
+            f"got {_describe(row[reward_fn_key])}"
+        )
+    reward_model = row["reward_model"]
+    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+        raise ValueError(
+            f"{where}, column 'reward_model': expected a dict with a 'ground_truth' key, got {_describe(reward_model)}"
+        )
+
+
+def _describe(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def left_pad(ids: list[int], length: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -79,15 +151,17 @@ class RLHFDataset(torch.utils.data.Dataset):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; RLHFDataset applies one to every prompt")
 
-        rows = read_parquet_rows(self.files, [self.prompt_key, config.reward_fn_key, "reward_model"])
+        rows, origins = read_parquet_rows(self.files, [self.prompt_key, config.reward_fn_key, "reward_model"])
+        for row, (path, row_number) in zip(rows, origins):  # every row before tokenizing any
+            check_row(row, f"data file {path}, row {row_number}", self.prompt_key, config.reward_fn_key)
         self.rows, self.prompt_ids, self.num_filtered = [], [], 0
-        for row_number, row in enumerate(rows):
+        for row, (path, row_number) in zip(rows, origins):
             ids = self._tokenize(row[self.prompt_key])
             if len(ids) > self.max_prompt_length:
                 if filter_overlong:
                     self.num_filtered += 1
                     continue
-                ids = self._truncate(ids, row_number)
+                ids = self._truncate(ids, f"data file {path}, row {row_number}, column {self.prompt_key!r}")
             self.rows.append(row)
             self.prompt_ids.append(ids)
         if self.num_filtered:
@@ -105,22 +179,17 @@ class RLHFDataset(torch.utils.data.Dataset):
             )
 
     def _tokenize(self, messages) -> list[int]:
-        if isinstance(messages, str):
-            raise TypeError(
-                f"column {self.prompt_key!r} holds a plain string; expected chat messages "
-                "(a list of {'role': ..., 'content': ...})"
-            )
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         # The template already wrote every special token; do not let the tokenizer add a BOS again.
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _truncate(self, ids: list[int], row_number: int) -> list[int]:
+    def _truncate(self, ids: list[int], where: str) -> list[int]:
         if self.truncation == "left":  # keep the end: the question and the generation prompt
             return ids[-self.max_prompt_length :]
         if self.truncation == "right":
             return ids[: self.max_prompt_length]
         raise ValueError(
-            f"prompt {row_number} of {self.files} is {len(ids)} tokens long, over "
+            f"{where}: the prompt is {len(ids)} tokens long, over "
             f"data.max_prompt_length={self.max_prompt_length} with data.truncation=error; "
             "raise data.max_prompt_length, set data.filter_overlong_prompts=true, "
             "or set data.truncation=left|right"
