@@ -155,6 +155,7 @@ def test_ppo_with_critic_kl_in_reward_and_a_failing_reward_function(tmp_path, ca
 def test_bad_config_fails_before_ray_with_the_equation(tmp_path, cache_dir):
     out = run_main(
         [
+            "--verbose",  # lets Ray's "Started a local Ray instance" through, were Ray started
             f"trainer.default_local_dir={tmp_path}",
             "data.train_batch_size=6",
             "actor_rollout_ref.actor.ppo_mini_batch_size=4",
