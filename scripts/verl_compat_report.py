@@ -46,6 +46,16 @@ DATA_KEYS = re.compile(r"^data\.(train_files|val_files)$")
 STAND_IN_HEADS = {"num_attention_heads": 64, "num_key_value_heads": 16, "hidden_size": 1024}
 STAND_IN_ROWS = 8192  # more than the largest data.train_batch_size of the corpus (4096)
 REWARD_FILE_KEY = re.compile(r"^(reward\.)?custom_reward_function\.path$")
+TOOL_CONFIG_KEY = re.compile(r"^actor_rollout_ref\.rollout\.multi_turn\.tool_config_path$")
+# The tool class each of verl's tool-config files (in its repository) declares: the stand-in declares the same
+# class, so the launch checks meet what the script would load (rlframe maps verl's GSM8K demo tool and
+# refuses the others by name).
+VERL_TOOL_CLASSES = {
+    "gsm8k_tool_config.yaml": "verl.tools.gsm8k_tool.Gsm8kTool",
+    "geo3k_tool_config.yaml": "verl.tools.geo3k_tool.Geo3kTool",
+    "search_tool_config.yaml": "verl.tools.search_tool.SearchTool",
+    "sandbox_fusion_tool_config.yaml": "verl.tools.sandbox_fusion_tools.SandboxFusionTool",
+}
 # A failure the issue's rule accepts: the config is fine, this machine lacks a GPU or an engine.
 NEEDS_GPU_OR_ENGINE = re.compile(r"no CUDA device|CUDA is not available|no GPU|not installed|No module named", re.I)
 # The loader's refusals of a key no component reads (a typo, or a verl key rlframe lacks): "unknown".
@@ -166,6 +176,16 @@ def make_stand_in_reward(folder: Path, overrides: list[str]) -> str:
     return str(path)
 
 
+def make_stand_in_tools(folder: Path, value: str) -> str:
+    """A tool config declaring the class verl's file of that name declares (`VERL_TOOL_CLASSES`)."""
+    name = Path(value).name
+    if name not in VERL_TOOL_CLASSES:
+        return value  # unknown file: the checks see the script's path (and say it is missing)
+    path = folder / f"stand_in_{name}"
+    path.write_text(f"tools:\n  - class_name: {VERL_TOOL_CLASSES[name]}\n    config: {{type: native}}\n")
+    return str(path)
+
+
 @dataclass(frozen=True)
 class StandIns:
     """Files the scripts name that are not on this machine, replaced by ones the launch checks can read."""
@@ -189,6 +209,8 @@ def with_stand_ins(overrides: list[str], stand_ins: StandIns) -> tuple[list[str]
                 override = f"{key}={stand_ins.data}"
             elif REWARD_FILE_KEY.match(bare):
                 override = f"{key}={make_stand_in_reward(stand_ins.folder, overrides)}"
+            elif TOOL_CONFIG_KEY.match(bare):
+                override = f"{key}={make_stand_in_tools(stand_ins.folder, value)}"
         if override != f"{key}={value}" and "=" in override:
             replaced.append(f"{bare}: {value} -> {override.partition('=')[2]}")
         out.append(override)
