@@ -19,6 +19,7 @@ MFU = model FLOPs per second / the device's dense bf16 peak, with model FLOPs co
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import torch
@@ -52,12 +53,14 @@ SMOKE = dict(
 )
 
 
-def attention_kernel(device: str) -> str:
-    import importlib.util
+def attention_kernel(device: str, dtype: torch.dtype) -> str:
+    """The packed-attention kernel that runs: the same decision `varlen_causal_attention` makes per call."""
+    from rlframe.distributed.attention import varlen_kernel
 
-    if importlib.util.find_spec("flash_attn") is None:
-        return "torch SDPA per sequence (flash-attn not installed: attention is slower than it should be)"
-    return "flash-attn varlen" if device == "cuda" else "torch SDPA per sequence"
+    kernel = varlen_kernel(device, dtype)
+    if device == "cuda" and kernel != "flash-attn varlen":
+        kernel += " (flash-attn does not import here: attention is slower than it should be)"
+    return kernel
 
 
 def build_model(shape: dict, device: str, dtype: torch.dtype, gradient_checkpointing: bool) -> torch.nn.Module:
@@ -102,6 +105,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--peak-tflops", type=float, default=None, help=f"overrides the table and ${PEAK_ENV}")
+    parser.add_argument("--json", default=None, help="also write the figures to this JSON file")
     args = parser.parse_args(argv)
     mix = GPU_MIX
     if args.quick:
@@ -148,7 +152,7 @@ def main(argv=None) -> None:
     attn_share = 1 - 6.0 * num_matmul * real / flops
     print(
         f"{device_name}: {num_params / 1e6:.1f}M params ({num_matmul / 1e6:.1f}M in matmuls), {dtype}, "
-        f"attention: {attention_kernel(device)}"
+        f"attention: {attention_kernel(device, dtype)}"
         f"{', gradient checkpointing' if args.gradient_checkpointing else ''}"
     )
     print(
@@ -166,6 +170,17 @@ def main(argv=None) -> None:
     if device == "cuda":
         rows.append(["peak memory GiB", f"{torch.cuda.max_memory_allocated() / 2**30:.1f}"])
     print_table(["metric", "value"], rows)
+    if args.json:
+        figures = {
+            "device": device_name,
+            "attention": attention_kernel(device, dtype),
+            "step_s": step_s,
+            "tokens_per_s": real / step_s,
+            "achieved_tflops": achieved,
+            "mfu": achieved / peak if peak and device == "cuda" else None,
+        }
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ Needs CUDA and the `gpu` extra (`pip install -e '.[gpu]'`). The model has Qwen2.
 weights and the tiny offline tokenizer, so nothing is downloaded. Random weights almost never emit
 EOS, so responses run to the limit and both engines do the same amount of work. Reported: median
 tokens/s over `--repeats` calls after a warm-up, plus the weight-sync time (update_weights of the
-full state) and the sleep/wake round trip for vLLM.
+full state), the sleep/wake round trip for vLLM, and the attention kernel each engine ran (vLLM's
+backend as its layers report it; the HF engine runs transformers' sdpa).
 """
 
 from __future__ import annotations
@@ -116,10 +117,14 @@ def bench_engine(name: str, path: str, args) -> dict:
     rollout.update_weights(state.items())
     torch.cuda.synchronize()
     sync_s = time.perf_counter() - start
+    attention = rollout.attention_backends() if name == "vllm" else ["torch sdpa (transformers)"]
+    if hasattr(rollout, "shutdown"):
+        rollout.shutdown()
     del rollout
     torch.cuda.empty_cache()
     return {
         "engine": name,
+        "attention": ", ".join(attention),
         "tokens_per_s": statistics.median(rates),
         "weight_sync_s": sync_s,
         "release_resume_s": cycle_s,
@@ -149,14 +154,14 @@ def main(argv=None) -> None:
         f"{torch.cuda.get_device_name()}: Qwen2.5-0.5B shape, bf16, batch {args.batch}, prompt "
         f"{args.prompt_length}, response {args.response_length}"
     )
-    print(f"{'engine':>6} {'tokens/s':>10} {'weight sync s':>14} {'release+resume s':>17}")
+    print(f"{'engine':>6} {'tokens/s':>10} {'weight sync s':>14} {'release+resume s':>17}  attention")
     with tempfile.TemporaryDirectory() as workdir:
         path = make_model(workdir)
         for name in args.engines:
             r = bench_engine(name, path, args)
             print(
                 f"{r['engine']:>6} {r['tokens_per_s']:>10.0f} {r['weight_sync_s']:>14.2f} "
-                f"{r['release_resume_s']:>17.2f}"
+                f"{r['release_resume_s']:>17.2f}  {r['attention']}"
             )
 
 

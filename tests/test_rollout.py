@@ -315,49 +315,6 @@ def test_tp_size_must_match_group_and_divide_heads(tiny_model_path):
 
 
 # ---------------------------------------------------------------------------------------- GPU (vLLM)
-@pytest.fixture
-def single_rank_env(monkeypatch):
-    """vLLM's external launcher reads the torch.distributed env of a (here 1-process) world."""
-    for key, value in dict(
-        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
-    ).items():
-        monkeypatch.setenv(key, value)
-
-
-# The engine alone (no worker to sync weights first): real weights from the checkpoint, eager, fp32.
-VLLM_FROM_CHECKPOINT = (
-    "actor_rollout_ref.rollout.dtype=fp32",
-    "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
-    "actor_rollout_ref.rollout.load_format=auto",
-    "actor_rollout_ref.rollout.enforce_eager=true",
-)
-
-
-@pytest.mark.gpu
-def test_vllm_greedy_matches_hf_greedy(tiny_model_path, single_rank_env):
-    cfg = rollout_config(*VLLM_FROM_CHECKPOINT)
-    tokenizer = load_tokenizer(tiny_model_path)
-    hf = build_rollout("hf", cfg, tiny_model_path, tokenizer, "cuda")
-    engine = build_rollout("vllm", cfg, tiny_model_path, tokenizer, "cuda")
-    prompts = make_prompts(seed=5, do_sample=False)
-    expected, got = hf.generate_sequences(prompts).batch, engine.generate_sequences(prompts).batch
-    for key in ("responses", "response_mask", "input_ids", "attention_mask", "position_ids"):
-        assert torch.equal(got[key].cpu(), expected[key].cpu()), key
-
-
-@pytest.mark.gpu
-def test_vllm_weight_sync_changes_outputs_like_hf(tiny_model_path, single_rank_env):
-    cfg = rollout_config(*VLLM_FROM_CHECKPOINT)
-    tokenizer = load_tokenizer(tiny_model_path)
-    hf = build_rollout("hf", cfg, tiny_model_path, tokenizer, "cuda")
-    engine = build_rollout("vllm", cfg, tiny_model_path, tokenizer, "cuda")
-    prompts = make_prompts(seed=6, do_sample=False)
-    before = engine.generate_sequences(prompts).batch["responses"].cpu()
-    state = _perturbed_state(tiny_model_path)
-    engine.release()
-    engine.resume()
-    engine.update_weights(state.items())
-    hf.update_weights(state.items())
-    after = engine.generate_sequences(prompts).batch["responses"].cpu()
-    assert not torch.equal(after, before)
-    assert torch.equal(after, hf.generate_sequences(prompts).batch["responses"].cpu())
+# The vLLM engine's GPU tests are in tests/test_gpu.py: log-probs within bf16 error on SmolLM2's shape
+# (head size 64, the kernels production runs), not bit-exact greedy text on the tiny model, whose head
+# size 16 sends vLLM to another attention backend than the one it would use for real models.

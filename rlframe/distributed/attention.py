@@ -15,6 +15,8 @@ transformers' `sdpa`.
 from __future__ import annotations
 
 import functools
+import importlib.util
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -153,9 +155,22 @@ def _varlen_mask(
 def _flash_attn_varlen_func():
     try:
         from flash_attn import flash_attn_varlen_func
-    except ImportError:
+    except ImportError as err:
+        if importlib.util.find_spec("flash_attn") is not None:  # installed but broken: say so, once
+            warnings.warn(
+                f"flash_attn is installed but does not import ({err}); packed attention runs torch SDPA per "
+                "sequence instead (reinstall flash-attn built for this torch: scripts/setup.sh gpu)",
+                stacklevel=2,
+            )
         return None
     return flash_attn_varlen_func
+
+
+def varlen_kernel(device_type: str, dtype: torch.dtype) -> str:
+    """The kernel packed attention runs for tensors of this device type and dtype (benchmarks report it)."""
+    if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _flash_attn_varlen_func() is not None:
+        return "flash-attn varlen"
+    return "torch SDPA per sequence"
 
 
 def register_varlen_attention() -> str:

@@ -342,6 +342,12 @@ def _worker_parameter_names(worker) -> list[str]:
     return [name for name, _ in worker.get_model().named_parameters()]
 
 
+def _worker_attention_backends(worker) -> list[str]:
+    """Inside the engine's worker: the attention backends its model's layers run (e.g. FLASH_ATTN)."""
+    modules = worker.get_model().modules()
+    return sorted({m.attn_backend.get_name() for m in modules if getattr(m, "attn_backend", None) is not None})
+
+
 def _worker_restores_buffers(worker) -> bool:
     """Inside the engine's worker: whether it saves and restores the model's buffers around a level-2 sleep."""
     return hasattr(worker, "_sleep_saved_buffers")
@@ -469,6 +475,10 @@ class VLLMRollout(BaseRollout):
         else:
             self.llm.wake_up()
         self._released = False
+
+    def attention_backends(self) -> list[str]:
+        """The attention kernels vLLM chose for this model (benchmarks and the GPU check report them)."""
+        return self.llm.collective_rpc(_worker_attention_backends)[0]
 
     def shutdown(self) -> None:
         """Stop the engine: its memory and vLLM's TP groups go; the default process group (the trainer's) stays."""
