@@ -151,9 +151,11 @@ def train(run: PreparedRun, verbose: bool = False, print_config: bool = False) -
     os.makedirs(cfg.trainer.default_local_dir, exist_ok=True)
     config_path = os.path.join(cfg.trainer.default_local_dir, "config.yaml")
     OmegaConf.save(cfg, config_path)
-    if print_config or verbose:
+    shown = print_config or verbose
+    if shown:
         print(OmegaConf.to_yaml(cfg), flush=True)
-    print(f"[rlframe] resolved config saved to {config_path} (--print-config shows it here)", flush=True)
+    hint = "" if shown else " (--print-config shows it here)"
+    print(f"[rlframe] resolved config saved to {config_path}{hint}", flush=True)
     for name, loader in (("train", run.train_loader), ("val", run.val_loader)):
         dataset = loader.dataset
         print(
