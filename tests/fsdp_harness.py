@@ -23,6 +23,17 @@ from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, build_fsdp_mesh, loa
 from rlframe.workers.lora import LoraSpec, adapter_disabled, apply_lora
 
 PROMPT_LEN, RESPONSE_LEN = 8, 8
+# policy-loss parameters under which every mode acts on this batch (clip_cov / kl_cov pick ~20% of tokens)
+POLICY_LOSS_PARAMS = {
+    "clip_cov_ratio": 0.2,
+    "clip_cov_lb": 0.0,
+    "clip_cov_ub": 5.0,
+    "kl_cov_ratio": 0.2,
+    "ppo_kl_coef": 0.5,
+    "dro_beta": 0.3,
+    "tau_pos": 1.0,
+    "tau_neg": 1.05,
+}
 
 
 @dataclass(frozen=True)
@@ -35,6 +46,7 @@ class Scenario:
     micro_batch_size: int = 2
     max_token_len: int = 64  # per GPU, before × sp
     loss_agg_mode: str = "token-mean"
+    loss_mode: str = "vanilla"  # actor.policy_loss.loss_mode (parameters: POLICY_LOSS_PARAMS)
     role: str = "actor"
     mini_batch_size: int | None = None  # sequences per optimizer step, global; None = whole batch
     param_offload: bool = False
@@ -104,7 +116,8 @@ def settings_for(sc: Scenario, num_seqs: int):
         clip_ratio_high=0.28,
         clip_ratio_c=3.0,
         loss_agg_mode=sc.loss_agg_mode,
-        policy_loss="vanilla",
+        policy_loss=sc.loss_mode,
+        policy_loss_params=POLICY_LOSS_PARAMS,
         entropy_coeff=0.01,
         use_kl_loss=True,
         kl_loss_coef=0.1,

@@ -10,6 +10,8 @@ import torch
 from fsdp_harness import Scenario, make_batch, relative_error, run_distributed, run_scenario
 from transformers import AutoConfig
 
+from rlframe.algorithms.loss import LOSS_AGG_MODES
+
 RTOL = 1e-5
 NUM_SEQS = 8
 
@@ -24,9 +26,14 @@ def reference(tiny_model_path, batch):
     return _reference(tiny_model_path, batch, "actor", "token-mean")
 
 
-def _reference(model_path, batch, role, loss_agg_mode):
+def _reference(model_path, batch, role, loss_agg_mode, loss_mode="vanilla"):
     sc = Scenario(
-        strategy="none", use_remove_padding=False, micro_batch_size=NUM_SEQS, role=role, loss_agg_mode=loss_agg_mode
+        strategy="none",
+        use_remove_padding=False,
+        micro_batch_size=NUM_SEQS,
+        role=role,
+        loss_agg_mode=loss_agg_mode,
+        loss_mode=loss_mode,
     )
     return run_scenario(sc, model_path, batch)
 
@@ -64,10 +71,23 @@ def test_dynamic_micro_batching_matches_reference(tiny_model_path, batch, refere
     assert_matches(run_scenario(sc, tiny_model_path, batch), reference)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_every_loss_agg_mode_is_exact_under_micro_batching(tiny_model_path, batch, mode):
     ref = _reference(tiny_model_path, batch, "actor", mode)
     sc = Scenario(strategy="none", use_dynamic_bsz=True, max_token_len=24, loss_agg_mode=mode)
+    assert_matches(run_scenario(sc, tiny_model_path, batch), ref)
+
+
+# clip_cov / kl_cov choose tokens by a covariance over the whole mini-batch, geo_mean averages
+# per-sequence losses: each is exact only because the worker takes those statistics mini-batch-wide
+NEW_LOSS_MODES = ["cispo", "gpg", "dro", "sapo", "dppo_tv", "dppo_kl", "geo_mean", "clip_cov", "kl_cov"]
+
+
+@pytest.mark.parametrize("loss_mode", NEW_LOSS_MODES)
+def test_every_policy_loss_is_exact_under_micro_batching(tiny_model_path, batch, loss_mode):
+    agg = "seq-mean-token-mean" if loss_mode == "geo_mean" else "token-mean"
+    ref = _reference(tiny_model_path, batch, "actor", agg, loss_mode)
+    sc = Scenario(strategy="none", use_dynamic_bsz=True, max_token_len=24, loss_agg_mode=agg, loss_mode=loss_mode)
     assert_matches(run_scenario(sc, tiny_model_path, batch), ref)
 
 
@@ -137,3 +157,12 @@ def test_several_mini_batches_and_epochs_match_across_dp(tiny_model_path, batch,
     result = run_distributed(sc, tiny_model_path, batch, str(tmp_path))
     assert len(result["metrics"]["actor/pg_loss"]) == 4
     assert_matches(result, ref)  # the gradient compared is the last (4th) step's
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_mode", ["clip_cov", "kl_cov"])
+def test_batch_statistic_losses_match_across_dp_and_sp(tiny_model_path, batch, tmp_path, loss_mode):
+    # the token choice (clip_cov, kl_cov) is made over the mini-batch gathered from both DP ranks
+    ref = _reference(tiny_model_path, batch, "actor", "token-sum", loss_mode)
+    sc = Scenario(world=4, sp=2, use_dynamic_bsz=True, max_token_len=16, loss_agg_mode="token-sum", loss_mode=loss_mode)
+    assert_matches(run_distributed(sc, tiny_model_path, batch, str(tmp_path)), ref)

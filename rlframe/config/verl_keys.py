@@ -71,10 +71,6 @@ UNSUPPORTED = {
     "generates one data.gen_batch_size batch at a time and checks its groups before the next",
     "algorithm.use_pf_ppo": "PF-PPO reweighting is not implemented",
     "algorithm.pf_ppo": "PF-PPO reweighting is not implemented",
-    "actor_rollout_ref.actor.policy_loss": "this policy-loss parameter belongs to a loss mode rlframe does not "
-    "implement yet (see the algorithms issue)",
-    "actor_rollout_ref.actor.tau_pos": "SAPO's temperatures belong to a loss mode rlframe does not implement yet",
-    "actor_rollout_ref.actor.tau_neg": "SAPO's temperatures belong to a loss mode rlframe does not implement yet",
     "actor_rollout_ref.actor.loss_scale_factor": "a constant loss scale is not implemented; rlframe normalizes "
     "seq-mean-token-sum-norm by the max response length",
     "critic.loss_scale_factor": "a constant loss scale is not implemented",

@@ -82,18 +82,22 @@ class AlgorithmConfig(Section):
     lam: float = key(1.0, "GAE lambda")
     adv_estimator: str = key(
         "gae",
-        "gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax",
+        "gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | opo | gpg | grpo_passk "
+        "| optimal_token_baseline | grpo_vectorized | rloo_vectorized (docs/algorithms.md)",
         check=get_adv_estimator_fn,
     )
     norm_adv_by_std_in_grpo: bool = key(True, "false = Dr.GRPO (no std normalization)")
     use_kl_in_reward: bool = key(False, "subtract a KL penalty from the rewards")
-    kl_penalty: str = key("kl", "kl|k1|abs|mse|k2|low_var_kl|k3 (used in reward)", check=get_kl_penalty_fn)
+    kl_penalty: str = key(
+        "kl",
+        "kl|k1|abs|mse|k2|low_var_kl|k3 (used in reward; a + suffix, k3+, gives the same value)",
+        check=get_kl_penalty_fn,
+    )
     kl_ctrl: KLCtrlConfig = section(KLCtrlConfig)
     filter_groups: FilterGroupsConfig = section(FilterGroupsConfig, "DAPO's dynamic sampling")
     rollout_correction: RolloutCorrectionConfig = section(
         RolloutCorrectionConfig, "IS weights and rejection between the rollout engine's and the trainer's policy"
     )
-
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = {}
@@ -105,7 +109,7 @@ class AlgorithmConfig(Section):
             )
         if self.adv_estimator != "gae":
             out[f"{path}.lam"] = f"{path}.adv_estimator={self.adv_estimator}: only gae uses lambda"
-        if self.adv_estimator != "grpo":
+        if self.adv_estimator not in ("grpo", "grpo_passk"):  # grpo_vectorized: verl never passes it the key
             out[f"{path}.norm_adv_by_std_in_grpo"] = f"{path}.adv_estimator={self.adv_estimator}"
         return out
 

@@ -10,13 +10,21 @@ dp, sp, micro-batch size or micro-batching mode.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+from tensordict import TensorDict
 from torch import nn
 
 from rlframe.algorithms.kl import kl_penalty
-from rlframe.algorithms.loss import agg_loss, compute_policy_loss_vanilla, get_policy_loss_fn
+from rlframe.algorithms.loss import (
+    TOKEN_SELECTORS,
+    agg_loss,
+    compute_policy_loss_vanilla,
+    get_policy_loss_fn,
+    policy_loss_kwargs,
+)
 from rlframe.algorithms.rollout_correction import PREFIX, bypass_policy_loss
 from rlframe.protocol import DataProto
 from rlframe.seqpack import MicroBatchSpec
@@ -53,6 +61,8 @@ class ActorSettings:
     kl_loss_type: str
     use_remove_padding: bool
     use_torch_compile: bool = False  # torch.compile the log-prob/entropy kernels (CUDA)
+    # the policy loss's own parameters by verl's names (policy_loss.clip_cov_ratio, tau_pos, ...)
+    policy_loss_params: dict = field(default_factory=dict)
 
 
 class PPOActor(PPOUpdater):
@@ -74,6 +84,11 @@ class PPOActor(PPOUpdater):
     ):
         super().__init__(module, optimizer, settings, dp_group, sp_group, dp_size, lr_scheduler, seed)
         self.policy_loss_fn = get_policy_loss_fn(settings.policy_loss)
+        self.policy_loss_kwargs = policy_loss_kwargs(self.policy_loss_fn, settings.policy_loss_params)
+        # clip_cov/kl_cov choose tokens over the whole mini-batch (see _select_tokens); the same seed on
+        # every rank, so every rank draws the same clip_cov permutation
+        self.token_selector = TOKEN_SELECTORS.get(settings.policy_loss)
+        self.selection_generator = torch.Generator().manual_seed(seed)
 
     def _forward(self, micro: dict, temperature: float, calculate_entropy: bool) -> dict:
         return forward_micro_batch(
@@ -112,8 +127,9 @@ class PPOActor(PPOUpdater):
         keys = ["old_log_probs", "advantages"] + (["ref_log_prob"] if self.settings.use_kl_loss else [])
         keys += [k for k in ("rollout_is_weights",) if k in data.batch.keys()]  # decoupled rollout correction
         self._bypass = data.meta_info.get("rollout_correction")  # bypass mode: old_log_probs are the rollout's
+        prepare = None if self.token_selector is None else (lambda mini: self._select_tokens(mini, temperature))
         metrics = self._train(
-            update_inputs(data.batch, *keys), lambda micro, counts: self._loss(micro, counts, temperature)
+            update_inputs(data.batch, *keys), lambda micro, counts: self._loss(micro, counts, temperature), prepare
         )
         # verl names the rollout-correction metrics without the role
         role_prefix = f"{self.role}/"
@@ -143,8 +159,12 @@ class PPOActor(PPOUpdater):
                 lambda mat, mask: agg_loss(mat, mask, s.loss_agg_mode, **norm),
             )
         else:
+            if "pg_token_selection" in micro.keys():
+                extra = {**self.policy_loss_kwargs, "token_selection": micro["pg_token_selection"]}
+            else:
+                extra = self.policy_loss_kwargs
             pg_loss, pg_metrics = self.policy_loss_fn(
-                micro["old_log_probs"], out["log_probs"], advantages, response_mask, *args, **norm
+                micro["old_log_probs"], out["log_probs"], advantages, response_mask, *args, **norm, **extra
             )
         loss = pg_loss
         # token-weighted metrics: local means weighted by this micro-batch's share of global tokens
@@ -168,3 +188,41 @@ class PPOActor(PPOUpdater):
             loss = loss + s.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss
         return loss, metrics
+
+    def _select_tokens(self, mini: TensorDict, temperature: float) -> TensorDict:
+        """`mini` with `pg_token_selection`: the tokens clip_cov/kl_cov treat apart, chosen over the whole
+        mini-batch of every DP rank, as one single-process call on the whole mini-batch would.
+
+        The choice needs the current policy's log-probs of every token before any micro-batch's loss,
+        so this costs one extra forward (no grad) per optimizer step. The DP ranks' rows are gathered
+        in rank order (equal row counts and widths: one dispatched batch), selected on every rank
+        alike, and each rank keeps its own rows.
+        """
+        s = self.settings
+        with torch.no_grad():
+            micro_batches, reverse_idx = split_micro_batches(forward_inputs(mini), s.update, self.dp_group)
+            log_probs = restore_order(
+                [self._forward(m, temperature, False)["log_probs"] for m in micro_batches], reverse_idx
+            )
+        inputs = [mini["old_log_probs"], log_probs, mini["advantages"], response_mask_of(mini).to(log_probs.dtype)]
+        rank, world = 0, 1
+        if self.dp_group is not None and dist.is_initialized() and dist.get_world_size(self.dp_group) > 1:
+            rank, world = dist.get_rank(self.dp_group), dist.get_world_size(self.dp_group)
+            inputs = [_all_gather_rows(x, self.dp_group, world) for x in inputs]
+        params = {
+            **self.policy_loss_kwargs,
+            "clip_ratio_low": s.clip_ratio_low,
+            "clip_ratio_high": s.clip_ratio_high,
+            "generator": self.selection_generator,
+        }
+        selected = self.token_selector(*inputs, **policy_loss_kwargs(self.token_selector, params))
+        mini = mini.clone(recurse=False)
+        mini["pg_token_selection"] = selected.chunk(world)[rank]
+        return mini
+
+
+def _all_gather_rows(x: torch.Tensor, group, world: int) -> torch.Tensor:
+    """The rows of `x` from every rank of `group`, concatenated in rank order."""
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts)

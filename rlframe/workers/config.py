@@ -47,7 +47,6 @@ class ModelConfig(Section):
     use_remove_padding: bool = key(True, "pack sequences into one row with cu_seqlens (no pad compute)")
     trust_remote_code: bool = key(False, "passed to from_pretrained")
     use_shm: bool = key(False, "copy the model folder to /dev/shm once per node and load from there")
-
     lora_rank: int = key(0, "LoRA rank; 0 = train the full model, > 0 = train a PEFT LoRA adapter (docs/lora.md)")
     lora_alpha: int = key(16, "LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank")
     target_modules: Any = key("all-linear", "modules given an adapter: all-linear, a regex, or a list of names")
@@ -101,9 +100,56 @@ def _check_lora(path: str, model: ModelConfig) -> None:
         )
 
 
+# policy-loss parameter -> the loss mode that reads it
+POLICY_LOSS_PARAM_OWNERS = {
+    "clip_cov_ratio": "clip_cov",
+    "clip_cov_lb": "clip_cov",
+    "clip_cov_ub": "clip_cov",
+    "kl_cov_ratio": "kl_cov",
+    "ppo_kl_coef": "kl_cov",
+    "dro_beta": "dro",
+}
+
+
 @dataclass
 class PolicyLossConfig(Section):
-    loss_mode: str = key("vanilla", "vanilla (PPO clip, dual-clip) | gspo", check=get_policy_loss_fn)
+    loss_mode: str = key(
+        "vanilla",
+        "vanilla (PPO clip, dual-clip) | gspo | cispo | gpg | dro | sapo | dppo_tv | dppo_kl | geo_mean (GMPO) "
+        "| clip_cov | kl_cov (docs/algorithms.md)",
+        check=get_policy_loss_fn,
+    )
+    clip_cov_ratio: float = key(0.0002, "clip_cov: fraction of the mini-batch's tokens whose gradient is detached")
+    clip_cov_lb: float = key(1.0, "clip_cov: a candidate token's covariance term lies above this")
+    clip_cov_ub: float = key(5.0, "clip_cov: ... and below this")
+    kl_cov_ratio: float = key(0.0002, "kl_cov: fraction of the mini-batch's tokens given the |log ratio| penalty")
+    ppo_kl_coef: float = key(0.1, "kl_cov: weight of that penalty")
+    dro_beta: Optional[float] = key(None, "dro: weight of the quadratic log-ratio penalty; required (> 0) for dro")
+
+    def check(self, path: str, root: Any) -> None:
+        mode = self.loss_mode
+        if mode == "dro" and (self.dro_beta is None or self.dro_beta <= 0):
+            raise ValueError(f"{path}.loss_mode=dro needs {path}.dro_beta > 0 (got {self.dro_beta})")
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            if mode == POLICY_LOSS_PARAM_OWNERS[name] and not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"{path}.{name}={getattr(self, name)} must be in (0, 1] for loss_mode={mode}")
+        if mode == "clip_cov" and self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(
+                f"{path}.clip_cov_lb={self.clip_cov_lb} must be below clip_cov_ub={self.clip_cov_ub} "
+                "(the covariance window of clip_cov's candidate tokens)"
+            )
+
+    def inactive(self, path: str, root: Any) -> dict[str, str]:
+        return {
+            f"{path}.{name}": f"{path}.loss_mode={self.loss_mode}: only {owner} reads it"
+            for name, owner in POLICY_LOSS_PARAM_OWNERS.items()
+            if owner != self.loss_mode
+        }
+
+
+# the losses that read the PPO clip ratios (dppo_*: as trust-region thresholds) and the dual-clip bound
+CLIP_RATIO_LOSSES = ("vanilla", "gspo", "cispo", "dppo_tv", "dppo_kl", "geo_mean", "clip_cov")
+CLIP_RATIO_C_LOSSES = ("vanilla", "dppo_tv", "dppo_kl")
 
 
 @dataclass
@@ -185,12 +231,18 @@ class ActorConfig(Section):
     clip_ratio: float = key(0.2, "PPO clip epsilon, used where clip_ratio_low/high are null (as in verl)")
     clip_ratio_low: Optional[float] = key(0.2, "lower clip epsilon; null = clip_ratio")
     clip_ratio_high: Optional[float] = key(0.2, "upper clip epsilon (DAPO clip-higher); null = clip_ratio")
-    clip_ratio_c: float = key(3.0, "dual-clip bound for negative advantages (> 1)")
+    clip_ratio_c: float = key(3.0, "dual-clip bound for negative advantages (> 1); dppo_*: truncated-IS bound")
+    tau_pos: float = key(1.0, "sapo: gate temperature where the advantage is positive")
+    tau_neg: float = key(1.05, "sapo: gate temperature where the advantage is not positive")
     loss_agg_mode: str = key("token-mean", " | ".join(LOSS_AGG_MODES), choices=LOSS_AGG_MODES)
     entropy_coeff: float = key(0.0, "entropy bonus coefficient")
     use_kl_loss: bool = key(False, "add KL(actor || ref) to the loss (GRPO style)")
     kl_loss_coef: float = key(0.001, "weight of the KL loss")
-    kl_loss_type: str = key("low_var_kl", "kl|k1|abs|mse|k2|low_var_kl|k3", check=get_kl_penalty_fn)
+    kl_loss_type: str = key(
+        "low_var_kl",
+        "kl|k1|abs|mse|k2|low_var_kl|k3; with a + (k3+): that value, k2's gradient",
+        check=get_kl_penalty_fn,
+    )
     ppo_epochs: int = key(1, "passes over each batch")
     shuffle: bool = key(False, "shuffle sequences before cutting mini-batches")
     ulysses_sequence_parallel_size: int = key(1, "Ulysses SP degree (needs use_remove_padding)")
@@ -218,7 +270,26 @@ class ActorConfig(Section):
             )
         if not self.use_kl_loss:
             out.update({f"{path}.{name}": f"{path}.use_kl_loss=false" for name in ("kl_loss_coef", "kl_loss_type")})
+        out.update(_policy_loss_inactive(path, self.policy_loss.loss_mode))
         return out
+
+
+def _policy_loss_inactive(path: str, mode: str) -> dict[str, str]:
+    """The actor keys the chosen policy loss does not read."""
+    out = {}
+    if mode not in CLIP_RATIO_LOSSES:
+        reason = f"{path}.policy_loss.loss_mode={mode} does not clip the ratio"
+        out.update({f"{path}.{name}": reason for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high")})
+    if mode not in CLIP_RATIO_C_LOSSES:
+        out[f"{path}.clip_ratio_c"] = f"{path}.policy_loss.loss_mode={mode} has no dual clip or IS truncation"
+    if mode != "sapo":
+        out.update(
+            {
+                f"{path}.{name}": f"{path}.policy_loss.loss_mode={mode}: only sapo reads it"
+                for name in ("tau_pos", "tau_neg")
+            }
+        )
+    return out
 
 
 @dataclass
@@ -319,7 +390,6 @@ class RewardModelConfig(Section):
         check=get_reward_manager_cls,
     )
     reward_kwargs: RewardKwargsConfig = section(RewardKwargsConfig)
-
 
     def check(self, path: str, root: Any) -> None:
         if self.enable and not self.model.path:

@@ -29,6 +29,7 @@ from rlframe.workers import checkpoint as ckpt
 from rlframe.workers import lora
 from rlframe.workers.actor import ActorSettings, PPOActor
 from rlframe.workers.batching import micro_batch_spec
+from rlframe.workers.config import POLICY_LOSS_PARAM_OWNERS
 from rlframe.workers.critic import CriticSettings, PPOCritic
 from rlframe.workers.fsdp_utils import (
     FSDPSpec,
@@ -70,6 +71,11 @@ def actor_settings(
         kl_loss_type=str(actor_cfg.kl_loss_type),
         use_remove_padding=use_remove_padding,
         use_torch_compile=bool(actor_cfg.use_torch_compile) and device_type == "cuda",
+        policy_loss_params={
+            **{name: actor_cfg.policy_loss[name] for name in POLICY_LOSS_PARAM_OWNERS},
+            "tau_pos": float(actor_cfg.tau_pos),
+            "tau_neg": float(actor_cfg.tau_neg),
+        },
     )
 
 

@@ -49,8 +49,12 @@ class PPOUpdater:
         self.lr_scheduler = lr_scheduler
         self.generator = torch.Generator().manual_seed(seed)
 
-    def _train(self, batch: TensorDict, loss_fn: LossFn) -> dict[str, list[float]]:
-        """One optimizer step per mini-batch of every epoch; metric lists, one value per step."""
+    def _train(self, batch: TensorDict, loss_fn: LossFn, prepare=None) -> dict[str, list[float]]:
+        """One optimizer step per mini-batch of every epoch; metric lists, one value per step.
+
+        `prepare(mini) -> mini`, when given, adds what the loss needs from the whole mini-batch
+        (after any shuffle, before the micro-batch split) at the start of each optimizer step.
+        """
         s = self.settings
         self.module.train()
         metrics: dict[str, list[float]] = {}
@@ -58,6 +62,8 @@ class PPOUpdater:
             if s.shuffle:
                 batch = batch[torch.randperm(len(batch), generator=self.generator)]
             for mini in batch.split(s.mini_batch_size):
+                if prepare is not None:
+                    mini = prepare(mini)
                 for name, value in self._optimizer_step(mini, loss_fn).items():
                     metrics.setdefault(name, []).append(value)
         if self.lr_scheduler is not None:
