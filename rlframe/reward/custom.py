@@ -17,6 +17,12 @@ def load_custom_reward_function(path: str | None, name: str = "compute_score") -
     """
     if path is None:
         return None
+    if str(path) == "builtin://math_verify":  # rlframe's math-verify scorer (rlframe/reward/math_verify.py)
+        if str(name) != "compute_score":
+            raise ValueError(f"custom_reward_function.name={name!r}: builtin://math_verify provides compute_score only")
+        from rlframe.reward.math_verify import compute_score
+
+        return compute_score
     full_path = os.path.abspath(os.path.expanduser(str(path)))
     if not os.path.isfile(full_path):
         raise FileNotFoundError(
