@@ -160,3 +160,29 @@ def test_thresholds_are_checked_with_the_key_named():
     with pytest.raises(ValueError, match="token_k2 takes one upper bound"):
         rc.parse_rs_thresholds(["token_k2"], "0.5_2")
     assert rc.parse_rs_thresholds(["token_k1"], 2.0) == {"token_k1": (0.5, 2.0)}
+
+
+@pytest.mark.parametrize("loss_mode", rc.IS_WEIGHTED_LOSSES)
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_weighted_advantage_equals_verls_weighted_token_loss(loss_mode, mode):
+    """The actor applies IS weights as ℓ(w·A); verl multiplies the token losses: the same for these losses."""
+    from rlframe.algorithms.loss import POLICY_LOSSES
+
+    if loss_mode not in POLICY_LOSSES:
+        pytest.skip(f"policy loss {loss_mode} not registered in this tree")
+    core = verl_core_algos()
+    from verl_reference import verl_actor_config
+
+    for seed in range(3):
+        old, rollout, mask = batch(10 + seed)
+        g = torch.Generator().manual_seed(seed)
+        log_prob = old + 0.2 * torch.randn(old.shape, generator=g)
+        advantages = torch.randn(old.shape, generator=g)
+        advantages[4] = 0.0  # a group with equal scores
+        for threshold in (2.0, "0.8_1.25"):  # TIS, and IcePop with zero weights
+            weights, _ = rc.is_weights(old - rollout, mask, "token", threshold)
+            ours, _ = POLICY_LOSSES[loss_mode](old, log_prob, advantages * weights, mask, 0.2, 0.28, 3.0, mode)
+            config = verl_actor_config(loss_mode, clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=mode)
+            verl_fn = core.get_policy_loss_fn(loss_mode)
+            theirs, _ = verl_fn(old, log_prob, advantages, mask, mode, config, rollout_is_weights=weights)
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)

@@ -157,13 +157,6 @@ class RolloutCorrectionConfig(Section):
                 f"{path}.rollout_is={self.rollout_is} with actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode} "
                 f"is not implemented; IS weights apply to the losses {', '.join(IS_WEIGHTED_LOSSES)}"
             )
-        if self.bypass_mode and self.loss_type == "reinforce" and self.rollout_is and self.rollout_is_batch_normalize:
-            raise ValueError(
-                f"{path}.bypass_mode=true with loss_type=reinforce and rollout_is_batch_normalize=true is not "
-                "implemented: the weights follow the policy being trained, and their mean over the whole "
-                "mini-batch is not known to one micro-batch. Use bypass_mode=false (weights normalized over the "
-                "step's batch on the driver) or rollout_is_batch_normalize=false."
-            )
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = {}
@@ -465,30 +458,53 @@ def bypass_policy_loss(
     cfg: Any,
     ppo_clip_loss,
     aggregate,
+    normalizer: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Bypass mode's actor loss (π_old = π_rollout): the correction of π_θ against π_rollout, then the loss.
 
     Rejection narrows the loss's mask; `loss_type=ppo_clip` is `ppo_clip_loss(old, log_prob, advantages,
     mask)` on the ratio π_θ/π_rollout (the IS weights are not applied: the ratio is the correction),
-    `reinforce` is `compute_policy_loss_reinforce` with the IS weights. Returns (loss, metrics); the
-    `rollout_corr/*` metrics are the token means among verl's (see BYPASS_TOKEN_MEAN_METRICS).
+    `reinforce` is `compute_policy_loss_reinforce` with the IS weights, batch-normalized by `normalizer`
+    = (Σ weights, count) of the whole mini-batch (see `needs_mini_batch_normalizer`). Returns (loss,
+    metrics); the `rollout_corr/*` metrics are the token means among verl's (BYPASS_TOKEN_MEAN_METRICS).
     """
-    if cfg.get("rollout_is_batch_normalize") and cfg.get("rollout_is") is not None and cfg["loss_type"] == "reinforce":
-        raise ValueError(  # checked before Ray too (RolloutCorrectionConfig.check)
-            "bypass_mode with loss_type=reinforce and rollout_is_batch_normalize=true is not implemented"
-        )
     config = _Keys(cfg)
+    if needs_mini_batch_normalizer(cfg) and normalizer is None:
+        raise ValueError("bypass-mode batch normalization needs the mini-batch's normalizer")
     with torch.no_grad():
-        weights, mask, metrics = rollout_correction(log_prob.detach(), rollout_log_prob, response_mask, config)
-    if config.loss_type == "reinforce":
-        loss, pg_metrics = compute_policy_loss_reinforce(
-            rollout_log_prob, log_prob, advantages, mask, weights, aggregate
+        weights, mask, metrics = rollout_correction(
+            log_prob.detach(), rollout_log_prob, response_mask, config, normalizer
         )
+    if config.loss_type == "reinforce":
+        loss, _ = compute_policy_loss_reinforce(rollout_log_prob, log_prob, advantages, mask, weights, aggregate)
     else:
-        loss, pg_metrics = ppo_clip_loss(rollout_log_prob, log_prob, advantages, mask)
+        loss, _ = ppo_clip_loss(rollout_log_prob, log_prob, advantages, mask)
+    # The loss's metrics over every response token, rejected ones included: the worker weights a
+    # micro-batch's means by its share of the mini-batch's tokens before rejection, so only these add
+    # up exactly (verl averages per-micro-batch means over the kept tokens).
+    with torch.no_grad():
+        if config.loss_type == "reinforce":
+            pg_metrics = {"ppo_kl": masked_mean(rollout_log_prob - log_prob, response_mask)}
+        else:
+            _, pg_metrics = ppo_clip_loss(rollout_log_prob, log_prob, advantages, response_mask)
     names = {PREFIX + name for name in BYPASS_TOKEN_MEAN_METRICS}
     kept = {name: torch.tensor(value) for name, value in metrics.items() if name in names}
     return loss, {**pg_metrics, **kept}
+
+
+def needs_mini_batch_normalizer(cfg: dict | None) -> bool:
+    """True when bypass mode's loss uses batch-normalized IS weights (reinforce with rollout_is_batch_normalize).
+
+    The weights follow the policy being trained, so their mean is one over the whole mini-batch under the
+    parameters of that optimizer step: the actor computes it first (one forward without gradients) and
+    passes every micro-batch the sums (`normalizer_sums`, added over DP ranks).
+    """
+    return bool(
+        cfg is not None
+        and cfg.get("loss_type") == "reinforce"
+        and cfg.get("rollout_is") is not None
+        and cfg.get("rollout_is_batch_normalize")
+    )
 
 
 class _Keys:

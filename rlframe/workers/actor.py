@@ -25,7 +25,13 @@ from rlframe.algorithms.loss import (
     get_policy_loss_fn,
     policy_loss_kwargs,
 )
-from rlframe.algorithms.rollout_correction import PREFIX, bypass_policy_loss
+from rlframe.algorithms.rollout_correction import (
+    PREFIX,
+    bypass_policy_loss,
+    is_weights,
+    needs_mini_batch_normalizer,
+    normalizer_sums,
+)
 from rlframe.protocol import DataProto
 from rlframe.seqpack import MicroBatchSpec
 from rlframe.workers.batching import (
@@ -127,6 +133,7 @@ class PPOActor(PPOUpdater):
         keys = ["old_log_probs", "advantages"] + (["ref_log_prob"] if self.settings.use_kl_loss else [])
         keys += [k for k in ("rollout_is_weights",) if k in data.batch.keys()]  # decoupled rollout correction
         self._bypass = data.meta_info.get("rollout_correction")  # bypass mode: old_log_probs are the rollout's
+        self._temperature = temperature
         prepare = None if self.token_selector is None else (lambda mini: self._select_tokens(mini, temperature))
         metrics = self._train(
             update_inputs(data.batch, *keys), lambda micro, counts: self._loss(micro, counts, temperature), prepare
@@ -137,6 +144,36 @@ class PPOActor(PPOUpdater):
             name.removeprefix(role_prefix) if name.startswith(role_prefix + PREFIX) else name: values
             for name, values in metrics.items()
         }
+
+    def _optimizer_step(self, mini: TensorDict, loss_fn) -> dict[str, float]:
+        """The shared optimizer step; in bypass mode with batch-normalized IS weights, after their mini-batch mean."""
+        if needs_mini_batch_normalizer(self._bypass):
+            mini = self._with_is_normalizer(mini)
+        return super()._optimizer_step(mini, loss_fn)
+
+    def _with_is_normalizer(self, mini: TensorDict) -> TensorDict:
+        """`mini` with `rollout_is_normalizer` [rows, 2]: (Σ weights, count) of the whole mini-batch, all DP ranks.
+
+        Bypass mode's IS weights π_θ/π_rollout follow the parameters of this optimizer step, so their mean
+        takes one forward without gradients over the mini-batch (the loss's micro-batching) before the
+        micro-batches' losses; the sums are added over the DP group.
+        """
+        cfg = self._bypass
+        with torch.no_grad():
+            micro_batches, reverse_idx = split_micro_batches(forward_inputs(mini), self.settings.update, self.dp_group)
+            log_probs = restore_order(
+                [self._forward(m, self._temperature, False)["log_probs"] for m in micro_batches], reverse_idx
+            )
+            mask = response_mask_of(mini)
+            weights, _ = is_weights(
+                log_probs - mini["old_log_probs"], mask, cfg["rollout_is"], cfg["rollout_is_threshold"]
+            )
+            sums = torch.stack(normalizer_sums(weights, mask, cfg["rollout_is"])).to(torch.float64)
+        if self.dp_group is not None and dist.is_initialized() and dist.get_world_size(self.dp_group) > 1:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.dp_group)
+        mini = mini.clone(recurse=False)
+        mini["rollout_is_normalizer"] = sums.to(weights.dtype).expand(len(mini), 2).clone()
+        return mini
 
     def _loss(self, micro, counts: GlobalCounts, temperature: float) -> tuple[torch.Tensor, dict]:
         """Policy loss, minus the entropy bonus, plus the KL loss, normalized by the mini-batch's global counts."""
@@ -157,6 +194,7 @@ class PPOActor(PPOUpdater):
                 self._bypass,
                 lambda old, new, adv, mask: compute_policy_loss_vanilla(old, new, adv, mask, *args, **norm),
                 lambda mat, mask: agg_loss(mat, mask, s.loss_agg_mode, **norm),
+                tuple(micro["rollout_is_normalizer"][0]) if "rollout_is_normalizer" in micro.keys() else None,
             )
         else:
             if "pg_token_selection" in micro.keys():
