@@ -164,7 +164,7 @@ def test_naive_manager_places_score_on_last_response_token(tokenizer, use_respon
     assert out["reward_extra_info"]["score"] == expected
     acc = out["reward_extra_info"]["acc"]  # only countdown_add returns acc; others are NaN
     assert acc[0] == 1.0 and acc[1] == 0.0 and acc[4] == 0.0 and math.isnan(acc[2]) and math.isnan(acc[3])
-    assert out["metrics"] == {"reward/num_scorer_errors": 0}
+    assert out["metrics"] == {"reward/num_scorer_errors": 0, "reward/num_scorer_timeouts": 0}
     assert torch.equal(NaiveRewardManager(tokenizer)(data), rewards)  # return_dict=False: the tensor
 
 

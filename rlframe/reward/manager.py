@@ -22,6 +22,7 @@ import torch
 
 from rlframe.protocol import DataProto
 from rlframe.reward.custom import load_custom_reward_function
+from rlframe.reward.isolated import IsolatedScorer
 from rlframe.reward.scorers import default_compute_score
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,9 @@ def response_lengths(data: DataProto) -> torch.Tensor:
 class RewardManager:
     """Shared decode -> score -> place logic; subclasses decide how the scorer is called."""
 
+    # whether score_samples scores each sample on its own (a time limit then keeps those scored before it)
+    scores_per_sample = False
+
     def __init__(
         self, tokenizer, compute_score: Callable | None = None, reward_fn_key: str = "data_source", num_examine: int = 0
     ):
@@ -66,6 +70,14 @@ class RewardManager:
         self.reward_fn_key = reward_fn_key
         self.num_examine = num_examine
         self._logged_traceback = False
+        self._isolated: IsolatedScorer | None = None  # with custom_reward_function.timeout_s
+
+    def isolate(self, timeout_s: float) -> None:
+        """Score in a child process from now on, cutting a batch off after `timeout_s` seconds."""
+        self._isolated = IsolatedScorer(self, timeout_s)
+
+    def __getstate__(self):
+        return {**self.__dict__, "_isolated": None}  # the child process scores in-process
 
     def score_samples(self, data_sources, solution_strs, ground_truths, extra_infos) -> list:
         """Per sample: the scorer's result, or the exception it raised."""
@@ -93,7 +105,8 @@ class RewardManager:
         ground_truths = [reward_model["ground_truth"] for reward_model in data.non_tensor_batch["reward_model"]]
         extra_infos = list(data.non_tensor_batch.get("extra_info", [None] * len(data)))
 
-        results = self.score_samples(data_sources, solution_strs, ground_truths, extra_infos)
+        columns = (data_sources, solution_strs, ground_truths, extra_infos)
+        results, num_timeouts = self._isolated.score(*columns) if self._isolated else (self.score_samples(*columns), 0)
         if len(results) != len(data):
             raise ValueError(f"the scorer returned {len(results)} results for a batch of {len(data)}")
         scores, extras, errors = [], [], []
@@ -121,7 +134,7 @@ class RewardManager:
         return {
             "reward_tensor": reward_tensor,
             "reward_extra_info": reward_extra_info,
-            "metrics": {"reward/num_scorer_errors": len(errors)},
+            "metrics": {"reward/num_scorer_errors": len(errors), "reward/num_scorer_timeouts": num_timeouts},
         }
 
     def _report_errors(self, errors: list, data_sources: list) -> None:
@@ -178,6 +191,8 @@ def default_batch_compute_score(data_sources, solution_strs, ground_truths, extr
 class NaiveRewardManager(RewardManager):
     """One scorer call per sample: fn(data_source=, solution_str=, ground_truth=, extra_info=)."""
 
+    scores_per_sample = True
+
     def score_samples(self, data_sources, solution_strs, ground_truths, extra_infos) -> list:
         return score_each(
             self.compute_score or default_compute_score, data_sources, solution_strs, ground_truths, extra_infos
@@ -228,10 +243,13 @@ def load_reward_manager(
             config.custom_reward_function.path, config.custom_reward_function.name
         )
     manager_cls = get_reward_manager_cls(config.reward_model.reward_manager)
-    return manager_cls(
+    manager = manager_cls(
         tokenizer,
         compute_score=compute_score,
         reward_fn_key=config.data.reward_fn_key,
         num_examine=num_examine,
         **manager_cls.config_kwargs(config),
     )
+    if config.custom_reward_function.timeout_s is not None:
+        manager.isolate(config.custom_reward_function.timeout_s)
+    return manager
