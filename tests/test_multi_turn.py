@@ -7,6 +7,7 @@ and the tiny model's tokenizer and chat template, so every token of a trajectory
 from __future__ import annotations
 
 import asyncio
+import os
 import textwrap
 
 import numpy as np
@@ -361,8 +362,7 @@ def test_grpo_with_the_tool_agent_trains_through_ray(tmp_path, cache_dir):
     """The driver sends the chat and tool arguments to the rollout, the multi-turn batch trains, metrics arrive."""
     from test_trainer_e2e import COMMON, read_metrics, run_main
 
-    tools = tmp_path / "tools.yaml"
-    tools.write_text("tools:\n  - class_name: rlframe.workers.rollout.tools.CalculatorTool\n    config: {type: native}\n")
+    tools = os.path.join(os.path.dirname(__file__), "..", "examples", "tools", "calculator.yaml")
     out = run_main(
         COMMON
         + [
@@ -380,3 +380,19 @@ def test_grpo_with_the_tool_agent_trains_through_ray(tmp_path, cache_dir):
     (step,) = [m for m in read_metrics(tmp_path) if "actor/pg_loss" in m]
     assert step["num_turns/min"] >= 2 and "multi_turn/tool_calls_per_trajectory" in step
     assert step["multi_turn/tokenization_mismatch_ratio"] == 0.0
+
+
+def test_the_builtin_tool_task_pays_only_for_the_exact_product():
+    from rlframe.data.builtin_tasks import BUILTIN_TASKS
+    from rlframe.reward.scorers import default_compute_score
+
+    rows = BUILTIN_TASKS["calc_multiply"]("train", 50, 0)
+    row = rows[0]
+    a, b = row["extra_info"]["a"], row["extra_info"]["b"]
+    assert row["agent_name"] == "tool_agent" and row["prompt"][-1]["content"] == f"What is {a} * {b}?"
+    assert len({r["prompt"][-1]["content"] for r in rows}) == 50
+    truth = row["reward_model"]["ground_truth"]
+    tool_turn = f"{call(f'{a} * {b}')}<|im_end|>\n<|im_start|>tool\n{a * b}<|im_end|>\n<|im_start|>assistant\n"
+    assert default_compute_score("calc_multiply", tool_turn + f"#### {a * b}", truth) == 1.0
+    assert default_compute_score("calc_multiply", tool_turn + f"#### {a * b + 1}", truth) == 0.0
+    assert default_compute_score("calc_multiply", tool_turn, truth) == 0.0  # the tool's answer alone is not one

@@ -17,6 +17,7 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
+from rlframe.data.tool_tasks import calc_multiply_rows
 from rlframe.utils.cache import cache_dir
 
 # Bump when a generator's output changes, so cached parquet files are regenerated, not reused.
@@ -47,6 +48,7 @@ def countdown_add_rows(split: str, num_samples: int, seed: int) -> list[dict]:
 
 BUILTIN_TASKS: dict[str, Callable[[str, int, int], list[dict]]] = {
     "countdown_add": countdown_add_rows,
+    "calc_multiply": calc_multiply_rows,  # a tool-use task (rlframe.data.tool_tasks)
 }
 
 

@@ -141,6 +141,7 @@ def countdown_add_score(solution_str: str, ground_truth: str) -> dict:
 _SCORERS = {
     "openai/gsm8k": gsm8k_score,
     "gsm8k": gsm8k_score,
+    "calc_multiply": gsm8k_score,  # the built-in tool-use task: strict, the number after ####
     "lighteval/MATH": math_score,
     "DigitalLearningGmbH/MATH-lighteval": math_score,
     "HuggingFaceH4/MATH-500": math_score,
