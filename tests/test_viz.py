@@ -378,3 +378,19 @@ def test_the_rlframe_command_dispatches_the_three_commands(runs, tmp_path, capsy
     cli.main(["--help"])
     usage = capsys.readouterr().out
     assert all(f"\n  {name} RUN_" in usage for name in ("plot", "report", "compare"))
+
+
+def test_a_relative_rollout_dir_is_found_from_where_the_run_started(tmp_path, monkeypatch):
+    run_dir = tmp_path / "checkpoints" / "exp"
+    os.makedirs(run_dir / "rollouts")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    OmegaConf.save(
+        OmegaConf.create(
+            {"trainer": {"default_local_dir": "checkpoints/exp", "rollout_data_dir": "checkpoints/exp/rollouts"}}
+        ),
+        run_dir / "config.yaml",
+    )
+    monkeypatch.chdir(tmp_path)  # where the run started
+    assert load_run("checkpoints/exp").rollout_dir() == "checkpoints/exp/rollouts"
+    monkeypatch.chdir(run_dir)  # elsewhere: found through the run folder's path
+    assert load_run(str(run_dir)).rollout_dir() == os.path.join(str(tmp_path) + os.sep, "checkpoints/exp/rollouts")
