@@ -20,6 +20,8 @@ commands:
   report RUN_DIR [-o OUT.html]
                              one self-contained HTML page: curves, config, batch plan, rollout samples
   compare RUN_A RUN_B        the config keys two runs differ in, and their final and best metrics
+  merge CHECKPOINT_DIR OUT_DIR [--role actor|critic] [--model PATH] [--dtype D]
+                             a checkpoint (global_step_N, any world size) as a Hugging Face folder, offline
 
 `rlframe COMMAND --help` for the options of one command."""
 
@@ -62,8 +64,15 @@ def _compare(args: list[str]) -> int:
     return compare_main(args)
 
 
+def _merge(args: list[str]) -> int:
+    from rlframe.trainer.merge import main as merge_main
+
+    return merge_main(args)
+
+
 COMMANDS = {"train": _train, "explain": _explain, "make-tiny-model": _make_tiny_model}
 COMMANDS.update({"plot": _plot, "report": _report, "compare": _compare})
+COMMANDS["merge"] = _merge
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -416,3 +416,43 @@ def test_crafted_data_pt_is_refused_before_any_worker_loads(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match=r"global_step_1/data.pt is not plain data"):
         checkpointer.maybe_resume(actor, None, _Loader(None))
     assert actor.calls == [] and not marker.exists()
+
+
+# ---------------------------------------------------------------- rlframe merge: a Hugging Face folder, offline
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["fsdp2x2", "fsdpx2", "fsdp2x1"])
+def test_merge_writes_a_hugging_face_folder_from_any_world_size(saved, tiny_model_path, tmp_path, source):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlframe.cli import main
+
+    ckpt_dir, before = saved(source)
+    out = tmp_path / "hf"
+    assert main(["merge", ckpt_dir, str(out), "--model", tiny_model_path]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    expected = before[0]["full"]["params"]
+    assert merged.keys() == expected.keys()
+    assert all(torch.equal(merged[name], expected[name]) for name in expected), "parameters differ"
+    assert AutoTokenizer.from_pretrained(out).pad_token_id is not None
+
+
+def test_merge_of_a_step_folder_reads_the_run_config_and_checks_the_manifest(tiny_model_path, tmp_path):
+    from faults_harness import LocalRole, run_steps
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+
+    from rlframe.trainer.merge import merge
+
+    root = tmp_path / "run"
+    (tmp_path / "records").mkdir()
+    run_steps(str(root), tiny_model_path, 1, str(tmp_path / "records"))
+    OmegaConf.save({"actor_rollout_ref": {"model": {"path": tiny_model_path}}}, root / "config.yaml")
+    merge(str(root / "global_step_1"), str(tmp_path / "hf"))
+    role = LocalRole(tiny_model_path, 0)
+    role.load_checkpoint(str(root / "global_step_1" / "actor"))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    assert all(torch.equal(merged[name], value) for name, value in role.model.state_dict().items())
+    with open(root / "global_step_1" / "data.pt", "ab") as f:
+        f.write(b"x")
+    with pytest.raises(ValueError, match=r"global_step_1/data.pt is \d+ bytes, the manifest says"):
+        merge(str(root / "global_step_1"), str(tmp_path / "hf2"))
