@@ -1,4 +1,4 @@
-"""The `rlframe` command: `train`, `explain`, `make-tiny-model`, `plot`, `report`, `compare`.
+"""The `rlframe` command: `train`, `explain`, `make-tiny-model`, `prepare-model`, `plot`, `report`, `compare`.
 
 Each subcommand forwards its arguments to the module that owns it, imported only when used, so
 `rlframe explain` never imports Ray or torch's distributed stack.
@@ -15,6 +15,8 @@ commands:
   explain KEY=VALUE ...      print the batch plan of a config, its keys in effect and ignored, and
                              with --lengths uniform|bimodal|FILE a balancing/micro-batching simulation
   make-tiny-model OUT_DIR    write a tiny random-init model and tokenizer (no downloads)
+  prepare-model NAME [--cache DIR] [--source FILE]
+                             prepare a builtin:// model (e.g. smollm2-135m-instruct) now, print its folder
   plot RUN_DIR [RUN_DIR ...] [-o OUT.png] [--smooth N] [--metrics PATTERN]
                              one PNG of a run's standard panels (several runs overlaid)
   report RUN_DIR [-o OUT.html]
@@ -46,6 +48,12 @@ def _make_tiny_model(args: list[str]) -> int:
     return 0
 
 
+def _prepare_model(args: list[str]) -> int:
+    from rlframe.models.builtin import main as prepare_main
+
+    return prepare_main(args)
+
+
 def _plot(args: list[str]) -> int:
     from rlframe.viz.plot import main as plot_main
 
@@ -70,7 +78,7 @@ def _merge(args: list[str]) -> int:
     return merge_main(args)
 
 
-COMMANDS = {"train": _train, "explain": _explain, "make-tiny-model": _make_tiny_model}
+COMMANDS = {"train": _train, "explain": _explain, "make-tiny-model": _make_tiny_model, "prepare-model": _prepare_model}
 COMMANDS.update({"plot": _plot, "report": _report, "compare": _compare})
 COMMANDS["merge"] = _merge
 

@@ -4,7 +4,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${RLFRAME_VENV:-$ROOT/.venv}"
-bash "$ROOT/scripts/setup.sh" test,tensorboard,wandb
+bash "$ROOT/scripts/setup.sh" test,tensorboard,wandb,smollm2
 cd "$ROOT"
 echo "[test] ruff check and ruff format --check (settings in pyproject.toml)"
 "$VENV/bin/ruff" check .

