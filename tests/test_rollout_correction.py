@@ -186,3 +186,20 @@ def test_weighted_advantage_equals_verls_weighted_token_loss(loss_mode, mode):
             verl_fn = core.get_policy_loss_fn(loss_mode)
             theirs, _ = verl_fn(old, log_prob, advantages, mask, mode, config, rollout_is_weights=weights)
             torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_probs_diff_metrics_match_verls_debug_metrics():
+    verl_helper()
+    from verl import DataProto as VerlDataProto
+
+    debug = importlib.import_module("verl.utils.debug.metrics")
+    for seed in range(3):
+        old, rollout, mask = batch(20 + seed)
+        data = VerlDataProto.from_dict(
+            {"old_log_probs": old, "rollout_log_probs": rollout, "response_mask": mask, "responses": mask.long()}
+        )
+        theirs = debug.calculate_debug_metrics(data)
+        ours = rc.probs_diff_metrics(old, rollout, mask)
+        assert sorted(ours) == sorted(theirs)
+        for name, value in theirs.items():
+            assert ours[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name

@@ -512,3 +512,24 @@ class _Keys:
 
     def __init__(self, values: dict):
         self.__dict__.update({name: values.get(name) for name in RolloutCorrectionConfig.__dataclass_fields__})
+
+
+def probs_diff_metrics(
+    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float]:
+    """verl's `training/rollout_*` diagnostics: |p_old − p_rollout| over valid tokens, and their Pearson r."""
+    prefix = "training/rollout_probs_diff_"
+    valid = response_mask.bool()
+    if not valid.any():
+        nan = float("nan")
+        out = {f"{prefix}{name}": nan for name in ("max", "mean", "std")}
+        return {f"{prefix}valid": 0, **out, "training/rollout_actor_probs_pearson_corr": nan}
+    old_p, rollout_p = old_log_prob.exp()[valid], rollout_log_prob.exp()[valid]
+    diff = (old_p - rollout_p).abs()
+    return {
+        f"{prefix}valid": 1,
+        f"{prefix}max": diff.max().item(),
+        f"{prefix}mean": diff.mean().item(),
+        f"{prefix}std": diff.std().item(),
+        "training/rollout_actor_probs_pearson_corr": torch.corrcoef(torch.stack([old_p, rollout_p]))[0, 1].item(),
+    }

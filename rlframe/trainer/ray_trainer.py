@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlframe.algorithms.advantage import compute_advantage
 from rlframe.algorithms.kl import apply_kl_penalty, make_kl_controller
 from rlframe.algorithms.masked import masked_mean
-from rlframe.algorithms.rollout_correction import rollout_correction
+from rlframe.algorithms.rollout_correction import probs_diff_metrics, rollout_correction
 from rlframe.batch_plan import BatchPlan
 from rlframe.config.checks import resolve_device
 from rlframe.protocol import DataProto
@@ -396,6 +396,11 @@ class RayPPOTrainer:
         Rejection narrows `response_mask` (for the advantages and the losses); the weights go to the
         actor as `rollout_is_weights`. Returns the new response mask.
         """
+        metrics.update(
+            probs_diff_metrics(
+                batch.batch["old_log_probs"], batch.batch["rollout_log_probs"], batch.batch["response_mask"]
+            )
+        )
         weights, mask, corr_metrics = rollout_correction(
             batch.batch["old_log_probs"],
             batch.batch["rollout_log_probs"],
