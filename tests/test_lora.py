@@ -220,6 +220,7 @@ def test_checkpoint_holds_the_adapter_and_resumes_exactly(tiny_model_path, tmp_p
     ckpt.save_checkpoint(str(tmp_path), straight, optimizer, save_contents=["model", "optimizer"])
     saved = ckpt.read_full_tensors(str(tmp_path / ckpt.MODEL_DIR))
     assert saved and all(lora.is_adapter_tensor(name) for name in saved)  # the adapter, not the frozen base
+    at_save = copy.deepcopy(straight)
     _train_steps(straight, optimizer, range(2, 4))
 
     resumed = fresh_lora(tiny_model_path, seed=123)  # another fresh A: all of it comes from the checkpoint
@@ -228,6 +229,15 @@ def test_checkpoint_holds_the_adapter_and_resumes_exactly(tiny_model_path, tmp_p
     _train_steps(resumed, resumed_optimizer, range(2, 4))
     final, expected = resumed.state_dict(), straight.state_dict()
     assert all(torch.equal(final[name], tensor) for name, tensor in expected.items())
+
+    # offline (rlframe merge): the checkpoint's adapter on the base model, merged as the HF export merges
+    from transformers import AutoModelForCausalLM
+
+    out = str(tmp_path / "merged")
+    lora.merge_lora_checkpoint(str(tmp_path), saved, tiny_model_path, out)
+    merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    assert all(torch.equal(merged[name], t) for name, t in at_save.merge_and_unload().state_dict().items())
+    assert os.path.isfile(os.path.join(out, lora.ADAPTER_DIR, "adapter_model.safetensors"))
 
 
 # ---------------------------------------------------------------- multi-process (gloo + FSDP)

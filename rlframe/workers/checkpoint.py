@@ -5,7 +5,8 @@ Layout of `<dir>/`:
 - `model/`, `optimizer/`: DCP folders (`.metadata` + `__<rank>_0.distcp`). Every rank writes only its
   own shards (no full gather); any world size, FSDP1, FSDP2, HSDP or a plain module reads them back,
   DCP re-slicing the saved shards onto the new layout. With LoRA, `model/` holds the adapter alone
-  (the frozen base is re-read from model.path) and `optimizer/` the adapter's state.
+  (the frozen base is re-read from model.path), `lora_adapter/adapter_config.json` its PEFT config (rank,
+  alpha, targets: for `rlframe merge`), and `optimizer/` the adapter's state.
 - `extra_state/rank_<r>.pt`: per rank, the RNG states (torch, CUDA, numpy, `random`, the mini-batch
   shuffle generator) and the lr scheduler, as tensors and plain containers only. Resuming at another
   world size, rank r takes the file of saved rank `r % saved_world_size`.
@@ -40,7 +41,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from rlframe.config.checks import SAVE_CONTENTS
 from rlframe.utils.faults import kill_point
 from rlframe.workers.fsdp_utils import full_state_dict
-from rlframe.workers.lora import checkpoint_options, export_lora_hf, is_lora
+from rlframe.workers.lora import checkpoint_options, export_lora_hf, is_lora, save_adapter_config
 
 MODEL_DIR, OPTIMIZER_DIR, EXTRA_DIR, HF_DIR = "model", "optimizer", "extra_state", "huggingface"
 METADATA = ".metadata"
@@ -270,6 +271,8 @@ def save_checkpoint(
     if "model" in save_contents:
         state = get_model_state_dict(model, options=checkpoint_options(model))  # with LoRA: the adapter only
         _dcp_save(state, os.path.join(path, MODEL_DIR), no_dist)
+        if rank == 0 and is_lora(model):  # the adapter's rank, alpha and targets, for an offline merge
+            save_adapter_config(path, model)
     if "optimizer" in save_contents and optimizer is not None:
         _dcp_save(get_optimizer_state_dict(model, optimizer), os.path.join(path, OPTIMIZER_DIR), no_dist)
     if "extra" in save_contents:

@@ -312,14 +312,25 @@ def vllm_base_layer_name(name: str) -> str:
 
 
 # ---------------------------------------------------------------- Hugging Face export
-def export_lora_hf(out_dir: str, model: nn.Module, state: dict[str, torch.Tensor], tokenizer=None) -> None:
+def save_adapter_config(role_dir: str, model: nn.Module) -> None:
+    """A LoRA checkpoint's `lora_adapter/adapter_config.json` (rank, alpha, targets): with the adapter tensors
+    in `model/`, what an offline merge (`rlframe merge`) needs to rebuild the adapter on the base model."""
+    peft_model_of(model).peft_config[ADAPTER].save_pretrained(os.path.join(role_dir, ADAPTER_DIR))
+
+
+def export_lora_hf(
+    out_dir: str, model: nn.Module, state: dict[str, torch.Tensor], tokenizer=None, dtype: torch.dtype | None = None
+) -> None:
     """Rank 0's part of a LoRA export: the merged model + tokenizer in `out_dir`, the adapter in `lora_adapter/`.
 
-    `state` is the full PEFT state dict (already gathered by every rank). Written to a temp dir, then renamed.
+    `state` is the full PEFT state dict (already gathered by every rank); the merge runs in its dtype and
+    `dtype`, if given, converts what is written. Written to a temp dir, then renamed.
     """
     peft_model = peft_model_of(model)
     merged = dict(merged_params(state.items(), lora_scalings(model)))
     adapter = {name: tensor for name, tensor in state.items() if is_adapter_tensor(name)}
+    if dtype is not None:
+        merged, adapter = ({k: v.to(dtype) for k, v in part.items()} for part in (merged, adapter))
     tmp = f"{out_dir}.tmp.{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     peft_model.get_base_model().save_pretrained(tmp, state_dict=merged)
@@ -328,3 +339,33 @@ def export_lora_hf(out_dir: str, model: nn.Module, state: dict[str, torch.Tensor
         tokenizer.save_pretrained(tmp)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
+
+
+def merge_lora_checkpoint(
+    role_dir: str, adapter_tensors: dict[str, torch.Tensor], source: str, out_dir: str, dtype=None
+) -> None:
+    """Offline: the adapter of a LoRA checkpoint (tensors of `model/` + `lora_adapter/adapter_config.json`) on
+    the base model at `source`, written as an HF export (merged model + tokenizer, adapter in `lora_adapter/`)."""
+    from peft import LoraConfig, PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config_dir = os.path.join(role_dir, ADAPTER_DIR)
+    if not os.path.isfile(os.path.join(config_dir, "adapter_config.json")):
+        raise ValueError(
+            f"{role_dir}/model holds LoRA adapter tensors but {config_dir}/adapter_config.json is missing "
+            "(its rank, alpha and target modules); the checkpoint was not written by a LoRA run of rlframe"
+        )
+    base = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model = PeftModel(base, LoraConfig.from_pretrained(config_dir), adapter_name=ADAPTER)
+    state = model.state_dict()
+    expected = {name for name in state if is_adapter_tensor(name)}
+    if set(adapter_tensors) != expected:
+        extra, lacking = sorted(set(adapter_tensors) - expected), sorted(expected - set(adapter_tensors))
+        raise ValueError(
+            f"{role_dir}/model does not fit its adapter config on {source}: "
+            f"unexpected {extra[:5]}, missing {lacking[:5]}"
+        )
+    state.update(adapter_tensors)
+    export_lora_hf(
+        out_dir, model, state, AutoTokenizer.from_pretrained(source), getattr(torch, dtype) if dtype else None
+    )
