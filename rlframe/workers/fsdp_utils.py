@@ -197,16 +197,10 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     norm = on_mesh_device(torch.nn.utils.get_total_norm([p.grad for p in params]))
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A CPU copy of the unsharded parameters (every rank calls; every rank gets them)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-
-    if not dist.is_initialized() or not _is_fsdp(model):
-        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 def on_mesh_device(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor moved to its mesh's device type when its local shard is elsewhere; anything else as is.
 
@@ -219,6 +213,12 @@ def on_mesh_device(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to(mesh.device_type)
 
 
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A CPU copy of the unsharded parameters (every rank calls; every rank gets them)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not dist.is_initialized() or not _is_fsdp(model):
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
     # FSDP1's CPU-offload gather crashes on CPU (docs/fsdp_engine.md): gather first, then move.
     options = StateDictOptions(full_state_dict=True, cpu_offload=False)
     return {k: v.detach().cpu() for k, v in get_model_state_dict(model, options=options).items()}
