@@ -203,3 +203,38 @@ def test_probs_diff_metrics_match_verls_debug_metrics():
         assert sorted(ours) == sorted(theirs)
         for name, value in theirs.items():
             assert ours[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+
+
+def test_config_checks_and_keys_without_effect():
+    from small_config import SMALL
+
+    from rlframe.config.key_status import ignored_keys
+    from rlframe.trainer.config import compose, typed
+
+    bypass = [
+        *SMALL,
+        "algorithm.rollout_correction.bypass_mode=true",
+        "algorithm.rollout_correction.loss_type=reinforce",
+        "algorithm.rollout_correction.rollout_is=sequence",
+        "algorithm.rollout_correction.rollout_is_batch_normalize=true",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla",
+    ]
+    cfg = compose(bypass)
+    typed(cfg)
+    ignored = dict(ignored_keys(cfg, bypass))
+    assert "loss_type=reinforce" in ignored["actor_rollout_ref.actor.policy_loss.loss_mode"]
+    assert "no old-log-prob pass" in ignored["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"]
+    with pytest.raises(ValueError, match="needs the rollout engine's log-probs.*calculate_log_probs=true"):
+        typed(compose([*bypass, "actor_rollout_ref.rollout.calculate_log_probs=false"]))
+    with pytest.raises(ValueError, match="rollout_is=token with .*loss_mode=geo_mean is not implemented"):
+        typed(
+            compose(
+                [
+                    *SMALL,
+                    "algorithm.rollout_correction.rollout_is=token",
+                    "actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean",
+                ]
+            )
+        )
+    with pytest.raises(ValueError, match="rollout_rs_threshold must be set"):
+        typed(compose([*SMALL, "algorithm.rollout_correction.rollout_rs=token_k2"]))
