@@ -337,7 +337,11 @@ class RayPPOTrainer:
             ]
         )
         responses = self.tokenizer.batch_decode(
-            [ids[mask.bool()] for ids, mask in zip(batch.batch["responses"], batch.batch["response_mask"])]
+            # the whole response: a multi-turn trajectory's tool turns (response_mask 0) are part of what happened
+            [
+                ids[mask.bool()]
+                for ids, mask in zip(batch.batch["responses"], batch.batch["attention_mask"][:, -response_length:])
+            ]
         )
         scores = batch.batch["token_level_scores"].sum(-1).tolist()
         with open(os.path.join(folder, f"{self.global_step}.jsonl"), "w") as f:
