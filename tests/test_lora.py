@@ -307,3 +307,57 @@ def test_lora_grpo_run_learns_and_exports_adapter_and_merged_model(tmp_path, cac
     assert all(torch.equal(trained.state_dict()[name], tensor) for name, tensor in saved.items())
     expected = trained.merge_and_unload().state_dict()
     assert all(torch.equal(merged.state_dict()[name], tensor) for name, tensor in expected.items())
+
+
+# ---------------------------------------------------------------- GPU: vLLM serves the adapter
+def _scores(model, out) -> torch.Tensor:
+    """log p(response tokens) under `model` (fp32, padded forward), zero outside the response mask."""
+    from rlframe.workers.model_forward import forward_micro_batch
+
+    batch = {k: out.batch[k].cpu() for k in ("input_ids", "attention_mask", "position_ids", "responses")}
+    with torch.no_grad():
+        return forward_micro_batch(model, batch, out.batch["responses"].shape[-1], use_remove_padding=False)[
+            "log_probs"
+        ]
+
+
+@pytest.mark.gpu
+def test_vllm_serves_the_adapter_across_updates_and_sleeps(tiny_model_path, adapter, monkeypatch):
+    """vLLM (bf16: its LoRA kernels have no fp32) samples from the adapted policy, not the base: its log-probs of
+    its own greedy tokens are those of the PEFT model, after the first sync (base + adapter), after a new
+    adapter, and after a sleep (level 1 keeps the base, which is not sent again)."""
+    pytest.importorskip("vllm", reason="vllm not installed")
+    from fsdp_harness import free_port
+    from test_rollout import load_tokenizer, make_prompts, rollout_config
+
+    from rlframe.workers.rollout import build_rollout
+
+    # vLLM's external launcher reads the torch.distributed env of a (here 1-process) world
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+
+    cfg = rollout_config(
+        "actor_rollout_ref.rollout.dtype=bf16",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
+        "actor_rollout_ref.rollout.enforce_eager=true",
+        "actor_rollout_ref.rollout.free_cache_engine=true",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+    )  # load_format stays verl's dummy: the base weights must arrive through the sync
+    model = lora.apply_lora(base_model(tiny_model_path), lora.LoraSpec(1, 1, "all-linear", None, adapter))
+    base = base_model(tiny_model_path)
+    engine = build_rollout("vllm", cfg, tiny_model_path, load_tokenizer(tiny_model_path), "cuda", lora_rank=RANK)
+    prompts = make_prompts(seed=5, do_sample=False)
+    for update in range(3):
+        if update == 1:
+            randomize_b(model, seed=7)  # a new adapter version
+        if update == 2:
+            engine.release()
+            engine.resume()
+        lora.sync_to_rollout(engine, model)
+        assert not engine.needs_base_weights
+        out = engine.generate_sequences(prompts)
+        served = out.batch["rollout_log_probs"].cpu()
+        to_adapted = (served - _scores(model, out)).abs().sum() / out.batch["response_mask"].sum()
+        to_base = (served - _scores(base, out)).abs().sum() / out.batch["response_mask"].sum()
+        assert to_adapted < 0.02 and to_base > 5 * to_adapted, (update, float(to_adapted), float(to_base))
