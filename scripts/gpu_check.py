@@ -257,6 +257,42 @@ def environment_row(python: str) -> tuple[str, str]:
     return count, ", ".join(rest)
 
 
+def gpu_extra_pins() -> dict[str, str]:
+    """`name==version` pins of pyproject.toml's `gpu` extra (the tested set, docs/gpu.md)."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: no vLLM 0.33 there either
+        return {}
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["gpu"]
+    return dict(spec.split("==", 1) for spec in extra if "==" in spec)
+
+
+def installed_versions_row(python: str) -> tuple[str, str, str]:
+    """Installed versions against the gpu extra's pins (items 3, 4: the set that was read is what runs)."""
+    pins = {**gpu_extra_pins(), "flash-attn": "built by scripts/setup.sh gpu"}
+    probe = (
+        "import importlib.metadata as m, json, sys\n"
+        "out = {}\n"
+        "for name in sys.argv[1:]:\n"
+        "    try: out[name] = m.version(name)\n"
+        "    except m.PackageNotFoundError: out[name] = None\n"
+        "print(json.dumps(out))\n"
+    )
+    out = subprocess.run([python, "-c", probe, *pins], capture_output=True, text=True)
+    if out.returncode:
+        return ("installed set", "FAILED", out.stderr.strip()[-200:])
+    found = json.loads(out.stdout)
+    differs = [
+        f"{name} {found[name] or 'absent'} (pinned {want})"
+        for name, want in pins.items()
+        if name != "flash-attn" and (found[name] or "").split("+")[0] != want  # +cu130 is a build tag
+    ]
+    text = ", ".join(f"{name} {version or 'absent'}" for name, version in found.items())
+    status = "as pinned" if not differs else f"differs from the gpu extra: {'; '.join(differs)}"
+    return ("installed set", status, text)
+
+
 def core_import_problem(python: str) -> str | None:
     """The module rlframe's core lacks here (its pip name), or None when rlframe imports."""
     probe = "import rlframe.workers.fsdp_utils, rlframe.workers.model_forward, rlframe.config.loader"
@@ -416,6 +452,7 @@ def main(argv=None) -> int:
         rows.append(("wheelhouse", install_wheelhouse(args.python, args.wheelhouse), ""))
     gpus, env_text = environment_row(args.python)
     rows.append(("environment", "ok" if int(gpus) > 0 else "FAILED: no GPU visible", env_text))
+    rows.append(installed_versions_row(args.python))
     core_missing = core_import_problem(args.python)
     if core_missing is None and int(gpus) > 0:
         rows.append(("model", prepare_model(args.python, work), ""))

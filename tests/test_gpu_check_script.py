@@ -48,6 +48,7 @@ def test_without_gpu_or_package_steps_are_skipped_with_the_reason():
     lines = out.stdout.splitlines()
     assert out.returncode == 1  # no GPU is a failure of the environment row, not of the steps
     assert any(line.startswith("environment") and "FAILED: no GPU visible" in line for line in lines)
+    assert any(line.startswith("installed set") and "vllm" in line for line in lines)  # against the gpu pins
     assert any(line.startswith("nccl+offload") and "skipped: needs 1 GPUs, 0 visible" in line for line in lines)
     if importlib.util.find_spec("flash_attn") is None:
         assert any(line.startswith("flash-attn") and "skipped: flash-attn not installed" in line for line in lines)
