@@ -215,3 +215,13 @@ def test_straight_through_kl_has_the_value_of_its_base_and_the_gradient_of_k2(ba
         (verl_grad,) = torch.autograd.grad(verl_value.sum(), logprob)
         torch.testing.assert_close(value, verl_value, rtol=0, atol=0)
         torch.testing.assert_close(grad, verl_grad, rtol=0, atol=0)
+
+
+def test_sum_pi_squared_from_logits_is_the_sum_of_squared_probabilities():
+    from rlframe.workers.model_forward import sum_pi_squared_from_logits
+
+    logits = torch.randn(3, 5, 17, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 4
+    expected = torch.softmax(logits, dim=-1).square().sum(-1)
+    torch.testing.assert_close(sum_pi_squared_from_logits(logits), expected, rtol=1e-12, atol=1e-15)
+    huge = torch.tensor([[1e4, 1e4, -1e4]])  # no overflow: two equally likely tokens
+    torch.testing.assert_close(sum_pi_squared_from_logits(huge), torch.tensor([0.5]))

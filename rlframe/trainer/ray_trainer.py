@@ -391,6 +391,9 @@ class RayPPOTrainer:
             inputs["values"] = batch.batch["values"]
         if algo.adv_estimator == "remax":
             inputs["reward_baselines"] = batch.batch["reward_baselines"]
+        if algo.adv_estimator == "optimal_token_baseline":  # π_t and Σπ² of the old-log-prob pass
+            inputs["old_log_probs"] = batch.batch["old_log_probs"]
+            inputs["sum_pi_squared"] = batch.batch["sum_pi_squared"]
         advantages, returns = compute_advantage(algo.adv_estimator, **inputs)
         batch.batch["advantages"], batch.batch["returns"] = advantages, returns
 

@@ -96,7 +96,7 @@ class PPOActor(PPOUpdater):
         self.token_selector = TOKEN_SELECTORS.get(settings.policy_loss)
         self.selection_generator = torch.Generator().manual_seed(seed)
 
-    def _forward(self, micro: dict, temperature: float, calculate_entropy: bool) -> dict:
+    def _forward(self, micro: dict, temperature: float, calculate_entropy: bool, calculate_sum_pi_squared=False):
         return forward_micro_batch(
             self.module,
             micro,
@@ -106,26 +106,29 @@ class PPOActor(PPOUpdater):
             sp_group=self.sp_group,
             calculate_entropy=calculate_entropy,
             use_torch_compile=self.settings.use_torch_compile,
+            calculate_sum_pi_squared=calculate_sum_pi_squared,
         )
 
-    @torch.no_grad()
     def compute_log_prob(
         self, data: DataProto, calculate_entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-response-token log-probs [bs, resp_len] (and entropy) in the input order."""
+        out = self.compute_token_stats(data, calculate_entropy)
+        return out["log_probs"], out.get("entropy")
+
+    @torch.no_grad()
+    def compute_token_stats(
+        self, data: DataProto, calculate_entropy: bool = False, calculate_sum_pi_squared: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Per-response-token `log_probs` [bs, resp_len], and `entropy` / `sum_pi_squared` (Σ_v π(v)²)
+        when asked, in the input order."""
         self.module.eval()
         temperature = data.meta_info.get("temperature", 1.0)
         micro_batches, reverse_idx = split_micro_batches(
             forward_inputs(data.batch), self.settings.log_prob, self.dp_group
         )
-        log_probs, entropies = [], []
-        for micro in micro_batches:
-            out = self._forward(micro, temperature, calculate_entropy)
-            log_probs.append(out["log_probs"])
-            if calculate_entropy:
-                entropies.append(out["entropy"])
-        entropy = restore_order(entropies, reverse_idx) if calculate_entropy else None
-        return restore_order(log_probs, reverse_idx), entropy
+        outputs = [self._forward(m, temperature, calculate_entropy, calculate_sum_pi_squared) for m in micro_batches]
+        return {name: restore_order([out[name] for out in outputs], reverse_idx) for name in outputs[0]}
 
     def update_policy(self, data: DataProto) -> dict[str, list[float]]:
         """`ppo_epochs` passes of mini-batch optimizer steps; returns metric lists (one value per step)."""

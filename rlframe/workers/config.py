@@ -234,6 +234,9 @@ class ActorConfig(Section):
     clip_ratio_c: float = key(3.0, "dual-clip bound for negative advantages (> 1); dppo_*: truncated-IS bound")
     tau_pos: float = key(1.0, "sapo: gate temperature where the advantage is positive")
     tau_neg: float = key(1.05, "sapo: gate temperature where the advantage is not positive")
+    calculate_sum_pi_squared: bool = key(
+        False, "the old-log-prob pass also returns Σπ² per token (algorithm.adv_estimator=optimal_token_baseline)"
+    )
     loss_agg_mode: str = key("token-mean", " | ".join(LOSS_AGG_MODES), choices=LOSS_AGG_MODES)
     entropy_coeff: float = key(0.0, "entropy bonus coefficient")
     use_kl_loss: bool = key(False, "add KL(actor || ref) to the loss (GRPO style)")
@@ -253,6 +256,14 @@ class ActorConfig(Section):
     optim: OptimConfig = section(OptimConfig)
     fsdp_config: FSDPConfig = section(FSDPConfig)
     checkpoint: CheckpointConfig = section(CheckpointConfig)
+
+    def check(self, path: str, root: Any) -> None:
+        estimator = root.algorithm.adv_estimator
+        if estimator == "optimal_token_baseline" and not self.calculate_sum_pi_squared:
+            raise ValueError(
+                f"algorithm.adv_estimator={estimator} needs the policy's Σπ² per token: set "
+                f"{path}.calculate_sum_pi_squared=true (as verl 0.9.1 requires)"
+            )
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = micro_batch_inactive(root, ACTOR_KEYS, "actor update")

@@ -284,8 +284,11 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """Old log-probs under the current actor (and their entropy, for the metrics)."""
         data = self._with_rollout_temperature(self._to_device(self._gather_sp(data)))
-        log_probs, entropy = self.actor.compute_log_prob(data, calculate_entropy=True)
-        out = DataProto.from_dict({"old_log_probs": log_probs, "entropys": entropy})
+        # Σπ² per token for algorithm.adv_estimator=optimal_token_baseline (actor.calculate_sum_pi_squared)
+        sum_pi_squared = bool(self.config.actor_rollout_ref.actor.calculate_sum_pi_squared)
+        stats = self.actor.compute_token_stats(data, calculate_entropy=True, calculate_sum_pi_squared=sum_pi_squared)
+        names = {"log_probs": "old_log_probs", "entropy": "entropys", "sum_pi_squared": "sum_pi_squared"}
+        out = DataProto.from_dict({names[name]: value for name, value in stats.items()})
         return self._scatter_sp(out).to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

@@ -61,6 +61,7 @@ def forward_micro_batch(
     calculate_entropy: bool = False,
     value_head: bool = False,
     use_torch_compile: bool = False,
+    calculate_sum_pi_squared: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Run `model` on one micro-batch and score its responses.
 
@@ -68,7 +69,8 @@ def forward_micro_batch(
     [batch, response_length]. Returns `{"log_probs"}` (plus `"entropy"` if `calculate_entropy`) for a
     causal LM, or `{"values"}` when `value_head`; each [batch, response_length]. `sp_group` is the
     Ulysses group (None: no sequence parallelism). `use_torch_compile` scores with `torch.compile`d
-    log-prob and entropy kernels (verl's `use_torch_compile`).
+    log-prob and entropy kernels (verl's `use_torch_compile`). `calculate_sum_pi_squared` adds
+    `"sum_pi_squared"`, Σ_v π(v)² of each token's distribution (the optimal token baseline's input).
     """
     input_ids, attention_mask = micro_batch["input_ids"], micro_batch["attention_mask"]
     position_ids = micro_batch["position_ids"]
@@ -86,6 +88,7 @@ def forward_micro_batch(
             calculate_entropy,
             value_head,
             use_torch_compile,
+            calculate_sum_pi_squared,
         )
         # [total_nnz] per token -> [batch, seqlen] -> the columns scoring the response tokens
         outputs = {
@@ -100,7 +103,9 @@ def forward_micro_batch(
             )
         output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
         logits = output.logits[:, -response_length - 1 : -1]
-        outputs = _score(logits, responses, temperature, calculate_entropy, value_head, use_torch_compile)
+        outputs = _score(
+            logits, responses, temperature, calculate_entropy, value_head, use_torch_compile, calculate_sum_pi_squared
+        )
 
     response_mask = attention_mask[:, -response_length:].bool()
     return {name: torch.where(response_mask, x, torch.zeros_like(x)) for name, x in outputs.items()}
@@ -116,6 +121,7 @@ def _forward_packed(
     calculate_entropy,
     value_head,
     use_torch_compile=False,
+    calculate_sum_pi_squared=False,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Forward the packed row; returns per-token results [total_nnz] and the packing `indices`."""
     ids, indices, cu_seqlens, max_seqlen = unpad_input(input_ids, attention_mask)
@@ -146,7 +152,15 @@ def _forward_packed(
         max_length_k=max_seqlen,
         **extra,
     )
-    per_token = _score(output.logits[0], labels[0], temperature, calculate_entropy, value_head, use_torch_compile)
+    per_token = _score(
+        output.logits[0],
+        labels[0],
+        temperature,
+        calculate_entropy,
+        value_head,
+        use_torch_compile,
+        calculate_sum_pi_squared,
+    )
     per_token = {name: gather_outputs(x, group, dim=0, pad_size=pad_size) for name, x in per_token.items()}
     return per_token, indices
 
@@ -158,6 +172,7 @@ def _score(
     calculate_entropy: bool,
     value_head: bool,
     use_torch_compile: bool = False,
+    calculate_sum_pi_squared: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Per-token log-probs of `labels` (and entropy) from `logits` [..., vocab], or values from [..., 1].
 
@@ -173,7 +188,19 @@ def _score(
     out = {"log_probs": logprobs(logits, labels)}
     if calculate_entropy:
         out["entropy"] = _entropy_from_logits_chunked(logits, entropy_fn=entropy)
+    if calculate_sum_pi_squared:
+        out["sum_pi_squared"] = sum_pi_squared_from_logits(logits)
     return out
+
+
+def sum_pi_squared_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Σ_v softmax(logits)_v² = exp(logsumexp(2z) − 2·logsumexp(z)), without materializing the softmax.
+
+    z = logits − max: both log-sum-exps then lie in [0, 2·log V], so their difference keeps fp32's
+    precision even for huge logits (unshifted, 2e4 − 2e4 would lose the low bits).
+    """
+    z = logits - logits.max(dim=-1, keepdim=True).values
+    return torch.exp(torch.logsumexp(2 * z, dim=-1) - 2 * torch.logsumexp(z, dim=-1))
 
 
 @functools.lru_cache(maxsize=1)
