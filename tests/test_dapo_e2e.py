@@ -55,7 +55,8 @@ def test_bypass_mode_reinforce_trains(tmp_path, cache_dir):
             "trainer.total_training_steps=2",
             "algorithm.rollout_correction.bypass_mode=true",
             "algorithm.rollout_correction.loss_type=reinforce",
-            "algorithm.rollout_correction.rollout_is=token",
+            "algorithm.rollout_correction.rollout_is=sequence",  # as verl's run_with_rollout_corr.sh
+            "algorithm.rollout_correction.rollout_is_batch_normalize=true",
             "algorithm.rollout_correction.rollout_rs=seq_max_k2",
             "algorithm.rollout_correction.rollout_rs_threshold=2.5",
         ],
