@@ -56,6 +56,13 @@ class ModelConfig(Section):
     def check(self, path: str, root: Any) -> None:
         _check_shm(path, self.use_shm)
         _check_lora(path, self)
+        rollout = root.actor_rollout_ref.rollout
+        if self.lora_rank > 0 and rollout.name == "vllm" and rollout.dtype in ("fp32", "float32"):
+            raise ValueError(
+                f"{path}.lora_rank={self.lora_rank} with actor_rollout_ref.rollout.name=vllm needs "
+                f"actor_rollout_ref.rollout.dtype bf16, fp16 or auto (vLLM's LoRA kernels have no fp32; got "
+                f"{rollout.dtype}); or use rollout.name=hf, which generates with merged weights in any dtype"
+            )
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         shaping = ("lora_alpha", "target_modules", "exclude_modules")
