@@ -28,7 +28,6 @@ from rlframe.workers.fsdp_utils import ModelSpec, build_optimizer, load_hf_model
 RTOL = 1e-5
 NUM_SEQS = 8
 RANK, ALPHA = 4, 8
-MODEL = "actor_rollout_ref.model"
 
 
 def base_model(path: str, use_remove_padding: bool = False):
@@ -68,39 +67,6 @@ def batch(tiny_model_path):
 def reference(tiny_model_path, batch, adapter):
     sc = Scenario(strategy="none", use_remove_padding=False, micro_batch_size=NUM_SEQS, lora_adapter=adapter)
     return run_scenario(sc, tiny_model_path, batch)
-
-
-# ---------------------------------------------------------------- config
-def test_verls_lora_keys_are_taken_and_its_megatron_lora_section_refused():
-    from rlframe.trainer.config import compose, typed
-
-    cfg = typed(compose([f"{MODEL}.lora_rank=32", f"{MODEL}.lora_alpha=32", f"{MODEL}.target_modules=[q_proj,v_proj]"]))
-    assert cfg.actor_rollout_ref.model.lora_rank == 32 and list(cfg.actor_rollout_ref.model.target_modules) == [
-        "q_proj",
-        "v_proj",
-    ]
-    with pytest.raises(ValueError, match="Megatron-backend LoRA"):
-        compose([f"{MODEL}.lora.rank=8"])
-
-
-@pytest.mark.parametrize(
-    "overrides, message",
-    [
-        ([f"{MODEL}.lora_rank=-1"], "lora_rank=-1 must be >= 0"),
-        ([f"{MODEL}.lora_rank=4", f"{MODEL}.target_modules=3"], "target_modules=3 must be a string"),
-        ([f"{MODEL}.lora_adapter_path=/tmp"], "lora_adapter_path=/tmp needs .*lora_rank > 0"),
-        ([f"{MODEL}.lora_rank=4", f"{MODEL}.lora_adapter_path=/tmp"], "not a PEFT adapter folder"),
-        (
-            [f"{MODEL}.lora_rank=4", "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=fp32"],
-            "vLLM's LoRA kernels have no fp32",
-        ),
-    ],
-)
-def test_bad_lora_settings_fail_before_ray_naming_the_key(overrides, message):
-    from rlframe.trainer.config import compose, typed
-
-    with pytest.raises(ValueError, match=message):
-        typed(compose(overrides))
 
 
 # ---------------------------------------------------------------- single process

@@ -266,24 +266,3 @@ def test_dro_needs_a_positive_beta():
     old, log_prob, adv, mask = random_inputs(0)
     with pytest.raises(ValueError, match="dro_beta"):
         loss_math.compute_policy_loss_dro(old, log_prob, adv, mask, LOW, HIGH, C, "token-mean")
-
-
-def test_explain_shows_the_loss_estimator_and_kl_terms_with_their_formulas():
-    from rlframe.explain import format_algorithm
-    from rlframe.trainer.config import compose
-
-    cfg = compose(
-        [
-            "actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov",
-            "algorithm.adv_estimator=opo",
-            "actor_rollout_ref.actor.use_kl_loss=true",
-            "actor_rollout_ref.actor.kl_loss_type=k3+",
-            "actor_rollout_ref.actor.loss_agg_mode=token-sum",
-        ]
-    )
-    text = format_algorithm(cfg)
-    assert "advantage  opo: OPO" in text and "length-weighted" in text
-    assert "policy     clip_cov: Clip-Cov" in text and "one extra forward" in text
-    assert "loss_agg_mode token-sum" in text
-    assert "k3+: the value of k3" in text and "the gradient of k2" in text
-    assert "kl reward" not in text  # use_kl_in_reward=false

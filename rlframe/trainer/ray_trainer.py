@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlframe.algorithms.advantage import compute_advantage
 from rlframe.algorithms.kl import apply_kl_penalty, make_kl_controller
 from rlframe.algorithms.masked import masked_mean
+from rlframe.algorithms.on_policy import old_log_prob_pass_reason
 from rlframe.algorithms.rollout_correction import probs_diff_metrics, rollout_correction
 from rlframe.batch_plan import BatchPlan
 from rlframe.config.checks import resolve_device
@@ -84,6 +85,7 @@ class RayPPOTrainer:
         self.reward_model_wg = groups.reward_model
         self.use_critic = plan.critic is not None
         self.use_reference = plan.ref is not None
+        self.on_policy = old_log_prob_pass_reason(config) is None  # steps whose update gives the old log-probs
         self.total_training_steps = run.total_steps
         self.num_devices = groups.num_devices
         self.hidden_size = run.hidden_size
@@ -206,9 +208,12 @@ class RayPPOTrainer:
         if self.config.trainer.rollout_data_dir:
             self._dump_rollouts(batch, str(self.config.trainer.rollout_data_dir))
         correction = self.config.algorithm.rollout_correction
+        on_policy = self._skips_old_log_prob()
         if correction.bypass_mode:  # verl: π_old := π_rollout, no old-log-prob pass; the actor corrects per micro-batch
             batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
             batch.meta_info["rollout_correction"] = OmegaConf.to_container(correction)
+        elif on_policy:  # the update's own forward gives the old log-probs (rlframe.algorithms.on_policy)
+            batch.meta_info["on_policy"] = True
         else:
             with timer("old_log_prob", timings):
                 old = self.actor_rollout_wg.compute_log_prob(batch)
@@ -231,6 +236,8 @@ class RayPPOTrainer:
             with timer("update_actor", timings):
                 out = self.actor_rollout_wg.update_actor(batch)
                 metrics.update(reduce_metrics(out.meta_info["metrics"]))
+            if on_policy:
+                self._on_policy_metrics(batch, out, metrics)
         timings["step"] = time.perf_counter() - step_start
         metrics.update(compute_data_metrics(batch, self.use_critic))
         num_tokens = int(batch.batch["attention_mask"].sum())
@@ -244,6 +251,18 @@ class RayPPOTrainer:
             metrics["perf/mfu/actor"] = self._actor_mfu(batch, timings["update_actor"])
         metrics["training/global_step"] = self.global_step
         return metrics
+
+    def _skips_old_log_prob(self) -> bool:
+        """This step is exactly on-policy and the actor updates in it: no separate old-log-prob pass."""
+        return self.on_policy and self.global_step > self.config.trainer.critic_warmup
+
+    def _on_policy_metrics(self, batch: DataProto, out: DataProto, metrics: dict) -> None:
+        """What the old-log-prob pass feeds, from the on-policy update's old log-probs and entropy:
+        actor/entropy and, with rollout log-probs, the (metrics-only) rollout-correction diagnostics."""
+        batch.batch["old_log_probs"] = out.batch["old_log_probs"]
+        metrics["actor/entropy"] = float(masked_mean(out.batch["entropys"], batch.batch["response_mask"]))
+        if "rollout_log_probs" in batch.batch.keys():
+            self._rollout_correction(batch, metrics)
 
     def _actor_mfu(self, batch: DataProto, seconds: float) -> float:
         """Model FLOPs of the actor update (ppo_epochs passes) per second, over the devices' bf16 peak."""
@@ -377,7 +396,9 @@ class RayPPOTrainer:
             metrics.update(kl_metrics)
         else:
             batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
-        if "rollout_log_probs" in batch.batch.keys() and not algo.rollout_correction.bypass_mode:
+        # decoupled mode; an on-policy step gets its old log-probs from the update (then _on_policy_metrics)
+        has_old = "old_log_probs" in batch.batch.keys()
+        if has_old and "rollout_log_probs" in batch.batch.keys() and not algo.rollout_correction.bypass_mode:
             response_mask = self._rollout_correction(batch, metrics)
         inputs = {
             "token_level_rewards": batch.batch["token_level_rewards"],

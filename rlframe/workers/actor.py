@@ -75,6 +75,7 @@ class PPOActor(PPOUpdater):
     """Computes log-probs and updates a (possibly FSDP-wrapped) causal LM."""
 
     role = "actor"
+    _on_policy_parts: list | None = None  # (rows, log-probs, entropy) per micro-batch of an on-policy update
     _bypass: dict | None = None  # algorithm.rollout_correction in bypass mode (set per update from meta_info)
 
     def __init__(
@@ -132,15 +133,46 @@ class PPOActor(PPOUpdater):
 
     def update_policy(self, data: DataProto) -> dict[str, list[float]]:
         """`ppo_epochs` passes of mini-batch optimizer steps; returns metric lists (one value per step)."""
+        return self._update(data, on_policy=False)
+
+    def update_policy_on_policy(self, data: DataProto) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
+        """An exactly on-policy update without `old_log_probs`: one optimizer step whose loss takes the
+        current log-probs, detached, as the old ones (they are equal: same parameters, same tokens).
+
+        Returns the metrics and what the separate old-log-prob pass would have given, from the update's
+        own forward: `old_log_probs` and `entropys` [bs, resp_len] in the input order.
+        """
+        s = self.settings
+        if s.ppo_epochs != 1 or len(data) > s.mini_batch_size:
+            raise ValueError(
+                f"an on-policy update takes one optimizer step: ppo_epochs={s.ppo_epochs}, {len(data)} sequences "
+                f"on this rank for a mini-batch of {s.mini_batch_size}"
+            )
+        if self.token_selector is not None or data.meta_info.get("rollout_correction") is not None:
+            raise ValueError("clip_cov/kl_cov and bypass-mode rollout correction read old_log_probs before the loss")
+        self._on_policy_parts = []
+        metrics = self._update(data, on_policy=True)
+        parts, self._on_policy_parts = self._on_policy_parts, None
+        rows = torch.cat([row for row, _, _ in parts])
+        stats = {}
+        for name, index in (("old_log_probs", 1), ("entropys", 2)):
+            values = torch.cat([part[index] for part in parts])
+            stats[name] = torch.empty_like(values).index_copy_(0, rows, values)
+        return metrics, stats
+
+    def _update(self, data: DataProto, on_policy: bool) -> dict[str, list[float]]:
+        """The update; `on_policy`: the old log-probs are the loss's own forward's (`_on_policy_old`)."""
         temperature = data.meta_info.get("temperature", 1.0)
-        keys = ["old_log_probs", "advantages"] + (["ref_log_prob"] if self.settings.use_kl_loss else [])
+        keys = ["advantages"] + (["ref_log_prob"] if self.settings.use_kl_loss else [])
+        keys += [] if on_policy else ["old_log_probs"]
         keys += [k for k in ("rollout_is_weights",) if k in data.batch.keys()]  # decoupled rollout correction
         self._bypass = data.meta_info.get("rollout_correction")  # bypass mode: old_log_probs are the rollout's
         self._temperature = temperature
         prepare = None if self.token_selector is None else (lambda mini: self._select_tokens(mini, temperature))
-        metrics = self._train(
-            update_inputs(data.batch, *keys), lambda micro, counts: self._loss(micro, counts, temperature), prepare
-        )
+        batch = update_inputs(data.batch, *keys)
+        if on_policy:  # each row's index, to put the loss's log-probs back in the input order
+            batch["on_policy_row"] = torch.arange(len(batch), device=batch.device)
+        metrics = self._train(batch, lambda micro, counts: self._loss(micro, counts, temperature), prepare)
         # verl names the rollout-correction metrics without the role
         role_prefix = f"{self.role}/"
         return {
@@ -183,7 +215,9 @@ class PPOActor(PPOUpdater):
         s = self.settings
         norm = counts.agg_kwargs()
         response_mask = response_mask_of(micro)
-        out = self._forward(micro, temperature, calculate_entropy=s.entropy_coeff != 0)
+        on_policy = "on_policy_row" in micro.keys()
+        out = self._forward(micro, temperature, calculate_entropy=s.entropy_coeff != 0 or on_policy)
+        old_log_probs = self._on_policy_old(micro, out) if on_policy else micro["old_log_probs"]
         advantages = micro["advantages"]
         if "rollout_is_weights" in micro.keys():  # ℓ(w·A) = w·ℓ(A) for the losses that take them
             advantages = advantages * micro["rollout_is_weights"]
@@ -205,7 +239,7 @@ class PPOActor(PPOUpdater):
             else:
                 extra = self.policy_loss_kwargs
             pg_loss, pg_metrics = self.policy_loss_fn(
-                micro["old_log_probs"], out["log_probs"], advantages, response_mask, *args, **norm, **extra
+                old_log_probs, out["log_probs"], advantages, response_mask, *args, **norm, **extra
             )
         loss = pg_loss
         # token-weighted metrics: local means weighted by this micro-batch's share of global tokens
@@ -229,6 +263,12 @@ class PPOActor(PPOUpdater):
             loss = loss + s.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss
         return loss, metrics
+
+    def _on_policy_old(self, micro: TensorDict, out: dict) -> torch.Tensor:
+        """The old log-probs of an on-policy update: this forward's, detached; kept with the entropy."""
+        old = out["log_probs"].detach()
+        self._on_policy_parts.append((micro["on_policy_row"], old, out["entropy"].detach()))
+        return old
 
     def _select_tokens(self, mini: TensorDict, temperature: float) -> TensorDict:
         """`mini` with `pg_token_selection`: the tokens clip_cov/kl_cov treat apart, chosen over the whole

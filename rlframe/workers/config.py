@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional
 
 from rlframe.algorithms.kl import get_kl_penalty_fn
 from rlframe.algorithms.loss import LOSS_AGG_MODES, get_policy_loss_fn
+from rlframe.algorithms.on_policy import old_log_prob_pass_reason
 from rlframe.config.checks import SAVE_CONTENTS, STRATEGIES, planned_device
 from rlframe.config.keys import ACTOR, ACTOR_KEYS, CRITIC_KEYS, REF_KEYS, get, micro_batch_inactive, ref_enabled
 from rlframe.config.schema import Section, each_of, key, section
@@ -56,13 +57,6 @@ class ModelConfig(Section):
     def check(self, path: str, root: Any) -> None:
         _check_shm(path, self.use_shm)
         _check_lora(path, self)
-        rollout = root.actor_rollout_ref.rollout
-        if self.lora_rank > 0 and rollout.name == "vllm" and rollout.dtype in ("fp32", "float32"):
-            raise ValueError(
-                f"{path}.lora_rank={self.lora_rank} with actor_rollout_ref.rollout.name=vllm needs "
-                f"actor_rollout_ref.rollout.dtype bf16, fp16 or auto (vLLM's LoRA kernels have no fp32; got "
-                f"{rollout.dtype}); or use rollout.name=hf, which generates with merged weights in any dtype"
-            )
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         shaping = ("lora_alpha", "target_modules", "exclude_modules")
@@ -259,6 +253,10 @@ class ActorConfig(Section):
     use_torch_compile: bool = key(True, "torch.compile the log-prob and entropy kernels (CUDA)")
     entropy_from_logits_with_chunking: bool = key(False, "verl's memory switch; no effect: rlframe always chunks")
     entropy_checkpointing: bool = key(False, "verl's memory switch; no effect: rlframe always recomputes")
+    skip_on_policy_old_log_prob: bool = key(
+        True,
+        "rlframe: an exactly on-policy step takes the update's log-probs, detached, as the old ones (no extra pass)",
+    )
     policy_loss: PolicyLossConfig = section(PolicyLossConfig)
     optim: OptimConfig = section(OptimConfig)
     fsdp_config: FSDPConfig = section(FSDPConfig)
@@ -289,6 +287,9 @@ class ActorConfig(Section):
         if not self.use_kl_loss:
             out.update({f"{path}.{name}": f"{path}.use_kl_loss=false" for name in ("kl_loss_coef", "kl_loss_type")})
         out.update(_policy_loss_inactive(path, self.policy_loss.loss_mode))
+        reason = old_log_prob_pass_reason(root)
+        if self.skip_on_policy_old_log_prob and reason is not None:
+            out[f"{path}.skip_on_policy_old_log_prob"] = f"the steps are not exactly on-policy: {reason}"
         return out
 
 

@@ -303,11 +303,17 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         data = self._with_rollout_temperature(self._to_device(self._gather_sp(data)))
         self._load_optimizer()
         start = time.perf_counter()
-        metrics = self.actor.update_policy(data)
+        stats = None
+        if data.meta_info.get("on_policy", False):  # no old-log-prob pass ran: the update's forward gives them
+            metrics, stats = self.actor.update_policy_on_policy(data)
+        else:
+            metrics = self.actor.update_policy(data)
         metrics["timing_s/update_actor_worker"] = [time.perf_counter() - start]
         self._offload_optimizer()
         self._weights_dirty = True
-        return DataProto(meta_info={"metrics": metrics})
+        if stats is None:
+            return DataProto(meta_info={"metrics": metrics})
+        return self._scatter_sp(DataProto.from_dict(stats, meta_info={"metrics": metrics})).to("cpu")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
