@@ -175,3 +175,15 @@ def test_overlong_buffer_needs_max_resp_len():
         ValueError, match="overlong_buffer_cfg.enable=true needs reward_model.reward_kwargs.max_resp_len"
     ):
         typed(compose([*SMALL, *keys]))
+
+
+def test_explain_shows_the_generation_round_next_to_the_training_batch():
+    from rlframe.explain import format_plan
+
+    text = format_plan(make_batch_plan(compose([*SMALL, *DAPO_KEYS, "trainer.n_gpus_per_node=2"])))
+    assert (
+        "sampling  DAPO dynamic sampling: rounds of gen_batch_size 12 prompts × n 4 = 48 sequences until "
+        "train_batch_size 8 prompts have groups whose metric varies, then cut to 32 (max_num_gen_batches: no limit)"
+    ) in text
+    assert "48 sequences / 2 workers = 24 per worker" in text  # the rollout's dispatch is per round
+    assert "32 sequences / 2 workers = 16 per worker" in text  # the actor's is the training batch
