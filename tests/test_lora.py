@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 
 import pytest
 import torch
 from fsdp_harness import Scenario, make_batch, relative_error, run_distributed, run_scenario
 from test_fsdp_equivalence import assert_matches
+from test_vllm_engine import cuda_less_gpu  # noqa: F401  (a fixture)
 from transformers import AutoConfig
 
 from rlframe.workers import checkpoint as ckpt
@@ -28,6 +30,7 @@ from rlframe.workers.fsdp_utils import ModelSpec, build_optimizer, load_hf_model
 RTOL = 1e-5
 NUM_SEQS = 8
 RANK, ALPHA = 4, 8
+MODEL = "actor_rollout_ref.model"
 
 
 def base_model(path: str, use_remove_padding: bool = False):
@@ -69,6 +72,39 @@ def reference(tiny_model_path, batch, adapter):
     return run_scenario(sc, tiny_model_path, batch)
 
 
+# ---------------------------------------------------------------- config
+def test_verls_lora_keys_are_taken_and_its_megatron_lora_section_refused():
+    from rlframe.trainer.config import compose, typed
+
+    cfg = typed(compose([f"{MODEL}.lora_rank=32", f"{MODEL}.lora_alpha=32", f"{MODEL}.target_modules=[q_proj,v_proj]"]))
+    assert cfg.actor_rollout_ref.model.lora_rank == 32 and list(cfg.actor_rollout_ref.model.target_modules) == [
+        "q_proj",
+        "v_proj",
+    ]
+    with pytest.raises(ValueError, match="Megatron-backend LoRA"):
+        compose([f"{MODEL}.lora.rank=8"])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ([f"{MODEL}.lora_rank=-1"], "lora_rank=-1 must be >= 0"),
+        ([f"{MODEL}.lora_rank=4", f"{MODEL}.target_modules=3"], "target_modules=3 must be a string"),
+        ([f"{MODEL}.lora_adapter_path=/tmp"], "lora_adapter_path=/tmp needs .*lora_rank > 0"),
+        ([f"{MODEL}.lora_rank=4", f"{MODEL}.lora_adapter_path=/tmp"], "not a PEFT adapter folder"),
+        (
+            [f"{MODEL}.lora_rank=4", "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=fp32"],
+            "vLLM's LoRA kernels have no fp32",
+        ),
+    ],
+)
+def test_bad_lora_settings_fail_before_ray_naming_the_key(overrides, message):
+    from rlframe.trainer.config import compose, typed
+
+    with pytest.raises(ValueError, match=message):
+        typed(compose(overrides))
+
+
 # ---------------------------------------------------------------- single process
 def test_only_the_adapter_gets_gradients(reference):
     assert reference["grads"] and all(lora.is_adapter_tensor(name) for name in reference["grads"])
@@ -83,9 +119,18 @@ def test_reference_policy_is_the_base_model(tiny_model_path, batch, reference):
     assert relative_error(reference["outputs"]["log_probs"], base["outputs"]["log_probs"]) > 1e-3  # the adapter acts
 
 
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_remove_padding_and_micro_batching_match_reference(tiny_model_path, batch, reference, adapter, dynamic):
-    sc = Scenario(strategy="none", micro_batch_size=3, use_dynamic_bsz=dynamic, max_token_len=24, lora_adapter=adapter)
+@pytest.mark.parametrize("dynamic, checkpointing", [(False, False), (True, False), (False, True)])
+def test_remove_padding_and_micro_batching_match_reference(
+    tiny_model_path, batch, reference, adapter, dynamic, checkpointing
+):
+    sc = Scenario(
+        strategy="none",
+        micro_batch_size=3,
+        use_dynamic_bsz=dynamic,
+        max_token_len=24,
+        gradient_checkpointing=checkpointing,  # verl's default; frozen inputs need no require-grad hook
+        lora_adapter=adapter,
+    )
     assert_matches(run_scenario(sc, tiny_model_path, batch), reference)
 
 
@@ -361,3 +406,71 @@ def test_vllm_serves_the_adapter_across_updates_and_sleeps(tiny_model_path, adap
         to_adapted = (served - _scores(model, out)).abs().sum() / out.batch["response_mask"].sum()
         to_base = (served - _scores(base, out)).abs().sum() / out.batch["response_mask"].sum()
         assert to_adapted < 0.02 and to_base > 5 * to_adapted, (update, float(to_adapted), float(to_base))
+
+
+@pytest.mark.usefixtures("cuda_less_gpu")
+def test_vllm_rollout_lora_path_with_a_stand_in_engine(monkeypatch, tiny_model_path, tmp_path):
+    """The vLLM side without vLLM (test_vllm_engine's stand-in): LoRA engine arguments, level-1 sleep, base
+    weights under vLLM's base_layer names, and each adapter version served as a new LoRA request."""
+    import types
+    from dataclasses import dataclass
+
+    from safetensors.torch import load_file
+    from test_rollout import load_tokenizer, rollout_config
+    from test_vllm_engine import _fake_vllm
+
+    from rlframe.workers.rollout import build_rollout
+
+    @dataclass
+    class LoRARequest:
+        lora_name: str
+        lora_int_id: int
+        lora_path: str
+
+    record: dict = {}
+    modules = _fake_vllm(record)
+    modules["vllm.lora"] = types.ModuleType("vllm.lora")
+    modules["vllm.lora.request"] = types.ModuleType("vllm.lora.request")
+    modules["vllm.lora.request"].LoRARequest = LoRARequest
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    cfg = rollout_config("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.free_cache_engine=true")
+    engine = build_rollout("vllm", cfg, tiny_model_path, load_tokenizer(tiny_model_path), "cuda", lora_rank=RANK)
+    engine.device = torch.device("cpu")  # where update_weights puts tensors: cuda:0 on a GPU
+    engine._lora_root = str(tmp_path)
+    removed = []
+    engine.llm.llm_engine = types.SimpleNamespace(remove_lora=removed.append)
+    assert {k: record["kwargs"][k] for k in ("enable_lora", "max_loras", "max_lora_rank")} == {
+        "enable_lora": True,
+        "max_loras": 1,
+        "max_lora_rank": 8,
+    }
+    assert engine._sleep_level == 1 and engine.takes_lora_adapter and engine.needs_base_weights  # dummy weights
+
+    loaded_names = []
+    worker_model = record["worker"].model
+    load = worker_model.load_weights
+    monkeypatch.setattr(worker_model, "load_weights", lambda w: loaded_names.extend(n for n, _ in w) or load(w))
+    weights = [("a.weight", torch.ones(2, 2)), ("b.weight", torch.ones(2, 2))]
+    engine.update_weights([*weights, ("model.layers.0.self_attn.q_proj.weight", torch.ones(2, 2))])
+    assert loaded_names[-1] == "model.layers.0.self_attn.q_proj.base_layer.weight" and not engine.needs_base_weights
+
+    model = fresh_lora(tiny_model_path)  # not loaded from a file: safetensors would pin memory on the fake GPU
+    tensors = lora.peft_adapter_files(model, lora.full_adapter_state(model))
+    config = model.peft_config[lora.ADAPTER]
+    engine.update_lora_adapter(tensors, config)
+    first = engine._lora_request
+    engine.update_lora_adapter(tensors, config)
+    second = engine._lora_request
+    assert (first.lora_int_id, second.lora_int_id) == (1, 2) and removed == [1]
+    assert not os.path.exists(first.lora_path)
+    served = load_file(os.path.join(second.lora_path, "adapter_model.safetensors"))
+    assert served.keys() == tensors.keys() and all(torch.equal(served[k], tensors[k]) for k in tensors)
+    import json
+
+    with open(os.path.join(second.lora_path, "adapter_config.json")) as f:
+        written = json.load(f)
+    assert written["r"] == RANK and written["lora_alpha"] == ALPHA
+    assert sorted(written["target_modules"]) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
