@@ -16,6 +16,7 @@ import glob
 import json
 import os
 import sys
+import textwrap
 
 import numpy as np
 
@@ -426,6 +427,40 @@ def format_keys(cfg, rows: list[KeyStatus], overrides: list[str]) -> str:
     ).rstrip()
 
 
+def _summary(title: str, fn) -> str:
+    """`title` and the first paragraph of a registered function's docstring (its formula and source), wrapped."""
+    text = " ".join((fn.__doc__ or "").strip().split("\n\n")[0].split())
+    return textwrap.fill(f"{title}: {text}", width=110, subsequent_indent=" " * 11)
+
+
+def format_algorithm(cfg) -> str:
+    """The estimator, policy loss, aggregation and KL terms the config trains with, each explained."""
+    from rlframe.algorithms.advantage import get_adv_estimator_fn
+    from rlframe.algorithms.kl import get_kl_penalty_fn
+    from rlframe.algorithms.loss import TOKEN_SELECTORS, get_policy_loss_fn
+
+    actor, algo = cfg.actor_rollout_ref.actor, cfg.algorithm
+    mode = actor.policy_loss.loss_mode
+    lines = [
+        _summary(f"advantage  {algo.adv_estimator}", get_adv_estimator_fn(algo.adv_estimator)),
+        _summary(f"policy     {mode}", get_policy_loss_fn(mode)),
+    ]
+    if mode in TOKEN_SELECTORS:
+        note = (
+            "its tokens are chosen over each whole mini-batch, all DP ranks: one extra forward without "
+            "gradients per optimizer step (docs/algorithms.md)"
+        )
+        lines.append(textwrap.fill(note, width=110, initial_indent=" " * 11, subsequent_indent=" " * 11))
+    lines.append(f"aggregate  loss_agg_mode {actor.loss_agg_mode}")
+    for on, name, where in (
+        (actor.use_kl_loss, actor.kl_loss_type, f"kl loss    coef {actor.kl_loss_coef}, "),
+        (algo.use_kl_in_reward, algo.kl_penalty, "kl reward  "),
+    ):
+        if on:
+            lines.append(_summary(f"{where}{name}", get_kl_penalty_fn(name)))
+    return "\n".join(lines)
+
+
 def format_simulation(sim: dict, source: str) -> str:
     """The simulation report: per-rank balance, micro-batch counts and loads, packing metrics."""
     t, b = sim["tokens"], sim["balance"]
@@ -514,7 +549,8 @@ def explain(
         if model
         else f"model     {model_path}: no config.json here, head checks skipped"
     )
-    parts = [_rule("batch plan"), model_line, format_plan(plan), _rule("keys"), format_keys(cfg, rows, overrides)]
+    parts = [_rule("batch plan"), model_line, format_plan(plan), _rule("algorithm"), format_algorithm(cfg)]
+    parts += [_rule("keys"), format_keys(cfg, rows, overrides)]
     if warnings:
         parts += [_rule("warnings"), "\n".join(warnings)]
     if sim is not None:

@@ -30,21 +30,25 @@ def _register_kl(*names: str) -> Callable:
 
 @_register_kl("kl", "k1")
 def _kl_k1(logprob, ref_logprob):
+    """k1 = log π − log π_ref (unbiased for the KL, single samples can be negative)."""
     return logprob - ref_logprob
 
 
 @_register_kl("abs")
 def _kl_abs(logprob, ref_logprob):
+    """|log π − log π_ref|."""
     return (logprob - ref_logprob).abs()
 
 
 @_register_kl("mse", "k2")
 def _kl_k2(logprob, ref_logprob):
+    """k2 = ½(log π − log π_ref)² (biased, non-negative; its gradient is the KL's)."""
     return 0.5 * (logprob - ref_logprob).square()
 
 
 @_register_kl("low_var_kl", "k3")
 def _kl_k3(logprob, ref_logprob):
+    """k3 = r − log r − 1 with r = π_ref/π (unbiased, non-negative, low variance; Schulman 2020)."""
     # k3 = r - log r - 1 with r = π_ref/π: unbiased, non-negative, low variance. Clamping the
     # log-ratio keeps exp finite; clamping the result bounds the rare huge outliers.
     log_ratio = (ref_logprob - logprob).clamp(-20.0, 20.0)
@@ -63,6 +67,7 @@ def _straight_through(value_fn: Callable) -> Callable:
         k2 = _kl_k2(logprob, ref_logprob)
         return k2 - k2.detach() + value_fn(logprob, ref_logprob).detach()
 
+    estimator.__doc__ = f"the value of {value_fn.__doc__.split(' (')[0]}, the gradient of k2 (straight-through)"
     return estimator
 
 

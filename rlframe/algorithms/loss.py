@@ -507,8 +507,10 @@ def compute_policy_loss_clip_cov(
     """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617):
     PPO's clipped surrogate max(−Aρ, −A·clip(ρ)) (no dual clip) with the gradient detached — the
     loss zeroed — on a small random set of high-covariance tokens (`select_clip_cov_tokens`), to
-    keep the policy's entropy from collapsing. `token_selection` is that set when the caller chose
-    it over the whole mini-batch; None chooses over this call's tokens.
+    keep the policy's entropy from collapsing.
+
+    `token_selection` is that set when the caller chose it over the whole mini-batch; None chooses
+    over this call's tokens.
     """
     if token_selection is None:
         token_selection = select_clip_cov_tokens(
@@ -553,8 +555,10 @@ def compute_policy_loss_kl_cov(
 ):
     """KL-Cov (Cui et al. 2025, arXiv 2505.22617): the unclipped surrogate −Aρ, plus
     ppo_kl_coef·|log ρ| on the tokens with the largest covariance term (`select_kl_cov_tokens`).
+    Clip ratios are unused.
+
     `token_selection` is that set when the caller chose it over the whole mini-batch; None chooses
-    over this call's tokens. Clip ratios are unused.
+    over this call's tokens.
     """
     if token_selection is None:
         token_selection = select_kl_cov_tokens(
