@@ -162,8 +162,10 @@ def test_vectorized_names_match_verl(seed):
     for name in ("grpo_vectorized", "rloo_vectorized"):
         adv, returns = advantage.compute_advantage(name, **inputs, norm_adv_by_std_in_grpo=False)
         verl_adv, verl_returns = verl_estimator(name, **inputs)
-        # verl's vectorized std is sqrt((Σx² − (Σx)²/n)/(n − 1)) in fp32; rlframe's two-pass fp64
-        torch.testing.assert_close(adv, verl_adv.double(), rtol=1e-5, atol=1e-5)
+        # verl's vectorized GRPO takes mean and std in fp32, one pass (sqrt((Σx² − (Σx)²/n)/(n − 1)));
+        # rlframe's are two-pass in the scores' dtype. RLOO is the same arithmetic.
+        tol = 1e-6 if name == "grpo_vectorized" else 1e-12
+        torch.testing.assert_close(adv, verl_adv.double(), rtol=tol, atol=tol)
     grpo, _ = advantage.compute_advantage("grpo", **inputs)
     torch.testing.assert_close(advantage.compute_advantage("grpo_vectorized", **inputs)[0], grpo)
     rloo, _ = advantage.compute_advantage("rloo", **inputs)
