@@ -37,12 +37,12 @@ from rlframe.workers.fsdp_utils import (
     build_fsdp_mesh,
     build_lr_scheduler,
     build_optimizer,
-    iter_full_params,
     load_hf_model,
     move_optimizer_state,
     resolve_dtype,
     wrap_fsdp,
 )
+from rlframe.workers.weight_sync import iter_full_params_bucketed
 
 
 def _or(value, fallback) -> float:
@@ -266,7 +266,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             if lora.is_lora(self.actor_module):
                 lora.sync_to_rollout(self.rollout, self.actor_module)
             else:
-                self.rollout.update_weights(iter_full_params(self.actor_module))
+                self.rollout.update_weights(iter_full_params_bucketed(self.actor_module))
             self._weights_dirty = False
         sync_s = time.perf_counter() - start
         # validation must not advance the training RNG stream, or resuming would diverge

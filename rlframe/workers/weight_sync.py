@@ -1,0 +1,97 @@
+"""The weight-sync stream from the FSDP actor into the rollout: full tensors, gathered a bucket at a time.
+
+`iter_full_params` (fsdp_utils) all-gathers every FSDP2 parameter on its own: one collective per
+tensor, ~270 for SmolLM2-135M, each paying gloo's latency on CPU. `iter_full_params_bucketed`
+gathers the dim-0 shards of many tensors of one dtype with one `all_gather` per bucket of about
+`bucket_bytes` (flat buffers, each rank's shard sizes known from DTensor's chunking rule), then cuts
+each full tensor back out: the same bytes (a copy, no arithmetic), in the same order, with at most
+one bucket of full tensors alive at a time. Tensors that are not sharded that way (FSDP1, HSDP's
+2-D meshes, plain tensors) go through `iter_full_params`'s path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlframe.workers.fsdp_utils import iter_full_params, on_mesh_device
+
+BUCKET_BYTES = 64 * 2**20
+
+
+def _dim0_sharded(tensor: torch.Tensor) -> bool:
+    """A DTensor sharded on dim 0 over a 1-D mesh (FSDP2's fully_shard layout), its shard on the mesh's device."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return (
+        isinstance(tensor, DTensor)
+        and tensor.device_mesh.ndim == 1
+        and tuple(tensor.placements) == (Shard(0),)
+        and tensor.device.type == tensor.device_mesh.device_type
+    )
+
+
+def _kind(tensor: torch.Tensor) -> tuple:
+    """What tensors of one bucket share: dtype and mesh (by its ranks, the same on every rank)."""
+    mesh = tensor.device_mesh
+    return tensor.dtype, mesh.device_type, tuple(mesh.mesh.flatten().tolist())
+
+
+def _rows_per_rank(rows: int, world: int) -> list[int]:
+    """Rows of each rank's shard under DTensor's Shard(0): torch.chunk's split, empty shards last."""
+    chunk = -(-rows // world) if rows else 0
+    return [max(0, min(chunk, rows - rank * chunk)) for rank in range(world)]
+
+
+def _gather_bucket(bucket: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """One all_gather for the shards of `bucket` (same mesh and dtype); yields the full tensors in order."""
+    mesh = bucket[0][1].device_mesh
+    group, world, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    locals_ = [tensor.to_local() for _, tensor in bucket]
+    sizes = []  # sizes[i][r]: elements of tensor i held by rank r
+    for (name, tensor), local in zip(bucket, locals_):
+        rows = _rows_per_rank(tensor.shape[0], world)
+        if local.shape[0] != rows[rank]:
+            raise RuntimeError(f"weight sync: {name}'s shard has {local.shape[0]} rows, not {rows[rank]}")
+        row_numel = math.prod(tensor.shape[1:])
+        sizes.append([r * row_numel for r in rows])
+    totals = [sum(s[r] for s in sizes) for r in range(world)]
+    width = max(totals)
+    send = torch.empty(width, dtype=locals_[0].dtype, device=locals_[0].device)
+    if locals_:
+        flat = torch.cat([local.reshape(-1) for local in locals_])
+        send[: flat.numel()].copy_(flat)
+    parts = [torch.empty_like(send) for _ in range(world)]
+    dist.all_gather(parts, send, group=group)
+    offsets = [0] * world
+    for (name, tensor), size in zip(bucket, sizes):
+        pieces = []
+        for r in range(world):
+            pieces.append(parts[r][offsets[r] : offsets[r] + size[r]])
+            offsets[r] += size[r]
+        yield name, torch.cat(pieces).view(tensor.shape)
+
+
+def iter_full_params_bucketed(model: nn.Module, bucket_bytes: int = BUCKET_BYTES):
+    """(name, full tensor) of `model`'s state dict in order, FSDP2 shards gathered a bucket at a time."""
+    if not any(_dim0_sharded(t) for t in model.state_dict().values()):
+        yield from iter_full_params(model)
+        return
+    bucket: list[tuple[str, torch.Tensor]] = []
+    nbytes = 0
+    for name, tensor in model.state_dict().items():
+        tensor, sharded = tensor.detach(), _dim0_sharded(tensor)
+        if bucket and (not sharded or _kind(tensor) != _kind(bucket[0][1]) or nbytes >= bucket_bytes):
+            yield from _gather_bucket(bucket)
+            bucket, nbytes = [], 0
+        if not sharded:
+            yield name, (on_mesh_device(tensor).full_tensor() if hasattr(tensor, "full_tensor") else tensor)
+            continue
+        bucket.append((name, tensor))
+        nbytes += tensor.numel() * tensor.element_size()
+    if bucket:
+        yield from _gather_bucket(bucket)

@@ -1,0 +1,99 @@
+"""The bucketed weight-sync stream: the same full tensors as one all-gather per tensor, in fewer collectives.
+
+On 2 and 3 gloo ranks (3 gives uneven and empty dim-0 shards), after an optimizer step has made every
+shard differ from the checkpoint: `iter_full_params_bucketed` yields the names, in the order, and the
+bytes of `iter_full_params`, with small buckets (many) and the default (one), and the rollout replica
+that takes it holds the actor's parameters exactly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from fsdp_harness import free_port
+
+from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, build_fsdp_mesh, iter_full_params, load_hf_model, wrap_fsdp
+from rlframe.workers.weight_sync import _rows_per_rank, iter_full_params_bucketed
+
+
+def _counting(real, counter: list):
+    """`real` (torch.distributed.all_gather), counting its calls in `counter`."""
+
+    def all_gather(*args, **kwargs):
+        counter.append(1)
+        return real(*args, **kwargs)
+
+    return all_gather
+
+
+def _worker(rank: int, world: int, port: int, model_path: str, out_dir: str) -> None:
+    from rlframe.workers.rollout.base import RolloutSettings
+    from rlframe.workers.rollout.hf_rollout import HFRollout
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = load_hf_model(ModelSpec(path=model_path, role="actor", dtype=torch.float32, use_remove_padding=True))
+        spec = FSDPSpec("fsdp2", torch.float32, torch.float32, False, True)
+        model = wrap_fsdp(model, spec, build_fsdp_mesh("cpu", world, -1), "cpu")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(rank))
+        model(input_ids=ids).logits.square().mean().backward()
+        optimizer.step()
+        reference = [(name, tensor.clone()) for name, tensor in iter_full_params(model)]
+        result = {"reference": reference}
+        real = dist.all_gather
+        for label, bucket_bytes in (("small", 4096), ("default", None)):
+            calls: list = []
+            dist.all_gather = _counting(real, calls)
+            try:
+                kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+                result[label] = [(name, tensor.clone()) for name, tensor in iter_full_params_bucketed(model, **kwargs)]
+            finally:
+                dist.all_gather = real
+            result[f"{label}_calls"] = len(calls)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        settings = RolloutSettings.from_config(_rollout_cfg())
+        rollout = HFRollout(settings, model_path, tokenizer, "cpu")
+        rollout.update_weights(iter_full_params_bucketed(model))
+        result["rollout"] = {n: p.detach().clone() for n, p in rollout.model.state_dict().items()}
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _rollout_cfg():
+    from rlframe.config.loader import load_config
+
+    return load_config([]).actor_rollout_ref.rollout
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bucketed_sync_gives_every_full_tensor_bitwise_in_fewer_collectives(tiny_model_path, tmp_path, world):
+    torch.multiprocessing.spawn(_worker, args=(world, free_port(), tiny_model_path, str(tmp_path)), nprocs=world)
+    for rank in range(world):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        reference = result["reference"]
+        for label in ("small", "default"):
+            assert [n for n, _ in result[label]] == [n for n, _ in reference], label
+            for (name, got), (_, want) in zip(result[label], reference):
+                assert got.dtype == want.dtype and torch.equal(got, want), (label, name)
+        assert 1 < result["small_calls"] < len(reference)
+        assert result["default_calls"] == 1  # the tiny model fits one bucket
+        full = dict(reference)
+        for name, value in result["rollout"].items():
+            assert torch.equal(value, full[name]), name
+
+
+def test_rows_per_rank_follow_torch_chunk():
+    for rows in (0, 1, 5, 9, 10, 576):
+        for world in (1, 2, 3, 4):
+            chunks = torch.arange(rows).chunk(world) if rows else ()
+            expected = [len(c) for c in chunks] + [0] * (world - len(chunks))
+            assert _rows_per_rank(rows, world) == expected, (rows, world)
