@@ -50,6 +50,11 @@ class TrainerCheckpointer:
             raise ValueError(f"trainer.resume_mode={self.resume_mode!r} is not one of {', '.join(RESUME_MODES)}")
         if self.resume_mode == "resume_path" and not self.resume_from_path:
             raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<dir>/global_step_N")
+        self.last_complete: str | None = None  # the newest checkpoint this run saved or resumed from
+
+    def restart_from(self, folder: str) -> None:
+        """After a restart (trainer.max_restarts): resume from `folder`, this run's latest complete checkpoint."""
+        self.resume_mode, self.resume_from_path = "resume_path", folder
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, actor_wg, critic_wg, dataloader, driver_state: dict) -> str:
@@ -67,6 +72,7 @@ class TrainerCheckpointer:
         kill_point("save.renamed")
         self._write_latest(step)
         kill_point("save.latest")
+        self.last_complete = final
         self._prune()
         return final
 
@@ -173,6 +179,7 @@ class TrainerCheckpointer:
             return None
         state = load_data(os.path.join(folder, DATA_FILE))  # before the workers: a refused file stops here
         print(f"[rlframe] resuming from {folder}", flush=True)
+        self.last_complete = folder
         actor_wg.load_checkpoint(os.path.join(folder, "actor"))
         if critic_wg is not None:
             critic_wg.load_checkpoint(os.path.join(folder, "critic"))

@@ -120,6 +120,11 @@ class RayInitConfig(Section):
     num_cpus: Optional[int] = key(None, "CPUs for a local Ray (null = all)")
 
 
+def _non_negative(value: int) -> None:
+    if value < 0:
+        raise ValueError(f"must be >= 0, got {value}")
+
+
 @dataclass
 class TrainerConfig(Section):
     device: str = key("auto", "auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
@@ -147,6 +152,12 @@ class TrainerConfig(Section):
     max_critic_ckpt_to_keep: Optional[int] = key(None, "keep this many critic checkpoints (null = all)")
     rollout_data_dir: Optional[str] = key(None, "dump rollouts (jsonl) here each step")
     worker_timeout_s: float = key(1800, "a worker call that takes longer is reported as a failure")
+    max_restarts: int = key(
+        0,
+        "rlframe: when a worker dies (or hangs past worker_timeout_s), recreate the workers and resume from "
+        "this run's latest checkpoint, at most this many times; 0 = stop, naming the dead rank",
+        check=_non_negative,
+    )
     ray_init: RayInitConfig = section(RayInitConfig)
 
     def check(self, path: str, root: Any) -> None:

@@ -24,9 +24,11 @@ from rlframe.data.dataloader import make_dataloader
 from rlframe.data.dataset import RLHFDataset
 from rlframe.models.builtin import resolve_model_path
 from rlframe.reward.manager import load_reward_manager
+from rlframe.single_controller.errors import WorkerDiedError, WorkerGroupError, WorkerTimeoutError
 from rlframe.trainer.config import compose, typed
 from rlframe.trainer.launch import create_worker_groups
 from rlframe.trainer.ray_trainer import PreparedRun, RayPPOTrainer
+from rlframe.trainer.redact import redact
 
 # Keys that may name the built-in tiny model (directly or through an interpolation).
 MODEL_PATH_KEYS = (
@@ -150,10 +152,11 @@ def train(run: PreparedRun, verbose: bool = False, print_config: bool = False) -
     cfg = run.cfg
     os.makedirs(cfg.trainer.default_local_dir, exist_ok=True)
     config_path = os.path.join(cfg.trainer.default_local_dir, "config.yaml")
-    OmegaConf.save(cfg, config_path)
+    shown_cfg = OmegaConf.create(redact(OmegaConf.to_container(cfg)))  # no secret in the dump or the console
+    OmegaConf.save(shown_cfg, config_path)
     shown = print_config or verbose
     if shown:
-        print(OmegaConf.to_yaml(cfg), flush=True)
+        print(OmegaConf.to_yaml(shown_cfg), flush=True)
     hint = "" if shown else " (--print-config shows it here)"
     print(f"[rlframe] resolved config saved to {config_path}{hint}", flush=True)
     for name, loader in (("train", run.train_loader), ("val", run.val_loader)):
@@ -164,11 +167,54 @@ def train(run: PreparedRun, verbose: bool = False, print_config: bool = False) -
             flush=True,
         )
     print(f"[rlframe] {run.total_steps} training steps; run folder {cfg.trainer.default_local_dir}", flush=True)
-    groups = create_worker_groups(cfg, run.plan, run.schedule_steps, verbose=verbose)
-    try:
-        return RayPPOTrainer(run, groups).fit()
-    finally:
-        groups.shutdown()
+    return train_with_restarts(run, verbose)
+
+
+def train_with_restarts(run: PreparedRun, verbose: bool = False) -> dict:
+    """Create the worker groups and train; after a lost worker, up to trainer.max_restarts times, tear them
+    down, recreate them and resume from this run's latest complete checkpoint (docs/reliability.md)."""
+    cfg = run.cfg
+    max_restarts = int(cfg.trainer.max_restarts)
+    fresh_loader_state = run.train_loader.state_dict()  # where a restart with no checkpoint starts over
+    resume_from = None
+    for restart in range(max_restarts + 1):
+        groups = create_worker_groups(cfg, run.plan, run.schedule_steps, verbose=verbose)
+        trainer = None
+        try:
+            trainer = RayPPOTrainer(run, groups)
+            trainer.num_restarts = restart
+            if resume_from is not None:  # else: as trainer.resume_mode says, like the first attempt
+                trainer.checkpointer.restart_from(resume_from)
+            return trainer.fit()
+        except Exception as error:
+            lost = lost_worker(error)
+            if lost is None or restart == max_restarts:
+                raise
+            if getattr(trainer, "tracker", None) is not None:
+                trainer.tracker.finish()  # the next attempt appends to the same metrics
+            if trainer is not None and trainer.checkpointer.last_complete is not None:
+                resume_from = trainer.checkpointer.last_complete
+            if resume_from is None:
+                run.train_loader.load_state_dict(fresh_loader_state)
+            print(
+                f"[rlframe] {lost}; restart {restart + 1} of trainer.max_restarts={max_restarts}: recreating the "
+                f"workers and resuming from {resume_from or 'where this run started (no checkpoint saved yet)'}",
+                file=sys.stderr,
+                flush=True,
+            )
+        finally:
+            groups.shutdown()
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def lost_worker(error: BaseException) -> WorkerGroupError | None:
+    """The dead (or hung) worker behind `error`, following its causes; None when no worker was lost."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, (WorkerDiedError, WorkerTimeoutError)):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def run_ppo(overrides: list[str]) -> dict:

@@ -36,6 +36,7 @@ from rlframe.trainer.metrics import (
     compute_timing_metrics,
     reduce_metrics,
 )
+from rlframe.trainer.redact import redact
 from rlframe.trainer.tracking import ProgressBar, Tracking
 from rlframe.utils.flops import device_peak_tflops, train_flops
 from rlframe.workers.rollout.multi_turn import AGENT_INPUT_KEYS, uses_tool_agent
@@ -100,6 +101,7 @@ class RayPPOTrainer:
             self.sampler = DynamicSampler(plan.train_batch_size, plan.n, plan.max_num_gen_batches, metric)
         self._pending = None  # (metrics, timings, start) of a step whose generation rounds are under way
         self.global_step = 0
+        self.num_restarts = 0  # workers recreated before this attempt (main_ppo.train_with_restarts)
         self.flops_info, self.peak_tflops = None, None
         if resolve_device(config.trainer.device) == "cuda":  # MFU is a GPU metric
             self.flops_info = self.actor_rollout_wg.flops_info()
@@ -114,7 +116,7 @@ class RayPPOTrainer:
             cfg.experiment_name,
             list(cfg.logger),
             cfg.default_local_dir,
-            OmegaConf.to_container(self.config),
+            redact(OmegaConf.to_container(self.config)),  # no secret in the trackers' config
         )
         driver_state = self.checkpointer.maybe_resume(self.actor_rollout_wg, self.critic_wg, self.train_dataloader)
         if driver_state is not None:
@@ -250,6 +252,7 @@ class RayPPOTrainer:
         if self.peak_tflops and "update_actor" in timings:
             metrics["perf/mfu/actor"] = self._actor_mfu(batch, timings["update_actor"])
         metrics["training/global_step"] = self.global_step
+        metrics["training/num_restarts"] = self.num_restarts
         return metrics
 
     def _skips_old_log_prob(self) -> bool:

@@ -1,10 +1,12 @@
 """Named kill points: crash-consistency tests SIGKILL a real run at an exact place.
 
-`RLFRAME_KILL_AT=NAME:N` (optionally `NAME:N:RANK`) makes the process that reaches the point `NAME`
-for the N-th time kill itself with SIGKILL, with no cleanup, as a preempted node or the OOM killer
-would. `RANK` restricts it to the worker of that rank (`RANK` from the environment, which Ray workers
-set). Without the variable a point costs one dictionary lookup. The points are listed in
-docs/reliability.md; tests/test_faults_kill.py walks through them.
+`RLFRAME_KILL_AT=NAME:N` (or `NAME:N:RANK`; several separated by commas) makes the process that
+reaches the point `NAME` for the N-th time kill itself with SIGKILL, with no cleanup, as a preempted
+node or the OOM killer would. `RANK` restricts it to the worker of that rank (`RANK` from the
+environment, which Ray workers set). With `RLFRAME_KILL_ONCE=DIR` each kill happens once per run:
+it leaves a marker in DIR first, so the processes a restart creates (their counts start at 0 again)
+pass the point. Without the variable a point costs one environment lookup. The points are listed in
+docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -13,25 +15,41 @@ import os
 import signal
 
 ENV = "RLFRAME_KILL_AT"
+ONCE_ENV = "RLFRAME_KILL_ONCE"
 _hits: dict[str, int] = {}
 
 
-def _target() -> tuple[str, int, str | None] | None:
-    spec = os.environ.get(ENV)
-    if not spec:
-        return None
-    parts = spec.split(":")
-    if len(parts) not in (2, 3) or not parts[1].isdigit():
-        raise ValueError(f"{ENV}={spec!r}: expected NAME:N or NAME:N:RANK (kill at the N-th time NAME is reached)")
-    return parts[0], int(parts[1]), parts[2] if len(parts) == 3 else None
+def _targets(spec: str) -> list[tuple[str, int, str | None]]:
+    targets = []
+    for item in spec.split(","):
+        parts = item.split(":")
+        if len(parts) not in (2, 3) or not parts[1].isdigit():
+            raise ValueError(f"{ENV}={spec!r}: expected NAME:N or NAME:N:RANK (kill at the N-th time NAME is reached)")
+        targets.append((parts[0], int(parts[1]), parts[2] if len(parts) == 3 else None))
+    return targets
 
 
 def kill_point(name: str) -> None:
     """SIGKILL this process if `RLFRAME_KILL_AT` names `name` and this is its N-th hit here."""
-    target = _target()
-    if target is None or target[0] != name:
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    targets = [(wanted, rank) for target, wanted, rank in _targets(spec) if target == name]
+    if not targets:
         return
     _hits[name] = _hits.get(name, 0) + 1
-    wanted, rank = target[1], target[2]
-    if _hits[name] == wanted and (rank is None or os.environ.get("RANK") == rank):
-        os.kill(os.getpid(), signal.SIGKILL)
+    for wanted, rank in targets:
+        if _hits[name] == wanted and (rank is None or os.environ.get("RANK") == rank) and _first_time(name, wanted):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _first_time(name: str, hit: int) -> bool:
+    """With RLFRAME_KILL_ONCE=DIR: whether this kill has not happened yet in the run (and mark it)."""
+    folder = os.environ.get(ONCE_ENV)
+    if not folder:
+        return True
+    try:
+        with open(os.path.join(folder, f"killed-{name}-{hit}"), "x"):
+            return True
+    except FileExistsError:
+        return False

@@ -24,6 +24,7 @@ from rlframe.config.keys import ACTOR_KEYS, CRITIC_KEYS, REF_KEYS
 from rlframe.models.builtin import copy_to_shm
 from rlframe.protocol import DataProto, all_gather_data_proto
 from rlframe.single_controller import Dispatch, Execute, Worker, register
+from rlframe.utils.faults import kill_point
 from rlframe.utils.flops import model_flops_info
 from rlframe.workers import checkpoint as ckpt
 from rlframe.workers import lora
@@ -269,6 +270,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
                 self.rollout.update_weights(iter_full_params_bucketed(self.actor_module))
             self._weights_dirty = False
         sync_s = time.perf_counter() - start
+        kill_point("worker.generate")  # crash-consistency tests (docs/reliability.md)
         # validation must not advance the training RNG stream, or resuming would diverge
         devices = [torch.cuda.current_device()] if self.device_type == "cuda" else []
         rng = torch.random.fork_rng(devices=devices) if prompts.meta_info.get("validate", False) else nullcontext()
@@ -308,6 +310,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             metrics, stats = self.actor.update_policy_on_policy(data)
         else:
             metrics = self.actor.update_policy(data)
+        kill_point("worker.update")
         metrics["timing_s/update_actor_worker"] = [time.perf_counter() - start]
         self._offload_optimizer()
         self._weights_dirty = True
