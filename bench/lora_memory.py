@@ -1,6 +1,7 @@
 """LoRA vs full fine-tuning: trainable parameters, gradient and AdamW optimizer-state bytes.
 
-    python bench/lora_memory.py        # builtin://tiny and a larger random Qwen2 shape (~20 s on 2 cores)
+    python bench/lora_memory.py            # builtin://tiny and a larger random Qwen2 shape (~20 s on 2 cores)
+    python bench/lora_memory.py --quick    # builtin://tiny only
 
 For each model, the actor is built as the worker builds it (`apply_lora` with verl's defaults
 `target_modules: all-linear`, `lora_alpha: 16`; `build_optimizer` = AdamW over the trainable
@@ -65,12 +66,13 @@ def models():
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rank", type=int, default=8, help="lora_rank (default 8)")
+    parser.add_argument("--quick", action="store_true", help="builtin://tiny only")
     add_thread_flag(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     spec = LoraSpec(rank=args.rank, alpha=16, target_modules="all-linear", exclude_modules=None)
     rows = []
-    for name, build in models():
+    for name, build in models()[:1] if args.quick else models():
         for mode in ("full", f"lora r={args.rank}"):
             torch.manual_seed(0)
             model = build() if mode == "full" else apply_lora(build(), spec)

@@ -33,6 +33,12 @@ RUNS = {
         "trainer.save_freq=2",
         "trainer.test_freq=1",
     ],
+    "grpo_lora_kl_loss": [  # the reference policy is the actor with its adapter disabled
+        "actor_rollout_ref.model.lora_rank=4",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "trainer.save_freq=2",
+        "trainer.val_before_train=false",
+    ],
     "ppo_critic_kl_in_reward": [
         "algorithm.adv_estimator=gae",
         "algorithm.use_kl_in_reward=true",

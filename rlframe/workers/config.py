@@ -57,11 +57,18 @@ class ModelConfig(Section):
     def check(self, path: str, root: Any) -> None:
         _check_shm(path, self.use_shm)
         _check_lora(path, self)
+        rollout = root.actor_rollout_ref.rollout
+        if self.lora_rank > 0 and rollout.name == "vllm" and rollout.dtype in ("fp32", "float32"):
+            raise ValueError(
+                f"{path}.lora_rank={self.lora_rank} with actor_rollout_ref.rollout.name=vllm needs "
+                f"actor_rollout_ref.rollout.dtype bf16, fp16 or auto (vLLM's LoRA kernels have no fp32; got "
+                f"{rollout.dtype}); or use rollout.name=hf, which generates with merged weights in any dtype"
+            )
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         shaping = ("lora_alpha", "target_modules", "exclude_modules")
         if self.lora_rank == 0:
-            return {f"{path}.{name}": f"{path}.lora_rank=0 (LoRA off)" for name in shaping}
+            return {f"{path}.{name}": f"{path}.lora_rank=0 (LoRA off)" for name in (*shaping, "lora_adapter_path")}
         out = {}
         if self.lora_adapter_path is not None:
             reason = f"{path}.lora_adapter_path is set: the adapter's adapter_config.json decides"

@@ -402,13 +402,14 @@ class VLLMRollout(BaseRollout):
         self._parameter_names = self.llm.collective_rpc(_worker_parameter_names)[0]
         self._released = False
         self._kv_cache_asleep = False
-        self._init_lora(lora_rank)
+        self._init_lora(lora_rank, str(rollout_cfg.load_format))
 
     # ------------------------------------------------------------------ LoRA: the base once, then the adapter
-    def _init_lora(self, lora_rank: int) -> None:
+    def _init_lora(self, lora_rank: int, load_format: str) -> None:
         """With a LoRA actor the engine keeps the base weights (which never change) across sleeps: level 1."""
         self.takes_lora_adapter = lora_rank > 0
-        self.needs_base_weights = True  # the engine starts from load_format's weights (verl's default: dummy)
+        # as verl: a real load_format loads the base from the model folder; dummy (verl's default) waits for it
+        self.needs_base_weights = "dummy" in load_format
         self._lora_request = None
         self._lora_root = os.path.join(SHM_ROOT if os.path.isdir(SHM_ROOT) else tempfile.gettempdir(), "rlframe-lora")
         if self.takes_lora_adapter:
