@@ -1,7 +1,8 @@
 """Measure the reward a model gets on the built-in task before any training (the random baseline).
 
-    python scripts/measure_random_baseline.py                      # the tiny random model, built offline
-    python scripts/measure_random_baseline.py --model PATH --seeds 0 1 2
+    python scripts/measure_random_baseline.py                      # the quickstart's model and task
+    python scripts/measure_random_baseline.py --model builtin://tiny --task builtin://countdown_add \
+        --max-response-length 16 --seeds 0 1 2 3
 
 Samples `--samples` responses for each of `--num-prompts` prompts with plain temperature sampling
 (no top-k/top-p), scores them with the naive reward manager, and prints the mean score, the
@@ -75,8 +76,11 @@ def measure(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="HF model dir (default: build the tiny random model)")
-    parser.add_argument("--task", default="builtin://countdown_add")
+    parser.add_argument("--model", default="builtin://tiny-quickstart", help="HF model dir or builtin://NAME")
+    parser.add_argument("--task", default="builtin://add_digits")
+    parser.add_argument(
+        "--max-response-length", type=int, default=4, help="the quickstart's (examples/grpo_tiny_cpu.sh)"
+    )
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--samples", type=int, default=4, help="responses per prompt")
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -85,14 +89,18 @@ def main(argv: list[str] | None = None) -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlframe.models.tiny import make_tiny_model
+    from rlframe.models.builtin import resolve_model_path
 
     # the quickstart's task sizes (examples/grpo_tiny_cpu.sh), not verl's defaults
     cfg = load_config(
-        ["data.max_prompt_length=64", "data.max_response_length=16", "data.filter_overlong_prompts=true"]
+        [
+            "data.max_prompt_length=64",
+            f"data.max_response_length={args.max_response_length}",
+            "data.filter_overlong_prompts=true",
+        ]
     ).data
     with tempfile.TemporaryDirectory() as tmp:
-        model_path = args.model or make_tiny_model(f"{tmp}/tiny")
+        model_path = resolve_model_path(args.model)  # a built-in one is made (or converted) once, in the cache
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         files = resolve_data_files(args.task, builtin_dir=f"{tmp}/data", seed=cfg.seed, split="train")

@@ -8,6 +8,14 @@ reward managers) treats them exactly like a user's data.
 `countdown_add`: "What is 3 + 4? Answer with the number only." -> "7". Answers are single digits,
 uniform over 0..9 (no constant answer beats 10%). The scorer (`rlframe.reward.scorers`) gives
 partial credit on a ladder a random policy climbs one rung at a time; see docs/data_and_rewards.md.
+
+`add_digits`: "3+4=" -> "7", the same sums with a short prompt and a reward of 1 only
+for exactly the answer (0.5 for starting with it): the quickstart's task, which the quickstart's
+model (`builtin://tiny-quickstart`) learns from scratch.
+
+`gsm8k_arith`: one-step arithmetic word problems in GSM8K's format: the reference solution ends
+with `#### <number>`, the ground truth is that number (as examples/data_preprocess/gsm8k.py writes
+GSM8K), and GSM8K's scorer grades responses (data source `gsm8k_arith`, strict: the number after `####`).
 """
 
 from __future__ import annotations
@@ -46,8 +54,77 @@ def countdown_add_rows(split: str, num_samples: int, seed: int) -> list[dict]:
     return rows
 
 
+def add_digits_rows(split: str, num_samples: int, seed: int) -> list[dict]:
+    """Rows of the `add_digits` task: two digits whose sum is a digit, the answer uniform over 0..9."""
+    rng = random.Random(f"add_digits/{split}/{seed}")
+    rows = []
+    for index in range(num_samples):
+        answer = rng.randint(0, 9)
+        a = rng.randint(0, answer)
+        b = answer - a
+        rows.append(
+            {
+                "data_source": "add_digits",
+                "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+                "ability": "arithmetic",
+                "reward_model": {"style": "rule", "ground_truth": str(answer)},
+                "extra_info": {"split": split, "index": index, "a": a, "b": b},
+            }
+        )
+    return rows
+
+
+# examples/data_preprocess/gsm8k.py asks GSM8K's questions with verl's "Let's think step by step and
+# output the final answer after ####"; this asks for the one line a small model writes in 32 tokens.
+GSM8K_ARITH_INSTRUCTION = 'Answer in one short sentence, then write "#### " and the number.'
+_NAMES = ["Tom", "Sara", "Ben", "Mia", "Leo", "Ana", "Sam", "Eva"]
+_ITEMS = ["apples", "pens", "stickers", "marbles", "books", "cookies", "stamps", "shells"]
+
+
+def _word_problem(rng: random.Random) -> tuple[str, str, int]:
+    """One one-step word problem: (question, worked solution ending in `#### n`, n)."""
+    name, item, kind = rng.choice(_NAMES), rng.choice(_ITEMS), rng.choice(["add", "sub", "mul"])
+    if kind == "add":
+        a, b = rng.randint(2, 20), rng.randint(2, 20)
+        answer = a + b
+        question = f"{name} has {a} {item}. {name} gets {b} more {item}. How many {item} does {name} have now?"
+        step = f"{name} has {a} + {b} = {answer} {item} now."
+    elif kind == "sub":
+        a = rng.randint(5, 30)
+        b = rng.randint(1, a - 1)
+        answer = a - b
+        question = f"{name} has {a} {item}. {name} gives {b} {item} to a friend. How many {item} are left?"
+        step = f"{name} has {a} - {b} = {answer} {item} left."
+    else:
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        answer = a * b
+        question = f"{name} buys {a} bags of {item}. Each bag has {b} {item}. How many {item} does {name} buy?"
+        step = f"{name} buys {a} * {b} = {answer} {item}."
+    return question, f"{step}\n#### {answer}", answer
+
+
+def gsm8k_arith_rows(split: str, num_samples: int, seed: int) -> list[dict]:
+    """Rows of the `gsm8k_arith` task, laid out as examples/data_preprocess/gsm8k.py lays out GSM8K."""
+    rng = random.Random(f"gsm8k_arith/{split}/{seed}")
+    rows = []
+    for index in range(num_samples):
+        question, solution, answer = _word_problem(rng)
+        rows.append(
+            {
+                "data_source": "gsm8k_arith",
+                "prompt": [{"role": "user", "content": f"{question} {GSM8K_ARITH_INSTRUCTION}"}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(answer)},
+                "extra_info": {"split": split, "index": index, "question": question, "answer": solution},
+            }
+        )
+    return rows
+
+
 BUILTIN_TASKS: dict[str, Callable[[str, int, int], list[dict]]] = {
     "countdown_add": countdown_add_rows,
+    "add_digits": add_digits_rows,
+    "gsm8k_arith": gsm8k_arith_rows,
     "calc_multiply": calc_multiply_rows,  # a tool-use task (rlframe.data.tool_tasks)
 }
 

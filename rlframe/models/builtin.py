@@ -6,7 +6,7 @@ import functools
 import os
 
 from rlframe.models import smollm2
-from rlframe.models.tiny import make_tiny_model
+from rlframe.models.tiny import make_quickstart_model, make_tiny_model
 from rlframe.utils.cache import cache_dir
 
 PREFIX = "builtin://"
@@ -25,8 +25,21 @@ def _prepare_tiny(cache_root: str, source: str | None = None) -> str:
     return target
 
 
+def _prepare_tiny_quickstart(cache_root: str, source: str | None = None) -> str:
+    """The quickstart's random-init model (a task vocabulary), generated into `cache_root/models` once."""
+    if source is not None:
+        raise ValueError("builtin://tiny-quickstart is generated locally; it takes no --source")
+    target = os.path.join(cache_root, "models", "tiny-quickstart-qwen2-v1")
+    if not os.path.isfile(os.path.join(target, "config.json")):
+        tmp = f"{target}.tmp.{os.getpid()}"
+        make_quickstart_model(tmp)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.replace(tmp, target)
+    return target
+
+
 # name -> preparer(cache_root, source) returning the model folder; docs/models.md describes each.
-BUILTIN_MODELS = {"tiny": _prepare_tiny, smollm2.NAME: smollm2.prepare}
+BUILTIN_MODELS = {"tiny": _prepare_tiny, "tiny-quickstart": _prepare_tiny_quickstart, smollm2.NAME: smollm2.prepare}
 
 
 def prepare_builtin(name: str, cache: str | None = None, source: str | None = None) -> str:

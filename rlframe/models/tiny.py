@@ -38,8 +38,13 @@ def _corpus(num_lines: int = 4000, seed: int = 0) -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int = 512):
-    """Train a byte-level BPE tokenizer (no unknown tokens) with chat template and pad/eos."""
+def build_tokenizer(vocab_size: int = 512, corpus: list[str] | None = None, alphabet: list[str] | None = None):
+    """Train a byte-level BPE tokenizer with chat template and pad/eos.
+
+    By default its alphabet is all 256 bytes (no unknown tokens) and it learns merges from a small
+    arithmetic corpus. `corpus` and `alphabet` (byte-level characters) give a task vocabulary
+    instead: characters outside the alphabet are dropped when encoding.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -52,10 +57,10 @@ def build_tokenizer(vocab_size: int = 512):
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if alphabet is None else alphabet,
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(_corpus() if corpus is None else corpus, trainer=trainer)
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN, padding_side="left"
     )
@@ -106,12 +111,13 @@ def make_tiny_model(
     num_kv_heads: int = TINY_SHAPE["num_kv_heads"],
     vocab_size: int = TINY_SHAPE["vocab_size"],
     seed: int = 0,
+    tokenizer=None,
 ) -> str:
-    """Write a tiny random-init Qwen2 causal LM plus tokenizer to `out_dir`; return the path."""
+    """Write a tiny random-init Qwen2 causal LM plus tokenizer (by default `build_tokenizer(vocab_size)`)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    tokenizer = build_tokenizer(vocab_size)
+    tokenizer = tokenizer or build_tokenizer(vocab_size)
     config = build_model_config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -130,6 +136,30 @@ def make_tiny_model(
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+QUICKSTART_MODEL = "builtin://tiny-quickstart"  # the quickstart's model: a task vocabulary, wider layers
+QUICKSTART_SHAPE = {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "vocab_size": 64}
+
+
+def _quickstart_corpus() -> list[str]:
+    """The quickstart task's text ("3+4=" -> "7") and the chat template's roles: its whole alphabet."""
+    lines = [f"user\n{a}+{b}=\nassistant\n{a + b}" for a in range(10) for b in range(10)]
+    return lines + ["system\nWhat is 1 + 2? Answer with the number only."]
+
+
+def make_quickstart_model(out_dir: str, seed: int = 0) -> str:
+    """The quickstart's random-init model: 64 tokens, so a random policy starts with a digit 16% of the time.
+
+    The vocabulary holds only the characters of the quickstart task and the chat template
+    (others are dropped when encoding): a random policy over the ~400 tokens of `builtin://tiny`
+    rarely starts with the right digit, and reinforcement learning from there found too little
+    signal for *which* digit in a few minutes (docs/learning_baseline.md).
+    """
+    shape = dict(QUICKSTART_SHAPE)
+    vocab_size = shape.pop("vocab_size")
+    tokenizer = build_tokenizer(vocab_size, corpus=_quickstart_corpus(), alphabet=[])
+    return make_tiny_model(out_dir, **shape, seed=seed, tokenizer=tokenizer)
 
 
 def main(argv: list[str] | None = None) -> None:

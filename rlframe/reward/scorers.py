@@ -137,6 +137,20 @@ def countdown_add_score(solution_str: str, ground_truth: str) -> dict:
     return {"score": score, "acc": 0.0}
 
 
+# ------------------------------------------------------------------------------ builtin add_digits
+def add_digits_score(solution_str: str, ground_truth: str) -> dict:
+    """Reward of the quickstart task: 1.0 for exactly the answer, 0.5 for starting with it, else 0.
+
+    No credit for a wrong digit: a policy that gives every prompt the same digit gains nothing, so
+    the reward rises only as the policy learns the sums. "acc" is 1.0 only for the exact answer.
+    """
+    text = solution_str.strip()
+    truth = str(ground_truth).strip()
+    if text == truth:
+        return {"score": 1.0, "acc": 1.0}
+    return {"score": 0.5 if text.startswith(truth) else 0.0, "acc": 0.0}
+
+
 # ------------------------------------------------------------------------------------- dispatch
 _SCORERS = {
     "openai/gsm8k": gsm8k_score,
@@ -147,6 +161,8 @@ _SCORERS = {
     "HuggingFaceH4/MATH-500": math_score,
     "math": math_score,
     "countdown_add": countdown_add_score,
+    "add_digits": add_digits_score,
+    "gsm8k_arith": gsm8k_score,  # the built-in word problems, graded as GSM8K (strict)
 }
 KNOWN_DATA_SOURCES = tuple(_SCORERS)
 
