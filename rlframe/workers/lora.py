@@ -241,14 +241,16 @@ def sync_to_rollout(rollout, model: nn.Module) -> None:
 
     A collective under FSDP: every rank calls it, in the same state (every engine replica is in step).
     """
-    from rlframe.workers.fsdp_utils import iter_full_params  # fsdp_utils imports this module
+    from rlframe.workers.weight_sync import iter_full_params_bucketed  # late: it imports fsdp_utils, which imports us
 
     if not getattr(rollout, "takes_lora_adapter", False):
-        rollout.update_weights(merged_params(iter_full_params(model), lora_scalings(model)))
+        rollout.update_weights(merged_params(iter_full_params_bucketed(model), lora_scalings(model)))
         return
     if rollout.needs_base_weights:
         rollout.update_weights(
-            (base_name(name), tensor) for name, tensor in iter_full_params(model) if not is_adapter_tensor(name)
+            (base_name(name), tensor)
+            for name, tensor in iter_full_params_bucketed(model)
+            if not is_adapter_tensor(name)
         )
     adapter = full_adapter_state(model)
     rollout.update_lora_adapter(peft_adapter_files(model, adapter), peft_model_of(model).peft_config[ADAPTER])
