@@ -52,6 +52,7 @@ class Scenario:
     param_offload: bool = False
     fsdp_size: int = -1  # -1: shard over all ranks; else hybrid sharding (HSDP)
     gradient_checkpointing: bool = False
+    dtype: torch.dtype = torch.float32  # parameters and compute; float64 tells rounding from math (docs/models.md)
     lora_adapter: str | None = None  # a PEFT adapter folder: train it on the frozen model (lora_adapter_path)
     extra: dict = field(default_factory=dict)
 
@@ -60,7 +61,9 @@ class Scenario:
         return self.world // self.sp
 
 
-def make_batch(vocab_size: int, num_seqs: int = 8, seed: int = 0, skew: bool = False) -> DataProto:
+def make_batch(
+    vocab_size: int, num_seqs: int = 8, seed: int = 0, skew: bool = False, dtype: torch.dtype = torch.float32
+) -> DataProto:
     """Left-padded prompts + right-padded responses of random lengths, with PPO inputs."""
     gen = torch.Generator().manual_seed(seed)
     prompt_lens = torch.randint(2, PROMPT_LEN + 1, (num_seqs,), generator=gen)
@@ -87,6 +90,7 @@ def make_batch(vocab_size: int, num_seqs: int = 8, seed: int = 0, skew: bool = F
         "values": torch.randn(num_seqs, RESPONSE_LEN, generator=gen),
         "returns": torch.randn(num_seqs, RESPONSE_LEN, generator=gen),
     }
+    tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     return DataProto.from_dict(tensors, meta_info={"temperature": 1.0})
 
 
@@ -162,7 +166,7 @@ def run_scenario(
     spec = ModelSpec(
         path=model_path,
         role=sc.role,
-        dtype=torch.float32,
+        dtype=sc.dtype,
         use_remove_padding=sc.use_remove_padding,
         gradient_checkpointing=sc.gradient_checkpointing,
     )
@@ -171,7 +175,7 @@ def run_scenario(
     if sc.lora_adapter is not None:
         model = apply_lora(model, LoraSpec(1, 1, "all-linear", None, adapter_path=sc.lora_adapter))
     if sc.strategy != "none":
-        spec = FSDPSpec(sc.strategy, torch.float32, torch.float32, sc.param_offload, True)
+        spec = FSDPSpec(sc.strategy, sc.dtype, sc.dtype, sc.param_offload, True)
         model = wrap_fsdp(model, spec, mesh, "cpu")
     optimizer = RecordingSGD(model)
     shard = data.chunk(sc.dp)[dp_rank]

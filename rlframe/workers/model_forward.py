@@ -176,10 +176,10 @@ def _score(
 ) -> dict[str, torch.Tensor]:
     """Per-token log-probs of `labels` (and entropy) from `logits` [..., vocab], or values from [..., 1].
 
-    Computed in fp32 whatever the model's compute dtype: bf16 log-softmax and ratios are too coarse
-    for PPO's importance weights and for the value loss.
+    Computed in fp32 whatever the model's compute dtype (fp64 for an fp64 model): bf16 log-softmax
+    and ratios are too coarse for PPO's importance weights and for the value loss.
     """
-    logits = logits.float()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if value_head:
         return {"values": logits[..., 0]}
     if temperature != 1.0:
