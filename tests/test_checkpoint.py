@@ -456,3 +456,22 @@ def test_merge_of_a_step_folder_reads_the_run_config_and_checks_the_manifest(tin
         f.write(b"x")
     with pytest.raises(ValueError, match=r"global_step_1/data.pt is \d+ bytes, the manifest says"):
         merge(str(root / "global_step_1"), str(tmp_path / "hf2"))
+
+
+def test_merge_of_the_critic_writes_its_value_head(tiny_model_path, tmp_path):
+    from transformers import AutoModelForTokenClassification
+
+    from rlframe.trainer.merge import merge
+
+    torch.manual_seed(0)
+    critic = load_hf_model(
+        ModelSpec(path=tiny_model_path, role="critic", dtype=torch.float32, use_remove_padding=False)
+    )
+    with torch.no_grad():
+        critic.score.weight.add_(1.0)  # not the init: the merge must carry the trained head
+    ckpt.save_checkpoint(str(tmp_path / "step" / "critic"), critic, save_contents=("model",))
+    merge(str(tmp_path / "step"), str(tmp_path / "hf"), role="critic", model=tiny_model_path)
+    merged = AutoModelForTokenClassification.from_pretrained(tmp_path / "hf", num_labels=1).state_dict()
+    expected = critic.state_dict()
+    assert merged.keys() == expected.keys()
+    assert all(torch.equal(merged[name], expected[name]) for name in expected)
