@@ -396,3 +396,25 @@ def test_the_builtin_tool_task_pays_only_for_the_exact_product():
     assert default_compute_score("calc_multiply", tool_turn + f"#### {a * b}", truth) == 1.0
     assert default_compute_score("calc_multiply", tool_turn + f"#### {a * b + 1}", truth) == 0.0
     assert default_compute_score("calc_multiply", tool_turn, truth) == 0.0  # the tool's answer alone is not one
+
+
+def test_tool_agent_rows_without_the_tool_agent_are_refused_and_unused_keys_reported():
+    from rlframe.config.key_status import key_statuses
+    from rlframe.workers.rollout.multi_turn import check_agent_rows
+
+    plain = rollout_cfg()
+    with pytest.raises(ValueError, match="agent_name \\['tool_agent'\\].*multi_turn.tool_config_path"):
+        check_agent_rows(np.array(["tool_agent", "single_turn_agent"], dtype=object), plain)
+    check_agent_rows(np.array(["single_turn_agent"], dtype=object), plain)
+    check_agent_rows(np.array(["tool_agent"], dtype=object), rollout_cfg(f"{TOOL_AGENT}"))
+
+    def ignored(*overrides):
+        return {row.key for row in key_statuses(compose(list(overrides))) if not row.in_effect}
+
+    mt = "actor_rollout_ref.rollout.multi_turn"
+    assert {f"{mt}.max_assistant_turns", f"{mt}.tool_timeout_s", f"{mt}.enable"} <= ignored()
+    with_tools = ignored(TOOL_AGENT)
+    assert f"{mt}.max_assistant_turns" not in with_tools and f"{mt}.enable" in with_tools
+
+
+TOOL_AGENT = "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"

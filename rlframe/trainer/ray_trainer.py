@@ -39,7 +39,7 @@ from rlframe.trainer.metrics import (
 from rlframe.trainer.redact import redact
 from rlframe.trainer.tracking import ProgressBar, Tracking
 from rlframe.utils.flops import device_peak_tflops, train_flops
-from rlframe.workers.rollout.multi_turn import AGENT_INPUT_KEYS, uses_tool_agent
+from rlframe.workers.rollout.multi_turn import AGENT_INPUT_KEYS, check_agent_rows, uses_tool_agent
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -282,6 +282,7 @@ class RayPPOTrainer:
     def _generate(self, batch: DataProto, **meta_info) -> tuple[DataProto, dict]:
         """Send the batch's prompts to the rollout; merge the responses back. Returns (batch, metrics)."""
         gen_batch = batch.pop(batch_keys=PROMPT_KEYS)
+        check_agent_rows(batch.non_tensor_batch.get("agent_name"), self.config.actor_rollout_ref.rollout)
         if uses_tool_agent(self.config.actor_rollout_ref.rollout):  # the agent reads the chat and tool arguments
             gen_batch.non_tensor_batch = {k: v for k, v in batch.non_tensor_batch.items() if k in AGENT_INPUT_KEYS}
         gen_batch.meta_info = meta_info

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
@@ -166,7 +167,18 @@ class MultiTurnConfig(Section):
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         # verl 0.9.1 sets only the actor's meta_info from it; rows pick single_turn_agent or tool_agent
-        return {f"{path}.enable": f"the agent is chosen per row: agent_name, else {ROLLOUT}.agent.default_agent_loop"}
+        out = {f"{path}.enable": f"the agent is chosen per row: agent_name, else {ROLLOUT}.agent.default_agent_loop"}
+        # keys that admit one value: the launch checks hold them to it
+        out[f"{path}.use_inference_chat_template"] = "only false: every turn is rendered with the training template"
+        out[f"{path}.num_repeat_rollouts"] = "only null: verl's interaction repeats are not implemented"
+        out[f"{path}.format"] = "only hermes"
+        from rlframe.workers.rollout.multi_turn import uses_tool_agent
+
+        if not uses_tool_agent(root.actor_rollout_ref.rollout):
+            why = f"no tools configured and {ROLLOUT}.agent.default_agent_loop=single_turn_agent: no tool agent runs"
+            tool_keys = ("enable", "tool_config_path", "function_tool_path", "use_inference_chat_template")
+            out.update({f"{path}.{f.name}": why for f in dataclasses.fields(self) if f.name not in tool_keys})
+        return out
 
 
 @dataclass
@@ -180,7 +192,10 @@ class AgentConfig(Section):
     )
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
-        return {f"{path}.num_workers": "rlframe runs the trajectories' tool calls concurrently in the rollout worker"}
+        return {
+            f"{path}.num_workers": "rlframe runs the trajectories' tool calls concurrently in the rollout worker",
+            f"{path}.agent_loop_config_path": "only null: custom agent loops are not implemented",
+        }
 
 
 @dataclass

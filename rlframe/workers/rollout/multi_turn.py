@@ -59,6 +59,20 @@ def uses_tool_agent(rollout_cfg) -> bool:
     )
 
 
+def check_agent_rows(agent_names, rollout_cfg) -> None:
+    """Refuse rows that ask for the tool agent when the rollout was built without it (no tools, default agent
+    single_turn_agent): they would silently run single-turn."""
+    if agent_names is None or uses_tool_agent(rollout_cfg):
+        return
+    asking = sorted({str(name) for name in agent_names} - {"single_turn_agent"})
+    if asking:
+        raise ValueError(
+            f"dataset rows name agent_name {asking}, but no tools are configured and "
+            f"actor_rollout_ref.rollout.agent.default_agent_loop=single_turn_agent; set {KEY}.tool_config_path or "
+            f"{KEY}.function_tool_path (or agent.default_agent_loop=tool_agent) so the tool agent runs"
+        )
+
+
 def build_multi_turn(engine: BaseRollout, tokenizer, rollout_cfg) -> MultiTurnRollout:
     """The tool-agent rollout around `engine`, from `actor_rollout_ref.rollout.multi_turn` / `.agent`."""
     from rlframe.workers.rollout.tools import load_tools
