@@ -1,29 +1,37 @@
-"""End-to-end GRPO throughput of the tiny built-in setup, and TRL's GRPOTrainer on the same job when installed.
+"""End-to-end GRPO throughput, rlframe vs TRL's GRPOTrainer on the same job (when trl is importable).
 
-    python bench/e2e_grpo.py                     # 20 steps of examples/grpo_tiny_cpu.sh's setup
-    python bench/e2e_grpo.py --quick             # 6 steps
-    python bench/e2e_grpo.py --trl-path DIR      # DIR holds trl and its dependencies (pip install --target)
+    python bench/e2e_grpo.py                                      # tiny model, 20 steps
+    python bench/e2e_grpo.py --model builtin://smollm2-135m-instruct  # SmolLM2-135M-Instruct, 8 steps
+    python bench/e2e_grpo.py --quick                              # 6 steps (tiny) / 4 steps (others)
+    python bench/e2e_grpo.py --trl-path DIR                       # DIR holds trl and its dependencies
 
-rlframe: `run_ppo` with the overrides of `examples/grpo_tiny_cpu.sh` (tiny Qwen2, builtin countdown_add,
-8 prompts x 4 samples, mini-batch 4 prompts = 2 optimizer steps per step, 2 CPU worker processes)
-and `trainer.total_training_steps`; the figures come from the run's metrics.jsonl (`timing_s/*`,
+The job (`job_for`): GRPO on builtin://countdown_add with 2 CPU worker processes of one thread.
+With the tiny model, examples/grpo_tiny_cpu.sh's sizes: 8 prompts x 4 samples, responses <= 16
+tokens, mini-batch 4 prompts = 2 optimizer steps per step, lr 3e-3. With any other model (a folder
+or builtin://smollm2-135m-instruct): 4 prompts x 4 samples, responses <= 32 tokens, one mini-batch
+= one optimizer step per step (exactly on-policy), lr 1e-6. Remove-padding on, no gradient
+checkpointing, fp32. rlframe's figures come from the run's metrics.jsonl (`timing_s/*`,
 `perf/total_num_tokens`: prompt + response tokens of the step). Medians skip the first
 `--skip-steps` steps (warm-up). Ray start-up and validation are outside the step times.
 
-TRL (when `import trl` works, in a subprocess so its imports stay out of this process): the same
-model folder, the same training parquet, the same reward (rlframe's countdown_add scorer), the
-same sample budget and optimizer-step count: each generation round samples 8 prompts x 4 and
-takes 2 optimizer steps of 16 completions (`per_device_train_batch_size=16`,
-`steps_per_generation=2`); lr 3e-3 constant, AdamW, clip 1.0, no
-KL (beta 0), one iteration, no gradient checkpointing, fp32 on CPU, `--trl-threads` torch threads
-(default 2: the whole machine, as rlframe's two 1-thread workers). One TRL round is compared with one
-rlframe step. Work differs slightly: rlframe recomputes old log-probs in a separate forward, TRL
-(num_iterations=1) reuses the current policy's; TRL also runs in one process, with no Ray hops.
+TRL (in a subprocess, so its imports stay out of this process): the same model folder, training
+parquet, reward (rlframe's countdown_add scorer), sampling (temperature 1, no top-k/top-p), sample
+budget and optimizer-step count: each generation round samples the step's prompts x samples and
+takes `prompts / mini-batch` optimizer steps (`per_device_train_batch_size` = one mini-batch of
+completions, `steps_per_generation`); the same lr, constant, AdamW (weight decay 0.01), clip 1.0,
+no KL (beta 0), one iteration, fp32 on CPU, `--trl-threads` torch threads (default 2: the whole
+machine, as rlframe's two 1-thread workers). One TRL round is compared with one rlframe step.
+TRL's phases are timed by wrapping its `_generate` (gen), `_calculate_rewards` (reward) and
+`_generate_and_score_completions` (all of the round's preparation; minus gen and reward it is the
+old-log-prob forward, which TRL runs only when a round takes several optimizer steps); `update` is
+the round minus its preparation. TRL runs in one process, with no Ray hops.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -35,9 +43,7 @@ import time
 import torch
 from _common import print_table
 
-PROMPTS_PER_STEP, SAMPLES_PER_PROMPT, MINI_BATCH_PROMPTS = 8, 4, 4
-MAX_PROMPT_LENGTH, MAX_RESPONSE_LENGTH = 64, 16  # configs/ppo_trainer.yaml defaults
-LR = 3e-3
+TINY = "builtin://tiny"
 TRL_NOTE = (
     "TRL's GRPOTrainer is not importable here; pass --trl-path DIR after "
     "`pip install --target DIR --no-deps trl accelerate datasets dill multiprocess psutil xxhash` "
@@ -45,21 +51,47 @@ TRL_NOTE = (
 )
 
 
-def rlframe_overrides(steps: int, run_dir: str) -> list[str]:
-    """examples/grpo_tiny_cpu.sh's overrides, `steps` steps, validation only at the end."""
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One GRPO job, run the same way by rlframe and TRL."""
+
+    model: str
+    prompts: int  # per step
+    samples: int  # per prompt
+    mini_batch_prompts: int  # prompts per optimizer step
+    max_prompt_length: int
+    max_response_length: int
+    lr: float
+    micro_batch_per_worker: int
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps per training step (generation round)."""
+        return self.prompts // self.mini_batch_prompts
+
+
+def job_for(model: str) -> Job:
+    """The tiny model's job is examples/grpo_tiny_cpu.sh's; real models get issue 12's (4 x 4, 32 tokens)."""
+    if model == TINY:
+        return Job(TINY, 8, 4, 4, 64, 16, 3e-3, 4)
+    return Job(model, 4, 4, 4, 128, 32, 1e-6, 8)
+
+
+def rlframe_overrides(job: Job, steps: int, run_dir: str) -> list[str]:
+    """The job as main_ppo overrides, `steps` steps, no validation."""
     return [
         "algorithm.adv_estimator=grpo",
-        "actor_rollout_ref.model.path=builtin://tiny",
+        f"actor_rollout_ref.model.path={job.model}",
         "data.train_files=builtin://countdown_add",
         "data.val_files=builtin://countdown_add",
-        f"data.train_batch_size={PROMPTS_PER_STEP}",
-        f"actor_rollout_ref.rollout.n={SAMPLES_PER_PROMPT}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={MINI_BATCH_PROMPTS}",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        f"actor_rollout_ref.actor.optim.lr={LR}",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
-        "data.max_prompt_length=64",
-        "data.max_response_length=16",
+        f"data.train_batch_size={job.prompts}",
+        f"actor_rollout_ref.rollout.n={job.samples}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={job.mini_batch_prompts}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={job.micro_batch_per_worker}",
+        f"actor_rollout_ref.actor.optim.lr={job.lr}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={job.micro_batch_per_worker}",
+        f"data.max_prompt_length={job.max_prompt_length}",
+        f"data.max_response_length={job.max_response_length}",
         "data.filter_overlong_prompts=true",
         "actor_rollout_ref.model.enable_gradient_checkpointing=false",
         "actor_rollout_ref.model.use_remove_padding=true",
@@ -74,13 +106,13 @@ def rlframe_overrides(steps: int, run_dir: str) -> list[str]:
     ]
 
 
-def run_rlframe(steps: int, skip: int) -> dict:
-    """Train with run_ppo in this process; step figures from metrics.jsonl."""
+def run_rlframe(job: Job, steps: int, skip: int, extra: list[str] = ()) -> dict:
+    """Train with run_ppo in this process (`extra` overrides last); step figures from metrics.jsonl."""
     from rlframe.trainer.main_ppo import run_ppo
 
     with tempfile.TemporaryDirectory() as run_dir:
         start = time.perf_counter()
-        run_ppo(rlframe_overrides(steps, run_dir))
+        run_ppo(rlframe_overrides(job, steps, run_dir) + list(extra))
         wall = time.perf_counter() - start
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f]
@@ -109,13 +141,13 @@ def trl_importable(trl_path: str | None) -> bool:
     return probe.returncode == 0
 
 
-def run_trl(steps: int, skip: int, threads: int, trl_path: str | None) -> dict:
+def run_trl(job: Job, steps: int, skip: int, threads: int, trl_path: str | None) -> dict:
     """Run `_trl_worker` in a subprocess (with `trl_path` on its PYTHONPATH); return its figures."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (trl_path, os.environ.get("PYTHONPATH")) if p))
-        job = {"steps": steps, "skip": skip, "threads": threads, "out": out.name}
+        spec = {"job": dataclasses.asdict(job), "steps": steps, "skip": skip, "threads": threads, "out": out.name}
         proc = subprocess.run(
-            [sys.executable, __file__, "--trl-worker", json.dumps(job)],
+            [sys.executable, __file__, "--trl-worker", json.dumps(spec)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -127,8 +159,22 @@ def run_trl(steps: int, skip: int, threads: int, trl_path: str | None) -> dict:
             return json.load(f)
 
 
-def _trl_worker(job: dict) -> None:
-    """TRL GRPO on the rlframe job; writes step/throughput figures to job['out']."""
+def _timed(method, seconds: list[float]):
+    """`method`, appending the wall time of each call to `seconds`."""
+
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    return wrapper
+
+
+def _trl_worker(spec: dict) -> None:
+    """TRL GRPO on the rlframe job; writes step/throughput figures to spec['out']."""
     import datasets
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -138,8 +184,9 @@ def _trl_worker(job: dict) -> None:
     from rlframe.reward.manager import normalize_score
     from rlframe.reward.scorers import countdown_add_score
 
-    torch.set_num_threads(job["threads"])
-    model_path = resolve_model_path("builtin://tiny")
+    job = Job(**spec["job"])
+    torch.set_num_threads(spec["threads"])
+    model_path = resolve_model_path(job.model)
     train_file = resolve_data_files("builtin://countdown_add", seed=1, split="train")[0]
     dataset = datasets.load_dataset("parquet", data_files=train_file, split="train")
 
@@ -157,17 +204,17 @@ def _trl_worker(job: dict) -> None:
 
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(),
-        max_steps=job["steps"] * (PROMPTS_PER_STEP // MINI_BATCH_PROMPTS),
-        per_device_train_batch_size=MINI_BATCH_PROMPTS * SAMPLES_PER_PROMPT,
-        steps_per_generation=PROMPTS_PER_STEP // MINI_BATCH_PROMPTS,
-        num_generations=SAMPLES_PER_PROMPT,
-        max_completion_length=MAX_RESPONSE_LENGTH,
+        max_steps=spec["steps"] * job.optimizer_steps,
+        per_device_train_batch_size=job.mini_batch_prompts * job.samples,
+        steps_per_generation=job.optimizer_steps,
+        num_generations=job.samples,
+        max_completion_length=job.max_response_length,
         temperature=1.0,
         top_p=1.0,
         top_k=0,
         beta=0.0,
         num_iterations=1,
-        learning_rate=LR,
+        learning_rate=job.lr,
         lr_scheduler_type="constant",
         weight_decay=0.01,
         max_grad_norm=1.0,
@@ -189,95 +236,111 @@ def _trl_worker(job: dict) -> None:
         processing_class=AutoTokenizer.from_pretrained(model_path),
         callbacks=[clock],
     )
+    calls = {"gen": [], "reward": [], "prepare": []}
+    trainer._generate = _timed(trainer._generate, calls["gen"])
+    trainer._calculate_rewards = _timed(trainer._calculate_rewards, calls["reward"])
+    trainer._generate_and_score_completions = _timed(trainer._generate_and_score_completions, calls["prepare"])
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
-    per_round = PROMPTS_PER_STEP // MINI_BATCH_PROMPTS  # optimizer steps per generation round
+    per_round, skip = job.optimizer_steps, spec["skip"]
     bounds = clock.ends[::per_round]
-    round_s = [b - a for a, b in zip(bounds, bounds[1:])][job["skip"] :]
+    round_s = [b - a for a, b in zip(bounds, bounds[1:])]
     counts = [0] + clock.tokens[per_round - 1 :: per_round]
-    round_tokens = [b - a for a, b in zip(counts, counts[1:])][job["skip"] :]
+    round_tokens = [b - a for a, b in zip(counts, counts[1:])][skip:]
+    rounds = list(zip(round_s, calls["gen"], calls["reward"], calls["prepare"]))[skip:]
+    phases = {
+        "gen": statistics.median(g for _, g, _, _ in rounds),
+        "reward": statistics.median(r for _, _, r, _ in rounds),
+        "old_log_prob": statistics.median(p - g - r for _, g, r, p in rounds),
+        "update": statistics.median(s - p for s, _, _, p in rounds),
+    }
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     result = {
-        "step_s": statistics.median(round_s),
-        "tokens_per_s": sum(round_tokens) / sum(round_s),
+        "step_s": statistics.median(round_s[skip:]),
+        "tokens_per_s": sum(round_tokens) / sum(round_s[skip:]),
         "tokens_per_step": statistics.mean(round_tokens),
         "wall_s": wall,
-        "reward": statistics.mean(rewards[job["skip"] * per_round :]) if rewards else float("nan"),
-        "steps": len(round_s),
+        "phases": phases,
+        "reward": statistics.mean(rewards[skip * per_round :]) if rewards else float("nan"),
+        "steps": len(round_s) - skip,
         "trl_version": __import__("trl").__version__,
     }
-    with open(job["out"], "w") as f:
+    with open(spec["out"], "w") as f:
         json.dump(result, f)
+
+
+def _row(name: str, figures: dict) -> list[str]:
+    return [
+        name,
+        f"{figures['step_s']:.2f}",
+        f"{figures['tokens_per_s']:.0f}",
+        f"{figures['tokens_per_step']:.0f}",
+        f"{figures['reward']:.3f}",
+        f"{figures['wall_s']:.0f}",
+    ]
+
+
+def _load() -> str:
+    """The machine's 1-minute load average (other processes share the cores)."""
+    return f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "n/a"
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="6 steps (a smoke run)")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--model", default=TINY, help="builtin://tiny (default), builtin://NAME or a model folder")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 6 steps (tiny), 4 steps (others)")
+    parser.add_argument("--steps", type=int, default=None, help="default: 20 (tiny), 8 (others)")
     parser.add_argument("--skip-steps", type=int, default=2, help="warm-up steps left out of the medians")
     parser.add_argument("--trl-path", default=None, help="a folder with trl and its dependencies, put on PYTHONPATH")
     parser.add_argument("--trl-threads", type=int, default=2)
     parser.add_argument("--no-trl", action="store_true", help="skip the TRL comparison")
+    parser.add_argument(
+        "--override", action="append", default=[], help="KEY=VALUE for rlframe's run (repeatable), after the job's"
+    )
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trl_worker:
         _trl_worker(json.loads(args.trl_worker))
         return
+    job = job_for(args.model)
+    if args.steps is None:
+        args.steps = 20 if job.model == TINY else 8
     if args.quick:
-        args.steps, args.skip_steps = 6, 1
+        args.steps, args.skip_steps = (6, 1) if job.model == TINY else (4, 1)
 
-    ours = run_rlframe(args.steps, args.skip_steps)
+    loads = [_load()]
+    ours = run_rlframe(job, args.steps, args.skip_steps, args.override)
+    loads.append(_load())
     theirs = None
     if not args.no_trl and trl_importable(args.trl_path):
-        theirs = run_trl(args.steps, args.skip_steps, args.trl_threads, args.trl_path)
+        theirs = run_trl(job, args.steps, args.skip_steps, args.trl_threads, args.trl_path)
+        loads.append(_load())
 
     print(
-        f"\nGRPO, tiny Qwen2 on builtin://countdown_add, {PROMPTS_PER_STEP} prompts x {SAMPLES_PER_PROMPT} samples "
-        f"per step, {PROMPTS_PER_STEP // MINI_BATCH_PROMPTS} optimizer steps per step, {args.steps} steps "
-        f"(medians skip the first {args.skip_steps}); {os.cpu_count()} CPU cores\n"
+        f"\nGRPO, {job.model} on builtin://countdown_add, {job.prompts} prompts x {job.samples} samples per step, "
+        f"responses <= {job.max_response_length} tokens, {job.optimizer_steps} optimizer step(s) per step, "
+        f"{args.steps} steps (medians skip the first {args.skip_steps}); {os.cpu_count()} CPU cores; "
+        f"1-min load average at start / after rlframe / after TRL: {' / '.join(loads)}\n"
     )
     headers = ["", "step s (median)", "tokens/s", "tokens/step", "mean reward", "run wall s"]
-    rows = [
-        [
-            "rlframe (2 workers)",
-            f"{ours['step_s']:.2f}",
-            f"{ours['tokens_per_s']:.0f}",
-            f"{ours['tokens_per_step']:.0f}",
-            f"{ours['reward']:.3f}",
-            f"{ours['wall_s']:.0f}",
-        ]
-    ]
+    rows = [_row("rlframe (2 workers)", ours)]
     if theirs is not None:
-        rows.append(
-            [
-                f"TRL {theirs['trl_version']} GRPOTrainer",
-                f"{theirs['step_s']:.2f}",
-                f"{theirs['tokens_per_s']:.0f}",
-                f"{theirs['tokens_per_step']:.0f}",
-                f"{theirs['reward']:.3f}",
-                f"{theirs['wall_s']:.0f}",
-            ]
-        )
-        rows.append(
-            [
-                "rlframe speedup",
-                f"{theirs['step_s'] / ours['step_s']:.2f}x",
-                f"{ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x",
-                "",
-                "",
-                "",
-            ]
-        )
+        rows.append(_row(f"TRL {theirs['trl_version']} GRPOTrainer", theirs))
+        ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
+        rows.append(["rlframe / TRL", f"{theirs['step_s'] / ours['step_s']:.2f}x", f"{ratio:.2f}x", "", "", ""])
     print_table(headers, rows)
-    phases = ", ".join(f"{name} {seconds:.2f}" for name, seconds in ours["phases"].items())
-    print(f"\nrlframe median seconds per phase: {phases}")
+    for name, figures in [("rlframe", ours)] + ([("TRL", theirs)] if theirs is not None else []):
+        phases = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in figures["phases"].items())
+        print(f"\n{name} median seconds per phase: {phases}")
     print(
-        "run wall s: rlframe's includes Ray start-up and the final validation"
+        "run wall s: rlframe's includes Ray start-up and model loading"
         + ("; TRL's is trainer.train() only" if theirs is not None else "")
     )
     if theirs is None:
         print("\n" + ("TRL comparison skipped (--no-trl)." if args.no_trl else TRL_NOTE))
+    else:
+        print(f"\nrlframe / TRL tokens/s: {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x")
 
 
 if __name__ == "__main__":
