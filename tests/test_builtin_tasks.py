@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from rlframe.data.builtin_tasks import BUILTIN_TASKS, add_digits_rows, gsm8k_arith_rows
+from rlframe.data.builtin_tasks import BUILTIN_TASKS, GSM8K_ARITH_EXAMPLE, add_digits_rows, gsm8k_arith_rows
 from rlframe.reward.scorers import add_digits_score, default_compute_score, gsm8k_score
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,7 +53,10 @@ def test_gsm8k_arith_rows_follow_gsm8ks_layout_and_their_solutions_score_full():
         # GSM8K's convention: the worked solution ends with "#### <number>", the ground truth is the number
         assert solution.endswith(f"\n#### {truth}") and re.fullmatch(r"[0-9]+", truth)
         assert _gsm8k_preprocess().final_answer(solution) == truth
-        assert row["prompt"][0]["content"].startswith(row["extra_info"]["question"])
+        # one worked example in the same layout, then the question and the instruction
+        content = row["prompt"][0]["content"]
+        assert content.startswith(GSM8K_ARITH_EXAMPLE) and f"Question: {row['extra_info']['question']}\n" in content
+        assert default_compute_score("gsm8k_arith", GSM8K_ARITH_EXAMPLE, "5") == 1.0
         assert default_compute_score("gsm8k_arith", solution, truth) == 1.0
         assert default_compute_score("gsm8k_arith", solution.split("####")[0], truth) == 0.0  # strict: no ####
     # the three kinds of one-step problem all occur, and the arithmetic in each solution is right

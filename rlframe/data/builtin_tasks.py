@@ -29,7 +29,7 @@ from rlframe.data.tool_tasks import calc_multiply_rows
 from rlframe.utils.cache import cache_dir
 
 # Bump when a generator's output changes, so cached parquet files are regenerated, not reused.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2  # 2: gsm8k_arith's prompt has a worked example
 SPLIT_SIZES = {"train": 1024, "val": 64}
 BUILTIN_PREFIX = "builtin://"
 
@@ -76,7 +76,13 @@ def add_digits_rows(split: str, num_samples: int, seed: int) -> list[dict]:
 
 # examples/data_preprocess/gsm8k.py asks GSM8K's questions with verl's "Let's think step by step and
 # output the final answer after ####"; this asks for the one line a small model writes in 32 tokens.
-GSM8K_ARITH_INSTRUCTION = 'Answer in one short sentence, then write "#### " and the number.'
+GSM8K_ARITH_INSTRUCTION = 'Answer in one short sentence, then write "####" and the number on the last line.'
+# One worked example before the question (as GSM8K few-shot prompts do): without it the model knows the
+# sums but almost never writes the "####" line, and GRPO groups of all-zero rewards teach nothing.
+GSM8K_ARITH_EXAMPLE = (
+    "Question: Ann has 2 cats. Ann gets 3 more cats. How many cats does Ann have now?\n"
+    "Answer: Ann has 2 + 3 = 5 cats now.\n#### 5"
+)
 _NAMES = ["Tom", "Sara", "Ben", "Mia", "Leo", "Ana", "Sam", "Eva"]
 _ITEMS = ["apples", "pens", "stickers", "marbles", "books", "cookies", "stamps", "shells"]
 
@@ -112,7 +118,12 @@ def gsm8k_arith_rows(split: str, num_samples: int, seed: int) -> list[dict]:
         rows.append(
             {
                 "data_source": "gsm8k_arith",
-                "prompt": [{"role": "user", "content": f"{question} {GSM8K_ARITH_INSTRUCTION}"}],
+                "prompt": [
+                    {
+                        "role": "user",
+                        "content": f"{GSM8K_ARITH_EXAMPLE}\n\nQuestion: {question}\n{GSM8K_ARITH_INSTRUCTION}",
+                    }
+                ],
                 "ability": "math",
                 "reward_model": {"style": "rule", "ground_truth": str(answer)},
                 "extra_info": {"split": split, "index": index, "question": question, "answer": solution},
