@@ -158,6 +158,11 @@ class TrainerConfig(Section):
         "this run's latest checkpoint, at most this many times; 0 = stop, naming the dead rank",
         check=_non_negative,
     )
+    use_legacy_worker_impl: str = key(
+        "auto",
+        "verl < 0.9.1's worker-implementation switch (removed in 0.9.1): no effect, rlframe has one",
+        choices=("auto", "enable", "disable"),
+    )
     ray_init: RayInitConfig = section(RayInitConfig)
 
     def check(self, path: str, root: Any) -> None:
@@ -175,6 +180,8 @@ class TrainerConfig(Section):
         out = {}
         if self.resume_mode != "resume_path":
             out[f"{path}.resume_from_path"] = f"{path}.resume_mode={self.resume_mode} (only resume_path reads it)"
+        # verl 0.8's scripts set it; it chose between two worker implementations of the same math
+        out[f"{path}.use_legacy_worker_impl"] = "a verl < 0.9.1 switch between worker implementations; rlframe has one"
         return out
 
 
