@@ -3,7 +3,8 @@
 On 2 and 3 gloo ranks (3 gives uneven and empty dim-0 shards), after an optimizer step has made every
 shard differ from the checkpoint: `iter_full_params_bucketed` yields the names, in the order, and the
 bytes of `iter_full_params`, with small buckets (many) and the default (one), and the rollout replica
-that takes it holds the actor's parameters exactly.
+that takes it holds the actor's parameters exactly. And the worker's sync is skipped only while the
+replica still holds the actor's weights.
 """
 
 from __future__ import annotations
@@ -97,3 +98,49 @@ def test_rows_per_rank_follow_torch_chunk():
             chunks = torch.arange(rows).chunk(world) if rows else ()
             expected = [len(c) for c in chunks] + [0] * (world - len(chunks))
             assert _rows_per_rank(rows, world) == expected, (rows, world)
+
+
+@pytest.mark.parametrize("free_cache_engine", [False, True])
+def test_the_worker_syncs_the_rollout_only_when_it_may_differ_from_the_actor(tiny_model_path, free_cache_engine):
+    # ActorRolloutRefWorker.generate_sequences on one process, a plain actor and a real HF replica:
+    # without free_cache_engine the second generation skips the sync and the replica still equals
+    # the actor; with it the replica is freed after each generation, so each one syncs again
+    from transformers import AutoTokenizer
+
+    from rlframe.config.loader import load_config
+    from rlframe.protocol import DataProto
+    from rlframe.workers.fsdp_workers import ActorRolloutRefWorker
+    from rlframe.workers.rollout.base import RolloutSettings
+    from rlframe.workers.rollout.hf_rollout import HFRollout
+
+    cfg = load_config(
+        [
+            "data.max_prompt_length=8",
+            "data.max_response_length=4",
+            f"actor_rollout_ref.rollout.free_cache_engine={str(free_cache_engine).lower()}",
+        ]
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    rollout = HFRollout(RolloutSettings.from_config(cfg.actor_rollout_ref.rollout), tiny_model_path, tokenizer, "cpu")
+    actor = load_hf_model(ModelSpec(path=tiny_model_path, role="actor", dtype=torch.float32, use_remove_padding=False))
+    with torch.no_grad():  # the actor differs from the checkpoint the replica was loaded from
+        for param in actor.parameters():
+            param.add_(0.01)
+    syncs = []
+    real_update = rollout.update_weights
+    rollout.update_weights = lambda tensors: (syncs.append(1), real_update(tensors))[1]
+    worker = object.__new__(ActorRolloutRefWorker)
+    worker.device_type, worker.tp_group, worker.rollout, worker.actor_module = "cpu", None, rollout, actor
+    worker._weights_dirty = True  # as after init_model
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9, 10], [0, 5, 6, 7, 8, 9, 10, 11]])
+    mask = (ids != 0).long()
+    prompts = DataProto.from_dict(
+        {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+    )
+    for expected_syncs in (1, 1 if not free_cache_engine else 2):
+        worker.generate_sequences(prompts.select(deepcopy=True))
+        assert len(syncs) == expected_syncs
+    if not free_cache_engine:  # the skipped sync left the replica equal to the actor
+        replica = dict(rollout.model.named_parameters())
+        for name, param in actor.named_parameters():
+            assert torch.equal(replica[name], param), name
