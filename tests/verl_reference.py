@@ -1,8 +1,9 @@
 """verl 0.9.1's own `core_algos`, imported from its unpacked wheel, for differential tests.
 
 The source is found at `$RLFRAME_VERL_SRC` (a folder holding the `verl` package), else at
-/tmp/verl091/x (`pip download --no-deps verl==0.9.1 -d /tmp/verl091 && unzip -q -o
-/tmp/verl091/*.whl -d /tmp/verl091/x`). Without it the tests that need it skip, saying so.
+/tmp/verl091/x, else it is fetched once into the rlframe cache (`pip download --no-deps verl==0.9.1`, the
+wheel unpacked, never installed). Only when none of that works (no package index) do the tests that need
+it skip, saying so.
 verl is never installed into the environment: its package is put on sys.path for this process
 only, and the two modules its import chain needs but never calls in core_algos (`codetiming`,
 `orjson`) are replaced by empty stand-ins when absent.
@@ -17,8 +18,47 @@ import types
 
 import pytest
 
-VERL_SRC = os.environ.get("RLFRAME_VERL_SRC", "/tmp/verl091/x")
+VERL_VERSION = "0.9.1"
 _UNUSED_IMPORTS = ("codetiming", "orjson")
+
+
+def _has_core_algos(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, "verl", "trainer", "ppo", "core_algos.py"))
+
+
+def _fetch_into_cache() -> str:
+    """verl's wheel unpacked under the rlframe cache (downloaded on first use); '' when pip cannot get it."""
+    import subprocess
+    import tempfile
+    import zipfile
+
+    from rlframe.utils.cache import cache_dir
+
+    target = os.path.join(cache_dir(), f"verl-{VERL_VERSION}-src")
+    if _has_core_algos(target):
+        return target
+    with tempfile.TemporaryDirectory() as tmp:
+        fetched = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", f"verl=={VERL_VERSION}", "-d", tmp],
+            capture_output=True,
+        )
+        wheels = [name for name in os.listdir(tmp) if name.endswith(".whl")]
+        if fetched.returncode != 0 or not wheels:
+            return ""
+        partial = f"{target}.tmp.{os.getpid()}"
+        with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as wheel:
+            wheel.extractall(partial)
+        os.replace(partial, target)
+    return target
+
+
+def verl_source() -> str:
+    """The folder holding verl 0.9.1's package: $RLFRAME_VERL_SRC, /tmp/verl091/x, or the cache."""
+    if "RLFRAME_VERL_SRC" in os.environ:
+        return os.environ["RLFRAME_VERL_SRC"]
+    if _has_core_algos("/tmp/verl091/x"):
+        return "/tmp/verl091/x"
+    return _fetch_into_cache()
 
 
 def _stand_in(name: str) -> types.ModuleType:
@@ -35,16 +75,17 @@ def _stand_in(name: str) -> types.ModuleType:
 
 def verl_core_algos():
     """verl.trainer.ppo.core_algos of verl 0.9.1, or a pytest skip when its source is absent."""
-    if not os.path.isfile(os.path.join(VERL_SRC, "verl", "trainer", "ppo", "core_algos.py")):
-        pytest.skip(f"verl 0.9.1 source not found at {VERL_SRC} (set RLFRAME_VERL_SRC)")
-    if VERL_SRC not in sys.path:
-        sys.path.append(VERL_SRC)
+    source = verl_source()
+    if not source or not _has_core_algos(source):
+        pytest.skip(f"verl {VERL_VERSION} source not found ({source or 'pip download failed'}; set RLFRAME_VERL_SRC)")
+    if source not in sys.path:
+        sys.path.append(source)
     for name in _UNUSED_IMPORTS:
         if name not in sys.modules and importlib.util.find_spec(name) is None:
             sys.modules.setdefault(name, _stand_in(name))
     module = importlib.import_module("verl.trainer.ppo.core_algos")
     version = importlib.import_module("verl").__version__
-    assert version == "0.9.1", f"{VERL_SRC} holds verl {version}, not 0.9.1"
+    assert version == VERL_VERSION, f"{source} holds verl {version}, not {VERL_VERSION}"
     return module
 
 
