@@ -19,7 +19,7 @@ from rlframe.protocol import DataProto
 from rlframe.seqpack import MicroBatchSpec
 from rlframe.workers.actor import ActorSettings, PPOActor
 from rlframe.workers.critic import CriticSettings, PPOCritic
-from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, build_fsdp_mesh, load_hf_model, wrap_fsdp
+from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, build_fsdp_mesh, decoder_layers, load_hf_model, wrap_fsdp
 from rlframe.workers.lora import LoraSpec, adapter_disabled, apply_lora
 
 PROMPT_LEN, RESPONSE_LEN = 8, 8
@@ -34,6 +34,16 @@ POLICY_LOSS_PARAMS = {
     "tau_pos": 1.0,
     "tau_neg": 1.05,
 }
+
+
+def assert_forward_prefetch(model, strategy: str) -> None:
+    """The wrapped model really prefetches: FSDP1's flag, or every FSDP2 layer but the last naming the next."""
+    if strategy == "fsdp":
+        assert model.forward_prefetch
+        return
+    layers = decoder_layers(model)
+    for layer, following in zip(layers, layers[1:]):
+        assert layer._get_fsdp_state()._states_to_forward_prefetch == [following._get_fsdp_state()]
 
 
 @dataclass(frozen=True)
@@ -52,6 +62,7 @@ class Scenario:
     param_offload: bool = False
     fsdp_size: int = -1  # -1: shard over all ranks; else hybrid sharding (HSDP)
     gradient_checkpointing: bool = False
+    forward_prefetch: bool = False  # fsdp_config.forward_prefetch: overlaps gathers, must not change a number
     dtype: torch.dtype = torch.float32  # parameters and compute; float64 tells rounding from math (docs/models.md)
     lora_adapter: str | None = None  # a PEFT adapter folder: train it on the frozen model (lora_adapter_path)
     extra: dict = field(default_factory=dict)
@@ -175,8 +186,10 @@ def run_scenario(
     if sc.lora_adapter is not None:
         model = apply_lora(model, LoraSpec(1, 1, "all-linear", None, adapter_path=sc.lora_adapter))
     if sc.strategy != "none":
-        spec = FSDPSpec(sc.strategy, sc.dtype, sc.dtype, sc.param_offload, True)
+        spec = FSDPSpec(sc.strategy, sc.dtype, sc.dtype, sc.param_offload, True, sc.forward_prefetch)
         model = wrap_fsdp(model, spec, mesh, "cpu")
+        if sc.forward_prefetch:
+            assert_forward_prefetch(model, sc.strategy)
     optimizer = RecordingSGD(model)
     shard = data.chunk(sc.dp)[dp_rank]
     settings = settings_for(sc, len(data))

@@ -100,8 +100,8 @@ def test_critic_micro_batching_matches_reference(tiny_model_path, batch):
 # ---------------------------------------------------------------- multi-process (gloo + FSDP)
 DISTRIBUTED = {
     "dp2_fsdp2_static": Scenario(world=2, micro_batch_size=2),
-    "dp2_fsdp2_dynamic": Scenario(world=2, use_dynamic_bsz=True, max_token_len=24),
-    "dp2_fsdp1": Scenario(world=2, strategy="fsdp", micro_batch_size=3),
+    "dp2_fsdp2_dynamic_prefetch": Scenario(world=2, use_dynamic_bsz=True, max_token_len=24, forward_prefetch=True),
+    "dp2_fsdp1_prefetch": Scenario(world=2, strategy="fsdp", micro_batch_size=3, forward_prefetch=True),
     "dp2_padded": Scenario(world=2, use_remove_padding=False, micro_batch_size=4),
     "dp4": Scenario(world=4, micro_batch_size=1),
     "dp4_hsdp_fsdp2": Scenario(world=4, fsdp_size=2, micro_batch_size=2),

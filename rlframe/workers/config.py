@@ -211,6 +211,7 @@ class FSDPConfig(Section):
     fsdp_size: int = key(-1, "shard group size; -1 = all ranks, else HSDP (shard within groups of this size)")
     param_dtype: str = key("auto", "auto = bf16 on GPU, fp32 on CPU | bf16 | fp32", choices=DTYPE_NAMES)
     reduce_dtype: str = key("fp32", "gradient reduction dtype", choices=DTYPE_NAMES)
+    forward_prefetch: bool = key(False, "all-gather the next layer during this one's forward (FSDP1; FSDP2 depth 1)")
 
 
 @dataclass
@@ -328,6 +329,7 @@ class RefFSDPConfig(Section):
     reduce_dtype: str = key(
         f"${{{ACTOR}.fsdp_config.reduce_dtype}}", "unused for a frozen model; kept equal", choices=DTYPE_NAMES
     )
+    forward_prefetch: bool = key(False, "all-gather the next layer during this one's forward (FSDP1; FSDP2 depth 1)")
 
 
 @dataclass

@@ -108,6 +108,7 @@ class FSDPSpec:
     reduce_dtype: torch.dtype
     param_offload: bool
     reshard_after_forward: bool
+    forward_prefetch: bool = False  # overlap the next layer's all-gather with this layer's forward
 
 
 def wrap_fsdp(model: nn.Module, spec: FSDPSpec, mesh, device_type: str) -> nn.Module:
@@ -140,9 +141,13 @@ def _wrap_fsdp2(model, spec, mesh, device_type):
     # The model stays where it was loaded (CPU): each fully_shard call moves the states it manages to
     # the mesh's device before sharding them (torch/distributed/fsdp/_fully_shard/_fsdp_init.py,
     # `_move_states_to_device`), so the peak is one layer unsharded, not the whole fp32 model per GPU.
-    for layer in decoder_layers(model):
+    layers = decoder_layers(model)
+    for layer in layers:
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
+    if spec.forward_prefetch:  # one layer ahead, as FSDP1's forward_prefetch (its limit is 1)
+        for layer, following in zip(layers, layers[1:]):
+            layer.set_modules_to_forward_prefetch([following])
     return model
 
 
@@ -182,6 +187,7 @@ def _wrap_fsdp1(model, spec, mesh, device_type):
         device_id=torch.cuda.current_device() if device_type == "cuda" else torch.device("cpu"),
         use_orig_params=True,
         sync_module_states=False,
+        forward_prefetch=spec.forward_prefetch,
     )
 
 

@@ -143,6 +143,7 @@ class FSDPWorkerBase(Worker):
             reduce_dtype=resolve_dtype(str(fsdp_cfg.reduce_dtype), self.device_type),
             param_offload=bool(fsdp_cfg.param_offload),
             reshard_after_forward=bool(fsdp_cfg.reshard_after_forward),
+            forward_prefetch=bool(fsdp_cfg.forward_prefetch),
         )
         return wrap_fsdp(model, spec, self.fsdp_mesh, self.device_type)
 
