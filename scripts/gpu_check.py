@@ -135,6 +135,15 @@ def plan(work: str) -> list[Step]:
             figure=r"tp2 log-prob error (\S+), HF bf16 error (\S+)",
         ),
         Step(
+            "vllm lora",
+            "LoRA (issue 13): vLLM serves the adapter after syncs, a new adapter and a sleep",
+            "pytest",
+            "tests/test_lora.py::test_vllm_serves_the_adapter_across_updates_and_sleeps",
+            requires=("vllm",),
+            timeout_s=180,
+            figure=r"(\d+ passed|\d+ failed)",
+        ),
+        Step(
             "gpu_mfu",
             "minor: the MFU bench says which attention kernel ran",
             "command",
