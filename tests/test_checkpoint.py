@@ -141,6 +141,10 @@ def rank_main(rank: int, phase: str, layout: Layout, port: int, model_path: str,
         if rank != 0:
             record.pop("full")
         torch.save(record, os.path.join(out_dir, f"{phase}_rank{rank}.pt"))
+        if dist.is_initialized():
+            # every rank reaches the teardown before any closes its gloo connections: a rank that tore down
+            # while its peer was still writing its record once aborted (std::terminate in gloo's threads)
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
