@@ -34,9 +34,11 @@ SPLIT_SIZES = {"train": 1024, "val": 64}
 BUILTIN_PREFIX = "builtin://"
 
 
-def countdown_add_rows(split: str, num_samples: int, seed: int) -> list[dict]:
-    """Rows of the `countdown_add` task: add two digits whose sum is a single digit."""
-    rng = random.Random(f"countdown_add/{split}/{seed}")  # str seeds are stable across runs
+def _digit_sum_rows(
+    name: str, prompt: Callable[[int, int], str], split: str, num_samples: int, seed: int
+) -> list[dict]:
+    """Rows of a task adding two digits whose sum is a digit (answers uniform over 0..9), asked by `prompt(a, b)`."""
+    rng = random.Random(f"{name}/{split}/{seed}")  # str seeds are stable across runs
     rows = []
     for index in range(num_samples):
         answer = rng.randint(0, 9)
@@ -44,34 +46,26 @@ def countdown_add_rows(split: str, num_samples: int, seed: int) -> list[dict]:
         b = answer - a
         rows.append(
             {
-                "data_source": "countdown_add",
-                "prompt": [{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}],
+                "data_source": name,
+                "prompt": [{"role": "user", "content": prompt(a, b)}],
                 "ability": "arithmetic",
                 "reward_model": {"style": "rule", "ground_truth": str(answer)},
                 "extra_info": {"split": split, "index": index, "a": a, "b": b},
             }
         )
     return rows
+
+
+def countdown_add_rows(split: str, num_samples: int, seed: int) -> list[dict]:
+    """Rows of the `countdown_add` task: "What is a + b? Answer with the number only."."""
+    return _digit_sum_rows(
+        "countdown_add", lambda a, b: f"What is {a} + {b}? Answer with the number only.", split, num_samples, seed
+    )
 
 
 def add_digits_rows(split: str, num_samples: int, seed: int) -> list[dict]:
-    """Rows of the `add_digits` task: two digits whose sum is a digit, the answer uniform over 0..9."""
-    rng = random.Random(f"add_digits/{split}/{seed}")
-    rows = []
-    for index in range(num_samples):
-        answer = rng.randint(0, 9)
-        a = rng.randint(0, answer)
-        b = answer - a
-        rows.append(
-            {
-                "data_source": "add_digits",
-                "prompt": [{"role": "user", "content": f"{a}+{b}="}],
-                "ability": "arithmetic",
-                "reward_model": {"style": "rule", "ground_truth": str(answer)},
-                "extra_info": {"split": split, "index": index, "a": a, "b": b},
-            }
-        )
-    return rows
+    """Rows of the `add_digits` task: "a+b=" (the quickstart's)."""
+    return _digit_sum_rows("add_digits", lambda a, b: f"{a}+{b}=", split, num_samples, seed)
 
 
 # examples/data_preprocess/gsm8k.py asks GSM8K's questions with verl's "Let's think step by step and
