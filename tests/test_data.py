@@ -18,7 +18,7 @@ from rlframe.data.dataloader import make_dataloader
 from rlframe.data.dataset import RLHFDataset, collate_fn
 from rlframe.protocol import DataProto
 from rlframe.reward.scorers import countdown_add_score
-from rlframe.trainer.config import compose
+from rlframe.trainer.config import compose, typed
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +133,44 @@ def test_prompts_are_chat_templated_left_padded_with_position_ids(tmp_path, toke
         assert item["index"] == 7 + i
         assert item["reward_model"]["ground_truth"] == "1"
         assert item["raw_prompt"][-1]["content"] == question and "prompt" not in item  # return_raw_chat: verl's true
+
+
+THINKING_TEMPLATE = (  # the tiny model's template with a Qwen3-style enable_thinking switch
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}answer now{% endif %}{% endif %}"
+)
+
+
+def test_apply_chat_template_kwargs_reach_the_template(tmp_path, tokenizer, data_config):
+    thinking = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    thinking.chat_template = THINKING_TEMPLATE
+    path = write_rows(tmp_path / "d.parquet", [row("What is 1 + 2?", 0)])
+    default = RLHFDataset(path, thinking, data_config)
+    off_config = compose([*SMALL, "+data.apply_chat_template_kwargs.enable_thinking=false"]).data
+    off = RLHFDataset(path, thinking, off_config)
+    assert thinking.decode(default.prompt_ids[0]).endswith("<|im_start|>assistant\n")
+    assert thinking.decode(off.prompt_ids[0]).endswith("<|im_start|>assistant\nanswer now")
+
+
+def test_multi_turn_turns_are_rendered_with_apply_chat_template_kwargs(tokenizer):
+    from rlframe.workers.rollout.multi_turn import ChatTemplateTurns
+
+    thinking = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    thinking.chat_template = THINKING_TEMPLATE
+    eos_ids = [thinking.eos_token_id]
+    messages = [{"role": "user", "content": "What is 1 + 2?"}]
+    tool_turn = [{"role": "tool", "content": "3"}]
+    default = ChatTemplateTurns(thinking, None, eos_ids)
+    off = ChatTemplateTurns(thinking, None, eos_ids, {"enable_thinking": False})
+    assert not thinking.decode(default.prompt_ids(messages)).endswith("answer now")
+    assert thinking.decode(off.prompt_ids(messages)).endswith("<|im_start|>assistant\nanswer now")
+    assert thinking.decode(off.tool_turn_ids(tool_turn)).endswith("<|im_start|>assistant\nanswer now")
+
+
+def test_apply_chat_template_kwargs_refuse_what_rlframe_sets():
+    with pytest.raises(ValueError, match=r"data.apply_chat_template_kwargs=.*\['tokenize'\] are set by rlframe"):
+        typed(compose([*SMALL, "+data.apply_chat_template_kwargs.tokenize=true"]))
 
 
 def test_return_raw_chat_keeps_messages(tmp_path, tokenizer, data_config):

@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from rlframe.config.schema import Section, key
 
 TRUNCATION_MODES = ("error", "left", "right")
+# apply_chat_template arguments rlframe sets itself: the prompt is rendered as text with the generation
+# prompt, then tokenized; the tools come from the rollout's tool config
+RESERVED_TEMPLATE_KWARGS = (
+    "conversation",
+    "tokenize",
+    "add_generation_prompt",
+    "tools",
+    "return_dict",
+    "return_tensors",
+)
+
+
+def _check_template_kwargs(kwargs: dict) -> None:
+    reserved = sorted(set(kwargs) & set(RESERVED_TEMPLATE_KWARGS))
+    if reserved:
+        raise ValueError(f"{reserved} are set by rlframe itself; pass only template variables (e.g. enable_thinking)")
 
 
 @dataclass
@@ -34,6 +50,11 @@ class DataConfig(Section):
         "error", "prompts over max_prompt_length (when not filtered): error|left|right", choices=TRUNCATION_MODES
     )
     trust_remote_code: bool = key(False, "passed to the tokenizer's from_pretrained")
+    apply_chat_template_kwargs: Dict[str, Any] = key(
+        {},
+        "extra arguments of apply_chat_template for prompts and multi-turn turns (enable_thinking, reasoning_effort)",
+        check=_check_template_kwargs,
+    )
     dataloader_num_workers: int = key(8, "verl's loader processes; no effect: prompts are tokenized up front")
     filter_overlong_prompts_workers: int = key(1, "verl's filter processes; no effect: prompts are tokenized once")
     builtin_dir: Optional[str] = key(

@@ -143,6 +143,7 @@ class RLHFDataset(torch.utils.data.Dataset):
         self.max_prompt_length = int(config.max_prompt_length)
         self.return_raw_chat = bool(config.return_raw_chat)
         self.truncation = config.truncation
+        self.chat_template_kwargs = OmegaConf.to_container(config.apply_chat_template_kwargs)
         filter_overlong = bool(config.filter_overlong_prompts)
         if self.truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation={self.truncation!r}; expected one of {', '.join(TRUNCATION_MODES)}")
@@ -179,7 +180,9 @@ class RLHFDataset(torch.utils.data.Dataset):
             )
 
     def _tokenize(self, messages) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
+        )
         # The template already wrote every special token; do not let the tokenizer add a BOS again.
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 

@@ -249,6 +249,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             trust_remote_code=bool(cfg.model.trust_remote_code),
             override_config=OmegaConf.to_container(cfg.model.override_config),
             lora_rank=lora.lora_rank_of(self.actor_module),
+            chat_template_kwargs=OmegaConf.to_container(self.config.data.apply_chat_template_kwargs),
         )
 
     @register(dispatch_mode=Dispatch.RANK_ZERO, execute_mode=Execute.RANK_ZERO)

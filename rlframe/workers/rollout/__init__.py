@@ -48,13 +48,15 @@ def build_rollout(
     trust_remote_code: bool = False,
     override_config: dict | None = None,
     lora_rank: int = 0,
+    chat_template_kwargs: dict | None = None,
 ) -> BaseRollout:
     """Build the engine `name` from `actor_rollout_ref.rollout` for one worker process.
 
     `tp_group` is this rank's tensor-parallel process group (size `tensor_model_parallel_size`);
     None means TP=1. Initial weights are read from `model_path`; later ones come through
     `update_weights`. `lora_rank > 0` (a LoRA actor) sets vLLM up to serve its adapter; the HF engine
-    takes merged weights and needs nothing.
+    takes merged weights and needs nothing. `chat_template_kwargs` (`data.apply_chat_template_kwargs`)
+    renders the turns of multi-turn rollouts.
     """
     check_rollout_name(name)
     settings = RolloutSettings.from_config(rollout_cfg)
@@ -72,7 +74,7 @@ def build_rollout(
         **extra,
     )
     if uses_tool_agent(rollout_cfg):  # rows may call tools: the multi-turn loop drives the engine
-        return build_multi_turn(rollout, tokenizer, rollout_cfg)
+        return build_multi_turn(rollout, tokenizer, rollout_cfg, chat_template_kwargs)
     return rollout
 
 

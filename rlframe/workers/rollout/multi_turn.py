@@ -73,13 +73,19 @@ def check_agent_rows(agent_names, rollout_cfg) -> None:
         )
 
 
-def build_multi_turn(engine: BaseRollout, tokenizer, rollout_cfg) -> MultiTurnRollout:
-    """The tool-agent rollout around `engine`, from `actor_rollout_ref.rollout.multi_turn` / `.agent`."""
+def build_multi_turn(
+    engine: BaseRollout, tokenizer, rollout_cfg, chat_template_kwargs: dict | None = None
+) -> MultiTurnRollout:
+    """The tool-agent rollout around `engine`, from `actor_rollout_ref.rollout.multi_turn` / `.agent`.
+
+    `chat_template_kwargs` is `data.apply_chat_template_kwargs`: every turn is rendered with it.
+    """
     from rlframe.workers.rollout.tools import load_tools
 
     tools = load_tools(rollout_cfg.multi_turn.tool_config_path, rollout_cfg.multi_turn.function_tool_path)
     settings = MultiTurnSettings.from_config(rollout_cfg.multi_turn)
-    return MultiTurnRollout(engine, tokenizer, settings, tools, str(rollout_cfg.agent.default_agent_loop))
+    default_agent = str(rollout_cfg.agent.default_agent_loop)
+    return MultiTurnRollout(engine, tokenizer, settings, tools, default_agent, chat_template_kwargs)
 
 
 @dataclass(frozen=True)
@@ -161,8 +167,9 @@ class Trajectory:
 class ChatTemplateTurns:
     """Token ids of the turns the chat template adds around the policy's own text."""
 
-    def __init__(self, tokenizer, tools: list[dict] | None, eos_ids: list[int]):
+    def __init__(self, tokenizer, tools: list[dict] | None, eos_ids: list[int], template_kwargs: dict | None = None):
         self.tokenizer, self.tools = tokenizer, tools or None
+        self.template_kwargs = dict(template_kwargs or {})  # data.apply_chat_template_kwargs
         probe = [_PROBE_SYSTEM, _PROBE_USER, {"role": "assistant", "content": _PROBE_ASSISTANT_TEXT}]
         rendered = self._render_text(probe, add_generation_prompt=False)
         after = rendered[rendered.rindex(_PROBE_ASSISTANT_TEXT) + len(_PROBE_ASSISTANT_TEXT) :]
@@ -173,7 +180,11 @@ class ChatTemplateTurns:
 
     def _render_text(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=self.tools, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages,
+            tools=self.tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **self.template_kwargs,
         )
 
     def encode(self, text: str) -> list[int]:
@@ -199,14 +210,22 @@ class ChatTemplateTurns:
 class MultiTurnRollout:
     """Wraps an engine: `generate_sequences` runs multi-turn tool trajectories; weights and memory pass through."""
 
-    def __init__(self, engine: BaseRollout, tokenizer, settings: MultiTurnSettings, tools: dict, default_agent: str):
+    def __init__(
+        self,
+        engine: BaseRollout,
+        tokenizer,
+        settings: MultiTurnSettings,
+        tools: dict,
+        default_agent: str,
+        chat_template_kwargs: dict | None = None,
+    ):
         self.engine, self.tokenizer, self.mt, self.default_agent = engine, tokenizer, settings, default_agent
         self.settings = engine.settings
         self.runner = ToolRunner(
             tools, settings.tool_timeout_s, settings.max_tool_response_length, settings.tool_response_truncate_side
         )
         schemas = [tool.tool_schema for tool in tools.values()]
-        self.turns = ChatTemplateTurns(tokenizer, schemas, engine.eos_ids)
+        self.turns = ChatTemplateTurns(tokenizer, schemas, engine.eos_ids, chat_template_kwargs)
         self._warned_mismatch = False
 
     # the engine's lifecycle, unchanged
