@@ -67,6 +67,7 @@ class ActorSettings:
     kl_loss_type: str
     use_remove_padding: bool
     use_torch_compile: bool = False  # torch.compile the log-prob/entropy kernels (CUDA)
+    use_fused_kernels: bool = False  # score from hidden states a chunk at a time (model.use_fused_kernels)
     # the policy loss's own parameters by verl's names (policy_loss.clip_cov_ratio, tau_pos, ...)
     policy_loss_params: dict = field(default_factory=dict)
 
@@ -108,6 +109,7 @@ class PPOActor(PPOUpdater):
             calculate_entropy=calculate_entropy,
             use_torch_compile=self.settings.use_torch_compile,
             calculate_sum_pi_squared=calculate_sum_pi_squared,
+            use_fused_kernels=self.settings.use_fused_kernels,
         )
 
     def compute_log_prob(

@@ -109,6 +109,12 @@ class FSDPSpec:
     param_offload: bool
     reshard_after_forward: bool
     forward_prefetch: bool = False  # overlap the next layer's all-gather with this layer's forward
+    buffer_dtype: torch.dtype = torch.float32  # FSDP1 casts buffers to it; FSDP2 has no buffer dtype (as verl)
+
+    def casts(self, model_dtype: torch.dtype, strategy: str) -> bool:
+        """Whether mixed precision changes anything for a model loaded in `model_dtype` (else it is left off)."""
+        dtypes = {self.param_dtype, self.reduce_dtype} | ({self.buffer_dtype} if strategy == "fsdp" else set())
+        return dtypes != {model_dtype}
 
 
 def wrap_fsdp(model: nn.Module, spec: FSDPSpec, mesh, device_type: str) -> nn.Module:
@@ -131,7 +137,7 @@ def _wrap_fsdp2(model, spec, mesh, device_type):
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
     kwargs = {"mesh": mesh, "reshard_after_forward": spec.reshard_after_forward}
-    if spec.param_dtype != torch.float32 or spec.reduce_dtype != torch.float32:
+    if spec.casts(_loaded_dtype(model), "fsdp2"):
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype, cast_forward_inputs=True
         )
@@ -166,8 +172,10 @@ def _wrap_fsdp1(model, spec, mesh, device_type):
         lambda_auto_wrap_policy, lambda_fn=lambda m: type(m) in layer_types or (lora and trains_leaf_weight(m))
     )
     mixed = None
-    if spec.param_dtype != torch.float32 or spec.reduce_dtype != torch.float32:
-        mixed = MixedPrecision(param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype, buffer_dtype=torch.float32)
+    if spec.casts(_loaded_dtype(model), "fsdp"):
+        mixed = MixedPrecision(
+            param_dtype=spec.param_dtype, reduce_dtype=spec.reduce_dtype, buffer_dtype=spec.buffer_dtype
+        )
     # On a CPU host the parameters already live in host memory, and FSDP1's offload path asks for an
     # accelerator: offloading is a no-op there, so it is not requested.
     offload = spec.param_offload and device_type == "cuda"
@@ -189,6 +197,11 @@ def _wrap_fsdp1(model, spec, mesh, device_type):
         sync_module_states=False,
         forward_prefetch=spec.forward_prefetch,
     )
+
+
+def _loaded_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the model's floating-point parameters were loaded in (fsdp_config.model_dtype)."""
+    return next(p.dtype for p in model.parameters() if p.is_floating_point())
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:

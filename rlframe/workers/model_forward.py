@@ -20,6 +20,7 @@ so results from any parallel configuration compare as whole tensors.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -62,6 +63,7 @@ def forward_micro_batch(
     value_head: bool = False,
     use_torch_compile: bool = False,
     calculate_sum_pi_squared: bool = False,
+    use_fused_kernels: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Run `model` on one micro-batch and score its responses.
 
@@ -71,7 +73,11 @@ def forward_micro_batch(
     Ulysses group (None: no sequence parallelism). `use_torch_compile` scores with `torch.compile`d
     log-prob and entropy kernels (verl's `use_torch_compile`). `calculate_sum_pi_squared` adds
     `"sum_pi_squared"`, Σ_v π(v)² of each token's distribution (the optimal token baseline's input).
+    `use_fused_kernels` scores from the hidden states a chunk at a time (`rlframe.workers.fused_head`).
     """
+    if use_fused_kernels and (value_head or calculate_sum_pi_squared):
+        raise ValueError("use_fused_kernels scores log-probs and entropy only (no values, no Σπ²: no full logits)")
+    fused = (temperature, calculate_entropy, use_torch_compile) if use_fused_kernels else None
     input_ids, attention_mask = micro_batch["input_ids"], micro_batch["attention_mask"]
     position_ids = micro_batch["position_ids"]
     responses = micro_batch["responses"]
@@ -89,6 +95,7 @@ def forward_micro_batch(
             value_head,
             use_torch_compile,
             calculate_sum_pi_squared,
+            fused,
         )
         # [total_nnz] per token -> [batch, seqlen] -> the columns scoring the response tokens
         outputs = {
@@ -101,11 +108,24 @@ def forward_micro_batch(
                 "ulysses_sequence_parallel_size > 1 (actor_rollout_ref.actor./critic.) needs "
                 "use_remove_padding=True (actor_rollout_ref.model./critic.model.)"
             )
-        output = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        labels = torch.roll(input_ids, shifts=-1, dims=1)  # the fused head scores every position
+        with _fused_scoring(model, labels, fused):
+            output = model(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            )
         logits = output.logits[:, -response_length - 1 : -1]
-        outputs = _score(
-            logits, responses, temperature, calculate_entropy, value_head, use_torch_compile, calculate_sum_pi_squared
-        )
+        if fused is not None:
+            outputs = _fused_outputs(logits, calculate_entropy)
+        else:
+            outputs = _score(
+                logits,
+                responses,
+                temperature,
+                calculate_entropy,
+                value_head,
+                use_torch_compile,
+                calculate_sum_pi_squared,
+            )
 
     response_mask = attention_mask[:, -response_length:].bool()
     return {name: torch.where(response_mask, x, torch.zeros_like(x)) for name, x in outputs.items()}
@@ -122,6 +142,7 @@ def _forward_packed(
     value_head,
     use_torch_compile=False,
     calculate_sum_pi_squared=False,
+    fused=None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Forward the packed row; returns per-token results [total_nnz] and the packing `indices`."""
     ids, indices, cu_seqlens, max_seqlen = unpad_input(input_ids, attention_mask)
@@ -142,25 +163,29 @@ def _forward_packed(
         ids, pos, labels = (slice_for_rank(x, group, dim=1) for x in (ids, pos, labels))
         extra["ulysses_group"] = group
 
-    output = model(
-        input_ids=ids,
-        position_ids=pos,
-        use_cache=False,
-        cu_seq_lens_q=cu_seqlens,
-        cu_seq_lens_k=cu_seqlens,
-        max_length_q=max_seqlen,
-        max_length_k=max_seqlen,
-        **extra,
-    )
-    per_token = _score(
-        output.logits[0],
-        labels[0],
-        temperature,
-        calculate_entropy,
-        value_head,
-        use_torch_compile,
-        calculate_sum_pi_squared,
-    )
+    with _fused_scoring(model, labels, fused):
+        output = model(
+            input_ids=ids,
+            position_ids=pos,
+            use_cache=False,
+            cu_seq_lens_q=cu_seqlens,
+            cu_seq_lens_k=cu_seqlens,
+            max_length_q=max_seqlen,
+            max_length_k=max_seqlen,
+            **extra,
+        )
+    if fused is not None:
+        per_token = _fused_outputs(output.logits[0], calculate_entropy)
+    else:
+        per_token = _score(
+            output.logits[0],
+            labels[0],
+            temperature,
+            calculate_entropy,
+            value_head,
+            use_torch_compile,
+            calculate_sum_pi_squared,
+        )
     per_token = {name: gather_outputs(x, group, dim=0, pad_size=pad_size) for name, x in per_token.items()}
     return per_token, indices
 
@@ -190,6 +215,33 @@ def _score(
         out["entropy"] = _entropy_from_logits_chunked(logits, entropy_fn=entropy)
     if calculate_sum_pi_squared:
         out["sum_pi_squared"] = sum_pi_squared_from_logits(logits)
+    return out
+
+
+def _fused_scoring(model, labels: torch.Tensor, fused: tuple | None):
+    """With `fused` = (temperature, calculate_entropy, use_torch_compile): the head scores instead of projecting."""
+    if fused is None:
+        return contextlib.nullcontext()
+    from rlframe.workers.fused_head import scoring_head
+
+    return scoring_head(model, labels, functools.partial(_fused_chunk_stats, fused=fused))
+
+
+def _fused_chunk_stats(logits: torch.Tensor, labels: torch.Tensor, fused: tuple) -> torch.Tensor:
+    """One chunk's [tokens, 1 or 2] log-probs (and entropy): `_score`'s upcast, temperature and kernels."""
+    temperature, calculate_entropy, use_torch_compile = fused
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if temperature != 1.0:
+        logits = logits / temperature
+    logprobs, entropy = _compiled_kernels() if use_torch_compile else (logprobs_from_logits, entropy_from_logits)
+    columns = [logprobs(logits, labels)] + ([entropy(logits)] if calculate_entropy else [])
+    return torch.stack(columns, dim=-1)
+
+
+def _fused_outputs(stats: torch.Tensor, calculate_entropy: bool) -> dict[str, torch.Tensor]:
+    out = {"log_probs": stats[..., 0]}
+    if calculate_entropy:
+        out["entropy"] = stats[..., 1]
     return out
 
 
