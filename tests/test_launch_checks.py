@@ -32,7 +32,7 @@ def test_the_small_config_prepares_a_plan_and_data(tmp_path):
         ("algorithm.adv_estimator=ppo2", r"adv.*'ppo2'.*grpo"),
         ("actor_rollout_ref.actor.policy_loss.loss_mode=clipx", r"'clipx'.*vanilla"),
         ("actor_rollout_ref.actor.loss_agg_mode=mean", r"loss_agg_mode='mean'.*token-mean"),
-        ("actor_rollout_ref.rollout.name=sglang", r"rollout.name='sglang'.*hf, vllm"),
+        ("actor_rollout_ref.rollout.name=trtllm", r"rollout.name='trtllm'.*hf, vllm, sglang"),
         ("reward_model.reward_manager=prime", r"reward_manager='prime'.*naive"),
         ("actor_rollout_ref.actor.strategy=deepspeed", r"strategy='deepspeed'.*fsdp2, fsdp"),
         ("algorithm.kl_ctrl.type=pid", r"kl_ctrl.type='pid'.*fixed, adaptive"),

@@ -277,11 +277,11 @@ def test_prompts_wider_than_prompt_length_or_right_padded_are_rejected(hf_rollou
 
 
 def test_unknown_rollout_name_lists_valid_names():
-    assert tuple(ROLLOUT_ENGINES) == ("hf", "vllm")
-    with pytest.raises(ValueError, match="choose one of hf, vllm"):
-        check_rollout_name("sglang")
-    with pytest.raises(ValueError, match="'sglang'"):
-        build_rollout("sglang", rollout_config(), "/nonexistent", None, "cpu")
+    assert tuple(ROLLOUT_ENGINES) == ("hf", "vllm", "sglang")
+    with pytest.raises(ValueError, match="choose one of hf, vllm, sglang"):
+        check_rollout_name("trtllm")
+    with pytest.raises(ValueError, match="'trtllm'"):
+        build_rollout("trtllm", rollout_config(), "/nonexistent", None, "cpu")
 
 
 def test_vllm_without_vllm_or_cuda_says_how_to_install(tiny_model_path):

@@ -13,10 +13,11 @@ import torch
 
 STRATEGIES = ("fsdp2", "fsdp")
 SAVE_CONTENTS = ("model", "optimizer", "extra", "hf_model")
-# rollout name -> "module:class"; modules are imported only when chosen (vllm is an optional extra)
+# rollout name -> "module:class"; modules are imported only when chosen (vllm, sglang: optional extras)
 ROLLOUT_ENGINES = {
     "hf": "rlframe.workers.rollout.hf_rollout:HFRollout",
     "vllm": "rlframe.workers.rollout.vllm_rollout:VLLMRollout",
+    "sglang": "rlframe.workers.rollout.sglang_rollout:SGLangRollout",
 }
 
 

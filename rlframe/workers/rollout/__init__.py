@@ -62,7 +62,9 @@ def build_rollout(
     settings = RolloutSettings.from_config(rollout_cfg)
     module_name, class_name = ROLLOUT_ENGINES[name].split(":")
     engine = getattr(importlib.import_module(module_name), class_name)
-    extra = {"rollout_cfg": rollout_cfg, "lora_rank": lora_rank} if name == "vllm" else {}  # vLLM's engine settings
+    # the GPU engines read their settings from the section; vLLM serves a LoRA adapter, SGLang takes merged weights
+    extra = {"vllm": {"rollout_cfg": rollout_cfg, "lora_rank": lora_rank}, "sglang": {"rollout_cfg": rollout_cfg}}
+    extra = extra.get(name, {})
     rollout = engine(
         settings,
         model_path,

@@ -45,6 +45,26 @@ RLFRAME_OWNED_VLLM_ARGS = {
     "max_model_len": f"{ROLLOUT}.max_model_len (checked against the model's max_position_embeddings)",
     "max_num_batched_tokens": f"{ROLLOUT}.max_num_batched_tokens (raised with chunked prefill off, as verl does)",
 }
+# SGLang engine arguments (ServerArgs) that rlframe sets itself, likewise: argument -> what to use instead.
+RLFRAME_OWNED_SGLANG_ARGS = {
+    "model_path": "actor_rollout_ref.model.path (the actor's model; the engine must be the same one)",
+    "tokenizer_path": "data.tokenizer (prompts reach the engine as token ids)",
+    "skip_tokenizer_init": "nothing: prompts and responses are token ids",
+    "tp_size": f"{ROLLOUT}.tensor_model_parallel_size (rlframe builds the TP groups)",
+    "pp_size": "nothing: the engine shards only by tensor parallelism, on the TP group's GPUs",
+    "dp_size": "nothing: each DP group of training ranks runs its own engine",
+    "nnodes": "nothing: a TP group's engine runs on one node",
+    "node_rank": "nothing: a TP group's engine runs on one node",
+    "base_gpu_id": "nothing: the engine runs on the GPUs of its TP group's ranks",
+    "gpu_id_step": "nothing: the engine runs on the GPUs of its TP group's ranks",
+    "dtype": f"{ROLLOUT}.dtype (the weight sync casts the actor's weights to it)",
+    "random_seed": f"{ROLLOUT}.seed",
+    "enable_memory_saver": f"{ROLLOUT}.free_cache_engine",
+    "enable_weights_cpu_backup": f"{ROLLOUT}.free_cache_engine",
+    "trust_remote_code": "actor_rollout_ref.model.trust_remote_code",
+    "json_model_override_args": "actor_rollout_ref.model.override_config (actor and engine must be the same model)",
+    "context_length": f"{ROLLOUT}.max_model_len (checked against the model's max_position_embeddings)",
+}
 
 
 def _check_positive(value: int) -> None:
@@ -73,13 +93,24 @@ def check_vllm_engine_kwargs(engine_kwargs: dict) -> None:
         )
 
 
+def check_sglang_engine_kwargs(engine_kwargs: dict) -> None:
+    """Refuse SGLang engine arguments that rlframe sets itself, naming what to use instead."""
+    owned = [name for name in engine_kwargs if name in RLFRAME_OWNED_SGLANG_ARGS]
+    if owned:
+        uses = "; ".join(f"{name}: use {RLFRAME_OWNED_SGLANG_ARGS[name]}" for name in owned)
+        raise ValueError(
+            f"rlframe sets {', '.join(owned)} itself and cannot take it from engine_kwargs ({uses}); "
+            f"remove it from {ROLLOUT}.engine_kwargs.sglang"
+        )
+
+
 def _no_engine(name: str):
     """A check refusing any arguments for an engine rlframe does not have."""
 
     def check(engine_kwargs: dict) -> None:
         if engine_kwargs:
             raise ValueError(
-                f"rlframe has no {name} engine ({ROLLOUT}.name is hf or vllm), so nothing would read "
+                f"rlframe has no {name} engine ({ROLLOUT}.name is hf, vllm or sglang), so nothing would read "
                 f"these arguments; remove them, or give vLLM's under {ROLLOUT}.engine_kwargs.vllm"
             )
 
@@ -92,14 +123,22 @@ class EngineKwargsConfig(Section):
         {}, "more vLLM engine arguments, passed through (they win over the keys above)", check=check_vllm_engine_kwargs
     )
     sglang: Dict[str, Any] = key(
-        {}, "verl's sglang arguments: only {} (rlframe has no sglang engine)", check=_no_engine("sglang")
+        {},
+        "more SGLang engine arguments (ServerArgs), passed through (they win over the keys above)",
+        check=check_sglang_engine_kwargs,
     )
     trtllm: Dict[str, Any] = key(
         {}, "verl's TensorRT-LLM arguments: only {} (no such engine here)", check=_no_engine("trtllm")
     )
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
-        return {f"{path}.{name}": f"rlframe has no {name} engine" for name in ("sglang", "trtllm")}
+        out = {f"{path}.trtllm": "rlframe has no trtllm engine"}
+        name = root.actor_rollout_ref.rollout.name
+        if name != "sglang":
+            out[f"{path}.sglang"] = f"{ROLLOUT}.name={name}: an SGLang setting"
+        if name == "sglang":  # under hf, RolloutConfig reports it with the other vLLM settings
+            out[f"{path}.vllm"] = f"{ROLLOUT}.name=sglang: a vLLM setting"
+        return out
 
 
 @dataclass
@@ -200,7 +239,11 @@ class AgentConfig(Section):
 
 @dataclass
 class RolloutConfig(Section):
-    name: str = key("hf", "hf (CPU and GPU) | vllm (GPU, extra 'gpu')", choices=tuple(ROLLOUT_ENGINES))
+    name: str = key(
+        "hf",
+        "hf (CPU and GPU) | vllm (GPU, extra 'gpu') | sglang (GPU, extra 'sglang')",
+        choices=tuple(ROLLOUT_ENGINES),
+    )
     temperature: float = key(1.0, "sampling temperature")
     top_k: int = key(-1, "-1 = off")
     top_p: float = key(1.0, "nucleus sampling")
@@ -212,27 +255,33 @@ class RolloutConfig(Section):
     micro_batch_size: int = key(32, "hf: sequences generated together (bounds memory)")
     tensor_model_parallel_size: int = key(1, "rollout TP degree")
     gpu_memory_utilization: float = key(
-        0.5, "vllm: fraction of GPU memory for weights + KV cache", check=_check_memory_fraction
+        0.5, "vllm, sglang: fraction of GPU memory for weights + KV cache", check=_check_memory_fraction
     )
     max_num_batched_tokens: int = key(
-        8192, "vllm: tokens per scheduler step (>= max_model_len without chunked prefill)", check=_check_positive
+        8192,
+        "vllm, sglang: tokens per scheduler step (vllm: >= max_model_len without chunked prefill)",
+        check=_check_positive,
     )
-    max_num_seqs: int = key(256, "vllm: sequences per scheduler step", check=_check_positive)
+    max_num_seqs: int = key(256, "vllm, sglang: sequences per scheduler step", check=_check_positive)
     max_model_len: Optional[int] = key(
         None,
-        "vllm: max prompt + response tokens; null = the model's max_position_embeddings",
+        "vllm, sglang: max prompt + response tokens; null = the model's max_position_embeddings",
         check=_check_max_model_len,
     )
-    enable_chunked_prefill: bool = key(True, "vllm: split long prefills across scheduler steps")
-    enable_prefix_caching: bool = key(True, "vllm: reuse KV blocks of shared prompt prefixes")
-    enforce_eager: bool = key(False, "vllm: false = capture CUDA graphs; true = eager (less memory)")
+    enable_chunked_prefill: bool = key(True, "vllm, sglang: split long prefills across scheduler steps")
+    enable_prefix_caching: bool = key(True, "vllm, sglang: reuse KV blocks of shared prompt prefixes")
+    enforce_eager: bool = key(False, "vllm, sglang: false = capture CUDA graphs; true = eager (less memory)")
     load_format: str = key(
-        "dummy", "vllm: first weights: dummy = random (the actor's are synced before generating) | auto | safetensors"
+        "dummy",
+        "vllm, sglang: first weights: dummy = random (the actor's are synced before generating) | auto | safetensors",
     )
     disable_log_stats: bool = key(True, "vllm: no periodic engine statistics in the log")
-    seed: int = key(42, "vllm: engine seed (+ DP rank), mixed into every request's sampling seed")
+    seed: int = key(42, "vllm, sglang: engine seed (+ DP rank), mixed into every request's sampling seed")
     engine_kwargs: EngineKwargsConfig = section(EngineKwargsConfig, "extra engine arguments, by engine")
     free_cache_engine: bool = key(True, "release the engine's memory (vllm: sleep) during training")
+    multi_stage_wake_up: bool = key(
+        False, "verl's SGLang switch, read by nothing in verl 0.9.1: weights wake, sync, then the KV cache, always"
+    )
     layered_summon: bool = key(
         False, "verl's FSDP1 sync memory switch; no effect: rlframe streams one tensor at a time"
     )
@@ -257,6 +306,24 @@ class RolloutConfig(Section):
                 check_vllm_temperature(self.temperature, f"{path}.temperature")
             if self.val_kwargs.do_sample:
                 check_vllm_temperature(self.val_kwargs.temperature, f"{path}.val_kwargs.temperature")
+        if self.name == "sglang":
+            self._check_sglang(path, root)
+
+    def _check_sglang(self, path: str, root: Any) -> None:
+        """sglang installed, its sampling limits, and TP groups that fit on one node (one engine each)."""
+        from rlframe.workers.rollout.sglang_rollout import check_sglang_installed, check_sglang_temperature
+
+        check_sglang_installed()
+        if self.do_sample:
+            check_sglang_temperature(self.temperature, f"{path}.temperature")
+        if self.val_kwargs.do_sample:
+            check_sglang_temperature(self.val_kwargs.temperature, f"{path}.val_kwargs.temperature")
+        gpus_per_node = int(root.trainer.n_gpus_per_node)
+        if gpus_per_node % self.tensor_model_parallel_size:
+            raise ValueError(
+                f"{path}.tensor_model_parallel_size={self.tensor_model_parallel_size} with {path}.name=sglang must "
+                f"divide trainer.n_gpus_per_node={gpus_per_node}: a TP group's SGLang engine runs on one node"
+            )
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = micro_batch_inactive(root, ACTOR_KEYS.forward, "old log-prob")
@@ -265,8 +332,14 @@ class RolloutConfig(Section):
         # verl gathers FSDP1 weights layer by layer with it on; rlframe always syncs one full tensor at a time,
         # which holds less memory than either of verl's modes
         out[f"{path}.layered_summon"] = "rlframe always syncs the rollout a bucket of full parameters at a time"
+        # verl 0.9.1 declares it and reads it nowhere; its staged wake-up (weights, sync, KV cache) is unconditional
+        out[f"{path}.multi_stage_wake_up"] = (
+            "rlframe, like verl 0.9.1, always wakes the weights, syncs them, then wakes the KV cache"
+        )
         if self.name == "hf":
             out.update({f"{path}.{name}": f"{path}.name=hf: a vLLM setting" for name in VLLM_ONLY_KEYS})
         else:
             out[f"{path}.micro_batch_size"] = f"{path}.name={self.name}: the engine batches by max_num_batched_tokens"
+        if self.name == "sglang":
+            out[f"{path}.disable_log_stats"] = f"{path}.name=sglang: a vLLM setting"
         return out
