@@ -144,6 +144,25 @@ def plan(work: str) -> list[Step]:
             figure=r"(\d+ passed|\d+ failed)",
         ),
         Step(
+            "sglang rollout",
+            "SGLang engine (extra 'sglang'): built from the rollout settings, release frees memory, CUDA IPC sync",
+            "pytest",
+            "tests/test_sglang_engine.py::test_sglang_rollout_weight_sync_release_and_log_probs",
+            requires=("sglang",),
+            timeout_s=240,
+            figure=r"SGLang log-prob error (\S+), HF bf16 error (\S+)",
+        ),
+        Step(
+            "sglang tp2",
+            "SGLang TP=2 with one visible GPU per process: schedulers on the group's GPUs, per-rank IPC handles",
+            "pytest",
+            "tests/test_sglang_engine.py::test_sglang_tp2_engine_on_the_groups_gpus",
+            requires=("sglang",),
+            min_gpus=2,
+            timeout_s=240,
+            figure=r"rank 1 log-prob error (\S+), HF bf16 error (\S+)",
+        ),
+        Step(
             "gpu_mfu",
             "minor: the MFU bench says which attention kernel ran",
             "command",
@@ -202,6 +221,7 @@ def dry_run_checks(steps: list[Step], work: str) -> list[tuple[str, str, str]]:
     for module in (
         "rlframe.workers.fsdp_utils",
         "rlframe.workers.rollout.vllm_rollout",
+        "rlframe.workers.rollout.sglang_rollout",
         "rlframe.distributed.attention",
         "rlframe.trainer.main_ppo",
     ):
@@ -210,7 +230,11 @@ def dry_run_checks(steps: list[Step], work: str) -> list[tuple[str, str, str]]:
             checks.append((f"import {module}", "ok", ""))
         except Exception as err:  # reported, not raised: the dry run lists every problem
             checks.append((f"import {module}", "FAILED", f"{type(err).__name__}: {err}"))
-    for name, check in (("vLLM engine arguments", vllm_arguments_summary), ("GRPO step's config", grpo_config)):
+    for name, check in (
+        ("vLLM engine arguments", vllm_arguments_summary),
+        ("SGLang engine arguments", sglang_arguments_summary),
+        ("GRPO step's config", grpo_config),
+    ):
         try:
             checks.append((name, "ok", check(work)))
         except Exception as err:
@@ -234,6 +258,22 @@ def vllm_arguments_summary(work: str) -> str:
     shown = {k: kwargs[k] for k in ("distributed_executor_backend", "disable_custom_all_reduce", "logprobs_mode")}
     tp2_extra = sorted(set(engine_environment(0, 2)) - set(engine_environment(0, 1)))
     return f"{shown}; environment {engine_environment(0, 1)}, with TP 2 also {tp2_extra}=0"
+
+
+def sglang_arguments_summary(work: str) -> str:
+    """The arguments the SGLang steps build the engine with (a pure function, no sglang)."""
+    import torch
+
+    from rlframe.config.loader import load_config, resolved
+    from rlframe.workers.rollout.sglang_rollout import sglang_engine_kwargs
+
+    cfg = resolved(load_config(["actor_rollout_ref.rollout.name=sglang"])).actor_rollout_ref.rollout
+    kwargs = sglang_engine_kwargs(
+        cfg, model_path="<model>", tp_size=1, dtype=torch.bfloat16, dp_rank=0, max_position_embeddings=8192
+    )
+    if not (kwargs["skip_tokenizer_init"] and kwargs["enable_memory_saver"]):
+        raise AssertionError(f"unexpected engine arguments {kwargs}")
+    return str({k: kwargs[k] for k in ("mem_fraction_static", "enable_memory_saver", "attention_backend")})
 
 
 def grpo_config(work: str) -> str:

@@ -4,7 +4,8 @@
 # The lent H200 machines have Python 3.12 with torch, transformers, safetensors, numpy and pytest, but not
 # omegaconf, hydra-core, tensordict or torchdata, and no network: these wheels (about 1.3 MB) travel with
 # the command (`carry`) and `scripts/gpu_check.sh --wheelhouse DIR` installs them without an index.
-# vllm (336 MB), ray (79 MB) and a flash-attn build do not fit the 64 MiB that can be carried.
+# vllm (336 MB), ray (79 MB) and a flash-attn build do not fit the 64 MiB that can be carried; nor does
+# sglang (the `sglang` extra: a 39 MB wheel that needs sglang-kernel, flashinfer and torch 2.14.1 besides).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DIR="${1:-$ROOT/build/gpu_wheels}"

@@ -11,7 +11,10 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = ("nccl+offload", "bf16 packed", "flash-attn", "vllm rollout", "vllm tp2", "gpu_mfu", "grpo vllm")
+STEPS = (
+    "nccl+offload", "bf16 packed", "flash-attn", "vllm rollout", "vllm tp2", "sglang rollout", "sglang tp2", "gpu_mfu",
+    "grpo vllm",
+)  # fmt: skip
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -33,11 +36,13 @@ def test_dry_run_plans_every_step_and_finds_every_target():
     for step in STEPS:
         assert any(line.strip().startswith(step) and "catches" not in line for line in lines), step
         assert any(line.startswith(f"target of {step} ") and " ok " in line for line in lines), step
-    for module in ("fsdp_utils", "vllm_rollout", "attention", "main_ppo"):
+    for module in ("fsdp_utils", "vllm_rollout", "sglang_rollout", "attention", "main_ppo"):
         assert any(line.startswith("import rlframe.") and module in line and " ok" in line for line in lines), module
     engine_row = next(line for line in lines if line.startswith("vLLM engine arguments"))
     assert "'disable_custom_all_reduce': True" in engine_row and "'LOCAL_RANK': '0'" in engine_row
     assert "VLLM_ALLREDUCE_USE_SYMM_MEM" in engine_row
+    sglang_row = next(line for line in lines if line.startswith("SGLang engine arguments"))
+    assert " ok " in sglang_row and "'enable_memory_saver': True" in sglang_row
     assert any(line.startswith("GRPO step's config") and " ok " in line for line in lines)
 
 
