@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 from rlframe.algorithms.kl import get_kl_penalty_fn
 from rlframe.algorithms.loss import LOSS_AGG_MODES, get_policy_loss_fn
 from rlframe.algorithms.on_policy import old_log_prob_pass_reason
-from rlframe.config.checks import SAVE_CONTENTS, STRATEGIES, planned_device
+from rlframe.config.checks import SAVE_CONTENTS, STRATEGIES, check_fsdp_size, planned_device
 from rlframe.config.keys import ACTOR, ACTOR_KEYS, CRITIC_KEYS, REF_KEYS, get, micro_batch_inactive, ref_enabled
 from rlframe.config.schema import Section, each_of, key, section
 from rlframe.models.builtin import SHM_ROOT
@@ -402,14 +402,27 @@ class CriticConfig(Section):
 
 
 @dataclass
+class RewardModelFSDPConfig(Section):
+    param_offload: bool = key(False, "keep reward-model parameters on CPU between uses")
+    reshard_after_forward: bool = key(True, "free gathered params after forward")
+    fsdp_size: int = key(-1, "shard group size; -1 = all ranks, else HSDP (shard within groups of this size)")
+    forward_prefetch: bool = key(False, "all-gather the next layer during this one's forward (FSDP1; FSDP2 depth 1)")
+
+
+@dataclass
 class RewardModelModelConfig(Section):
     path: Optional[str] = key(None, "sequence-classification model dir")
     input_tokenizer: str = key("${actor_rollout_ref.model.path}", "tokenizer of the policy (to decode responses)")
+    use_remove_padding: bool = key(False, "score packed sequences (cu_seqlens, no pad compute); same scores")
+    fsdp_config: RewardModelFSDPConfig = section(RewardModelFSDPConfig)
 
 
 @dataclass
 class RewardModelConfig(Section):
     enable: bool = key(False, "score with a reward model worker (in addition to rules)")
+    use_reward_loop: bool = key(
+        False, "verl 0.8's switch (0.9.1 removed it): false = verl's legacy FSDP worker, rlframe's; true = refused"
+    )
     model: RewardModelModelConfig = section(RewardModelModelConfig)
     micro_batch_size_per_gpu: int = key(4, "sequences per reward model forward")
     reward_manager: str = key(
@@ -424,8 +437,23 @@ class RewardModelConfig(Section):
             raise ValueError(
                 "reward_model.enable=true needs reward_model.model.path (a sequence-classification model folder)"
             )
+        if self.enable and self.use_reward_loop:
+            raise ValueError(
+                "reward_model.use_reward_loop=true with reward_model.enable=true: verl's reward loop serves the "
+                "reward model from an inference server (reward_model.rollout.*), which rlframe does not implement; "
+                "rlframe scores with verl's legacy FSDP reward-model worker: set reward_model.use_reward_loop=false"
+            )
+        if self.enable:
+            world_size = root.trainer.nnodes * root.trainer.n_gpus_per_node
+            check_fsdp_size(self.model.fsdp_config.fsdp_size, world_size, f"{path}.model.fsdp_config.fsdp_size")
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         if self.enable:
             return {}
-        return {f"{path}.{name}": "reward_model.enable=false" for name in ("model", "micro_batch_size_per_gpu")}
+        out = {f"{path}.{name}": "reward_model.enable=false" for name in ("model", "micro_batch_size_per_gpu")}
+        # without a reward model, verl's reward loop runs the same reward manager on the same scorers
+        out[f"{path}.use_reward_loop"] = (
+            "reward_model.enable=false: the rewards come from the reward manager either way (verl's reward loop "
+            "runs the same manager and scorers)"
+        )
+        return out

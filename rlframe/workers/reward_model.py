@@ -3,7 +3,10 @@
 The model is loaded as token classification with one label: a sequence-classification checkpoint's
 `score` head loads into it unchanged, and the per-token logits let us read the score at each row's
 last valid token whatever the padding side. The score goes on the last valid response token
-(`rm_scores` [bs, response_length]), the same place rule-based rewards go. When the reward model's
+(`rm_scores` [bs, response_length]), the same place rule-based rewards go. With
+`reward_model.model.use_remove_padding` the valid tokens of a micro-batch are packed into one row
+(each sequence attending only to itself through `cu_seqlens`) and each score is read at its
+sequence's last packed token: the same scores without computing the padding. When the reward model's
 tokenizer differs from the policy's, the conversation is rebuilt from the raw chat
 (`data.return_raw_chat=true`) plus the decoded response, and re-tokenized with the reward model's
 own chat template.
@@ -13,15 +16,22 @@ from __future__ import annotations
 
 import torch
 
-from rlframe.distributed.padding import position_ids_from_mask
+from rlframe.distributed.padding import pack_tensor, position_ids_from_mask, unpad_input
 from rlframe.protocol import DataProto
 from rlframe.single_controller import Dispatch, register
 from rlframe.workers.fsdp_utils import FSDPSpec, resolve_dtype, wrap_fsdp
 from rlframe.workers.fsdp_workers import FSDPWorkerBase
 
 
-def last_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Score [bs] read at each row's last valid token (rows may be left- and right-padded)."""
+def last_token_scores(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, use_remove_padding: bool = False
+) -> torch.Tensor:
+    """Score [bs] read at each row's last valid token (rows may be left- and right-padded).
+
+    `use_remove_padding` runs the packed row instead (the model must use rlframe's varlen attention).
+    """
+    if use_remove_padding:
+        return _packed_last_token_scores(model, input_ids, attention_mask)
     logits = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -30,6 +40,35 @@ def last_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     ).logits[..., 0]
     last = attention_mask.shape[1] - 1 - attention_mask.flip(-1).long().argmax(-1)
     return logits[torch.arange(logits.shape[0], device=logits.device), last].float()
+
+
+def _packed_last_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    ids, indices, cu_seqlens, max_seqlen = unpad_input(input_ids, attention_mask)
+    position_ids = pack_tensor(position_ids_from_mask(attention_mask), indices).unsqueeze(0)
+    logits = model(
+        input_ids=ids,
+        position_ids=position_ids,
+        use_cache=False,
+        cu_seq_lens_q=cu_seqlens,
+        cu_seq_lens_k=cu_seqlens,
+        max_length_q=max_seqlen,
+        max_length_k=max_seqlen,
+    ).logits[0, :, 0]
+    return logits[cu_seqlens[1:].long() - 1].float()  # each sequence's last token in the packed row
+
+
+def load_reward_model(path: str, use_remove_padding: bool):
+    """The checkpoint as token classification with one label, in fp32, eval mode, without gradients."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    from rlframe.distributed.attention import register_varlen_attention
+
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    attn = register_varlen_attention() if use_remove_padding else "sdpa"
+    model = AutoModelForTokenClassification.from_pretrained(
+        path, config=config, dtype=torch.float32, attn_implementation=attn
+    )
+    return model.requires_grad_(False).eval()
 
 
 def place_on_last_response_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -50,28 +89,26 @@ class RewardModelWorker(FSDPWorkerBase):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, total_training_steps: int) -> None:
-        from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
+        from transformers import AutoTokenizer
 
         rm_cfg = self.config.reward_model
-        self._init_dist(1)
+        fsdp_cfg = rm_cfg.model.fsdp_config
+        self._init_dist(1, int(fsdp_cfg.fsdp_size))
         path = str(rm_cfg.model.path)
         self.rm_tokenizer = AutoTokenizer.from_pretrained(path)
         self.policy_tokenizer = AutoTokenizer.from_pretrained(
             str(rm_cfg.model.input_tokenizer), trust_remote_code=bool(self.config.data.trust_remote_code)
         )
         self.same_tokenizer = self.rm_tokenizer.get_vocab() == self.policy_tokenizer.get_vocab()
-        config = AutoConfig.from_pretrained(path, num_labels=1)
-        model = AutoModelForTokenClassification.from_pretrained(
-            path, config=config, dtype=torch.float32, attn_implementation="sdpa"
-        )
-        model.requires_grad_(False).eval()
-        dtype = resolve_dtype("auto", self.device_type)
+        self.use_remove_padding = bool(rm_cfg.model.use_remove_padding)
+        model = load_reward_model(path, self.use_remove_padding)
         spec = FSDPSpec(
             strategy=self._strategy,
-            param_dtype=dtype,
+            param_dtype=resolve_dtype("auto", self.device_type),
             reduce_dtype=torch.float32,
-            param_offload=False,
-            reshard_after_forward=True,
+            param_offload=bool(fsdp_cfg.param_offload),
+            reshard_after_forward=bool(fsdp_cfg.reshard_after_forward),
+            forward_prefetch=bool(fsdp_cfg.forward_prefetch),
         )
         self.module = wrap_fsdp(model, spec, self.fsdp_mesh, self.device_type)
         self.micro_batch_size = int(rm_cfg.micro_batch_size_per_gpu)
@@ -104,8 +141,7 @@ class RewardModelWorker(FSDPWorkerBase):
         with torch.no_grad():
             for start in range(0, len(input_ids), self.micro_batch_size):
                 rows = slice(start, start + self.micro_batch_size)
-                scores.append(
-                    last_token_scores(self.module, input_ids[rows].to(device), attention_mask[rows].to(device)).cpu()
-                )
+                ids, mask = input_ids[rows].to(device), attention_mask[rows].to(device)
+                scores.append(last_token_scores(self.module, ids, mask, self.use_remove_padding).cpu())
         rm_scores = place_on_last_response_token(torch.cat(scores), data.batch["response_mask"])
         return DataProto.from_dict({"rm_scores": rm_scores})
