@@ -132,12 +132,12 @@ class EngineKwargsConfig(Section):
     )
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
-        out = {f"{path}.trtllm": "rlframe has no trtllm engine"}
         name = root.actor_rollout_ref.rollout.name
-        if name != "sglang":
-            out[f"{path}.sglang"] = f"{ROLLOUT}.name={name}: an SGLang setting"
         if name == "sglang":  # under hf, RolloutConfig reports it with the other vLLM settings
-            out[f"{path}.vllm"] = f"{ROLLOUT}.name=sglang: a vLLM setting"
+            out = {f"{path}.vllm": f"{ROLLOUT}.name=sglang: a vLLM setting"}
+        else:
+            out = {f"{path}.sglang": f"{ROLLOUT}.name={name}: an SGLang setting"}
+        out[f"{path}.trtllm"] = "rlframe has no trtllm engine"
         return out
 
 
