@@ -9,6 +9,7 @@ Rank 0 writes the gradients, every rank the outputs of its DP shard; the test re
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from dataclasses import dataclass, field, replace
@@ -63,6 +64,7 @@ class Scenario:
     fsdp_size: int = -1  # -1: shard over all ranks; else hybrid sharding (HSDP)
     gradient_checkpointing: bool = False
     forward_prefetch: bool = False  # fsdp_config.forward_prefetch: overlaps gathers, must not change a number
+    reshard_after_forward: bool = True  # fsdp_config.reshard_after_forward: False keeps gathers, same numbers
     dtype: torch.dtype = torch.float32  # parameters and compute; float64 tells rounding from math (docs/models.md)
     lora_adapter: str | None = None  # a PEFT adapter folder: train it on the frozen model (lora_adapter_path)
     extra: dict = field(default_factory=dict)
@@ -119,6 +121,7 @@ def settings_for(sc: Scenario, num_seqs: int):
             cliprange_value=0.5,
             loss_agg_mode=sc.loss_agg_mode,
             use_remove_padding=sc.use_remove_padding,
+            reshard_after_forward=sc.reshard_after_forward,
         )
     base = ActorSettings(
         mini_batch_size=mini_global // sc.dp,
@@ -138,6 +141,7 @@ def settings_for(sc: Scenario, num_seqs: int):
         kl_loss_coef=0.1,
         kl_loss_type="low_var_kl",
         use_remove_padding=sc.use_remove_padding,
+        reshard_after_forward=sc.reshard_after_forward,
     )
     return replace(base, **sc.extra)
 
@@ -186,7 +190,9 @@ def run_scenario(
     if sc.lora_adapter is not None:
         model = apply_lora(model, LoraSpec(1, 1, "all-linear", None, adapter_path=sc.lora_adapter))
     if sc.strategy != "none":
-        spec = FSDPSpec(sc.strategy, sc.dtype, sc.dtype, sc.param_offload, True, sc.forward_prefetch)
+        spec = FSDPSpec(
+            sc.strategy, sc.dtype, sc.dtype, sc.param_offload, sc.reshard_after_forward, sc.forward_prefetch
+        )
         model = wrap_fsdp(model, spec, mesh, "cpu")
         if sc.forward_prefetch:
             assert_forward_prefetch(model, sc.strategy)
@@ -204,8 +210,28 @@ def run_scenario(
         if sc.lora_adapter is not None:  # the reference policy: the base model, adapter disabled
             with adapter_disabled(model):
                 outputs["ref_log_probs"] = actor.compute_log_prob(shard)[0]
-        metrics = actor.update_policy(shard)
-    return {"outputs": outputs, "metrics": metrics, "grads": optimizer.grads}
+        with counting_all_gathers() as gathers:
+            metrics = actor.update_policy(shard)
+    result = {"outputs": outputs, "metrics": metrics, "grads": optimizer.grads}
+    return result if sc.role == "critic" else {**result, "update_all_gathers": gathers[0]}
+
+
+@contextlib.contextmanager
+def counting_all_gathers():
+    """Counts the all-gathers FSDP2 issues for its parameters (`dist.all_gather_single`) while inside."""
+    import torch.distributed as dist
+
+    count, original = [0], dist.all_gather_single
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    dist.all_gather_single = counted
+    try:
+        yield count
+    finally:
+        dist.all_gather_single = original
 
 
 def free_port() -> int:
@@ -253,6 +279,7 @@ def run_distributed(sc: Scenario, model_path: str, data: DataProto, out_dir: str
         "metrics": results[0]["metrics"],
         "grads": results[0]["grads"],
         "all_metrics": [r["metrics"] for r in results],
+        "update_all_gathers": results[0].get("update_all_gathers"),
     }
 
 

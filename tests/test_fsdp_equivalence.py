@@ -166,3 +166,25 @@ def test_batch_statistic_losses_match_across_dp_and_sp(tiny_model_path, batch, t
     ref = _reference(tiny_model_path, batch, "actor", "token-sum", loss_mode)
     sc = Scenario(world=4, sp=2, use_dynamic_bsz=True, max_token_len=16, loss_agg_mode="token-sum", loss_mode=loss_mode)
     assert_matches(run_distributed(sc, tiny_model_path, batch, str(tmp_path)), ref)
+
+
+@pytest.mark.slow
+def test_reshard_after_forward_false_changes_no_bit_and_gathers_less(tiny_model_path, batch, tmp_path):
+    # fsdp_config.reshard_after_forward=false keeps the gathered parameters through an optimizer step's
+    # micro-batches (PPOUpdater); 2 optimizer steps of 2 micro-batches per rank: the second step's
+    # gradient is exact only if the first step's parameters were resharded before the optimizer stepped
+    runs = {}
+    for reshard in (True, False):
+        out_dir = tmp_path / f"reshard_{reshard}"
+        out_dir.mkdir()
+        sc = Scenario(world=2, micro_batch_size=1, mini_batch_size=4, reshard_after_forward=reshard)
+        runs[reshard] = run_distributed(sc, tiny_model_path, batch, str(out_dir))
+    freed, kept = runs[True], runs[False]
+    assert len(kept["metrics"]["actor/pg_loss"]) == 2
+    assert kept["metrics"] == freed["metrics"]
+    for name, tensor in freed["outputs"].items():
+        assert torch.equal(kept["outputs"][name], tensor), name
+    assert kept["grads"].keys() == freed["grads"].keys()
+    for name, grad in freed["grads"].items():
+        assert torch.equal(kept["grads"][name], grad), name
+    assert kept["update_all_gathers"] < freed["update_all_gathers"] / 2, (kept, freed)

@@ -68,6 +68,7 @@ class ActorSettings:
     use_remove_padding: bool
     use_torch_compile: bool = False  # torch.compile the log-prob/entropy kernels (CUDA)
     use_fused_kernels: bool = False  # score from hidden states a chunk at a time (model.use_fused_kernels)
+    reshard_after_forward: bool = True  # fsdp_config's; False: gathered across an optimizer step (PPOUpdater)
     # the policy loss's own parameters by verl's names (policy_loss.clip_cov_ratio, tau_pos, ...)
     policy_loss_params: dict = field(default_factory=dict)
 

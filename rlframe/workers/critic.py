@@ -35,6 +35,7 @@ class CriticSettings:
     cliprange_value: float
     loss_agg_mode: str
     use_remove_padding: bool
+    reshard_after_forward: bool = True  # fsdp_config's; False: gathered across an optimizer step (PPOUpdater)
 
 
 class PPOCritic(PPOUpdater):

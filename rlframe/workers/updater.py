@@ -6,6 +6,13 @@ counts) -> (loss, metrics)`) scaled by `dp_size` and back-propagated, then the D
 metrics, the micro-batch packing metrics and the clipped optimizer step. A role (`PPOActor`,
 `PPOCritic`) supplies only its loss and the keys it reads; the math itself lives in
 `rlframe.algorithms`.
+
+With `fsdp_config.reshard_after_forward=false` (FSDP2) the gathered parameters are kept from a
+micro-batch's forward through its backward; the updater also keeps them from one micro-batch to
+the next of the same optimizer step and reshards after the step's last backward, before the
+optimizer step. The peak memory is the same (every micro-batch holds them from its forward to its
+backward anyway); the micro-batches after the first gather nothing; the gradients are
+reduce-scattered per micro-batch as before, so the arithmetic is unchanged.
 """
 
 from __future__ import annotations
@@ -76,7 +83,10 @@ class PPOUpdater:
         micro_batches, _ = split_micro_batches(mini, self.settings.update, self.dp_group)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        for micro in micro_batches:
+        keep_gathered = not self.settings.reshard_after_forward and hasattr(self.module, "set_reshard_after_backward")
+        for index, micro in enumerate(micro_batches):
+            if keep_gathered:  # FSDP2 re-gathers nothing until the step's last backward (see module doc)
+                self.module.set_reshard_after_backward(index == len(micro_batches) - 1)
             loss, micro_metrics = loss_fn(micro, counts)
             # FSDP averages gradients over the dp ranks; the counts are already global, so scale back up.
             (loss * self.dp_size).backward()
