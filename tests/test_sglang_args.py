@@ -421,3 +421,35 @@ def test_engine_settings_reported_without_effect_per_engine(sglang_importable):
     assert warned("hf") == {log_stats, max_seqs}  # the HF engine batches by micro_batch_size
     assert warned("vllm") == {micro}
     assert warned("sglang") == {micro, log_stats}  # SGLang reads max_num_seqs (max_running_requests)
+
+
+def _rank0_call_worker(rank: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    rollout = object.__new__(SGLangRollout)
+    rollout.tp_group, rollout.tp_size, rollout.tp_rank = dist.group.WORLD, 2, rank
+
+    def engine_fails():
+        raise ValueError("engine died")
+
+    outcome = {"result": rollout._on_rank0(lambda: [[5, 2], [7]])}  # only rank 0 runs the call
+    try:
+        rollout._on_rank0(engine_fails)
+    except (ValueError, RuntimeError) as err:
+        outcome["error"] = f"{type(err).__name__}: {err}"
+    torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def test_tp_peers_get_rank0s_result_and_raise_with_its_error(tmp_path):
+    """The peers of the engine's rank wait for its outcome: they get its result, or fail when it fails."""
+    from test_rollout import free_port
+
+    torch.multiprocessing.spawn(_rank0_call_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert rank0["result"] == rank1["result"] == [[5, 2], [7]]
+    assert rank0["error"] == "ValueError: engine died"
+    assert rank1["error"] == (
+        "RuntimeError: the SGLang engine on TP rank 0 of this rollout group failed: ValueError: engine died"
+    )

@@ -309,15 +309,17 @@ class SGLangRollout(BaseRollout):
         check_engine_argument_names(kwargs, server_arg_names())
         devices = self._gather((socket.gethostname(), _this_device_id()))
         self.engine = None
-        if self.tp_rank == 0:
+        self._released = False
+        self._kv_cache_asleep = False
+
+        def build() -> None:
             import sglang
 
             visible = visible_devices_for_group(devices) if self.tp_size > 1 else None
             with scoped_visible_devices(visible), preserved_rng_state([self.device.index]):
                 self.engine = sglang.Engine(**kwargs)
-        self._barrier()
-        self._released = False
-        self._kv_cache_asleep = False
+
+        self._on_rank0(build)
 
     # ------------------------------------------------------------------ TP group helpers
     def _gather(self, obj) -> list:
@@ -328,9 +330,27 @@ class SGLangRollout(BaseRollout):
         dist.all_gather_object(out, obj, group=self.tp_group)
         return out
 
-    def _barrier(self) -> None:
+    def _on_rank0(self, call):
+        """Run `call` on TP rank 0, which holds the engine; every TP rank returns its result or raises.
+
+        The peers wait for rank 0's outcome, so they neither run ahead (into training, while the engine
+        still holds memory on their GPU) nor wait forever when the engine fails.
+        """
+        result, error = None, None
+        if self.tp_rank == 0:
+            try:
+                result = call()
+            except Exception as err:  # re-raised below, after the peers have heard of it
+                error = err
         if self.tp_size > 1:
-            dist.barrier(group=self.tp_group)
+            shared = [(result, None if error is None else f"{type(error).__name__}: {error}")]
+            dist.broadcast_object_list(shared, group_src=0, group=self.tp_group)
+            result, message = shared[0]
+            if error is None and message is not None:
+                raise RuntimeError(f"the SGLang engine on TP rank 0 of this rollout group failed: {message}")
+        if error is not None:
+            raise error
+        return result
 
     # ------------------------------------------------------------------ weights and memory
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -346,11 +366,10 @@ class SGLangRollout(BaseRollout):
         if bucket:
             self._load_bucket(bucket)
         del bucket
-        if self.engine is not None:
-            self.engine.flush_cache()  # cached KV blocks were computed with the old weights
+        self._on_rank0(lambda: self.engine.flush_cache())  # cached KV blocks were computed with the old weights
 
     def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        """One bucket from every TP rank's GPU into the engine; peers keep their tensors until it is loaded."""
+        """One bucket from every TP rank's GPU into the engine; each rank keeps its tensors until it is loaded."""
         from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
@@ -359,20 +378,20 @@ class SGLangRollout(BaseRollout):
         torch.cuda.synchronize()  # the copies must be complete before another process reads them
         handles = [(name, MultiprocessingSerializer.serialize(tensor.detach())) for name, tensor in bucket]
         gathered = self._gather(handles)
-        if self.engine is not None:
+
+        def load() -> None:
             named = [(name, LocalSerializedTensor(values=values)) for name, values in group_payloads(gathered)]
             success, message = self.engine.update_weights_from_tensor(named, flush_cache=False)
             if not success:
                 raise RuntimeError(f"SGLang refused the weight update: {message}")
-        self._barrier()
+
+        self._on_rank0(load)
 
     def release(self) -> None:
-        """Free the KV cache and the weights (only with free_cache_engine); peers wait until they are freed."""
+        """Free the KV cache and the weights (only with free_cache_engine), on every TP rank's GPU."""
         if not self.settings.free_cache_engine or self._released:
             return
-        if self.engine is not None:
-            self.engine.release_memory_occupation(tags=list(RELEASED_MEMORY))
-        self._barrier()
+        self._on_rank0(lambda: self.engine.release_memory_occupation(tags=list(RELEASED_MEMORY)))
         self._released = True
 
     def resume(self) -> None:
@@ -380,9 +399,7 @@ class SGLangRollout(BaseRollout):
         if not self._released:
             return
         torch.cuda.empty_cache()  # the trainer's freed blocks stay in torch's cache otherwise
-        if self.engine is not None:
-            self.engine.resume_memory_occupation(tags=["weights"])
-        self._barrier()
+        self._on_rank0(lambda: self.engine.resume_memory_occupation(tags=["weights"]))
         self._released = False
         self._kv_cache_asleep = True
 
@@ -400,16 +417,16 @@ class SGLangRollout(BaseRollout):
             raise RuntimeError("sglang rollout is released: call resume() (and update_weights) before generating")
         width = params.response_length
         with_log_probs = self.settings.calculate_log_probs
-        responses = None
-        if self.engine is not None:
+
+        def generate() -> list:
             if self._kv_cache_asleep:
                 self.engine.resume_memory_occupation(tags=["kv_cache"])
-            responses = self._run_engine(prompts, params, eos_ids, seeds, with_log_probs)
+                self._kv_cache_asleep = False
+            return self._run_engine(prompts, params, eos_ids, seeds, with_log_probs)
+
+        # every TP rank gets the group's tokens (generate_in_tp_group keeps each rank's share)
+        responses = self._on_rank0(generate)
         self._kv_cache_asleep = False
-        if self.tp_size > 1:  # every TP rank returns the group's tokens (generate_in_tp_group keeps its share)
-            shared = [responses]
-            dist.broadcast_object_list(shared, group_src=0, group=self.tp_group)
-            responses = shared[0]
         tokens = torch.full((len(responses), width), pad_id, dtype=torch.long)
         log_probs = torch.zeros(len(responses), width) if with_log_probs else None
         lengths = torch.zeros(len(responses), dtype=torch.long)
