@@ -107,8 +107,8 @@ def test_tracking_writes_jsonl_always_and_rejects_unknown_backends(tmp_path, cap
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert rows[0]["step"] == 1 and rows[0]["critic/score/mean"] == 0.5
     assert "step:1" in capsys.readouterr().out
-    with pytest.raises(ValueError, match=r"trainer.logger.*mlflow.*console, jsonl"):
-        Tracking("p", "e", ["mlflow"], str(tmp_path))
+    with pytest.raises(ValueError, match=r"trainer.logger.*neptune.*console, jsonl"):
+        Tracking("p", "e", ["neptune"], str(tmp_path))
 
 
 def test_tensorboard_backend_writes_event_files(tmp_path):

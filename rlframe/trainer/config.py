@@ -20,12 +20,12 @@ from rlframe.config.checks import check_fsdp_size
 from rlframe.config.key_status import raw_override_key
 from rlframe.config.keys import critic_enabled, ref_enabled
 from rlframe.config.loader import load_config
-from rlframe.config.schema import Section, each_of, key, render_yaml, section, validate, walk
+from rlframe.config.schema import Section, key, render_yaml, section, validate, walk
 from rlframe.config.verl_keys import ALIASES, check_verl_override, followed_key, verl_key_under
 from rlframe.data.config import DataConfig
 from rlframe.reward.config import CustomRewardFunctionConfig
 from rlframe.trainer.dynamic_sampling import FilterGroupsConfig
-from rlframe.trainer.tracking import BACKENDS
+from rlframe.trainer.tracking import check_backends
 from rlframe.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
 from rlframe.workers.rollout.config import RolloutConfig
 
@@ -138,7 +138,9 @@ class TrainerConfig(Section):
     project_name: str = key("rlframe", "tracking project")
     experiment_name: str = key("tiny_grpo", "tracking run name")
     logger: List[str] = key(
-        ["console", "jsonl"], "console | jsonl | tensorboard | wandb (jsonl is always on)", check=each_of(BACKENDS)
+        ["console", "jsonl"],
+        "console | jsonl | tensorboard | wandb | mlflow (jsonl is always on; docs/seeing_a_run.md)",
+        check=check_backends,
     )
     log_val_generations: int = key(0, "validation samples to log as text")
     val_before_train: bool = key(True, "run validation before the first step")

@@ -1,4 +1,4 @@
-"""Experiment tracking: console, jsonl (always on), tensorboard, wandb — one `log(metrics, step)` call.
+"""Experiment tracking: console, jsonl (always on), tensorboard, wandb, mlflow — one `log(metrics, step)` call.
 
 Also the console a person watches: one progress bar (step, reward, step time, ETA) and one line per
 validation (`ProgressBar`).
@@ -11,7 +11,18 @@ import math
 import os
 import time
 
-BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
+BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+
+
+def check_backends(backends: list) -> None:
+    """`trainer.logger`'s launch check: known names, and mlflow (an optional extra) installed."""
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown entries {unknown}; valid: {', '.join(BACKENDS)}")
+    if "mlflow" in backends:
+        from rlframe.trainer.mlflow_tracking import check_installed
+
+        check_installed()
 
 
 class Tracking:
@@ -28,7 +39,7 @@ class Tracking:
         os.makedirs(log_dir, exist_ok=True)
         self.jsonl_path = os.path.join(log_dir, "metrics.jsonl")
         self._jsonl = open(self.jsonl_path, "a", buffering=1)
-        self._tb = self._wandb = None
+        self._tb = self._wandb = self._mlflow = None
         if "tensorboard" in backends:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -43,6 +54,10 @@ class Tracking:
                 dir=log_dir,
                 mode=os.environ.get("WANDB_MODE"),
             )
+        if "mlflow" in backends:
+            from rlframe.trainer.mlflow_tracking import MlflowRun
+
+            self._mlflow = MlflowRun(project_name, experiment_name, config)
 
     def log(self, metrics: dict, step: int) -> None:
         clean = {k: _plain(v) for k, v in metrics.items()}
@@ -57,6 +72,8 @@ class Tracking:
                     self._tb.add_scalar(key, value, step)
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
+        if self._mlflow is not None:
+            self._mlflow.log(clean, step)
 
     def finish(self) -> None:
         self._jsonl.close()
@@ -64,6 +81,8 @@ class Tracking:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+        if self._mlflow is not None:
+            self._mlflow.finish()
 
 
 def _plain(value):
