@@ -112,9 +112,18 @@ UNSUPPORTED = {
     "actor_rollout_ref.actor.fsdp_config.turbo_config": "verl's FSDP turbo engine is not used",
     "actor_rollout_ref.ref.fsdp_config.turbo_config": "verl's FSDP turbo engine is not used",
     "critic.fsdp.turbo_config": "verl's FSDP turbo engine is not used",
+    "critic.model.use_fused_kernels": "a value model has no vocabulary head to fuse (the actor's switch is "
+    "actor_rollout_ref.model.use_fused_kernels)",
+    "critic.model.fused_kernel_options": "a value model has no vocabulary head to fuse",
 }
 
 GENERIC = "rlframe does not implement this verl 0.9.1 setting"
+
+# Keys that verl 0.9.1 does not have either, though users write them: what they mean to set, and where.
+NOT_IN_VERL = {
+    "actor_rollout_ref.model.torch_dtype": "verl 0.9.1 has no such key either: its FSDP engine loads the model "
+    "in fsdp_config.model_dtype; set actor_rollout_ref.actor.fsdp_config.model_dtype (and ref's, critic's)",
+}
 
 # verl 0.9.1's newer spellings of keys rlframe keeps at their older place: both reach the same key.
 # The critic's FSDP settings moved from critic.model.fsdp_config.* (beside the actor's, in rlframe) to
@@ -122,7 +131,16 @@ GENERIC = "rlframe does not implement this verl 0.9.1 setting"
 ALIASES = {
     **{
         f"critic.fsdp.{name}": f"critic.model.fsdp_config.{name}"
-        for name in ("param_offload", "optimizer_offload", "reshard_after_forward", "fsdp_size")
+        for name in (
+            "param_offload",
+            "optimizer_offload",
+            "reshard_after_forward",
+            "fsdp_size",
+            "model_dtype",
+            "mixed_precision.param_dtype",
+            "mixed_precision.reduce_dtype",
+            "mixed_precision.buffer_dtype",
+        )
     },
     "reward.custom_reward_function.path": "custom_reward_function.path",
     "reward.custom_reward_function.name": "custom_reward_function.name",

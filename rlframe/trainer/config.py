@@ -21,7 +21,7 @@ from rlframe.config.key_status import raw_override_key
 from rlframe.config.keys import critic_enabled, ref_enabled
 from rlframe.config.loader import load_config
 from rlframe.config.schema import Section, key, render_yaml, section, validate, walk
-from rlframe.config.verl_keys import ALIASES, check_verl_override, followed_key, verl_key_under
+from rlframe.config.verl_keys import ALIASES, NOT_IN_VERL, check_verl_override, followed_key, verl_key_under
 from rlframe.data.config import DataConfig
 from rlframe.reward.config import CustomRewardFunctionConfig
 from rlframe.trainer.dynamic_sampling import FilterGroupsConfig
@@ -290,11 +290,14 @@ def _unknown_key_message(full_key: str, overrides: list[str]) -> str:
     known = [path for path, value, _ in walk(PPOTrainerConfig()) if not isinstance(value, Section)]
     close = difflib.get_close_matches(full_key, known, n=3, cutoff=0.6)
     source = next((o for o in overrides if full_key in o.split("=", 1)[0]), None)
+    if full_key in NOT_IN_VERL:
+        close = []
     return (
         f"unknown config key {full_key!r}"
         + (f" (from the override {source!r})" if source else "")
         + ": no rlframe component reads it"
         + (f". Did you mean {' or '.join(close)}?" if close else ".")
+        + (f" {NOT_IN_VERL[full_key]}." if full_key in NOT_IN_VERL else "")
         + " configs/ppo_trainer.yaml documents every key."
     )
 

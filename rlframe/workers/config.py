@@ -39,6 +39,30 @@ def _check_shm(path: str, use_shm: bool) -> None:
         raise ValueError(f"{path}.use_shm=true needs {SHM_ROOT} (a Linux shared-memory mount); set it to false")
 
 
+def _check_impl_backend(name: str) -> None:
+    if name in ("triton", "liger"):
+        raise ValueError(
+            f"verl's {name} kernel (a CUDA GPU kernel) is not implemented in rlframe; impl_backend=torch gives the "
+            "same log-probs and entropy from a chunked computation (docs/fsdp_engine.md)"
+        )
+    if name != "torch":
+        raise ValueError("verl 0.9.1's backends are torch, triton and liger; rlframe implements torch")
+
+
+@dataclass
+class FusedKernelOptions(Section):
+    impl_backend: str = key(
+        "torch", "torch (chunked fused head); verl's triton and liger kernels are refused", check=_check_impl_backend
+    )
+
+
+def _offload_inactive(path: str, enabled: bool, root: Any) -> dict[str, str]:
+    """enable_activation_offload has nothing to move when the activations already live in host memory."""
+    if enabled and planned_device(root.trainer.device) != "cuda":
+        return {f"{path}.enable_activation_offload": "the device here is cpu: activations already live in host memory"}
+    return {}
+
+
 @dataclass
 class ModelConfig(Section):
     path: str = key("builtin://tiny", "local HF model dir; builtin://tiny = tiny random Qwen2 built offline")
@@ -48,6 +72,13 @@ class ModelConfig(Section):
     use_remove_padding: bool = key(True, "pack sequences into one row with cu_seqlens (no pad compute)")
     trust_remote_code: bool = key(False, "passed to from_pretrained")
     use_shm: bool = key(False, "copy the model folder to /dev/shm once per node and load from there")
+    enable_activation_offload: bool = key(
+        False, "keep saved activations in host memory from forward to backward (CUDA; docs/fsdp_engine.md)"
+    )
+    use_fused_kernels: bool = key(
+        False, "log-probs and entropy from the last hidden states a chunk at a time, never the full logits"
+    )
+    fused_kernel_options: FusedKernelOptions = section(FusedKernelOptions)
     lora_rank: int = key(0, "LoRA rank; 0 = train the full model, > 0 = train a PEFT LoRA adapter (docs/lora.md)")
     lora_alpha: int = key(16, "LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank")
     target_modules: Any = key("all-linear", "modules given an adapter: all-linear, a regex, or a list of names")
@@ -57,6 +88,11 @@ class ModelConfig(Section):
     def check(self, path: str, root: Any) -> None:
         _check_shm(path, self.use_shm)
         _check_lora(path, self)
+        if self.use_fused_kernels and root.actor_rollout_ref.actor.calculate_sum_pi_squared:
+            raise ValueError(
+                f"{path}.use_fused_kernels=true with actor_rollout_ref.actor.calculate_sum_pi_squared=true: "
+                "Σπ² needs the full logits, which the fused head never builds (as in verl 0.9.1); turn one off"
+            )
         rollout = root.actor_rollout_ref.rollout
         if self.lora_rank > 0 and rollout.name == "vllm" and rollout.dtype in ("fp32", "float32"):
             raise ValueError(
@@ -66,10 +102,13 @@ class ModelConfig(Section):
             )
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
+        out = _offload_inactive(path, self.enable_activation_offload, root)
+        if not self.use_fused_kernels:
+            out[f"{path}.fused_kernel_options"] = f"{path}.use_fused_kernels=false"
         shaping = ("lora_alpha", "target_modules", "exclude_modules")
         if self.lora_rank == 0:
-            return {f"{path}.{name}": f"{path}.lora_rank=0 (LoRA off)" for name in (*shaping, "lora_adapter_path")}
-        out = {}
+            out.update({f"{path}.{name}": f"{path}.lora_rank=0 (LoRA off)" for name in (*shaping, "lora_adapter_path")})
+            return out
         if self.lora_adapter_path is not None:
             reason = f"{path}.lora_adapter_path is set: the adapter's adapter_config.json decides"
             out.update({f"{path}.{name}": reason for name in shaping})
@@ -204,14 +243,42 @@ class CriticOptimConfig(OptimConfig):
 
 
 @dataclass
+class MixedPrecisionConfig(Section):
+    param_dtype: str = key(
+        "auto", "FSDP computes in this dtype; auto = bf16 on GPU (verl's), fp32 on CPU", choices=DTYPE_NAMES
+    )
+    reduce_dtype: str = key("fp32", "gradients are reduced across ranks in this dtype", choices=DTYPE_NAMES)
+    buffer_dtype: str = key(
+        "fp32", "buffers (rotary inv_freq) in this dtype (FSDP1; FSDP2 keeps them as loaded)", choices=DTYPE_NAMES
+    )
+
+
+def _check_trained_dtypes(path: str, model_dtype: str, mixed: MixedPrecisionConfig) -> None:
+    """fp16 training needs loss scaling (verl's ShardedGradScaler), which rlframe does not implement."""
+    for name, value in (("model_dtype", model_dtype), ("mixed_precision.param_dtype", mixed.param_dtype)):
+        if value in ("fp16", "float16"):
+            raise ValueError(
+                f"{path}.{name}={value}: fp16 training needs loss scaling, which rlframe does not implement; "
+                "use bf16 or fp32"
+            )
+
+
+@dataclass
 class FSDPConfig(Section):
     param_offload: bool = key(False, "keep parameters on CPU between uses")
     optimizer_offload: bool = key(False, "keep optimizer state on CPU between steps")
     reshard_after_forward: bool = key(True, "free gathered params after forward (ZeRO-3 style)")
     fsdp_size: int = key(-1, "shard group size; -1 = all ranks, else HSDP (shard within groups of this size)")
-    param_dtype: str = key("auto", "auto = bf16 on GPU, fp32 on CPU | bf16 | fp32", choices=DTYPE_NAMES)
-    reduce_dtype: str = key("fp32", "gradient reduction dtype", choices=DTYPE_NAMES)
+    model_dtype: str = key(
+        "fp32",
+        "dtype the HF model is loaded in, so the dtype FSDP holds (and steps) parameters in",
+        choices=DTYPE_NAMES[1:],
+    )
+    mixed_precision: MixedPrecisionConfig = section(MixedPrecisionConfig)
     forward_prefetch: bool = key(False, "all-gather the next layer during this one's forward (FSDP1; FSDP2 depth 1)")
+
+    def check(self, path: str, root: Any) -> None:
+        _check_trained_dtypes(path, self.model_dtype, self.mixed_precision)
 
 
 @dataclass
@@ -323,12 +390,8 @@ def _policy_loss_inactive(path: str, mode: str) -> dict[str, str]:
 class RefFSDPConfig(Section):
     param_offload: bool = key(False, "keep ref parameters on CPU between uses")
     reshard_after_forward: bool = key(True, "free gathered params after forward")
-    param_dtype: str = key(
-        f"${{{ACTOR}.fsdp_config.param_dtype}}", "auto = bf16 on GPU, fp32 on CPU", choices=DTYPE_NAMES
-    )
-    reduce_dtype: str = key(
-        f"${{{ACTOR}.fsdp_config.reduce_dtype}}", "unused for a frozen model; kept equal", choices=DTYPE_NAMES
-    )
+    model_dtype: str = key("fp32", "dtype the reference model is loaded in (FSDP holds it so)", choices=DTYPE_NAMES[1:])
+    mixed_precision: MixedPrecisionConfig = section(MixedPrecisionConfig)
     forward_prefetch: bool = key(False, "all-gather the next layer during this one's forward (FSDP1; FSDP2 depth 1)")
 
 
@@ -360,10 +423,16 @@ class CriticModelConfig(Section):
     use_remove_padding: bool = key("${actor_rollout_ref.model.use_remove_padding}", "packed sequences")
     trust_remote_code: bool = key(False, "passed to from_pretrained")
     use_shm: bool = key(False, "copy the model folder to /dev/shm once per node and load from there")
+    enable_activation_offload: bool = key(
+        False, "keep saved activations in host memory from forward to backward (CUDA; docs/fsdp_engine.md)"
+    )
     fsdp_config: FSDPConfig = section(FSDPConfig)
 
     def check(self, path: str, root: Any) -> None:
         _check_shm(path, self.use_shm)
+
+    def inactive(self, path: str, root: Any) -> dict[str, str]:
+        return _offload_inactive(path, self.enable_activation_offload, root)
 
 
 @dataclass

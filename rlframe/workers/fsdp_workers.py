@@ -28,6 +28,7 @@ from rlframe.utils.faults import kill_point
 from rlframe.utils.flops import model_flops_info
 from rlframe.workers import checkpoint as ckpt
 from rlframe.workers import lora
+from rlframe.workers.activation_offload import enable as enable_activation_offload
 from rlframe.workers.actor import ActorSettings, PPOActor
 from rlframe.workers.batching import micro_batch_spec
 from rlframe.workers.config import POLICY_LOSS_PARAM_OWNERS
@@ -52,7 +53,11 @@ def _or(value, fallback) -> float:
 
 
 def actor_settings(
-    actor_cfg: DictConfig, plan: UpdatePlan, use_remove_padding: bool, device_type: str = "cpu"
+    actor_cfg: DictConfig,
+    plan: UpdatePlan,
+    use_remove_padding: bool,
+    device_type: str = "cpu",
+    use_fused_kernels: bool = False,
 ) -> ActorSettings:
     return ActorSettings(
         mini_batch_size=plan.mini_batch_size_per_dp,
@@ -72,6 +77,8 @@ def actor_settings(
         kl_loss_type=str(actor_cfg.kl_loss_type),
         use_remove_padding=use_remove_padding,
         use_torch_compile=bool(actor_cfg.use_torch_compile) and device_type == "cuda",
+        reshard_after_forward=bool(actor_cfg.fsdp_config.reshard_after_forward),
+        use_fused_kernels=use_fused_kernels,
         policy_loss_params={
             **{name: actor_cfg.policy_loss[name] for name in POLICY_LOSS_PARAM_OWNERS},
             "tau_pos": float(actor_cfg.tau_pos),
@@ -91,6 +98,21 @@ def critic_settings(critic_cfg: DictConfig, plan: UpdatePlan) -> CriticSettings:
         cliprange_value=float(critic_cfg.cliprange_value),
         loss_agg_mode=str(critic_cfg.loss_agg_mode),
         use_remove_padding=bool(critic_cfg.model.use_remove_padding),
+        reshard_after_forward=bool(critic_cfg.model.fsdp_config.reshard_after_forward),
+    )
+
+
+def fsdp_spec(fsdp_cfg: DictConfig, strategy: str, device_type: str) -> FSDPSpec:
+    """A role's fsdp_config as FSDP wrapping settings; mixed_precision as verl 0.9.1 reads it (auto: bf16 on GPU)."""
+    mixed = fsdp_cfg.mixed_precision
+    return FSDPSpec(
+        strategy=strategy,
+        param_dtype=resolve_dtype(str(mixed.param_dtype), device_type),
+        reduce_dtype=resolve_dtype(str(mixed.reduce_dtype), device_type),
+        param_offload=bool(fsdp_cfg.param_offload),
+        reshard_after_forward=bool(fsdp_cfg.reshard_after_forward),
+        forward_prefetch=bool(fsdp_cfg.forward_prefetch),
+        buffer_dtype=resolve_dtype(str(mixed.buffer_dtype), device_type),
     )
 
 
@@ -119,8 +141,8 @@ class FSDPWorkerBase(Worker):
         self.dp_group = self.sp_mesh["dp"].get_group()
         self.sp_group = self.sp_mesh["sp"].get_group() if sp > 1 else None
 
-    def _load(self, model_cfg, role: str, use_remove_padding: bool):
-        """The HF model on CPU in fp32 (FSDP's mixed precision casts for compute)."""
+    def _load(self, model_cfg, role: str, use_remove_padding: bool, fsdp_cfg):
+        """The HF model on CPU in fsdp_config.model_dtype (FSDP's mixed precision casts for compute)."""
         if model_cfg.external_lib:  # registers custom model classes with transformers' Auto* factories
             importlib.import_module(model_cfg.external_lib)
         path = copy_to_shm(model_cfg.path) if model_cfg.use_shm else model_cfg.path
@@ -128,7 +150,7 @@ class FSDPWorkerBase(Worker):
             ModelSpec(
                 path=path,
                 role=role,
-                dtype=torch.float32,
+                dtype=resolve_dtype(str(fsdp_cfg.model_dtype), self.device_type),
                 use_remove_padding=use_remove_padding,
                 gradient_checkpointing=bool(model_cfg.enable_gradient_checkpointing),
                 trust_remote_code=bool(model_cfg.trust_remote_code),
@@ -136,16 +158,13 @@ class FSDPWorkerBase(Worker):
             )
         )
 
-    def _wrap(self, model, fsdp_cfg):
-        spec = FSDPSpec(
-            strategy=self._strategy,
-            param_dtype=resolve_dtype(str(fsdp_cfg.param_dtype), self.device_type),
-            reduce_dtype=resolve_dtype(str(fsdp_cfg.reduce_dtype), self.device_type),
-            param_offload=bool(fsdp_cfg.param_offload),
-            reshard_after_forward=bool(fsdp_cfg.reshard_after_forward),
-            forward_prefetch=bool(fsdp_cfg.forward_prefetch),
+    def _wrap(self, model, fsdp_cfg, activation_offload: bool = False):
+        module = wrap_fsdp(
+            model, fsdp_spec(fsdp_cfg, self._strategy, self.device_type), self.fsdp_mesh, self.device_type
         )
-        return wrap_fsdp(model, spec, self.fsdp_mesh, self.device_type)
+        if activation_offload and self.device_type == "cuda":  # on CPU activations already are in host memory
+            enable_activation_offload(module)
+        return module
 
     def _offload_optimizer(self) -> None:
         """With the role's fsdp_config.optimizer_offload, optimizer state waits on the CPU between updates."""
@@ -190,18 +209,19 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         self.tokenizer = AutoTokenizer.from_pretrained(
             self.config.data.tokenizer or cfg.model.path, trust_remote_code=bool(self.config.data.trust_remote_code)
         )
-        model = self._load(cfg.model, "actor", use_rmpad)
+        model = self._load(cfg.model, "actor", use_rmpad, cfg.actor.fsdp_config)
         self.actor_flops = model_flops_info(model)  # read before sharding
         lora_spec = lora.LoraSpec.from_config(cfg.model)
         if lora_spec is not None:
             model = lora.apply_lora(model, lora_spec, use_shm=bool(cfg.model.use_shm))
-        self.actor_module = self._wrap(model, cfg.actor.fsdp_config)
+        self.actor_module = self._wrap(model, cfg.actor.fsdp_config, bool(cfg.model.enable_activation_offload))
         self.optimizer = build_optimizer(self.actor_module, cfg.actor.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.actor.optim, total_training_steps)
+        fused = bool(cfg.model.use_fused_kernels)
         self.actor = PPOActor(
             self.actor_module,
             self.optimizer,
-            actor_settings(cfg.actor, self.plan.actor, use_rmpad, self.device_type),
+            actor_settings(cfg.actor, self.plan.actor, use_rmpad, self.device_type, fused),
             self.dp_group,
             self.sp_group,
             self.dp_size,
@@ -213,10 +233,11 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             if lora_spec is not None:  # verl's ref_in_actor: the actor with its adapter disabled
                 ref_module = self.actor_module
             else:
-                ref_module = self._wrap(self._load(cfg.model, "actor", use_rmpad), cfg.ref.fsdp_config)
+                ref_model = self._load(cfg.model, "actor", use_rmpad, cfg.ref.fsdp_config)
+                ref_module = self._wrap(ref_model, cfg.ref.fsdp_config)
                 ref_module.requires_grad_(False)
             ref_settings = replace(
-                actor_settings(cfg.actor, self.plan.actor, use_rmpad, self.device_type),
+                actor_settings(cfg.actor, self.plan.actor, use_rmpad, self.device_type, fused),
                 log_prob=micro_batch_spec(self.plan.ref, REF_KEYS.max_token_len),
                 use_torch_compile=bool(cfg.ref.use_torch_compile) and self.device_type == "cuda",
             )
@@ -368,7 +389,9 @@ class CriticWorker(FSDPWorkerBase):
             cfg.model.tokenizer_path, trust_remote_code=bool(cfg.model.trust_remote_code)
         )
         self.critic_module = self._wrap(
-            self._load(cfg.model, "critic", bool(cfg.model.use_remove_padding)), cfg.model.fsdp_config
+            self._load(cfg.model, "critic", bool(cfg.model.use_remove_padding), cfg.model.fsdp_config),
+            cfg.model.fsdp_config,
+            bool(cfg.model.enable_activation_offload),
         )
         self.optimizer = build_optimizer(self.critic_module, cfg.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optim, total_training_steps)
