@@ -246,6 +246,21 @@ def test_one_to_all_data_is_put_once_and_each_rank_writes_its_own_copy(group, mo
     assert torch.equal(data.batch["x"], make_data(3).batch["x"])  # the driver's copy is untouched
 
 
+@pytest.mark.parametrize("n", [8, 40_000])  # a few bytes per rank (sent inline), ~80 kB (Ray stores it itself)
+def test_dp_shards_travel_with_their_call_not_put_by_the_driver(group, monkeypatch, n):
+    import ray
+
+    puts = []
+    real_put = ray.put
+    monkeypatch.setattr(ray, "put", lambda value, **kw: puts.append(value) or real_put(value, **kw))
+    data = make_data(n)
+    out = group.add_offset(data)
+    monkeypatch.undo()
+    assert puts == []  # each shard has one reader: it goes with that rank's call
+    assert torch.equal(out.batch["x"], data.batch["x"] + 1.0)
+    assert out.non_tensor_batch["uid"].tolist() == [f"s{i}" for i in range(n)]
+
+
 def test_group_methods_carry_the_worker_signature_and_doc(group):
     method = group.add_offset
     assert method.__self__ is group

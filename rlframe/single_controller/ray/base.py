@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import enum
 import functools
 import inspect
@@ -164,12 +165,20 @@ class RayWorkerGroup(Generic[W]):
         return plan.collect(outputs)
 
     def _submit(self, workers: list, method: str, plan: CallPlan) -> list:
-        """Send each rank its arguments; each non-scalar value is put once, however many ranks read it."""
+        """Send each rank its arguments; a non-scalar value several ranks read is put once for all of them.
+
+        A value only one rank reads (its data-parallel shard) travels with that rank's call: Ray puts it
+        into the object store itself when it is large, and sends a small one inline, sparing the small
+        batches of a short step a round trip through the store.
+        """
+        readers = collections.Counter(id(value) for values in (*plan.args, *plan.kwargs) for value in _values(values))
         refs_by_id: dict[int, Any] = {}
 
         def prepare(value):
             if isinstance(value, _INLINE_TYPES):
                 return value
+            if readers[id(value)] == 1:
+                return pack_value(value)
             if id(value) not in refs_by_id:  # the plan holds every value, so ids stay unique
                 refs_by_id[id(value)] = ray.put(pack_value(value))
             return refs_by_id[id(value)]
@@ -185,6 +194,10 @@ class RayWorkerGroup(Generic[W]):
         if not self._workers:
             raise WorkerGroupError(f"{self!r} was shut down")
         return self._workers
+
+
+def _values(args: tuple | dict) -> Iterable:
+    return args.values() if isinstance(args, dict) else args
 
 
 def _group_method(name: str, spec: RegisterSpec, worker_fn):
