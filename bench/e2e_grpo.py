@@ -2,17 +2,24 @@
 
     python bench/e2e_grpo.py                                      # tiny model, 20 steps
     python bench/e2e_grpo.py --model builtin://smollm2-135m-instruct  # SmolLM2-135M-Instruct, 8 steps
+    python bench/e2e_grpo.py --model builtin://tiny --model builtin://smollm2-135m-instruct  # both, one table
     python bench/e2e_grpo.py --quick                              # 6 steps (tiny) / 4 steps (others)
     python bench/e2e_grpo.py --trl-path DIR                       # DIR holds trl and its dependencies
 
 The job (`job_for`): GRPO on builtin://countdown_add with 2 CPU worker processes of one thread.
-With the tiny model, examples/grpo_tiny_cpu.sh's sizes: 8 prompts x 4 samples, responses <= 16
-tokens, mini-batch 4 prompts = 2 optimizer steps per step, lr 3e-3. With any other model (a folder
-or builtin://smollm2-135m-instruct): 4 prompts x 4 samples, responses <= 32 tokens, one mini-batch
-= one optimizer step per step (exactly on-policy), lr 1e-6. Remove-padding on, no gradient
-checkpointing, fp32. rlframe's figures come from the run's metrics.jsonl (`timing_s/*`,
-`perf/total_num_tokens`: prompt + response tokens of the step). Medians skip the first
-`--skip-steps` steps (warm-up). Ray start-up and validation are outside the step times.
+With the tiny model (builtin://tiny): 8 prompts x 4 samples, responses <= 16 tokens, mini-batch 4
+prompts = 2 optimizer steps per step, lr 3e-3. With any other model (a folder or
+builtin://smollm2-135m-instruct): 4 prompts x 4 samples, responses <= 32 tokens, one mini-batch =
+one optimizer step per step (exactly on-policy), lr 1e-6. Remove-padding on, no gradient
+checkpointing, fp32. Each worker runs its share of a mini-batch as one micro-batch (and its share
+of the step's log-prob pass as one), as TRL's `per_device_train_batch_size` is one mini-batch:
+one forward/backward per optimizer step in both. Both models fit whole in each worker's memory (as
+TRL keeps the whole model), so the job sets `fsdp_config.reshard_after_forward=false` (verl's key,
+default true): the gathered parameters stay from a forward to its backward (and across the
+log-prob pass's micro-batches) instead of being gathered again. rlframe's figures come from the
+run's metrics.jsonl (`timing_s/*`, `perf/total_num_tokens`: prompt + response tokens of the step).
+Medians skip the first `--skip-steps` steps (warm-up). Ray start-up and validation are outside the
+step times. Several `--model`s run one after the other and end with one line of ratios.
 
 TRL (in a subprocess, so its imports stay out of this process): the same model folder, training
 parquet, reward (rlframe's countdown_add scorer), sampling (temperature 1, no top-k/top-p), sample
@@ -62,19 +69,29 @@ class Job:
     max_prompt_length: int
     max_response_length: int
     lr: float
-    micro_batch_per_worker: int
+    workers: int = 2
 
     @property
     def optimizer_steps(self) -> int:
         """Optimizer steps per training step (generation round)."""
         return self.prompts // self.mini_batch_prompts
 
+    @property
+    def micro_batch_per_worker(self) -> int:
+        """A worker's share of one mini-batch: one forward/backward per optimizer step."""
+        return self.mini_batch_prompts * self.samples // self.workers
+
+    @property
+    def log_prob_micro_batch_per_worker(self) -> int:
+        """A worker's share of the step: the log-prob pass (when it runs) in one forward."""
+        return self.prompts * self.samples // self.workers
+
 
 def job_for(model: str) -> Job:
-    """The tiny model's job is examples/grpo_tiny_cpu.sh's; real models get issue 12's (4 x 4, 32 tokens)."""
+    """The tiny model's job (8 x 4, 16 tokens, 2 optimizer steps); real models get issue 12's (4 x 4, 32 tokens)."""
     if model == TINY:
-        return Job(TINY, 8, 4, 4, 64, 16, 3e-3, 4)
-    return Job(model, 4, 4, 4, 128, 32, 1e-6, 8)
+        return Job(TINY, 8, 4, 4, 64, 16, 3e-3)
+    return Job(model, 4, 4, 4, 128, 32, 1e-6)
 
 
 def rlframe_overrides(job: Job, steps: int, run_dir: str) -> list[str]:
@@ -89,13 +106,14 @@ def rlframe_overrides(job: Job, steps: int, run_dir: str) -> list[str]:
         f"actor_rollout_ref.actor.ppo_mini_batch_size={job.mini_batch_prompts}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={job.micro_batch_per_worker}",
         f"actor_rollout_ref.actor.optim.lr={job.lr}",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={job.micro_batch_per_worker}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={job.log_prob_micro_batch_per_worker}",
+        "actor_rollout_ref.actor.fsdp_config.reshard_after_forward=false",
         f"data.max_prompt_length={job.max_prompt_length}",
         f"data.max_response_length={job.max_response_length}",
         "data.filter_overlong_prompts=true",
         "actor_rollout_ref.model.enable_gradient_checkpointing=false",
         "actor_rollout_ref.model.use_remove_padding=true",
-        "trainer.n_gpus_per_node=2",
+        f"trainer.n_gpus_per_node={job.workers}",
         "trainer.device=cpu",
         f"trainer.total_training_steps={steps}",
         "trainer.test_freq=-1",
@@ -288,10 +306,15 @@ def _load() -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=TINY, help="builtin://tiny (default), builtin://NAME or a model folder")
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help="builtin://tiny (default), builtin://NAME or a model folder; repeat it to run several in turn",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: 6 steps (tiny), 4 steps (others)")
     parser.add_argument("--steps", type=int, default=None, help="default: 20 (tiny), 8 (others)")
-    parser.add_argument("--skip-steps", type=int, default=2, help="warm-up steps left out of the medians")
+    parser.add_argument("--skip-steps", type=int, default=None, help="warm-up steps left out of the medians (2)")
     parser.add_argument("--trl-path", default=None, help="a folder with trl and its dependencies, put on PYTHONPATH")
     parser.add_argument("--trl-threads", type=int, default=2)
     parser.add_argument("--no-trl", action="store_true", help="skip the TRL comparison")
@@ -303,28 +326,39 @@ def main(argv=None) -> None:
     if args.trl_worker:
         _trl_worker(json.loads(args.trl_worker))
         return
-    job = job_for(args.model)
-    if args.steps is None:
-        args.steps = 20 if job.model == TINY else 8
-    if args.quick:
-        args.steps, args.skip_steps = (6, 1) if job.model == TINY else (4, 1)
+    with_trl = not args.no_trl and trl_importable(args.trl_path)
+    ratios = {}
+    for model in args.model or [TINY]:
+        ratios[model] = compare(job_for(model), args, with_trl)
+    if with_trl:
+        print("\nrlframe / TRL tokens/s: " + ", ".join(f"{model} {ratio:.2f}x" for model, ratio in ratios.items()))
+    else:
+        print("\n" + ("TRL comparison skipped (--no-trl)." if args.no_trl else TRL_NOTE))
 
+
+def compare(job: Job, args: argparse.Namespace, with_trl: bool) -> float | None:
+    """Run `job` in rlframe (and TRL), print its tables; the tokens/s ratio rlframe / TRL (None without TRL)."""
+    steps = args.steps or (20 if job.model == TINY else 8)
+    skip = 2 if args.skip_steps is None else args.skip_steps
+    if args.quick:
+        steps, skip = (6, 1) if job.model == TINY else (4, 1)
     loads = [_load()]
-    ours = run_rlframe(job, args.steps, args.skip_steps, args.override)
+    ours = run_rlframe(job, steps, skip, args.override)
     loads.append(_load())
     theirs = None
-    if not args.no_trl and trl_importable(args.trl_path):
-        theirs = run_trl(job, args.steps, args.skip_steps, args.trl_threads, args.trl_path)
+    if with_trl:
+        theirs = run_trl(job, steps, skip, args.trl_threads, args.trl_path)
         loads.append(_load())
 
     print(
         f"\nGRPO, {job.model} on builtin://countdown_add, {job.prompts} prompts x {job.samples} samples per step, "
         f"responses <= {job.max_response_length} tokens, {job.optimizer_steps} optimizer step(s) per step, "
-        f"{args.steps} steps (medians skip the first {args.skip_steps}); {os.cpu_count()} CPU cores; "
+        f"{steps} steps (medians skip the first {skip}); {os.cpu_count()} CPU cores; "
         f"1-min load average at start / after rlframe / after TRL: {' / '.join(loads)}\n"
     )
     headers = ["", "step s (median)", "tokens/s", "tokens/step", "mean reward", "run wall s"]
-    rows = [_row("rlframe (2 workers)", ours)]
+    rows = [_row(f"rlframe ({job.workers} workers)", ours)]
+    ratio = None
     if theirs is not None:
         rows.append(_row(f"TRL {theirs['trl_version']} GRPOTrainer", theirs))
         ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
@@ -335,12 +369,10 @@ def main(argv=None) -> None:
         print(f"\n{name} median seconds per phase: {phases}")
     print(
         "run wall s: rlframe's includes Ray start-up and model loading"
-        + ("; TRL's is trainer.train() only" if theirs is not None else "")
+        + ("; TRL's is trainer.train() only" if theirs is not None else ""),
+        flush=True,
     )
-    if theirs is None:
-        print("\n" + ("TRL comparison skipped (--no-trl)." if args.no_trl else TRL_NOTE))
-    else:
-        print(f"\nrlframe / TRL tokens/s: {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x")
+    return ratio
 
 
 if __name__ == "__main__":
