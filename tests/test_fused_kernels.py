@@ -14,6 +14,7 @@ from test_remove_padding import RESPONSE_LEN, load, make_rl_batch, run
 from transformers import AutoConfig
 
 from rlframe.distributed.attention import ATTN_IMPLEMENTATION
+from rlframe.trainer.config import compose, typed
 from rlframe.workers import fused_head
 from rlframe.workers.model_forward import forward_micro_batch
 
@@ -123,3 +124,34 @@ DISTRIBUTED = {
 @pytest.mark.parametrize("name", list(DISTRIBUTED))
 def test_distributed_fused_head_matches_the_plain_path(tiny_model_path, batch, reference, tmp_path, name):
     assert_matches(run_distributed(DISTRIBUTED[name], tiny_model_path, batch, str(tmp_path)), reference)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["actor_rollout_ref.model.fused_kernel_options.impl_backend=triton"], "triton kernel .* is not implemented"),
+        (["actor_rollout_ref.model.fused_kernel_options.impl_backend=cuda"], "backends are torch, triton and liger"),
+        (
+            [
+                "actor_rollout_ref.model.use_fused_kernels=true",
+                "algorithm.adv_estimator=optimal_token_baseline",
+                "actor_rollout_ref.actor.calculate_sum_pi_squared=true",
+            ],
+            "Σπ² needs the full logits",
+        ),
+        (["critic.model.use_fused_kernels=true"], "a value model has no vocabulary head to fuse"),
+    ],
+)
+def test_what_the_fused_head_cannot_do_is_refused_at_launch(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        typed(compose(overrides))
+
+
+def test_the_backend_option_is_in_effect_only_with_the_switch():
+    from rlframe.config.schema import inactive_keys
+
+    root = typed(compose(["actor_rollout_ref.model.use_fused_kernels=true"]))
+    assert root.actor_rollout_ref.model.use_fused_kernels
+    assert "actor_rollout_ref.model.fused_kernel_options" not in inactive_keys(root)
+    off = typed(compose([]))
+    assert inactive_keys(off)["actor_rollout_ref.model.fused_kernel_options"].endswith("use_fused_kernels=false")
