@@ -24,6 +24,7 @@ pytestmark = pytest.mark.slow
 # Keys honoured by a launch check alone: they admit one value, which is what rlframe does.
 CHECKED_ONLY = {
     "actor_rollout_ref.hybrid_engine": "must be true: actor, rollout and reference always share processes",
+    "actor_rollout_ref.model.fused_kernel_options.impl_backend": "must be torch: triton and liger are refused",
 }
 
 RUNS = {
@@ -36,6 +37,17 @@ RUNS = {
     "grpo_lora_kl_loss": [  # the reference policy is the actor with its adapter disabled
         "actor_rollout_ref.model.lora_rank=4",
         "actor_rollout_ref.actor.use_kl_loss=true",
+        "trainer.save_freq=2",
+        "trainer.val_before_train=false",
+    ],
+    "grpo_fused_head_bf16_kl_loss": [  # the fused head in the update, old-log-prob and ref passes; bf16 on CPU
+        "actor_rollout_ref.model.use_fused_kernels=true",
+        "actor_rollout_ref.model.enable_activation_offload=true",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.skip_on_policy_old_log_prob=false",
+        "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16",
+        "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
+        "+actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=bf16",
         "trainer.save_freq=2",
         "trainer.val_before_train=false",
     ],
