@@ -26,7 +26,16 @@ import yaml
 
 DEFAULTS_FILE = Path(__file__).with_name("verl_defaults.json")
 
-_PROFILER = "profiling is not built in: rlframe reports timing_s/* for every phase; run a profiler on the workers"
+_PROFILE_HOOKS = (
+    "finish hooks and moving nsys reports are not implemented: traces are written into global_profiler.save_path"
+)
+_NPU = "Ascend NPU profiling needs Ascend NPUs, which rlframe does not run on; profile with global_profiler.tool=torch"
+_ROLE_FOLLOWS = "a role profiles with global_profiler's tool and settings; set them under global_profiler"
+_ROLLOUT_TRACE = (
+    "tracing rollouts to weave or mlflow is not implemented; trainer.rollout_data_dir writes every sample of "
+    "every step (prompt, response, score) as jsonl"
+)
+_PROFILED_ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "actor_rollout_ref.rollout", "critic")
 _MULTIMODAL = "multimodal inputs are not supported (text-only models)"
 _MEGATRON_LORA = (
     "model.lora.* configures verl's Megatron-backend LoRA; with FSDP (rlframe's, and verl's) LoRA is "
@@ -43,15 +52,31 @@ _ROLLOUT_REWARD_MODEL = (
 )
 _QUANT = "quantized training and rollout are not supported"
 
+_HOOK_KEYS = ("relocate_results", "finish_hook_cmd", "finish_hook_all_ranks", "finish_hook_ranks")
+_ROLE_FOLLOWING = ("tool", "save_path", "tool_config.nsys", "tool_config.torch_memory")
+
 # prefix -> why rlframe does not implement it; the longest prefix that matches a key wins.
 UNSUPPORTED = {
-    "actor_rollout_ref.actor.profiler": _PROFILER,
-    "actor_rollout_ref.ref.profiler": _PROFILER,
-    "actor_rollout_ref.rollout.profiler": _PROFILER,
-    "actor_rollout_ref.rollout.trace": _PROFILER,
-    "actor_rollout_ref.rollout.prometheus": _PROFILER,
-    "critic.profiler": _PROFILER,
-    "global_profiler": _PROFILER,
+    **{f"global_profiler.{name}": _PROFILE_HOOKS for name in _HOOK_KEYS},
+    **{f"{role}.profiler.{name}": _PROFILE_HOOKS for role in _PROFILED_ROLES for name in _HOOK_KEYS},
+    **{f"{role}.profiler.{name}": _ROLE_FOLLOWS for role in _PROFILED_ROLES for name in _ROLE_FOLLOWING},
+    **{f"{role}.profiler.tool_config.npu": _NPU for role in _PROFILED_ROLES},
+    **{f"{role}.profiler.tool_config.precision_debugger": _NPU for role in _PROFILED_ROLES},
+    **{
+        f"{role}.profiler.tool_config.torch.{name}": "torch.profiler schedules over update mini-batches are not "
+        "implemented: a profiled step is traced whole (or per stage with tool_config.torch.discrete)"
+        for role in _PROFILED_ROLES
+        for name in ("schedule", "profile_token_start", "profile_token_end")
+    },
+    "global_profiler.global_tool_config.precision_debugger": _NPU,
+    "global_profiler.global_tool_config.nsys.controller_nsight_options": "rlframe's driver is the process you "
+    "launch, not a Ray actor: to trace it, run it under nsys yourself (nsys profile rlframe train ...)",
+    "global_profiler.global_tool_config.torch_memory.stack_depth": "torch's memory history has no stack-depth "
+    "setting (rlframe passes context, stacks and trace_alloc_max_entries)",
+    "global_profiler.global_tool_config.torch_memory.kw_args": "extra arguments of the memory history are not "
+    "passed; rlframe passes context, stacks and trace_alloc_max_entries",
+    "actor_rollout_ref.rollout.trace": _ROLLOUT_TRACE,
+    "actor_rollout_ref.rollout.prometheus": "Prometheus metrics of a rollout server are not implemented",
     "actor_rollout_ref.model.lora": _MEGATRON_LORA,
     "critic.model.lora": _MEGATRON_LORA,
     "critic.model.lora_rank": _CRITIC_LORA,

@@ -27,6 +27,7 @@ from rlframe.reward.config import CustomRewardFunctionConfig
 from rlframe.trainer.dynamic_sampling import FilterGroupsConfig
 from rlframe.trainer.tracking import check_backends
 from rlframe.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
+from rlframe.workers.profiler import GlobalProfilerConfig
 from rlframe.workers.rollout.config import RolloutConfig
 
 RESUME_MODES = ("auto", "disable", "resume_path")
@@ -196,6 +197,7 @@ class PPOTrainerConfig(Section):
     custom_reward_function: CustomRewardFunctionConfig = section(CustomRewardFunctionConfig)
     algorithm: AlgorithmConfig = section(AlgorithmConfig)
     trainer: TrainerConfig = section(TrainerConfig)
+    global_profiler: GlobalProfilerConfig = section(GlobalProfilerConfig, "profile the workers on chosen steps")
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = {}

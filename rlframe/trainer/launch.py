@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlframe.batch_plan import BatchPlan
 from rlframe.config.checks import resolve_device
+from rlframe.trainer.profiling import nsight_runtime_env
 
 if TYPE_CHECKING:  # Ray is imported only when the groups are created (prepare() runs without it)
     from rlframe.single_controller.ray import RayResourcePool, RayWorkerGroup
@@ -90,7 +91,12 @@ def create_worker_groups(
         roles["critic"] = RayClassWithInitArgs(CriticWorker, config, plan)
     if cfg.reward_model.enable:
         roles["reward_model"] = RayClassWithInitArgs(RewardModelWorker, config, plan)
-    owner = RayWorkerGroup(pool, create_colocated_worker_cls(roles), call_timeout_s=float(cfg.trainer.worker_timeout_s))
+    owner = RayWorkerGroup(
+        pool,
+        create_colocated_worker_cls(roles),
+        call_timeout_s=float(cfg.trainer.worker_timeout_s),
+        runtime_env=nsight_runtime_env(cfg),  # global_profiler.tool=nsys: the workers run under nsys
+    )
     by_role = owner.spawn(list(roles))
     groups = WorkerGroups(
         actor_rollout=by_role["actor_rollout"],

@@ -36,6 +36,7 @@ from rlframe.trainer.metrics import (
     compute_timing_metrics,
     reduce_metrics,
 )
+from rlframe.trainer.profiling import StepProfiler
 from rlframe.trainer.redact import redact
 from rlframe.trainer.tracking import ProgressBar, Tracking
 from rlframe.utils.flops import device_peak_tflops, train_flops
@@ -84,6 +85,7 @@ class RayPPOTrainer:
         self.actor_rollout_wg = groups.actor_rollout
         self.critic_wg = groups.critic
         self.reward_model_wg = groups.reward_model
+        self.step_profiler = StepProfiler(config.global_profiler, [self.actor_rollout_wg, self.critic_wg])
         self.use_critic = plan.critic is not None
         self.use_reference = plan.ref is not None
         self.on_policy = old_log_prob_pass_reason(config) is None  # steps whose update gives the old log-probs
@@ -131,6 +133,7 @@ class RayPPOTrainer:
         passes = 0
         while self.global_step < self.total_training_steps:
             for batch_dict in self.train_dataloader:
+                self.step_profiler.begin(self.global_step + 1)  # the step this batch generates for
                 rolled_out = self._rollout_step(DataProto.from_single_dict(batch_dict))
                 if rolled_out is None:  # dynamic sampling: the training batch is not full yet
                     continue
@@ -157,6 +160,7 @@ class RayPPOTrainer:
                     )
                     last_metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
                 self.tracker.log(last_metrics, step=self.global_step)
+                self.step_profiler.end(self.global_step, is_last)
                 progress.update(last_metrics)
                 if is_last:
                     break

@@ -18,6 +18,7 @@ from rlframe.reward.dapo import RewardKwargsConfig
 from rlframe.reward.manager import get_reward_manager_cls
 from rlframe.seqpack import ALLOCATE_FNS
 from rlframe.workers.fsdp_utils import DTYPES
+from rlframe.workers.profiler import RoleProfilerConfig
 
 DTYPE_NAMES = ("auto", *DTYPES)
 WARMUP_STYLES = ("constant", "cosine")
@@ -336,6 +337,7 @@ class ActorConfig(Section):
     optim: OptimConfig = section(OptimConfig)
     fsdp_config: FSDPConfig = section(FSDPConfig)
     checkpoint: CheckpointConfig = section(CheckpointConfig)
+    profiler: RoleProfilerConfig = section(RoleProfilerConfig, "profiling on global_profiler.steps (docs/profiling.md)")
 
     def check(self, path: str, root: Any) -> None:
         estimator = root.algorithm.adv_estimator
@@ -406,6 +408,7 @@ class RefConfig(Section):
     entropy_from_logits_with_chunking: bool = key(False, "verl's memory switch; no effect: rlframe always chunks")
     entropy_checkpointing: bool = key(False, "verl's memory switch; no effect: rlframe always recomputes")
     fsdp_config: RefFSDPConfig = section(RefFSDPConfig)
+    profiler: RoleProfilerConfig = section(RoleProfilerConfig, "profiling on global_profiler.steps (docs/profiling.md)")
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = micro_batch_inactive(root, REF_KEYS, "ref log-prob")
@@ -460,6 +463,7 @@ class CriticConfig(Section):
     cliprange_value: float = key(0.5, "value clipping range")
     loss_agg_mode: str = key(f"${{{ACTOR}.loss_agg_mode}}", "aggregation of the value loss", choices=LOSS_AGG_MODES)
     checkpoint: CheckpointConfig = section(CheckpointConfig)
+    profiler: RoleProfilerConfig = section(RoleProfilerConfig, "profiling on global_profiler.steps (docs/profiling.md)")
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = micro_batch_inactive(root, CRITIC_KEYS, "critic update")

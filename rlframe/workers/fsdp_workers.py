@@ -44,6 +44,7 @@ from rlframe.workers.fsdp_utils import (
     resolve_dtype,
     wrap_fsdp,
 )
+from rlframe.workers.profiler import Profiler, profiled
 from rlframe.workers.weight_sync import iter_full_params_bucketed
 
 
@@ -128,6 +129,25 @@ class FSDPWorkerBase(Worker):
         self.device_type = resolve_device(self.config.trainer.device)
         self.sp_group = None
         self.dp_group = None
+        self.profilers: list[Profiler] = []  # the roles' profilers of this worker (global_profiler)
+
+    def _profiler(self, role_cfg, role: str, stages_only: bool = False) -> Profiler:
+        global_cfg = self.config.global_profiler
+        profiler = Profiler(global_cfg, role_cfg, role, self.rank, self.world_size, self.device_type, stages_only)
+        self.profilers.append(profiler)
+        return profiler
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def start_profile(self, step: int) -> None:
+        """Global step `step` is profiled (global_profiler.steps): start where this rank's roles profile."""
+        for profiler in self.profilers:
+            profiler.start(step)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def stop_profile(self) -> None:
+        """The profiled step (or window) ended: write its traces or snapshots."""
+        for profiler in reversed(self.profilers):
+            profiler.stop()
 
     def _init_dist(self, sp: int, fsdp_size: int = -1):
         from torch.distributed.device_mesh import init_device_mesh
@@ -198,6 +218,10 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         self._strategy = str(self.config.actor_rollout_ref.actor.strategy)
         self._optimizer_offload = bool(self.config.actor_rollout_ref.actor.fsdp_config.optimizer_offload)
         self._weights_dirty = True
+        # as verl's colocated worker: the actor's settings profile the process (rollout included); the
+        # reference's own settings only choose whether its stage gets a trace of its own (discrete)
+        self.profiler = self._profiler(self.config.actor_rollout_ref.actor.profiler, "actor_rollout_ref")
+        self.ref_profiler = self._profiler(self.config.actor_rollout_ref.ref.profiler, "ref", stages_only=True)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, total_training_steps: int) -> None:
@@ -280,6 +304,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         return {**self.actor_flops, "device_name": name}
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @profiled("rollout_generate")
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Sync the actor's current weights into the rollout engine, then generate."""
         from rlframe.workers.rollout import generate_in_tp_group
@@ -306,6 +331,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         return output.to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @profiled("actor_compute_log_prob")
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """Old log-probs under the current actor (and their entropy, for the metrics)."""
         data = self._with_rollout_temperature(self._to_device(self._gather_sp(data)))
@@ -317,6 +343,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         return self._scatter_sp(out).to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @profiled("ref_compute_log_prob", profiler="ref_profiler")
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         data = self._with_rollout_temperature(self._to_device(self._gather_sp(data)))
         with lora.adapter_disabled(self.ref.module):  # with LoRA the reference is the actor's base model
@@ -324,6 +351,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         return self._scatter_sp(DataProto.from_dict({"ref_log_prob": log_probs})).to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @profiled("actor_update")
     def update_actor(self, data: DataProto) -> DataProto:
         data = self._with_rollout_temperature(self._to_device(self._gather_sp(data)))
         self._load_optimizer()
@@ -378,6 +406,7 @@ class CriticWorker(FSDPWorkerBase):
         super().__init__(config, plan)
         self._strategy = str(self.config.critic.strategy)
         self._optimizer_offload = bool(self.config.critic.model.fsdp_config.optimizer_offload)
+        self.profiler = self._profiler(self.config.critic.profiler, "critic")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, total_training_steps: int) -> None:
@@ -407,12 +436,14 @@ class CriticWorker(FSDPWorkerBase):
         )
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @profiled("critic_compute_values")
     def compute_values(self, data: DataProto) -> DataProto:
         data = self._to_device(self._gather_sp(data))
         values = self.critic.compute_values(data)
         return self._scatter_sp(DataProto.from_dict({"values": values})).to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @profiled("critic_update")
     def update_critic(self, data: DataProto) -> DataProto:
         data = self._to_device(self._gather_sp(data))
         self._load_optimizer()

@@ -87,11 +87,12 @@ class RayWorkerGroup(Generic[W]):
         *,
         call_timeout_s: float | None = None,
         init_timeout_s: float = 300.0,
+        runtime_env: dict | None = None,
     ):
         self.resource_pool = resource_pool
         self.call_timeout_s = call_timeout_s
         self._role_classes = dict(ray_cls_with_init.roles)
-        workers = _create_workers(resource_pool, ray_cls_with_init)
+        workers = _create_workers(resource_pool, ray_cls_with_init, runtime_env or {})
         self._setup(workers, ray_cls_with_init.cls, role=None)
         try:  # also surfaces constructor failures now, with their rank
             self.worker_info = wait_all(
@@ -216,8 +217,11 @@ def _group_method(name: str, spec: RegisterSpec, worker_fn):
     return group_method
 
 
-def _create_workers(pool: RayResourcePool, cls_with_init: RayClassWithInitArgs) -> list:
-    """One actor per slot; rank order follows the pool's nodes, then the slots on each node."""
+def _create_workers(pool: RayResourcePool, cls_with_init: RayClassWithInitArgs, runtime_env: dict) -> list:
+    """One actor per slot; rank order follows the pool's nodes, then the slots on each node.
+
+    `runtime_env` adds to each actor's Ray runtime_env (e.g. `nsight`: run the worker under nsys).
+    """
     pgs = pool.placement_groups()
     node_of_rank0 = ray.util.placement_group_table(pgs[0])["bundles_to_node_id"][0]
     master_addr, master_port = ray.get(
@@ -243,7 +247,7 @@ def _create_workers(pool: RayResourcePool, cls_with_init: RayClassWithInitArgs) 
             workers.append(
                 remote_cls.options(
                     scheduling_strategy=strategy,
-                    runtime_env={"env_vars": {k: str(v) for k, v in env.items()}},
+                    runtime_env={**runtime_env, "env_vars": {k: str(v) for k, v in env.items()}},
                     **pool.actor_resources(),
                 ).remote(*cls_with_init.args, **cls_with_init.kwargs)
             )

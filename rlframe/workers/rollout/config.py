@@ -10,6 +10,7 @@ from rlframe.config.checks import ROLLOUT_ENGINES
 from rlframe.config.keys import ACTOR, ACTOR_KEYS, ROLLOUT, micro_batch_inactive
 from rlframe.config.schema import Section, key, section
 from rlframe.workers.fsdp_utils import DTYPES
+from rlframe.workers.profiler import RolloutProfilerConfig
 from rlframe.workers.rollout.base import RolloutSettings
 
 # vLLM engine settings (verl 0.9.1's names and defaults); the hf engine reads none of them.
@@ -295,6 +296,7 @@ class RolloutConfig(Section):
     val_kwargs: ValKwargsConfig = section(ValKwargsConfig)
     multi_turn: MultiTurnConfig = section(MultiTurnConfig, "multi-turn rollouts with tools (tool_agent rows)")
     agent: AgentConfig = section(AgentConfig, "which agent loop runs a row")
+    profiler: RolloutProfilerConfig = section(RolloutProfilerConfig, "verl's; the actor's profiler covers the rollout")
 
     def check(self, path: str, root: Any) -> None:
         # the engine-independent values the workers read, checked here so that they fail before Ray starts
