@@ -3,8 +3,9 @@
 SGLang has no in-process SPMD mode like vLLM's external launcher: an `Engine` lives in one process and
 spawns one scheduler process per TP rank. So rank 0 of each TP group builds the engine and its
 schedulers run on the group's GPUs (`CUDA_VISIBLE_DEVICES` is set to the group's devices while the engine
-is built; Ray gives each worker one), as verl's SGLang rollout placed them. The other TP ranks hold no
-engine: they take part in the weight sync and receive the generated tokens from rank 0.
+is built; Ray gives each worker one), as verl 0.9.1 starts its SGLang server on its workers' devices.
+The other TP ranks hold no engine: they take part in the weight sync, wait for the outcome of each of
+rank 0's engine calls (`_on_rank0`) and receive the generated tokens from it.
 
 Engine arguments come from `actor_rollout_ref.rollout` with verl 0.9.1's names and meanings
 (`sglang_engine_kwargs`, a pure function); `engine_kwargs.sglang` is passed through last, as verl does.
@@ -38,7 +39,6 @@ from __future__ import annotations
 import gc
 import importlib.util
 import json
-import logging
 import os
 import socket
 from collections.abc import Iterable, Iterator
@@ -58,8 +58,6 @@ from rlframe.workers.rollout.vllm_rollout import (
     preserved_rng_state,
     resolve_max_model_len,
 )
-
-logger = logging.getLogger(__name__)
 
 INSTALL_HINT = (
     "install it on a CUDA machine with `pip install 'rlframe[sglang]'` (its torch pin differs from the "
