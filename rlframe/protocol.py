@@ -13,6 +13,7 @@ or `TypeError` that names the keys or sizes involved.
 from __future__ import annotations
 
 import copy
+import numbers
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,21 +31,37 @@ __all__ = [
 ]
 
 
-def _plain(value: Any, where: str) -> Any:
-    """`value` with numpy scalars as Python numbers; anything a weights_only load would refuse fails here."""
-    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+def plain_data(value: Any, where: str, refusal: str) -> Any:
+    """`value` as tensors, numbers, strings and lists/tuples/dicts of them: what `torch.load(weights_only=True)`
+    reads back. numpy scalars become Python numbers and numpy arrays tensors; anything else raises a
+    TypeError naming `where`, followed by `refusal` (what the caller writes, and why only that).
+
+    Used at save time (DataProto.save_to_disk, the checkpoint's data.pt), so that a value a
+    weights_only load would refuse fails the save that wrote it, not the load.
+    """
+    if value is None or isinstance(value, (bool, str, torch.Tensor)):
         return value
     if isinstance(value, np.generic):
         return value.item()
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value.copy())
     if isinstance(value, dict):
-        return {k: _plain(v, f"{where}[{k!r}]") for k, v in value.items()}
+        return {k: plain_data(v, f"{where}[{k!r}]", refusal) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        items = [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        items = [plain_data(v, f"{where}[{i}]", refusal) for i, v in enumerate(value)]
         return items if isinstance(value, list) else tuple(items)
-    raise TypeError(
-        f"{where} is a {type(value).__name__}; DataProto.save_to_disk writes only tensors, numbers, strings "
-        "and lists/tuples/dicts of them (so that loading the file cannot run code)"
-    )
+    raise TypeError(f"{where} is a {type(value).__name__}; {refusal}")
+
+
+# Why DataProto.save_to_disk refuses a value (plain_data's `refusal`).
+_SAVE_TO_DISK_REFUSAL = (
+    "DataProto.save_to_disk writes only tensors, numbers, strings and lists/tuples/dicts of them "
+    "(so that loading the file cannot run code)"
+)
 
 
 def _as_object_array(values: Any, key: str) -> np.ndarray:
@@ -354,10 +371,13 @@ class DataProto:
                 "batch": None if self.batch is None else {k: v for k, v in self.batch.items()},
                 "batch_size": None if self.batch is None else list(self.batch.batch_size),
                 "non_tensor_batch": {
-                    k: [_plain(v, f"non_tensor_batch[{k!r}][{i}]") for i, v in enumerate(values)]
+                    k: [
+                        plain_data(v, f"non_tensor_batch[{k!r}][{i}]", _SAVE_TO_DISK_REFUSAL)
+                        for i, v in enumerate(values)
+                    ]
                     for k, values in self.non_tensor_batch.items()
                 },
-                "meta_info": _plain(self.meta_info, "meta_info"),
+                "meta_info": plain_data(self.meta_info, "meta_info", _SAVE_TO_DISK_REFUSAL),
             },
             path,
         )

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import errno
 import logging
-import numbers
 import os
 import pickle
 import re
 import shutil
 
-import numpy as np
 import torch
 
+from rlframe.protocol import plain_data
 from rlframe.utils.faults import kill_point
 from rlframe.utils.manifest import CorruptCheckpointError, verify_manifest, write_manifest
 
@@ -31,6 +30,11 @@ logger = logging.getLogger(__name__)
 
 LATEST = "latest_checkpointed_iteration.txt"
 DATA_FILE = "data.pt"
+# why data.pt refuses a value (plain_data's `refusal`): checked at save time, not at resume
+CHECKPOINT_REFUSAL = (
+    "a checkpoint holds only tensors, numbers, strings and lists/tuples/dicts of them "
+    "(so that loading it cannot run code)"
+)
 RESUME_MODES = ("auto", "disable", "resume_path")
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
@@ -61,7 +65,8 @@ class TrainerCheckpointer:
         """Write step `step` completely or not at all; a failure leaves the previous checkpoint as latest."""
         final = os.path.join(self.root, f"global_step_{step}")
         tmp = final + ".tmp"
-        data = plain_data({"dataloader": dataloader.state_dict(), "driver": driver_state}, DATA_FILE)
+        state = {"dataloader": dataloader.state_dict(), "driver": driver_state}
+        data = plain_data(state, f"checkpoint entry {DATA_FILE}", CHECKPOINT_REFUSAL)
         try:
             self._write_step(tmp, actor_wg, critic_wg, data)
         except Exception as error:
@@ -197,35 +202,6 @@ def _disk_full(error: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
-
-
-def plain_data(value, where: str):
-    """`value` as tensors and plain containers (numpy scalars and arrays converted); anything else is refused.
-
-    Checked at save time, so that a state a weights_only load would refuse fails the save that wrote
-    it, naming the entry, rather than the resume.
-    """
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, numbers.Real):
-        return float(value)
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(value.copy())
-    if isinstance(value, dict):
-        return {key: plain_data(item, f"{where}[{key!r}]") for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        items = [plain_data(item, f"{where}[{i}]") for i, item in enumerate(value)]
-        return items if isinstance(value, list) else tuple(items)
-    raise TypeError(
-        f"checkpoint entry {where} is a {type(value).__name__}; a checkpoint holds only tensors, "
-        "numbers, strings and lists/tuples/dicts of them (so that loading it cannot run code)"
-    )
 
 
 def load_data(path: str) -> dict:
