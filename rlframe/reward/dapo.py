@@ -87,10 +87,11 @@ class DAPORewardManager(NaiveRewardManager):
         compute_score=None,
         reward_fn_key: str = "data_source",
         num_examine: int = 0,
+        on_scorer_error: str = "zero",
         max_resp_len: int | None = None,
         overlong_buffer_cfg: dict | None = None,
     ):
-        super().__init__(tokenizer, compute_score, reward_fn_key, num_examine)
+        super().__init__(tokenizer, compute_score, reward_fn_key, num_examine, on_scorer_error)
         self.max_resp_len = max_resp_len
         self.overlong = dict(overlong_buffer_cfg or {})
 

@@ -7,8 +7,13 @@ non_tensor_batch has the data source (`data.reward_fn_key`), `reward_model` (a d
 
 Output: `reward_tensor` [bs, response_len] (zeros except the score at the last valid response token),
 `reward_extra_info` (per-sample lists: "score" always, plus the other keys of dict scores; NaN where
-a sample lacks a key) and `metrics` (`reward/num_scorer_errors`). A scorer that raises or returns
-a non-finite or malformed score gives that sample 0; the run goes on and the error is counted.
+a sample lacks a key), `dropped` (a bool per sample) and `metrics` (`reward/num_scorer_errors`,
+`reward/num_scorer_timeouts`; with `drop` also `reward/num_dropped_samples`). A sample whose scorer
+raises, returns a non-finite or malformed score, or runs out of time is *failed*; the run goes on and
+it is counted.
+`custom_reward_function.on_scorer_error` says what a failed sample gets: `zero` scores it 0 (trained
+on like any other sample); `drop` marks it in `dropped` (the trainer gives it no weight in the
+advantages and the loss) and makes its extra info NaN, so that the reward metrics leave it out.
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ import math
 import numbers
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from rlframe.protocol import DataProto
+from rlframe.reward.config import ON_SCORER_ERROR
 from rlframe.reward.custom import load_custom_reward_function
 from rlframe.reward.isolated import IsolatedScorer
 from rlframe.reward.scorers import default_compute_score
@@ -63,12 +70,20 @@ class RewardManager:
     scores_per_sample = False
 
     def __init__(
-        self, tokenizer, compute_score: Callable | None = None, reward_fn_key: str = "data_source", num_examine: int = 0
+        self,
+        tokenizer,
+        compute_score: Callable | None = None,
+        reward_fn_key: str = "data_source",
+        num_examine: int = 0,
+        on_scorer_error: str = "zero",
     ):
+        if on_scorer_error not in ON_SCORER_ERROR:
+            raise ValueError(f"on_scorer_error={on_scorer_error!r} is not one of {', '.join(ON_SCORER_ERROR)}")
         self.tokenizer = tokenizer
         self.compute_score = compute_score
         self.reward_fn_key = reward_fn_key
         self.num_examine = num_examine
+        self.on_scorer_error = on_scorer_error
         self._logged_traceback = False
         self._isolated: IsolatedScorer | None = None  # with custom_reward_function.timeout_s
 
@@ -121,20 +136,28 @@ class RewardManager:
             scores.append(score)
             extras.append(extra)
         self._report_errors(errors, data_sources)
+        dropped = torch.zeros(len(data), dtype=torch.bool)
+        if self.on_scorer_error == "drop":
+            dropped[[i for i, _ in errors]] = True
 
         reward_tensor = torch.zeros(responses.shape, dtype=torch.float32)
         for i, (score, length) in enumerate(zip(scores, lengths)):
             reward_tensor[i, max(length - 1, 0)] = score
-        reward_extra_info = {"score": scores}
+        # a dropped sample has no score: NaN keeps it out of every reward/<key>/mean (nanmean)
+        reward_extra_info = {"score": [math.nan if gone else score for score, gone in zip(scores, dropped.tolist())]}
         for key in dict.fromkeys(k for extra in extras for k in extra):
             reward_extra_info[key] = [extra.get(key, math.nan) for extra in extras]
         self._examine(data_sources, solution_strs, ground_truths, scores)
         if not return_dict:
             return reward_tensor
+        metrics = {"reward/num_scorer_errors": len(errors), "reward/num_scorer_timeouts": num_timeouts}
+        if self.on_scorer_error == "drop":
+            metrics["reward/num_dropped_samples"] = int(dropped.sum())
         return {
             "reward_tensor": reward_tensor,
             "reward_extra_info": reward_extra_info,
-            "metrics": {"reward/num_scorer_errors": len(errors), "reward/num_scorer_timeouts": num_timeouts},
+            "dropped": dropped,
+            "metrics": metrics,
         }
 
     def _report_errors(self, errors: list, data_sources: list) -> None:
@@ -145,20 +168,26 @@ class RewardManager:
         if not self._logged_traceback:
             self._logged_traceback = True
             logger.error(
-                "reward scorer failed on %d of %d samples (scored 0); first failure (%s):",
+                "reward scorer failed on %d of %d samples (%s); first failure (%s):",
                 len(errors),
                 len(data_sources),
+                self._fate,
                 where,
                 exc_info=first_error,
             )
         else:
             logger.warning(
-                "reward scorer failed on %d of %d samples (scored 0); first: %s: %r",
+                "reward scorer failed on %d of %d samples (%s); first: %s: %r",
                 len(errors),
                 len(data_sources),
+                self._fate,
                 where,
                 first_error,
             )
+
+    @property
+    def _fate(self) -> str:
+        return "dropped" if self.on_scorer_error == "drop" else "scored 0"
 
     def _examine(self, data_sources, solution_strs, ground_truths, scores) -> None:
         shown: dict = {}
@@ -166,6 +195,32 @@ class RewardManager:
             if shown.get(source, 0) < self.num_examine:
                 shown[source] = shown.get(source, 0) + 1
                 logger.info("[%s] response=%r ground_truth=%r score=%s", source, solution, truth, score)
+
+
+def drop_failed_samples(batch: DataProto, dropped: torch.Tensor) -> None:
+    """`on_scorer_error=drop`: the `dropped` samples get no weight in the advantages and the loss.
+
+    Their response mask is zeroed (every loss, the KL and the advantage whitening sum over it) and
+    they are marked in `batch.batch["reward_dropped"]`, which `group_index` and the metrics read.
+    """
+    mask = batch.batch["response_mask"]
+    batch.batch["response_mask"] = mask * (~dropped).unsqueeze(-1).to(mask.dtype)
+    batch.batch["reward_dropped"] = dropped
+
+
+def group_index(batch: DataProto) -> np.ndarray:
+    """The advantage estimators' group of each sample: its prompt's uid; a dropped sample leaves its group.
+
+    A dropped sample gets a group of its own (advantage 0: its mask is zero), so that the group
+    mean, std and leave-one-out baselines of its prompt are computed over the kept samples only.
+    """
+    uids = batch.non_tensor_batch["uid"]
+    if "reward_dropped" not in batch.batch.keys():
+        return uids
+    index = np.empty(len(uids), dtype=object)
+    for row, (uid, gone) in enumerate(zip(uids, batch.batch["reward_dropped"].tolist())):
+        index[row] = ("dropped", row) if gone else uid  # a tuple never equals a uid string
+    return index
 
 
 def score_each(fn: Callable, data_sources, solution_strs, ground_truths, extra_infos) -> list:
@@ -248,6 +303,7 @@ def load_reward_manager(
         compute_score=compute_score,
         reward_fn_key=config.data.reward_fn_key,
         num_examine=num_examine,
+        on_scorer_error=config.custom_reward_function.on_scorer_error,
         **manager_cls.config_kwargs(config),
     )
     if config.custom_reward_function.timeout_s is not None:

@@ -27,9 +27,11 @@ def compute_data_metrics(batch: DataProto, use_critic: bool) -> dict[str, float]
     # as verl: a response's length counts every token in it, tool turns of a multi-turn trajectory too
     response_lens = batch.batch["attention_mask"][:, -response_length:].sum(-1).float()
     prompt_lens = prompt_mask.sum(-1).float()
+    # samples dropped for a failed scorer (custom_reward_function.on_scorer_error=drop) have no score
+    scored = ~batch.batch["reward_dropped"] if "reward_dropped" in batch.batch.keys() else slice(None)
     metrics = {}
-    metrics.update(_stats("critic/score", batch.batch["token_level_scores"].sum(-1)))
-    metrics.update(_stats("critic/rewards", batch.batch["token_level_rewards"].sum(-1)))
+    metrics.update(_stats("critic/score", batch.batch["token_level_scores"].sum(-1)[scored]))
+    metrics.update(_stats("critic/rewards", batch.batch["token_level_rewards"].sum(-1)[scored]))
     metrics.update(_stats("critic/advantages", batch.batch["advantages"][response_mask]))
     metrics.update(_stats("critic/returns", batch.batch["returns"][response_mask]))
     if use_critic:

@@ -27,6 +27,7 @@ from rlframe.algorithms.rollout_correction import probs_diff_metrics, rollout_co
 from rlframe.batch_plan import BatchPlan
 from rlframe.config.checks import resolve_device
 from rlframe.protocol import DataProto
+from rlframe.reward.manager import drop_failed_samples, group_index
 from rlframe.seqpack import balance_dp_partitions, packing_metrics
 from rlframe.trainer.checkpointing import TrainerCheckpointer
 from rlframe.trainer.dynamic_sampling import DynamicSampler
@@ -344,6 +345,8 @@ class RayPPOTrainer:
             rm_scores = self.reward_model_wg.compute_rm_score(batch).batch["rm_scores"]
             batch.batch["token_level_scores"] = rm_scores
             metrics["reward/rule_score/mean"] = float(result["reward_tensor"].sum(-1).mean())
+        elif result["dropped"].any():  # custom_reward_function.on_scorer_error=drop
+            drop_failed_samples(batch, result["dropped"])
         metrics.update(result.get("metrics", {}))
         for key, values in result.get("reward_extra_info", {}).items():
             values = np.asarray(values, dtype=float)
@@ -411,7 +414,7 @@ class RayPPOTrainer:
         inputs = {
             "token_level_rewards": batch.batch["token_level_rewards"],
             "response_mask": response_mask,
-            "index": batch.non_tensor_batch["uid"],
+            "index": group_index(batch),
             "gamma": algo.gamma,
             "lam": algo.lam,
             "norm_adv_by_std_in_grpo": algo.norm_adv_by_std_in_grpo,
@@ -457,6 +460,7 @@ class RayPPOTrainer:
             batch, _ = self._generate(DataProto.from_single_dict(batch_dict).repeat(n, interleave=True), validate=True)
             result = self.val_reward_fn(batch, return_dict=True)
             sources = batch.non_tensor_batch[self.config.data.reward_fn_key]
-            for source, score in zip(sources, result["reward_tensor"].sum(-1).tolist()):
-                scores.setdefault(str(source), []).append(score)
+            for source, score, dropped in zip(sources, result["reward_tensor"].sum(-1).tolist(), result["dropped"]):
+                if not dropped:  # custom_reward_function.on_scorer_error=drop: no score to average
+                    scores.setdefault(str(source), []).append(score)
         return {f"val-core/{source}/reward/mean@{n}": float(np.mean(v)) for source, v in scores.items()}
