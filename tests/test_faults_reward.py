@@ -209,3 +209,39 @@ def test_drop_with_dynamic_sampling_is_refused_before_the_run():
 
     with pytest.raises(ValueError, match="on_scorer_error=drop with algorithm.filter_groups.enable=true"):
         typed(compose(["custom_reward_function.on_scorer_error=drop", "algorithm.filter_groups.enable=true"]))
+
+
+@pytest.mark.slow
+def test_a_run_with_dropped_samples_trains_on_the_rest_and_counts_them(tmp_path, cache_dir):
+    """The real trainer (Ray, 2 CPU workers): the scorer raises on every prompt with an odd answer."""
+    from test_trainer_e2e import COMMON, read_metrics, run_main
+
+    scorer = tmp_path / "odd_fails.py"
+    scorer.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    if int(ground_truth) % 2:\n"
+        "        raise ValueError('user scorer failed on purpose')\n"
+        "    return 1.0 + 0.5 * (len(solution_str) % 2)\n"
+    )
+    run_dir = tmp_path / "run"
+    overrides = [
+        *COMMON,
+        f"trainer.default_local_dir={run_dir}",
+        "trainer.total_training_steps=3",
+        "trainer.n_gpus_per_node=2",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        f"custom_reward_function.path={scorer}",
+        "custom_reward_function.on_scorer_error=drop",
+    ]
+    out = run_main(overrides, cache_dir)
+    assert out.returncode == 0, out.stderr[-4000:]
+    steps = [m for m in read_metrics(run_dir) if "reward/num_dropped_samples" in m]
+    assert len(steps) == 3
+    assert sum(m["reward/num_dropped_samples"] for m in steps) > 0
+    assert any(m["reward/num_dropped_samples"] < 16 for m in steps)  # the check below is not vacuous
+    for m in steps:
+        assert m["reward/num_dropped_samples"] == m["reward/num_scorer_errors"]
+        if m["reward/num_dropped_samples"] < 16:  # some samples kept: their scores only, never a dropped 0
+            assert m["critic/score/min"] >= 1.0 and m["reward/score/mean"] >= 1.0
+    assert "failed on" in out.stderr and "(dropped)" in out.stderr
