@@ -1,11 +1,13 @@
-"""Exposure: no secret in what a run prints or saves; no Ray dashboard on a local cluster.
+"""Exposure: no secret in what a run prints or saves; a local Ray's dashboard off or on localhost only.
 
 A real run's config dump, console and metrics are checked with a wandb key in the environment in
-tests/test_faults_restart.py; here the rules themselves, and the listening sockets of a local Ray.
+tests/test_faults_restart.py; here the rules themselves, the listening sockets of a local Ray, and
+the rendezvous address of a single-node worker group (the loopback interface).
 """
 
 from __future__ import annotations
 
+import psutil
 import pytest
 
 from rlframe.trainer.redact import MASK, redact
@@ -34,7 +36,6 @@ def test_secret_keys_and_secret_env_values_are_masked():
 
 @pytest.mark.slow
 def test_a_local_cluster_starts_no_dashboard():
-    import psutil
     import ray
 
     from rlframe.single_controller.ray import init_ray
@@ -55,9 +56,33 @@ def test_a_local_cluster_starts_no_dashboard():
 
 
 def _listening(proc):
-    import psutil
-
     try:
         return [c for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
     except psutil.Error:
         return []
+
+
+@pytest.mark.slow
+def test_a_dashboard_asked_for_listens_on_localhost_and_ranks_rendezvous_over_loopback():
+    import ray
+    from test_single_controller import EchoWorker
+
+    from rlframe.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, init_ray
+
+    assert not ray.is_initialized()
+    init_ray(num_cpus=2, dashboard_host="127.0.0.1")  # trainer.ray_init.dashboard_host=127.0.0.1
+    try:
+        listening = [conn.laddr for proc in psutil.Process().children(recursive=True) for conn in _listening(proc)]
+        http = [address for address in listening if address.port == 8265]  # the dashboard's port
+        assert http, f"the dashboard is not listening on its port 8265: {listening}"
+        assert all(address.ip == "127.0.0.1" for address in http), http
+        pool = RayResourcePool([2], use_gpu=False)
+        group = RayWorkerGroup(pool, RayClassWithInitArgs(EchoWorker))
+        try:
+            masters = [rank["master"][0] for rank in group.whoami("rendezvous")]
+            assert masters == ["127.0.0.1", "127.0.0.1"]  # one node: never a routable address
+        finally:
+            group.shutdown()
+            pool.remove()
+    finally:
+        ray.shutdown()

@@ -119,6 +119,16 @@ class AlgorithmConfig(Section):
 class RayInitConfig(Section):
     address: Optional[str] = key(None, 'null = start a local Ray; "auto" or host:port = join a cluster')
     num_cpus: Optional[int] = key(None, "CPUs for a local Ray (null = all)")
+    dashboard_host: Optional[str] = key(
+        None,
+        "rlframe: a local Ray's dashboard: null = not started; 127.0.0.1 = this machine only; "
+        "0.0.0.0 = every interface",
+    )
+
+    def inactive(self, path: str, root: Any) -> dict[str, str]:
+        if self.address is None:
+            return {}
+        return {f"{path}.dashboard_host": f"{path}.address is set: the cluster's own dashboard settings apply"}
 
 
 def _non_negative(value: int) -> None:

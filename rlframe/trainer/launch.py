@@ -81,6 +81,7 @@ def create_worker_groups(
     init_ray(
         address=cfg.trainer.ray_init.address,
         num_cpus=_num_cpus_for_local_ray(cfg, plan.world_size, device_type),
+        dashboard_host=cfg.trainer.ray_init.dashboard_host,
         runtime_env={"env_vars": {**worker_env(), **({} if verbose else QUIET_WORKER_ENV)}},
         logging_level=logging.INFO if verbose else logging.ERROR,  # Ray's driver-side logger
     )

@@ -29,14 +29,21 @@ W = TypeVar("W", bound=Worker)
 _INLINE_TYPES = (type(None), bool, int, float, str, enum.Enum)
 
 
-def init_ray(address: str | None = None, num_cpus: int | None = None, **init_kwargs) -> None:
-    """Connect to the cluster at `address` (or $RAY_ADDRESS), or start a local one; no-op if connected."""
+def init_ray(
+    address: str | None = None, num_cpus: int | None = None, dashboard_host: str | None = None, **init_kwargs
+) -> None:
+    """Connect to the cluster at `address` (or $RAY_ADDRESS), or start a local one; no-op if connected.
+
+    A local cluster starts its dashboard only with `dashboard_host` (trainer.ray_init.dashboard_host),
+    listening there: 127.0.0.1 keeps it to this machine.
+    """
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if address in (None, "local"):
         # "local" always starts a fresh cluster, even when another one runs on this machine.
-        ray.init(address="local", num_cpus=num_cpus, **{"include_dashboard": False, **init_kwargs})
+        dashboard = {"include_dashboard": dashboard_host is not None, "dashboard_host": dashboard_host or "127.0.0.1"}
+        ray.init(address="local", num_cpus=num_cpus, **{**dashboard, **init_kwargs})
         return
     if num_cpus is not None:
         raise ValueError(
@@ -228,6 +235,8 @@ def _create_workers(pool: RayResourcePool, cls_with_init: RayClassWithInitArgs, 
         _node_address.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_of_rank0, soft=False)).remote(),
         timeout=120,
     )
+    if len(pool.process_on_nodes) == 1:  # every rank on rank 0's node: rendezvous over the loopback interface
+        master_addr = "127.0.0.1"
     remote_cls = ray.remote(cls_with_init.cls)
     workers = []
     for pg, count in zip(pgs, pool.process_on_nodes):
