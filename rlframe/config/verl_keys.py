@@ -86,9 +86,6 @@ UNSUPPORTED = {
     "critic.model.exclude_modules": _CRITIC_LORA,
     "actor_rollout_ref.rollout.agent.custom_async_server": "custom rollout servers are not implemented: the agent "
     "loop drives rlframe's own engines",
-    "actor_rollout_ref.rollout.mode": "verl 0.9.1 knows only async here; rlframe generates inside the training "
-    "workers and takes the key at that value (its rollout server is not "
-    "implemented yet: see the agent-loop issue)",
     "data.tool_config_path": _AGENT,
     "data.function_tool_path": _AGENT,
     "data.return_full_prompt": _AGENT,

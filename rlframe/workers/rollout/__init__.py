@@ -1,9 +1,10 @@
 """Rollout engines: prompts in, responses out, inside the worker processes that train.
 
-`build_rollout` picks the engine named by `actor_rollout_ref.rollout.name`; both engines honour
-the same contract (`BaseRollout.generate_sequences`). `generate_in_tp_group` is the worker-side
-step around it: gather the TP group's prompts, generate once for the group with a shared RNG
-seed, and keep this rank's share.
+`build_rollout` picks the engine named by `actor_rollout_ref.rollout.name`; all engines honour
+the same contract (`BaseRollout.generate_sequences`). `rollout.mode=async` (the default) wraps the engine
+in agent loops that drive it as a rollout server (`agent_loop.py`); `sync` generates the batch at once.
+`generate_in_tp_group` is the worker-side step around it: gather the TP group's prompts, generate once
+for the group with a shared RNG seed, and keep this rank's share.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from rlframe.config.checks import ROLLOUT_ENGINES, check_rollout_name
 from rlframe.protocol import DataProto, all_gather_data_proto
+from rlframe.workers.rollout.agent_loop import AgentLoopRollout
 from rlframe.workers.rollout.base import (
     BaseRollout,
     RolloutSettings,
@@ -75,9 +77,12 @@ def build_rollout(
         override_config=override_config,
         **extra,
     )
-    if uses_tool_agent(rollout_cfg):  # rows may call tools: the multi-turn loop drives the engine
-        return build_multi_turn(rollout, tokenizer, rollout_cfg, chat_template_kwargs)
-    return rollout
+    multi_turn = None
+    if uses_tool_agent(rollout_cfg):  # rows may call tools: the multi-turn logic drives the engine
+        multi_turn = build_multi_turn(rollout, tokenizer, rollout_cfg, chat_template_kwargs)
+    if str(rollout_cfg.mode) == "async":  # agent loops on a rollout server (agent_loop.py, server.py)
+        return AgentLoopRollout(rollout, int(rollout_cfg.agent.num_workers), multi_turn)
+    return multi_turn or rollout  # sync: the whole batch at once (tool rows turn by turn)
 
 
 def generate_in_tp_group(rollout: BaseRollout, prompts: DataProto, tp_group=None) -> DataProto:

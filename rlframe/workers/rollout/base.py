@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from rlframe.protocol import DataProto
@@ -198,6 +199,32 @@ def build_rollout_output(
     return DataProto.from_dict(tensors, dict(prompts.non_tensor_batch))
 
 
+def request_seeds(draw: int, seed: int, dp_rank: int, count: int) -> list[int]:
+    """Per-sample sampling seeds: sample i's seed depends on (draw, seed, dp_rank, i) only, never on `count`.
+
+    `draw` comes from the TP group's shared torch RNG (`generate_in_tp_group`), so the seeds are the same
+    on every TP rank and follow `data.seed`; `seed` and `dp_rank` are the vLLM engine's (`rollout.seed` and
+    the replica's index, as verl seeds each replica), 0 for the HF engine, whose draw already holds the DP index.
+    """
+    words = np.random.SeedSequence([draw, seed, dp_rank]).generate_state(count, dtype=np.uint32)
+    return [int(word) & 0x7FFFFFFF for word in words]
+
+
+def position_seed(sample_seed: int, position: int) -> int:
+    """A 63-bit seed for the token a sample draws at `position` (its context length so far): splitmix64.
+
+    Every random choice of a sample is keyed by (its seed, the position it fills), never by the batch it was
+    generated in: the synchronous rollout and the rollout server, however they batch, draw the same tokens.
+    """
+    z = (sample_seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+_MASK64 = (1 << 64) - 1
+
+
 def response_metrics(response_mask: torch.Tensor, responses: torch.Tensor, eos_ids: list[int]) -> dict[str, float]:
     """`response_length/truncated_ratio`: the share of responses stopped by the length limit, not by EOS.
 
@@ -226,7 +253,9 @@ class BaseRollout(ABC):
     def __init__(self, settings: RolloutSettings, tokenizer, model_path: str, tp_group=None):
         eos_ids, pad_id = default_special_tokens(tokenizer, model_path)
         self.settings, self.eos_ids, self.pad_id = settings, list(eos_ids), int(pad_id)
+        self.tp_group = tp_group
         _, self.tp_size = group_rank_and_size(tp_group)
+        self.seed, self.dp_rank = 0, 0  # mixed into the per-sample seeds (vLLM: rollout.seed and its replica index)
         if self.tp_size != settings.tensor_parallel_size:
             raise ValueError(
                 f"actor_rollout_ref.rollout.tensor_model_parallel_size={settings.tensor_parallel_size} "
@@ -248,14 +277,20 @@ class BaseRollout(ABC):
         eos = [int(eos)] if isinstance(eos, int) else [int(t) for t in eos]
         return eos, int(meta_info.get("pad_token_id", self.pad_id))
 
+    def sample_seeds(self, count: int) -> list[int]:
+        """One seed per row of this call, from one draw of the torch RNG (seeded per call by `generate_in_tp_group`)."""
+        draw = int(torch.randint(0, 2**62, ()).item())
+        return request_seeds(draw, self.seed, self.dp_rank, count)
+
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Left-padded prompts in, the rollout contract out (see `build_rollout_output`), with metrics."""
         check_prompts(prompts, self.settings.prompt_length)
         params = self.sampling_for(prompts.meta_info)
         eos_ids, pad_id = self.special_tokens_for(prompts.meta_info)
+        seeds = self.sample_seeds(len(prompts))
         start = time.perf_counter()
-        responses, lengths, log_probs = self._generate(prompts, params, eos_ids, pad_id)
+        responses, lengths, log_probs = self._generate(prompts, params, eos_ids, pad_id, seeds)
         elapsed = time.perf_counter() - start
         out = build_rollout_output(
             prompts,
@@ -275,9 +310,13 @@ class BaseRollout(ABC):
 
     @abstractmethod
     def _generate(
-        self, prompts: DataProto, params: SamplingParams, eos_ids: list[int], pad_id: int
+        self, prompts: DataProto, params: SamplingParams, eos_ids: list[int], pad_id: int, seeds: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Generate for every prompt row: (token ids [B, W], generated counts [B], log-probs [B, W] or None)."""
+        """Generate for every prompt row: (token ids [B, W], generated counts [B], log-probs [B, W] or None).
+
+        `seeds[i]` is row i's sample seed: a sampling engine keys each random choice of the row by it and the
+        position it fills (`position_seed`), so a row's tokens do not depend on the rows batched with it.
+        """
 
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

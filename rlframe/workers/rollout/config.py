@@ -223,7 +223,9 @@ class MultiTurnConfig(Section):
 
 @dataclass
 class AgentConfig(Section):
-    num_workers: int = key(8, "verl's agent-loop worker processes; rlframe runs trajectories inside the rollout")
+    num_workers: int = key(
+        8, "mode=async: agent-loop worker threads, each running its share of the trajectories", check=_check_positive
+    )
     default_agent_loop: str = key(
         "single_turn_agent", "agent of rows without agent_name", choices=("single_turn_agent", "tool_agent")
     )
@@ -232,10 +234,10 @@ class AgentConfig(Section):
     )
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
-        return {
-            f"{path}.num_workers": "rlframe runs the trajectories' tool calls concurrently in the rollout worker",
-            f"{path}.agent_loop_config_path": "only null: custom agent loops are not implemented",
-        }
+        out = {f"{path}.agent_loop_config_path": "only null: custom agent loops are not implemented"}
+        if root.actor_rollout_ref.rollout.mode == "sync":
+            out[f"{path}.num_workers"] = f"{ROLLOUT}.mode=sync: the rollout generates turn by turn, without agent loops"
+        return out
 
 
 @dataclass
@@ -244,6 +246,11 @@ class RolloutConfig(Section):
         "hf",
         "hf (CPU and GPU) | vllm (GPU, extra 'gpu') | sglang (GPU, extra 'sglang')",
         choices=tuple(ROLLOUT_ENGINES),
+    )
+    mode: str = key(
+        "async",
+        "async: agent loops on a rollout server (verl's only mode) | sync: rlframe's batch rollout, same samples",
+        choices=("async", "sync"),
     )
     temperature: float = key(1.0, "sampling temperature")
     top_k: int = key(-1, "-1 = off")

@@ -15,7 +15,7 @@ import torch
 
 from rlframe.protocol import DataProto
 from rlframe.workers.fsdp_utils import resolve_dtype
-from rlframe.workers.rollout.base import BaseRollout, RolloutSettings, SamplingParams
+from rlframe.workers.rollout.base import BaseRollout, RolloutSettings, SamplingParams, position_seed
 from rlframe.workers.rollout.tp import apply_tensor_parallel, load_full_tensors, tp_mesh_from_group
 
 
@@ -44,6 +44,43 @@ class _LogProbRecorder:
         if self.pending is not None:
             self._take(sequences[:, -1])
         return torch.stack(self.steps, dim=1) if self.steps else sequences.new_zeros(sequences.shape[0], 0).float()
+
+
+class _SeededSampler:
+    """Logits processor that samples each row's next token itself, from that row's own random number.
+
+    The scores go through Hugging Face's own warpers, in the order `generate(do_sample=True)` applies them
+    (temperature, top-k, top-p); the token is then drawn by inverse CDF with one uniform keyed by the row's
+    sample seed and the position it fills (`position_seed`), and every other token is masked to -inf so that
+    greedy decoding picks it. A row's tokens therefore do not depend on which rows share its batch, the
+    order they came in, or how many draws other rows made: what the rollout server needs to batch freely.
+    """
+
+    def __init__(self, params: SamplingParams, seeds: list[int], pad_counts: torch.Tensor):
+        from transformers.generation.logits_process import (
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        self.warpers = [TemperatureLogitsWarper(params.temperature)]
+        if params.top_k > 0:
+            self.warpers.append(TopKLogitsWarper(params.top_k))
+        if params.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(params.top_p))
+        self.seeds, self.pad_counts = list(seeds), pad_counts.tolist()
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        cdf = torch.softmax(scores.float(), dim=-1).double().cumsum(-1)
+        width = input_ids.shape[1]
+        uniforms = [
+            (position_seed(seed, width - pad) >> 10) / 2.0**53 for seed, pad in zip(self.seeds, self.pad_counts)
+        ]
+        targets = torch.tensor(uniforms, dtype=torch.float64, device=cdf.device)[:, None] * cdf[:, -1:]
+        tokens = torch.searchsorted(cdf, targets, right=True).clamp(max=cdf.shape[1] - 1)
+        return torch.full_like(scores, float("-inf")).scatter_(1, tokens, 0.0)
 
 
 class HFRollout(BaseRollout):
@@ -126,7 +163,7 @@ class HFRollout(BaseRollout):
         self._released = False
 
     # ------------------------------------------------------------------ generation
-    def _generate(self, prompts: DataProto, params: SamplingParams, eos_ids: list[int], pad_id: int):
+    def _generate(self, prompts: DataProto, params: SamplingParams, eos_ids: list[int], pad_id: int, seeds):
         if self._released or self._missing:
             missing = sorted(self._missing)
             raise RuntimeError(
@@ -138,18 +175,15 @@ class HFRollout(BaseRollout):
 
         input_ids = prompts.batch["input_ids"].to(self.device)
         attention_mask = prompts.batch["attention_mask"].to(self.device)
-        gen_kwargs = dict(
+        # sampling happens in _SeededSampler; HF decodes greedily over the one token it leaves
+        generation_config = GenerationConfig(
             max_new_tokens=params.response_length,
             eos_token_id=eos_ids,
             pad_token_id=pad_id,
-            do_sample=not params.greedy,
+            do_sample=False,
             use_cache=True,
             return_dict_in_generate=True,
         )
-        if not params.greedy:
-            # top_k=0 switches HF's top-k off (its global default would be 50)
-            gen_kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0))
-        generation_config = GenerationConfig(**gen_kwargs)
         temperature = 1.0 if params.greedy else params.temperature
         tokens, lengths, log_probs = [], [], []
         for start in range(0, len(prompts), self.settings.micro_batch_size):
@@ -158,11 +192,15 @@ class HFRollout(BaseRollout):
             first = int(mask.any(0).long().argmax())  # columns padded in every row cost compute, not results
             ids, mask = ids[:, first:], mask[:, first:]
             recorder = _LogProbRecorder(temperature) if self.settings.calculate_log_probs else None
+            processors = [recorder] if recorder else []  # the recorder sees the raw logits, before sampling
+            if not params.greedy:
+                chunk_seeds = seeds[start : start + self.settings.micro_batch_size]
+                processors.append(_SeededSampler(params, chunk_seeds, (mask == 0).sum(-1)))
             out = self.model.generate(
                 input_ids=ids,
                 attention_mask=mask,
                 generation_config=generation_config,
-                logits_processor=LogitsProcessorList([recorder] if recorder else []),
+                logits_processor=LogitsProcessorList(processors),
             )
             new = out.sequences[:, ids.shape[1] :]
             tokens.append(_pad_right(new, params.response_length, pad_id))

@@ -145,6 +145,7 @@ class Trajectory:
     messages: list[dict]
     prompt_ids: list[int]
     tools_kwargs: dict
+    seed: int  # the sample's seed: with the position it fills, it keys each token's random draw
     response_ids: list[int] = field(default_factory=list)
     response_mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
@@ -250,20 +251,24 @@ class MultiTurnRollout:
         params = self.engine.sampling_for(prompts.meta_info)
         eos_ids, pad_id = self.engine.special_tokens_for(prompts.meta_info)
         start = time.perf_counter()
-        trajectories = [self._start(row, prompts) for row in range(len(prompts))]
+        seeds = self.engine.sample_seeds(len(prompts))
+        trajectories = [self.start_trajectory(row, prompts, seeds[row]) for row in range(len(prompts))]
         while True:
             active = [t for t in trajectories if not t.done]
             if not active:
                 break
             self._generate_turn(active, params, eos_ids, pad_id)
             asyncio.run(self._run_tools([t for t in active if not t.done]))
-        elapsed = time.perf_counter() - start
+        return self.finish(prompts, trajectories, params.response_length, pad_id, time.perf_counter() - start)
+
+    def finish(self, prompts: DataProto, trajectories: list, response_length: int, pad_id: int, elapsed: float):
+        """Finished trajectories in the rollout contract, with the sanity check and the metrics."""
         mismatches = self._sanity_check(trajectories) if self.mt.sanity_check else 0
-        out = self._layout(prompts, trajectories, params.response_length, pad_id, prompts.batch["input_ids"].device)
+        out = self._layout(prompts, trajectories, response_length, pad_id, prompts.batch["input_ids"].device)
         out.meta_info["metrics"] = self._metrics(trajectories, out, elapsed, mismatches)
         return out
 
-    def _start(self, row: int, prompts: DataProto) -> Trajectory:
+    def start_trajectory(self, row: int, prompts: DataProto, seed: int) -> Trajectory:
         messages = [dict(m) for m in prompts.non_tensor_batch["raw_prompt"][row]]
         extra = prompts.non_tensor_batch.get("extra_info")
         extra = extra[row] if extra is not None else None
@@ -279,7 +284,7 @@ class MultiTurnRollout:
                 f"actor_rollout_ref.rollout.prompt_length={self.settings.prompt_length} (= data.max_prompt_length); "
                 "raise data.max_prompt_length or shorten the tool descriptions"
             )
-        return Trajectory(messages, ids, dict(tools_kwargs or {}), single_turn=agent == "single_turn_agent")
+        return Trajectory(messages, ids, dict(tools_kwargs or {}), seed, single_turn=agent == "single_turn_agent")
 
     def _generate_turn(self, active: list[Trajectory], params: SamplingParams, eos_ids: list[int], pad_id: int):
         """One assistant turn for every active trajectory, as one engine batch."""
@@ -295,21 +300,29 @@ class MultiTurnRollout:
             {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
         )
         turn_params = replace(params, response_length=max(budgets))
-        tokens, lengths, log_probs = self.engine._generate(batch, turn_params, eos_ids, pad_id)
+        seeds = [t.seed for t in active]
+        tokens, lengths, log_probs = self.engine._generate(batch, turn_params, eos_ids, pad_id, seeds)
         for row, trajectory in enumerate(active):
             new = tokens[row, : min(int(lengths[row]), budgets[row])].tolist()
-            stop = next((i for i, token in enumerate(new) if token in eos_ids), None)
-            ended = stop is not None
-            new = new[: stop + 1] if ended else new
-            lp = log_probs[row, : len(new)].tolist() if log_probs is not None else None
-            trajectory.append(new, trained=True, log_probs=lp)
-            trajectory.assistant_turns += 1
-            text = self.tokenizer.decode(new[:-1] if ended else new, skip_special_tokens=False)
-            trajectory.messages.append({"role": "assistant", "content": text})
-            trajectory.pending = parse_hermes_tool_calls(text) if ended and not trajectory.single_turn else []
-            trajectory.truncated = not ended and len(trajectory.response_ids) >= self.settings.response_length
-            if not trajectory.pending or self._at_limit(trajectory):
-                trajectory.done = True
+            self.take_turn(trajectory, new, log_probs[row].tolist() if log_probs is not None else None, eos_ids)
+
+    def budget(self, trajectory: Trajectory) -> int:
+        """Response tokens this trajectory may still generate."""
+        return self.settings.response_length - len(trajectory.response_ids)
+
+    def take_turn(self, trajectory: Trajectory, new: list[int], log_probs: list[float] | None, eos_ids: list[int]):
+        """Append one policy turn (generated ids, cut to the budget) and find its tool calls, or end the trajectory."""
+        stop = next((i for i, token in enumerate(new) if token in eos_ids), None)
+        ended = stop is not None
+        new = new[: stop + 1] if ended else new
+        trajectory.append(new, trained=True, log_probs=log_probs[: len(new)] if log_probs is not None else None)
+        trajectory.assistant_turns += 1
+        text = self.tokenizer.decode(new[:-1] if ended else new, skip_special_tokens=False)
+        trajectory.messages.append({"role": "assistant", "content": text})
+        trajectory.pending = parse_hermes_tool_calls(text) if ended and not trajectory.single_turn else []
+        trajectory.truncated = not ended and len(trajectory.response_ids) >= self.settings.response_length
+        if not trajectory.pending or self._at_limit(trajectory):
+            trajectory.done = True
 
     def _at_limit(self, trajectory: Trajectory) -> bool:
         mt = self.mt
@@ -321,21 +334,26 @@ class MultiTurnRollout:
 
     async def _run_tools(self, trajectories: list[Trajectory]) -> None:
         """Every pending call of every trajectory, concurrently; then each tool turn is appended."""
-        jobs = [self._tool_turn(t) for t in trajectories]
+        jobs = [self.tool_turn(t) for t in trajectories]
         for trajectory, results in zip(trajectories, await asyncio.gather(*jobs)):
-            tool_messages = [{"role": "tool", "content": r.text} for r in results]
-            context = self.turns.closing_rest + self.turns.tool_turn_ids(tool_messages)
-            room = self.settings.response_length - len(trajectory.response_ids)
-            trajectory.append(context[:room], trained=False)
-            trajectory.messages += tool_messages
-            trajectory.user_turns += 1
-            trajectory.tool_calls += len(results)
-            trajectory.tool_errors += sum(r.error is not None for r in results)
-            trajectory.tool_latency_s += sum(r.latency_s for r in results)
-            if len(context) >= room or self._at_limit(trajectory):
-                trajectory.done, trajectory.truncated = True, len(context) >= room
+            self.append_tool_turn(trajectory, results)
 
-    async def _tool_turn(self, trajectory: Trajectory) -> list[ToolCallResult]:
+    def append_tool_turn(self, trajectory: Trajectory, results: list[ToolCallResult]) -> None:
+        """Append the tool turn (mask 0) for this turn's results; a limit or the response budget ends it."""
+        tool_messages = [{"role": "tool", "content": r.text} for r in results]
+        context = self.turns.closing_rest + self.turns.tool_turn_ids(tool_messages)
+        room = self.budget(trajectory)
+        trajectory.append(context[:room], trained=False)
+        trajectory.messages += tool_messages
+        trajectory.user_turns += 1
+        trajectory.tool_calls += len(results)
+        trajectory.tool_errors += sum(r.error is not None for r in results)
+        trajectory.tool_latency_s += sum(r.latency_s for r in results)
+        if len(context) >= room or self._at_limit(trajectory):
+            trajectory.done, trajectory.truncated = True, len(context) >= room
+
+    async def tool_turn(self, trajectory: Trajectory) -> list[ToolCallResult]:
+        """This turn's pending calls (at most max_parallel_calls), run concurrently."""
         calls = trajectory.pending[: self.mt.max_parallel_calls]
         return await asyncio.gather(*(self._one_call(call, trajectory.tools_kwargs) for call in calls))
 

@@ -57,7 +57,7 @@ from rlframe.models.builtin import SHM_ROOT
 from rlframe.protocol import DataProto
 from rlframe.workers.fsdp_utils import resolve_dtype
 from rlframe.workers.lora import vllm_base_layer_name, vllm_lora_engine_kwargs
-from rlframe.workers.rollout.base import BaseRollout, RolloutSettings, SamplingParams
+from rlframe.workers.rollout.base import BaseRollout, RolloutSettings, SamplingParams, position_seed
 from rlframe.workers.rollout.config import ROLLOUT, check_vllm_engine_kwargs
 
 logger = logging.getLogger(__name__)
@@ -301,12 +301,6 @@ def max_tokens_for(prompt_len: int, response_length: int, max_model_len: int) ->
     return min(response_length, room)
 
 
-def request_seeds(draw: int, seed: int, dp_rank: int, count: int) -> list[int]:
-    """Independent per-request sampling seeds from the TP group's torch draw, rollout.seed and the DP rank."""
-    words = np.random.SeedSequence([draw, seed, dp_rank]).generate_state(count, dtype=np.uint32)
-    return [int(word) & 0x7FFFFFFF for word in words]
-
-
 def model_max_position_embeddings(
     model_path: str, trust_remote_code: bool = False, override_config: dict | None = None
 ) -> int:
@@ -491,47 +485,46 @@ class VLLMRollout(BaseRollout):
         torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ generation
-    def _generate(self, prompts: DataProto, params: SamplingParams, eos_ids: list[int], pad_id: int):
-        if self._released:
-            raise RuntimeError("vllm rollout is asleep: call resume() (and update_weights) before generating")
-        if self._kv_cache_asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-            self._kv_cache_asleep = False
+    def _generate(self, prompts: DataProto, params: SamplingParams, eos_ids: list[int], pad_id: int, seeds):
+        self.wake_for_generation()
         ids, mask = prompts.batch["input_ids"].cpu(), prompts.batch["attention_mask"].cpu().bool()
         prompt_token_ids = [row[keep].tolist() for row, keep in zip(ids, mask)]
-        # Per-request seeds from one torch draw: reproducible given the worker's seed, and equal on all
-        # TP ranks because generate_in_tp_group seeds them identically. rollout.seed and the DP rank
-        # enter as verl's engine seed (seed + replica rank) does: DP groups sample independently.
-        draw = int(torch.randint(0, 2**62, ()).item())
-        seeds = request_seeds(draw, self.seed, self.dp_rank, len(prompt_token_ids))
-        sampling = []
-        for token_ids, seed in zip(prompt_token_ids, seeds):
-            max_tokens = max_tokens_for(len(token_ids), params.response_length, self.max_model_len)
-            sampling.append(self._sampling_params(params, eos_ids, seed, max_tokens))
+        sampling = [self.request_params(params, eos_ids, seed, len(p)) for p, seed in zip(prompt_token_ids, seeds)]
         outputs = self.llm.generate(
             [{"prompt_token_ids": p} for p in prompt_token_ids],
             sampling_params=sampling,
             use_tqdm=False,
             lora_request=self._lora_request,  # None without LoRA
         )
-        width = params.response_length
-        tokens = torch.full((len(outputs), width), pad_id, dtype=torch.long)
-        log_probs = torch.zeros(len(outputs), width) if self.settings.calculate_log_probs else None
-        lengths = torch.zeros(len(outputs), dtype=torch.long)
-        for i, output in enumerate(outputs):
-            completion = output.outputs[0]
-            generated = list(completion.token_ids)
-            stop = getattr(completion, "stop_reason", None)
-            if isinstance(stop, int) and stop in eos_ids and (not generated or generated[-1] != stop):
-                generated.append(stop)  # the contract keeps the EOS token (masked in); never drop it
-            generated = generated[:width]
-            tokens[i, : len(generated)] = torch.tensor(generated, dtype=torch.long)
-            lengths[i] = len(generated)
-            if log_probs is not None and completion.logprobs:
-                log_probs[i, : len(generated)] = torch.tensor(
-                    [step[token].logprob for step, token in zip(completion.logprobs, generated)]
-                )
-        return tokens, lengths, log_probs
+        completions = [o.outputs[0] for o in outputs]
+        return completions_to_tensors(completions, params.response_length, eos_ids, pad_id, self.with_log_probs)
+
+    @property
+    def server_class(self):
+        """`rollout.mode=async`: continuous batching on this engine (`vllm_server.py`)."""
+        from rlframe.workers.rollout.vllm_server import VLLMServer
+
+        return VLLMServer
+
+    @property
+    def with_log_probs(self) -> bool:
+        return self.settings.calculate_log_probs
+
+    def wake_for_generation(self) -> None:
+        """Refuse to generate asleep; wake the KV cache that `resume` left asleep."""
+        if self._released:
+            raise RuntimeError("vllm rollout is asleep: call resume() (and update_weights) before generating")
+        if self._kv_cache_asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._kv_cache_asleep = False
+
+    def request_params(self, params: SamplingParams, eos_ids: list[int], sample_seed: int, prompt_len: int):
+        """One request's vLLM sampling parameters. Its seed is keyed by the sample's seed and its context length,
+        as the HF engine keys every token (`position_seed`): each turn of a trajectory samples afresh, and the
+        synchronous path and the rollout server draw the same tokens."""
+        max_tokens = max_tokens_for(prompt_len, params.response_length, self.max_model_len)
+        seed = position_seed(sample_seed, prompt_len) & 0x7FFFFFFF
+        return self._sampling_params(params, eos_ids, seed, max_tokens)
 
     def _sampling_params(self, params: SamplingParams, eos_ids: list[int], seed: int, max_tokens: int):
         from vllm import SamplingParams as VLLMSamplingParams
@@ -550,6 +543,30 @@ class VLLMRollout(BaseRollout):
         if self.settings.calculate_log_probs:
             kwargs["logprobs"] = 0  # the sampled token's log-prob only
         return VLLMSamplingParams(**kwargs)
+
+
+def completions_to_tensors(completions, width: int, eos_ids: list[int], pad_id: int, with_log_probs: bool):
+    """vLLM completions as (token ids [B, width], generated counts [B], log-probs [B, width] or None).
+
+    A stop token that vLLM reports as the stop reason but left out of the ids is put back: the rollout contract
+    keeps the EOS token (masked in). Log-probs only `with_log_probs` (calculate_log_probs).
+    """
+    tokens = torch.full((len(completions), width), pad_id, dtype=torch.long)
+    lengths = torch.zeros(len(completions), dtype=torch.long)
+    log_probs = torch.zeros(len(completions), width) if with_log_probs else None
+    for i, completion in enumerate(completions):
+        generated = list(completion.token_ids)
+        stop = getattr(completion, "stop_reason", None)
+        if isinstance(stop, int) and stop in eos_ids and (not generated or generated[-1] != stop):
+            generated.append(stop)
+        generated = generated[:width]
+        tokens[i, : len(generated)] = torch.tensor(generated, dtype=torch.long)
+        lengths[i] = len(generated)
+        if log_probs is not None and completion.logprobs:
+            log_probs[i, : len(generated)] = torch.tensor(
+                [step[token].logprob for step, token in zip(completion.logprobs, generated)]
+            )
+    return tokens, lengths, log_probs
 
 
 def _check_consecutive_ranks(tp_group, tp_size: int) -> None:

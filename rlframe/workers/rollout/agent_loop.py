@@ -1,0 +1,165 @@
+"""`rollout.mode=async`: agent-loop workers run trajectories concurrently against the replica's rollout server.
+
+`AgentLoopRollout.generate_sequences` keeps the synchronous rollout's contract (rows in, the rollout layout out)
+but generates differently: every row is one trajectory, run by an agent loop as a coroutine; the rows are
+split into `agent.num_workers` contiguous chunks, as verl splits a batch over its agent-loop workers, and each
+chunk runs on its own worker thread with its own asyncio event loop. A trajectory sends one generation request
+per policy turn to the server (`server.py`) and, as `tool_agent`, runs its tool calls right away, without
+waiting for the other trajectories' turns. The server runs the engine on the calling thread.
+
+- `single_turn_agent` (no tools configured): one request per row; the output is laid out exactly as the
+  synchronous rollout lays it out (`build_rollout_output`), the prompts as given.
+- `tool_agent` (tools configured, or the default agent): the multi-turn trajectory of `multi_turn.py`, turn by
+  turn, with the same masks, limits, sanity check and metrics; rows naming `single_turn_agent` take one turn.
+
+Why threads in the worker process rather than verl's Ray actors: the engine, its weights and the tools stay in
+the process that trains, as in the synchronous rollout, and nothing is serialized per request. Samples stay
+reproducible because each row's random draws are keyed by its sample seed and the positions it fills, not by
+the order in which requests reach the server or how it batches them: the same seed gives the same tokens for
+every `num_workers`, and for `mode=sync`. Each worker thread has its own tokenizer copy (a fast tokenizer is
+not safe to share between threads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from rlframe.protocol import DataProto
+from rlframe.workers.rollout.base import BaseRollout, build_rollout_output, check_prompts, response_metrics
+from rlframe.workers.rollout.multi_turn import MultiTurnRollout, Trajectory
+from rlframe.workers.rollout.server import BatchingServer, Completion, GenerationRequest, RolloutServer
+from rlframe.workers.rollout.tp import group_rank_and_size
+
+
+class AgentLoopRollout:
+    """The rollout of `mode=async`; the engine's weights, memory and LoRA lifecycle pass through unchanged."""
+
+    def __init__(self, engine: BaseRollout, num_workers: int, multi_turn: MultiTurnRollout | None = None):
+        if num_workers < 1:
+            raise ValueError(f"actor_rollout_ref.rollout.agent.num_workers={num_workers}: must be >= 1")
+        self.engine, self.settings, self.num_workers = engine, engine.settings, num_workers
+        self.multi_turn = multi_turn
+        self._worker_agents = [_worker_copy(multi_turn) for _ in range(num_workers)] if multi_turn else []
+
+    def __getattr__(self, name):  # update_weights, release, resume, update_lora_adapter, ...: the engine's
+        return getattr(self.engine, name)
+
+    @torch.no_grad()
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        check_prompts(prompts, self.settings.prompt_length)
+        if self.multi_turn is not None and "raw_prompt" not in prompts.non_tensor_batch:
+            raise ValueError("the tool agent needs the chat messages of each prompt: set data.return_raw_chat=true")
+        params = self.engine.sampling_for(prompts.meta_info)
+        eos_ids, pad_id = self.engine.special_tokens_for(prompts.meta_info)
+        seeds = self.engine.sample_seeds(len(prompts))
+        server_class = getattr(self.engine, "server_class", BatchingServer)
+        server: RolloutServer = server_class(self.engine, params, eos_ids, pad_id)
+        rank, size = group_rank_and_size(self.engine.tp_group)
+        if rank > 0:  # a TP peer: the leader drives the engine calls and sends the output
+            server.follow()
+            return _from_leader(None, self.engine.tp_group)
+        start = time.perf_counter()
+        if self.multi_turn is None:
+            out = self._single_turn(prompts, seeds, server, params.response_length, eos_ids, pad_id)
+        else:
+            out = self._tool_agent(prompts, seeds, server, params.response_length, eos_ids, pad_id)
+        out.meta_info["metrics"]["timing_s/generate"] = time.perf_counter() - start
+        return _from_leader(out, self.engine.tp_group) if size > 1 else out
+
+    # ------------------------------------------------------------------ the two agents
+    def _single_turn(self, prompts, seeds, server, response_length, eos_ids, pad_id) -> DataProto:
+        ids, mask = prompts.batch["input_ids"].cpu(), prompts.batch["attention_mask"].cpu().bool()
+        requests = [
+            GenerationRequest(row, ids[row][mask[row]].tolist(), response_length, seeds[row])
+            for row in range(len(prompts))
+        ]
+
+        async def agent(request: GenerationRequest, _) -> Completion:
+            return await server.generate(request)
+
+        start = time.perf_counter()
+        completions, server_metrics = self._run(requests, agent, server)
+        elapsed = time.perf_counter() - start
+        tokens = torch.full((len(prompts), response_length), pad_id, dtype=torch.long)
+        log_probs = torch.zeros(len(prompts), response_length) if self.settings.calculate_log_probs else None
+        lengths = torch.zeros(len(prompts), dtype=torch.long)
+        for row, completion in enumerate(completions):
+            tokens[row, : len(completion.tokens)] = torch.tensor(completion.tokens, dtype=torch.long)
+            lengths[row] = len(completion.tokens)
+            if log_probs is not None:
+                log_probs[row, : len(completion.tokens)] = torch.tensor(completion.log_probs)
+        out = build_rollout_output(prompts, tokens, lengths, response_length, eos_ids, pad_id, log_probs)
+        metrics = response_metrics(out.batch["response_mask"], out.batch["responses"], eos_ids)
+        metrics["perf/rollout_tokens_per_s"] = int(out.batch["response_mask"].sum()) / max(elapsed, 1e-9)
+        out.meta_info["metrics"] = {**metrics, **server_metrics}
+        return out
+
+    def _tool_agent(self, prompts, seeds, server, response_length, eos_ids, pad_id) -> DataProto:
+        trajectories = [self.multi_turn.start_trajectory(row, prompts, seeds[row]) for row in range(len(prompts))]
+
+        async def agent(item: tuple[int, Trajectory], worker: MultiTurnRollout) -> Trajectory:
+            row, trajectory = item
+            while not trajectory.done:
+                context = trajectory.prompt_ids + trajectory.response_ids
+                request = GenerationRequest(row, context, worker.budget(trajectory), trajectory.seed)
+                completion = await server.generate(request)
+                worker.take_turn(trajectory, completion.tokens, completion.log_probs, eos_ids)
+                if trajectory.done:
+                    break
+                with server.away():
+                    results = await worker.tool_turn(trajectory)
+                worker.append_tool_turn(trajectory, results)
+            return trajectory
+
+        start = time.perf_counter()
+        _, server_metrics = self._run(list(enumerate(trajectories)), agent, server)
+        out = self.multi_turn.finish(prompts, trajectories, response_length, pad_id, time.perf_counter() - start)
+        out.meta_info["metrics"].update(server_metrics)
+        return out
+
+    # ------------------------------------------------------------------ workers and server
+    def _run(self, items: list, agent, server: RolloutServer) -> tuple[list, dict]:
+        """`agent(item, worker)` for every item, on `num_workers` threads in contiguous chunks, against `server`."""
+        chunk = -(-len(items) // self.num_workers) if items else 1
+        chunks = [items[i : i + chunk] for i in range(0, len(items), chunk)]
+
+        async def run_chunk(part: list, worker) -> list:
+            async def one(item):
+                try:
+                    return await agent(item, worker)
+                finally:
+                    server.finished()
+
+            return await asyncio.gather(*(one(item) for item in part))
+
+        workers = self._worker_agents or [None] * len(chunks)
+        with ThreadPoolExecutor(max_workers=max(len(chunks), 1), thread_name_prefix="agent-loop") as pool:
+            futures = [pool.submit(asyncio.run, run_chunk(part, workers[i])) for i, part in enumerate(chunks)]
+            try:
+                metrics = server.serve(len(items))
+            finally:
+                server.close()
+            results = [result for future in futures for result in future.result()]
+        return results, metrics
+
+
+def _worker_copy(multi_turn: MultiTurnRollout) -> MultiTurnRollout:
+    """The multi-turn logic for one worker thread: shared engine and tools, its own tokenizer and templates."""
+    worker = copy.copy(multi_turn)
+    worker.tokenizer = copy.deepcopy(multi_turn.tokenizer)
+    worker.turns = copy.copy(multi_turn.turns)
+    worker.turns.tokenizer = worker.tokenizer
+    return worker
+
+
+def _from_leader(out: DataProto | None, tp_group) -> DataProto:
+    """The TP leader's output on every TP rank (peers ran the same engine calls but no agent loops)."""
+    shared = [out.to("cpu") if out is not None else None]
+    dist.broadcast_object_list(shared, group_src=0, group=tp_group)
+    return shared[0]

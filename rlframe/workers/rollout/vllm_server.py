@@ -1,0 +1,82 @@
+"""The vLLM rollout server: continuous batching on the replica's in-process vLLM engine.
+
+The engine is the `LLM` that `VLLMRollout` built inside the training process (executor `external_launcher`),
+so its weight sync and sleep/wake are the synchronous rollout's. Requests are added to its `LLMEngine`
+(`add_request`) the moment they arrive and the engine is stepped (`step`): vLLM's scheduler admits new
+requests between steps, which is the continuous batching of vLLM's `AsyncLLM`, without the engine-core
+process that `AsyncLLM` would start (that process could not share the training process's GPU memory and
+TP group, and the weights would have to be shipped to it). A request's seed is the one the synchronous
+path gives it (`VLLMRollout.request_params`), so its tokens do not depend on what it was batched with.
+
+With TP > 1 every TP rank holds one shard of the same engine and must add the same requests before the
+same step: the leader broadcasts each step's new requests (`RolloutServer._take`), the peers add them and
+step too (`follow`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from rlframe.workers.rollout.server import Completion, GenerationRequest, RolloutServer, _Pending
+
+
+class VLLMServer(RolloutServer):
+    """Requests join the running vLLM batch at the next engine step."""
+
+    def _serve_loop(self) -> None:
+        running: dict[str, _Pending] = {}
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._open == 0 or self._waiting or running)
+                if self._open == 0 and not running:
+                    return
+                pendings, self._waiting = self._waiting, []
+            for pending in pendings:
+                running[request_id(pending.request)] = pending
+            for output in self._step(self._take(pendings) if pendings else self._take_nothing()):
+                if output.finished:
+                    pending = running.pop(output.request_id)
+                    self._complete(pending, self._completion(output, pending.request))
+
+    def _take_nothing(self) -> list[GenerationRequest]:
+        self._broadcast([])
+        return []
+
+    def follow(self) -> None:
+        """A TP peer: add the requests the leader broadcasts, then step, until it says stop."""
+        while (requests := self._broadcast(None, receive=True)) is not None:
+            self._step(requests)
+
+    def _step(self, new: list[GenerationRequest]) -> list:
+        """Add the new requests, then one engine step; the requests that finished in it come back."""
+        engine = self.engine
+        engine.wake_for_generation()
+        llm_engine = engine.llm.llm_engine
+
+        def params(request: GenerationRequest):
+            return replace(self.params, response_length=request.max_tokens)
+
+        for request in new:
+            llm_engine.add_request(
+                request_id(request),
+                {"prompt_token_ids": list(request.prompt_ids)},
+                engine.request_params(params(request), self.eos_ids, request.seed, len(request.prompt_ids)),
+                lora_request=engine._lora_request,
+            )
+        return llm_engine.step() if llm_engine.has_unfinished_requests() else []
+
+    def _completion(self, output, request: GenerationRequest) -> Completion:
+        from rlframe.workers.rollout.vllm_rollout import completions_to_tensors
+
+        tokens, lengths, log_probs = completions_to_tensors(
+            [output.outputs[0]], request.max_tokens, self.eos_ids, self.pad_id, self.engine.with_log_probs
+        )
+        length = int(lengths[0])
+        return self.cut(
+            tokens[0, :length].tolist(), log_probs[0, :length].tolist() if log_probs is not None else None, length
+        )
+
+
+def request_id(request: GenerationRequest) -> str:
+    """Unique among the requests in flight: a trajectory has one request at a time, at a new context length."""
+    return f"{request.index}-{len(request.prompt_ids)}"
