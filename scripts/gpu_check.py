@@ -125,6 +125,15 @@ def plan(work: str) -> list[Step]:
             figure=r"vLLM log-prob error (\S+), HF bf16 error (\S+)",
         ),
         Step(
+            "vllm async",
+            "issue 14: rollout.mode=async on vLLM (continuous batching in the engine) samples as mode=sync",
+            "pytest",
+            test + "test_vllm_async_server_gives_the_sync_samples",
+            requires=("vllm",),
+            timeout_s=180,
+            figure=r"vLLM async: 4 workers, (batch \S+, \S+ tokens/s)",
+        ),
+        Step(
             "vllm tp2",
             "2: TP=2 with one visible GPU per process (custom / P2P all-reduces)",
             "pytest",

@@ -8,6 +8,7 @@ and the calculator, so every trajectory is known in advance.
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,11 +17,13 @@ from test_multi_turn import ScriptedEngine, call, make_prompts, rollout_cfg
 from test_rollout import load_tokenizer, rollout_config
 from test_rollout import make_prompts as make_token_prompts
 
+from rlframe.protocol import DataProto
 from rlframe.workers.rollout import build_rollout, generate_in_tp_group
 from rlframe.workers.rollout.agent_loop import AgentLoopRollout
 from rlframe.workers.rollout.base import RolloutSettings
 from rlframe.workers.rollout.multi_turn import build_multi_turn
 from rlframe.workers.rollout.tools import CalculatorTool
+from rlframe.workers.rollout.vllm_server import VLLMServer
 
 KEYS = ("prompts", "responses", "input_ids", "attention_mask", "position_ids", "response_mask", "rollout_log_probs")
 
@@ -152,6 +155,72 @@ def test_an_engine_error_reaches_the_caller_and_no_agent_hangs(tiny_model_path, 
     engine._generate = broken
     with pytest.raises(RuntimeError, match="engine died"):
         AgentLoopRollout(engine, 2, multi_turn).generate_sequences(make_prompts(tokenizer, list(SCRIPT)))
+
+
+# ------------------------------------------------------------------------------------------ vLLM's server
+class SteppedEngine(ScriptedEngine):
+    """The scripted engine behind vLLM's `LLMEngine` interface: requests added at any time, one token per step.
+
+    Each step records which requests it advanced and when each request was added, so a test can see the
+    continuous batching; tokens and log-probs are the scripted engine's (log-prob -(i+1)/10 at position i).
+    """
+
+    server_class = VLLMServer
+    with_log_probs = True
+    _lora_request = None
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.llm = SimpleNamespace(llm_engine=self)
+        self.queue: dict[str, tuple[list[int], list[int], int]] = {}  # id -> (reply, given, step added)
+        self.steps: list[int] = []  # requests advanced by each step
+        self.joined_running: list[int] = []  # for each added request: requests already stepped at that moment
+
+    def wake_for_generation(self):
+        pass
+
+    def request_params(self, params, eos_ids, seed, prompt_len):
+        return params, eos_ids
+
+    def add_request(self, request_id, prompt, sampling, lora_request=None):
+        params, eos_ids = sampling
+        ids = torch.tensor([prompt["prompt_token_ids"]])
+        batch = DataProto.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+        tokens, lengths, _ = ScriptedEngine._generate(self, batch, params, eos_ids, self.pad_id, [0])
+        self.joined_running.append(sum(added < len(self.steps) for _, _, added in self.queue.values()))
+        self.queue[request_id] = (tokens[0, : int(lengths[0])].tolist(), [], len(self.steps))
+
+    def has_unfinished_requests(self):
+        return bool(self.queue)
+
+    def step(self):
+        self.steps.append(len(self.queue))
+        outputs = []
+        for request_id, (reply, given, _) in list(self.queue.items()):
+            given.append(reply[len(given)])
+            finished = len(given) == len(reply)
+            if finished:
+                del self.queue[request_id]
+            log_probs = [{token: SimpleNamespace(logprob=-(i + 1) / 10)} for i, token in enumerate(given)]
+            completion = SimpleNamespace(token_ids=list(given), logprobs=log_probs, stop_reason=None)
+            outputs.append(SimpleNamespace(request_id=request_id, finished=finished, outputs=[completion]))
+        return outputs
+
+
+def test_the_vllm_server_batches_continuously_and_gives_the_turn_synchronous_samples(tiny_model_path, tokenizer):
+    users = list(SCRIPT) * 2
+    agents = np.array(["tool_agent"] * 7 + ["single_turn_agent"], dtype=object)
+    _, sync = tool_rollouts(tiny_model_path, tokenizer)
+    expected = sync.generate_sequences(make_prompts(tokenizer, users, agent_name=agents))
+    cfg = rollout_cfg("actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent")
+    engine = SteppedEngine(RolloutSettings.from_config(cfg), tokenizer, tiny_model_path, SCRIPT)
+    multi_turn = build_multi_turn(engine, tokenizer, cfg)
+    multi_turn.runner.tools["calculator"] = CalculatorTool({}, None)
+    out = AgentLoopRollout(engine, 3, multi_turn).generate_sequences(make_prompts(tokenizer, users, agent_name=agents))
+    assert_same_samples(out, expected)
+    assert engine.steps[0] == len(users)  # an idle engine starts with every first turn, as LLM.generate would
+    assert max(engine.joined_running) > 0  # a later turn joined requests that were already generating
+    assert out.meta_info["metrics"]["rollout/server_batch_size_mean"] > 0
 
 
 # ------------------------------------------------------------------------------------------ the key

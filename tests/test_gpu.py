@@ -242,6 +242,43 @@ def test_vllm_rollout_on_a_second_worker_with_weight_sync(smollm2, monkeypatch, 
         destroy_distributed_environment()  # the default process group vLLM started for this world of one
 
 
+def test_vllm_async_server_gives_the_sync_samples(smollm2, monkeypatch):
+    """Issue 14: rollout.mode=async on vLLM (requests added to the in-process LLMEngine and stepped, continuous
+    batching) samples what the synchronous LLM.generate path samples under the same seed, for 1 and 4
+    agent-loop workers: the idle engine starts with every request, as LLM.generate does."""
+    pytest.importorskip("vllm", reason="vllm not installed")
+    from test_rollout import load_tokenizer, make_prompts
+
+    from rlframe.workers.rollout import build_rollout, generate_in_tp_group
+    from rlframe.workers.rollout.agent_loop import AgentLoopRollout
+
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    cfg = _vllm_config("actor_rollout_ref.rollout.mode=sync", "actor_rollout_ref.rollout.load_format=auto")
+    engine = build_rollout("vllm", cfg, smollm2, load_tokenizer(smollm2), "cuda")
+    try:
+        prompts = make_prompts(seed=5, do_sample=True)
+        torch.manual_seed(3)
+        expected = generate_in_tp_group(engine, prompts).to("cpu")
+        assert expected.batch["response_mask"].sum() > 0
+        for workers in (1, 4):
+            torch.manual_seed(3)
+            out = generate_in_tp_group(AgentLoopRollout(engine, workers), prompts).to("cpu")
+            for key in ("responses", "response_mask", "attention_mask", "rollout_log_probs"):
+                assert torch.equal(out.batch[key], expected.batch[key]), (workers, key)
+            metrics = out.meta_info["metrics"]
+            print(
+                f"vLLM async: {workers} workers, batch {metrics['rollout/server_batch_size_mean']:.1f}, "
+                f"{metrics['rollout/server_tokens_per_s']:.0f} tokens/s, same samples as sync"
+            )
+    finally:
+        engine.shutdown()
+        from vllm.distributed.parallel_state import destroy_distributed_environment
+
+        destroy_distributed_environment()
+
+
 def _vllm_config(*overrides: str):
     from rlframe.config.loader import load_config, resolved
 

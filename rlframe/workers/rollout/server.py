@@ -130,6 +130,12 @@ class RolloutServer(ABC):
             self._waiting.clear()
             self._in_flight.clear()
 
+    def _batch_ready(self) -> bool:
+        """Every running trajectory has sent its request or is running its tools (or none is left)."""
+        if self._open == 0:
+            return True
+        return bool(self._waiting) and len(self._waiting) + self._away >= self._open
+
     def _take(self, pendings: list[_Pending]) -> list[GenerationRequest]:
         """Requests leaving the queue for the engine, in trajectory order; the leader's peers get them too."""
         pendings.sort(key=lambda p: p.request.index)
@@ -202,11 +208,6 @@ class BatchingServer(RolloutServer):
         """A TP peer: run every engine call the leader broadcasts, until it says stop."""
         while (requests := self._broadcast(None, receive=True)) is not None:
             self._run(requests)
-
-    def _batch_ready(self) -> bool:
-        if self._open == 0:
-            return True
-        return bool(self._waiting) and len(self._waiting) + self._away >= self._open
 
     def _run(self, requests: list[GenerationRequest]) -> list[Completion]:
         """One engine call over the requests, left-padded as the synchronous rollout pads its prompts."""

@@ -27,7 +27,9 @@ class VLLMServer(RolloutServer):
         running: dict[str, _Pending] = {}
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._open == 0 or self._waiting or running)
+                # idle engine: start with every request the trajectories can send now (single-turn: the
+                # whole batch, as LLM.generate schedules it); running engine: admit whatever has arrived
+                self._cond.wait_for(lambda: self._batch_ready() if not running else True)
                 if self._open == 0 and not running:
                     return
                 pendings, self._waiting = self._waiting, []
