@@ -327,6 +327,42 @@ def _update_lines(title: str, p, keys, plan: BatchPlan, forward_title: str) -> l
     return lines
 
 
+def format_agents(cfg, plan: BatchPlan) -> str:
+    """How the rollout runs its trajectories: agent-loop threads (mode=async) and the tool agent's turns."""
+    from rlframe.workers.rollout.multi_turn import uses_tool_agent
+    from rlframe.workers.rollout.tools import load_tools
+
+    rollout, r = cfg.actor_rollout_ref.rollout, plan.rollout
+    tool_agent = uses_tool_agent(rollout)
+    lines = []
+    if rollout.mode == "async":
+        workers = int(rollout.agent.num_workers)
+        lines.append(
+            f"mode      async: each of the {r.dp_size} generation groups runs {workers} agent-loop threads over its "
+            f"{r.sequences_per_dp} trajectories (≤ {-(-r.sequences_per_dp // workers)} each) against its rollout "
+            + ("server (vLLM: continuous batching)" if r.name == "vllm" else f"server ({r.name}: batched requests)")
+        )
+    else:
+        lines.append("mode      sync: the whole batch is generated at once" + (", tool rows turn by turn" * tool_agent))
+    if not tool_agent:
+        return "\n".join(lines) if rollout.mode == "async" else ""
+    mt = rollout.multi_turn
+    tools = load_tools(mt.tool_config_path, mt.function_tool_path)
+    lines.append(
+        f"agent     {rollout.agent.default_agent_loop} for rows without agent_name; tools: "
+        + (", ".join(sorted(tools)) or "none configured")
+    )
+    assistant = "no limit" if mt.max_assistant_turns is None else f"≤ {mt.max_assistant_turns}"
+    user = "no limit" if mt.max_user_turns is None else f"≤ {mt.max_user_turns}"
+    lines += [
+        f"turns     assistant turns {assistant}, tool turns {user}, ≤ {mt.max_parallel_calls} call(s) run per turn, "
+        f"tool answers cut to {mt.max_tool_response_length} characters ({mt.tool_response_truncate_side})",
+        f"tokens    the {plan.max_response_length} response tokens (data.max_response_length) hold every turn; tool "
+        "turns and template tokens are attended to but get response_mask 0: no loss, KL, entropy or advantage",
+    ]
+    return "\n".join(lines)
+
+
 def format_plan(plan: BatchPlan) -> str:
     """The flow from data.train_batch_size to one GPU's micro-batch, role by role."""
     from rlframe.config.keys import ACTOR_KEYS, CRITIC_KEYS, REF_KEYS
@@ -549,7 +585,11 @@ def explain(
         if model
         else f"model     {model_path}: no config.json here, head checks skipped"
     )
-    parts = [_rule("batch plan"), model_line, format_plan(plan), _rule("algorithm"), format_algorithm(cfg)]
+    parts = [_rule("batch plan"), model_line, format_plan(plan)]
+    agents = format_agents(cfg, plan)
+    if agents:
+        parts += [_rule("agent loop"), agents]
+    parts += [_rule("algorithm"), format_algorithm(cfg)]
     parts += [_rule("keys"), format_keys(cfg, rows, overrides)]
     if warnings:
         parts += [_rule("warnings"), "\n".join(warnings)]

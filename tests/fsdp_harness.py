@@ -75,9 +75,18 @@ class Scenario:
 
 
 def make_batch(
-    vocab_size: int, num_seqs: int = 8, seed: int = 0, skew: bool = False, dtype: torch.dtype = torch.float32
+    vocab_size: int,
+    num_seqs: int = 8,
+    seed: int = 0,
+    skew: bool = False,
+    dtype: torch.dtype = torch.float32,
+    holes: bool = False,
 ) -> DataProto:
-    """Left-padded prompts + right-padded responses of random lengths, with PPO inputs."""
+    """Left-padded prompts + right-padded responses of random lengths, with PPO inputs.
+
+    `holes`: multi-turn trajectories: a `response_mask` that leaves out a tool turn (a span inside each
+    response of 4 or more tokens, attended to but not trained), as the tool agent lays them out.
+    """
     gen = torch.Generator().manual_seed(seed)
     prompt_lens = torch.randint(2, PROMPT_LEN + 1, (num_seqs,), generator=gen)
     response_lens = torch.randint(1, RESPONSE_LEN + 1, (num_seqs,), generator=gen)
@@ -103,6 +112,12 @@ def make_batch(
         "values": torch.randn(num_seqs, RESPONSE_LEN, generator=gen),
         "returns": torch.randn(num_seqs, RESPONSE_LEN, generator=gen),
     }
+    if holes:
+        response_mask = mask[:, PROMPT_LEN:].clone()
+        for i in range(num_seqs):
+            if response_lens[i] >= 4:
+                response_mask[i, 1 : 1 + int(response_lens[i]) // 2] = 0  # the tool turn after the first token
+        tensors["response_mask"] = response_mask
     tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     return DataProto.from_dict(tensors, meta_info={"temperature": 1.0})
 

@@ -2,6 +2,7 @@
 and the command's output and errors."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -130,6 +131,30 @@ def test_explain_small_config_prints_flow_and_keys(capsys):
         "after (Karmarkar–Karp)",
     ):
         assert fragment in out
+
+
+def test_explain_explains_a_multi_turn_config(capsys):
+    tools = os.path.join(os.path.dirname(__file__), "..", "examples", "tools", "calculator.yaml")
+    overrides = [
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
+        "actor_rollout_ref.rollout.agent.num_workers=4",
+    ]
+    assert main([*SMALL, *overrides]) == 0
+    out = capsys.readouterr().out
+    for fragment in (
+        "── agent loop",
+        "each of the 2 generation groups runs 4 agent-loop threads over its 16 trajectories (≤ 4 each)",
+        "tool_agent for rows without agent_name; tools: calculator",
+        "assistant turns ≤ 3, tool turns no limit",
+        "tool turns and template tokens are attended to but get response_mask 0",
+    ):
+        assert fragment in out, fragment
+    assert main([*SMALL, *overrides, "actor_rollout_ref.rollout.mode=sync"]) == 0
+    out = capsys.readouterr().out
+    assert "mode      sync: the whole batch is generated at once, tool rows turn by turn" in out
+    assert "agent-loop threads" not in out
 
 
 def test_explain_json_and_warnings(capsys):
