@@ -435,7 +435,8 @@ def test_vllm_rollout_lora_path_with_a_stand_in_engine(monkeypatch, tiny_model_p
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     cfg = rollout_config("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.free_cache_engine=true")
-    engine = build_rollout("vllm", cfg, tiny_model_path, load_tokenizer(tiny_model_path), "cuda", lora_rank=RANK)
+    rollout = build_rollout("vllm", cfg, tiny_model_path, load_tokenizer(tiny_model_path), "cuda", lora_rank=RANK)
+    engine = rollout.engine  # the engine inside the agent loops (rollout.mode=async)
     engine.device = torch.device("cpu")  # where update_weights puts tensors: cuda:0 on a GPU
     engine._lora_root = str(tmp_path)
     removed = []

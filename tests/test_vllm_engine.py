@@ -234,7 +234,8 @@ def _build(monkeypatch, tiny_model_path, record, new_api=True, *overrides):
     from rlframe.workers.rollout import build_rollout
 
     cfg = rollout_config(f"{ROLLOUT}.name=vllm", *overrides)
-    engine = build_rollout("vllm", cfg, tiny_model_path, load_tokenizer(tiny_model_path), "cuda")
+    rollout = build_rollout("vllm", cfg, tiny_model_path, load_tokenizer(tiny_model_path), "cuda")
+    engine = rollout.engine  # the engine inside the agent loops (rollout.mode=async)
     engine.device = torch.device("cpu")  # where update_weights puts tensors: cuda:0 on a GPU
     return engine
 

@@ -110,6 +110,7 @@ def test_the_worker_syncs_the_rollout_only_when_it_may_differ_from_the_actor(tin
     from rlframe.config.loader import load_config
     from rlframe.protocol import DataProto
     from rlframe.workers.fsdp_workers import ActorRolloutRefWorker
+    from rlframe.workers.profiler import Profiler
     from rlframe.workers.rollout.base import RolloutSettings
     from rlframe.workers.rollout.hf_rollout import HFRollout
 
@@ -132,6 +133,7 @@ def test_the_worker_syncs_the_rollout_only_when_it_may_differ_from_the_actor(tin
     worker = object.__new__(ActorRolloutRefWorker)
     worker.device_type, worker.tp_group, worker.rollout, worker.actor_module = "cpu", None, rollout, actor
     worker._weights_dirty = True  # as after init_model
+    worker.profiler = Profiler(cfg.global_profiler, None, "actor_rollout_ref", 0, 1, "cpu")  # profiling off
     ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9, 10], [0, 5, 6, 7, 8, 9, 10, 11]])
     mask = (ids != 0).long()
     prompts = DataProto.from_dict(
