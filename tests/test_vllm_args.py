@@ -249,3 +249,19 @@ def test_verl_command_with_vllm_settings_warns_each_key_under_hf(tmp_path, monke
     expected.add(PASSTHROUGH.lstrip("+").split("=")[0])
     assert warned == expected
     assert all(f"{ROLLOUT}.name=hf: a vLLM setting" in line for line in warnings)
+
+
+def test_over_sample_rate_is_taken_and_reported_without_effect_as_in_verl():
+    # verl 0.9.1 declares rollout.over_sample_rate (abort the last requests once (1 - rate) are done) and
+    # reads it nowhere: every request runs to its end there, and here
+    assert verl_defaults()[f"{ROLLOUT}.over_sample_rate"] == 0
+    assert OmegaConf.select(compose([]), f"{ROLLOUT}.over_sample_rate") == 0
+    overrides = [f"{ROLLOUT}.name=vllm", f"{ROLLOUT}.over_sample_rate=0.1"]
+    composed = compose(overrides)
+    typed(composed)
+    assert [w for w in ignored_key_warnings(composed, overrides) if "over_sample_rate" in w] == [
+        f"rlframe: warning: {ROLLOUT}.over_sample_rate=0.1 has no effect: rlframe, like verl 0.9.1 (which reads "
+        "it nowhere), finishes every request"
+    ]
+    with pytest.raises(ValueError, match=r"over_sample_rate=1.5: must be in \[0, 1\)"):
+        typed(compose([f"{ROLLOUT}.over_sample_rate=1.5"]))

@@ -78,6 +78,11 @@ def _check_max_model_len(value: Optional[int]) -> None:
         raise ValueError("must be >= 1, or null for the model's max_position_embeddings")
 
 
+def _check_over_sample_rate(value: float) -> None:
+    if not 0 <= value < 1:
+        raise ValueError("must be in [0, 1): the share of requests verl's rollout would abort")
+
+
 def _check_memory_fraction(value: float) -> None:
     if not 0 < value <= 1:
         raise ValueError("must be in (0, 1]: the fraction of GPU memory vLLM may use")
@@ -293,6 +298,11 @@ class RolloutConfig(Section):
     layered_summon: bool = key(
         False, "verl's FSDP1 sync memory switch; no effect: rlframe streams one tensor at a time"
     )
+    over_sample_rate: float = key(
+        0.0,
+        "verl's early abort of the last requests, read by nothing in verl 0.9.1: every request runs to its end",
+        check=_check_over_sample_rate,
+    )
     log_prob_micro_batch_size_per_gpu: Optional[int] = key(
         None, "sequences per old-log-prob forward on one GPU (static)"
     )
@@ -345,6 +355,9 @@ class RolloutConfig(Section):
         out[f"{path}.multi_stage_wake_up"] = (
             "rlframe, like verl 0.9.1, always wakes the weights, syncs them, then wakes the KV cache"
         )
+        # verl 0.9.1 declares it ("abort the remaining requests once (1 - rate) of them are done") and reads it
+        # nowhere, so its rollouts always finish every request: so do rlframe's
+        out[f"{path}.over_sample_rate"] = "rlframe, like verl 0.9.1 (which reads it nowhere), finishes every request"
         if self.name == "hf":
             out.update({f"{path}.{name}": f"{path}.name=hf: a vLLM setting" for name in VLLM_ONLY_KEYS})
         else:
