@@ -54,6 +54,7 @@ RUNS = {  # name -> overrides (loss, estimator, KL type, aggregation)
     "geo_mean": [f"{P}.policy_loss.loss_mode=geo_mean"],
     "clip_cov": [f"{P}.policy_loss.loss_mode=clip_cov", f"{P}.policy_loss.clip_cov_ratio=0.05"],
     "kl_cov+token-sum": [f"{P}.policy_loss.loss_mode=kl_cov", f"{P}.loss_agg_mode=token-sum"],
+    "gae+pf_ppo_pow": ["algorithm.adv_estimator=gae", "algorithm.use_pf_ppo=true", "critic.ppo_mini_batch_size=2"],
 }
 
 

@@ -91,8 +91,6 @@ UNSUPPORTED = {
     "data.return_full_prompt": _AGENT,
     "algorithm.filter_groups.max_inflight_gen_batches": "a knob of verl's streaming (V1) replay buffer; rlframe "
     "generates one data.gen_batch_size batch at a time and checks its groups before the next",
-    "algorithm.use_pf_ppo": "PF-PPO reweighting is not implemented",
-    "algorithm.pf_ppo": "PF-PPO reweighting is not implemented",
     "actor_rollout_ref.actor.loss_scale_factor": "a constant loss scale is not implemented; rlframe normalizes "
     "seq-mean-token-sum-norm by the max response length",
     "critic.loss_scale_factor": "a constant loss scale is not implemented",

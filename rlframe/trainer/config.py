@@ -15,6 +15,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from rlframe.algorithms.advantage import get_adv_estimator_fn
 from rlframe.algorithms.kl import get_kl_penalty_fn
+from rlframe.algorithms.pf_ppo import PfPpoConfig, pf_ppo_applies
 from rlframe.algorithms.rollout_correction import RolloutCorrectionConfig
 from rlframe.config.checks import check_fsdp_size
 from rlframe.config.key_status import raw_override_key
@@ -99,6 +100,8 @@ class AlgorithmConfig(Section):
     rollout_correction: RolloutCorrectionConfig = section(
         RolloutCorrectionConfig, "IS weights and rejection between the rollout engine's and the trainer's policy"
     )
+    use_pf_ppo: bool = key(False, "PF-PPO: after GAE, resample the batch with replacement by score (algorithm.pf_ppo)")
+    pf_ppo: PfPpoConfig = section(PfPpoConfig, "PF-PPO's resampling weights (docs/algorithms.md)")
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = {}
@@ -112,6 +115,11 @@ class AlgorithmConfig(Section):
             out[f"{path}.lam"] = f"{path}.adv_estimator={self.adv_estimator}: only gae uses lambda"
         if self.adv_estimator not in ("grpo", "grpo_passk"):  # grpo_vectorized: verl never passes it the key
             out[f"{path}.norm_adv_by_std_in_grpo"] = f"{path}.adv_estimator={self.adv_estimator}"
+        if not pf_ppo_applies(self):
+            why = f"{path}.use_pf_ppo=false" if not self.use_pf_ppo else f"{path}.adv_estimator={self.adv_estimator}"
+            out[f"{path}.pf_ppo"] = why
+            if self.use_pf_ppo:  # as verl 0.9.1, which reweights in its GAE branch only
+                out[f"{path}.use_pf_ppo"] = f"{why}: PF-PPO resamples after GAE only (as in verl 0.9.1)"
         return out
 
 

@@ -23,6 +23,7 @@ from rlframe.algorithms.advantage import compute_advantage
 from rlframe.algorithms.kl import apply_kl_penalty, make_kl_controller
 from rlframe.algorithms.masked import masked_mean
 from rlframe.algorithms.on_policy import old_log_prob_pass_reason
+from rlframe.algorithms.pf_ppo import pf_ppo_applies, pf_ppo_resample_index
 from rlframe.algorithms.rollout_correction import probs_diff_metrics, rollout_correction
 from rlframe.batch_plan import BatchPlan
 from rlframe.config.checks import resolve_device
@@ -235,6 +236,8 @@ class RayPPOTrainer:
                 batch = batch.union(self.critic_wg.compute_values(batch))
         with timer("adv", timings):
             self._compute_advantage(batch, metrics)
+            if pf_ppo_applies(self.config.algorithm):
+                batch = self._pf_ppo_resample(batch)
         if self.use_critic:
             with timer("update_critic", timings):
                 out = self.critic_wg.update_critic(batch)
@@ -428,6 +431,15 @@ class RayPPOTrainer:
             inputs["sum_pi_squared"] = batch.batch["sum_pi_squared"]
         advantages, returns = compute_advantage(algo.adv_estimator, **inputs)
         batch.batch["advantages"], batch.batch["returns"] = advantages, returns
+
+    def _pf_ppo_resample(self, batch: DataProto) -> DataProto:
+        """PF-PPO: the batch resampled with replacement by score (rlframe.algorithms.pf_ppo), seeded per step."""
+        pf_ppo = self.config.algorithm.pf_ppo
+        generator = torch.Generator().manual_seed(int(self.config.data.seed) * 1_000_003 + self.global_step)
+        index = pf_ppo_resample_index(
+            batch.batch["token_level_scores"], pf_ppo.reweight_method, float(pf_ppo.weight_pow), generator
+        )
+        return batch[index.numpy()]
 
     def _rollout_correction(self, batch: DataProto, metrics: dict) -> torch.Tensor:
         """verl's decoupled mode: IS weights and rejection between π_rollout and π_old over the whole batch.
