@@ -46,9 +46,14 @@ _AGENT = (
     "rlframe reads tools from actor_rollout_ref.rollout.multi_turn.tool_config_path / function_tool_path "
     "(the rollout renders their schemas into the prompt); dataset-side tool settings are not implemented"
 )
-_ROLLOUT_REWARD_MODEL = (
-    "generative reward models and verl's reward loop are not supported; use reward_model.enable "
-    "with a sequence-classification model, or a custom_reward_function"
+_REWARD_SECTION = (
+    "this part of verl 0.9.1's reward.* section is not implemented (rlframe reads the reward function, manager, "
+    "kwargs and a sequence-classification reward model from custom_reward_function.*, reward_model.*, and their "
+    "reward.* spellings)"
+)
+_REWARD_LOOP = (
+    "custom reward-loop classes are not supported; use reward_model.reward_manager (naive, batch, dapo) or a "
+    "custom_reward_function"
 )
 _QUANT = "quantized training and rollout are not supported"
 
@@ -99,12 +104,12 @@ UNSUPPORTED = {
     "trainer.use_v1": "verl's v1 trainer modes are not supported; rlframe has one colocated synchronous trainer",
     "trainer.v1": "verl's v1 trainer modes are not supported; rlframe has one colocated synchronous trainer",
     "skip": "skipping rollouts from dumps is not supported",
-    "reward": _ROLLOUT_REWARD_MODEL,
-    "reward_model.rollout": _ROLLOUT_REWARD_MODEL,
-    "reward_model.reward_loop_source": _ROLLOUT_REWARD_MODEL,
-    "reward_model.reward_loop_module_path": _ROLLOUT_REWARD_MODEL,
-    "reward_model.reward_loop_class_name": _ROLLOUT_REWARD_MODEL,
-    "reward_model.num_workers": _ROLLOUT_REWARD_MODEL,
+    "reward": _REWARD_SECTION,
+    "reward.reward_manager.source": _REWARD_LOOP,
+    "reward.reward_manager.module": _REWARD_LOOP,
+    "reward_model.reward_loop_source": _REWARD_LOOP,
+    "reward_model.reward_loop_module_path": _REWARD_LOOP,
+    "reward_model.reward_loop_class_name": _REWARD_LOOP,
     "reward_model.enable_resource_pool": "the reward model shares the training workers' processes",
     "reward_model.nnodes": "the reward model shares the training workers' processes",
     "reward_model.n_gpus_per_node": "the reward model shares the training workers' processes",
@@ -145,6 +150,32 @@ NOT_IN_VERL = {
     "in fsdp_config.model_dtype; set actor_rollout_ref.actor.fsdp_config.model_dtype (and ref's, critic's)",
 }
 
+# verl 0.9.1's legacy reward_model.rollout.* keys (its legacy_reward_impl.yaml), declared by rlframe's
+# RewardModelRolloutConfig; the reward.reward_model.rollout.* spelling of each reaches the same key.
+REWARD_MODEL_ROLLOUT_KEYS = (
+    "name",
+    "dtype",
+    "gpu_memory_utilization",
+    "enforce_eager",
+    "cudagraph_capture_sizes",
+    "free_cache_engine",
+    "data_parallel_size",
+    "expert_parallel_size",
+    "tensor_model_parallel_size",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "max_num_seqs",
+    "load_format",
+    "engine_kwargs",
+    "limit_images",
+    "enable_chunked_prefill",
+    "enable_prefix_caching",
+    "disable_log_stats",
+    "skip_tokenizer_init",
+    "prompt_length",
+    "response_length",
+)
+
 # verl 0.9.1's newer spellings of keys rlframe keeps at their older place: both reach the same key.
 # The critic's FSDP settings moved from critic.model.fsdp_config.* (beside the actor's, in rlframe) to
 # critic.fsdp.*; the reward function and manager to reward.*; Ray's init arguments to ray_kwargs.*.
@@ -176,6 +207,11 @@ ALIASES = {
         )
     },
     "ray_kwargs.ray_init.num_cpus": "trainer.ray_init.num_cpus",
+    # verl 0.9.1 migrates its legacy reward_model.* keys into reward.* (migrate_legacy_reward_impl)
+    "reward.num_workers": "reward_model.num_workers",
+    "reward.reward_model.enable": "reward_model.enable",
+    "reward.reward_model.model_path": "reward_model.model.path",
+    **{f"reward.reward_model.rollout.{name}": f"reward_model.rollout.{name}" for name in REWARD_MODEL_ROLLOUT_KEYS},
 }
 
 

@@ -6,10 +6,16 @@ last valid token whatever the padding side. The score goes on the last valid res
 (`rm_scores` [bs, response_length]), the same place rule-based rewards go. With
 `reward_model.model.use_remove_padding` the valid tokens of a micro-batch are packed into one row
 (each sequence attending only to itself through `cu_seqlens`) and each score is read at its
-sequence's last packed token: the same scores without computing the padding. When the reward model's
-tokenizer differs from the policy's, the conversation is rebuilt from the raw chat
-(`data.return_raw_chat=true`) plus the decoded response, and re-tokenized with the reward model's
-own chat template.
+sequence's last packed token: the same scores without computing the padding.
+
+What is scored (`reward_model.use_reward_loop`):
+- true (verl 0.9.1's only way, verl 0.8's default): the text verl's reward loop sends to its reward-model
+  server (`reward_loop_inputs`): the raw chat (`data.return_raw_chat=true`) plus the response decoded
+  with the policy's tokenizer without its EOS text, in the reward model's chat template, tokenized as
+  the server tokenizes a text input (special tokens added, once).
+- false (verl 0.8's legacy FSDP worker): the policy's own token ids when the two tokenizers have the
+  same vocabulary, else the conversation rebuilt from the raw chat plus the decoded response and
+  re-tokenized with the reward model's chat template.
 """
 
 from __future__ import annotations
@@ -80,6 +86,32 @@ def place_on_last_response_token(scores: torch.Tensor, response_mask: torch.Tens
     return out
 
 
+def reward_loop_texts(data: DataProto, policy_tokenizer, rm_tokenizer) -> list[str]:
+    """The text verl 0.9.1's reward loop scores per row (its `RewardLoopWorker._preprocess_reward_inputs`).
+
+    The response is every token the attention mask keeps (tool turns of a multi-turn row included),
+    decoded with special tokens and stripped of the policy's EOS text; the reward model's chat template
+    renders the raw chat plus that answer without a generation prompt, and a leading BOS text is cut
+    (the server's tokenizer adds it again).
+    """
+    if "raw_prompt" not in data.non_tensor_batch:
+        raise ValueError(
+            "reward_model.use_reward_loop=true scores the raw chat plus the response: set data.return_raw_chat=true"
+        )
+    responses = data.batch["responses"]
+    valid_lengths = data.batch["attention_mask"][:, -responses.shape[-1] :].sum(-1).tolist()
+    bos, eos = rm_tokenizer.bos_token, policy_tokenizer.eos_token
+    texts = []
+    for prompt, response, length in zip(data.non_tensor_batch["raw_prompt"], responses, valid_lengths):
+        answer = policy_tokenizer.decode(response[:length])
+        if eos:
+            answer = answer.replace(eos, "")
+        chat = [*prompt, {"role": "assistant", "content": answer}]
+        text = rm_tokenizer.apply_chat_template(chat, add_generation_prompt=False, tokenize=False)
+        texts.append(text[len(bos) :] if bos and text.startswith(bos) else text)
+    return texts
+
+
 class RewardModelWorker(FSDPWorkerBase):
     """FSDP-sharded reward model; `compute_rm_score` returns `rm_scores`."""
 
@@ -100,6 +132,9 @@ class RewardModelWorker(FSDPWorkerBase):
             str(rm_cfg.model.input_tokenizer), trust_remote_code=bool(self.config.data.trust_remote_code)
         )
         self.same_tokenizer = self.rm_tokenizer.get_vocab() == self.policy_tokenizer.get_vocab()
+        self.use_reward_loop = bool(rm_cfg.use_reward_loop)
+        if self.rm_tokenizer.pad_token is None:  # padding only fills masked positions
+            self.rm_tokenizer.pad_token = self.rm_tokenizer.eos_token
         self.use_remove_padding = bool(rm_cfg.model.use_remove_padding)
         model = load_reward_model(path, self.use_remove_padding)
         spec = FSDPSpec(
@@ -114,6 +149,10 @@ class RewardModelWorker(FSDPWorkerBase):
         self.micro_batch_size = int(rm_cfg.micro_batch_size_per_gpu)
 
     def _rm_inputs(self, data: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.use_reward_loop:  # as the server of verl's reward loop tokenizes a text input: special tokens added
+            texts = reward_loop_texts(data, self.policy_tokenizer, self.rm_tokenizer)
+            encoded = self.rm_tokenizer(texts, return_tensors="pt", padding=True)
+            return encoded["input_ids"], encoded["attention_mask"]
         if self.same_tokenizer:
             return data.batch["input_ids"], data.batch["attention_mask"]
         if "raw_prompt" not in data.non_tensor_batch:
