@@ -1,6 +1,7 @@
 """How many of verl's example command lines rlframe's launch checks take: per script and per key use.
 
     python scripts/verl_compat_report.py OUT.json [--corpus tests/assets/verl_examples] [--only NAME ...]
+        [--verl-config VERL_WHEEL/verl/trainer/config]
 
 Each corpus file (see tests/assets/verl_examples/README.md) is one verl script's Hydra overrides.
 A script is TAKEN WHOLE when `rlframe explain <its overrides>` exits 0, or fails only on a value whose
@@ -407,6 +408,44 @@ def report(examples: list[Example]) -> tuple[list[ScriptResult], dict]:
     return results, summarize(results, examples)
 
 
+def verl_composes(examples: list[Example], config_dir: Path) -> dict[str, str]:
+    """Per script: "ok" when verl's own Hydra config (`verl/trainer/config` of its wheel) composes its
+    overrides, else the first line of Hydra's error. Config-level only: verl's Python checks do not run."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    verdicts = {}
+    for example in examples:
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(config_dir.resolve()), version_base=None):
+            try:
+                compose(config_name="ppo_trainer", overrides=example.overrides)
+                verdicts[example.name] = "ok"
+            except Exception as err:  # Hydra's override and struct errors
+                verdicts[example.name] = str(err).splitlines()[0]
+    GlobalHydra.instance().clear()
+    return verdicts
+
+
+def print_verl_comparison(results: list[ScriptResult], verdicts: dict[str, str]) -> dict:
+    """Scripts verl's config composes vs scripts rlframe takes whole; the ones only verl takes, listed."""
+    ours = {r.name for r in results if r.taken_whole}
+    theirs = {name for name, verdict in verdicts.items() if verdict == "ok"}
+    counts = {
+        "verl_composes": len(theirs),
+        "both": len(ours & theirs),
+        "rlframe_only": len(ours - theirs),
+        "verl_only": len(theirs - ours),
+        "neither": len(verdicts) - len(ours | theirs),
+    }
+    print(f"\nverl 0.9.1's own config composes {len(theirs)}/{len(verdicts)}: {counts}")
+    for name in sorted(theirs - ours):
+        print(f"  verl composes, rlframe refuses: {name}")
+    for name in sorted(set(verdicts) - ours - theirs):
+        print(f"  both refuse: {name}: verl: {verdicts[name][:110]}")
+    return counts
+
+
 def print_summary(summary: dict, results: list[ScriptResult]) -> None:
     """The table a person reads: scripts taken whole, key uses, refused keys, the ten defaults."""
     n, total = summary["scripts"], summary["key_uses"]
@@ -444,11 +483,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="JSON file for the per-script and per-key details")
     parser.add_argument("--corpus", type=Path, default=CORPUS)
     parser.add_argument("--only", nargs="+", help="corpus file names (without .txt) to check")
+    parser.add_argument(
+        "--verl-config",
+        type=Path,
+        help="verl 0.9.1's verl/trainer/config folder (from its unpacked wheel): also compose each script with it",
+    )
     args = parser.parse_args(argv)
     examples = read_corpus(args.corpus, args.only)
     results, summary = report(examples)
     print_summary(summary, results)
-    details = {"summary": summary, "scripts": [{**asdict(r), "taken_whole": r.taken_whole} for r in results]}
+    verdicts = verl_composes(examples, args.verl_config) if args.verl_config else {}
+    if verdicts:
+        summary["verl_comparison"] = print_verl_comparison(results, verdicts)
+    details = {
+        "summary": summary,
+        "scripts": [
+            {**asdict(r), "taken_whole": r.taken_whole, "verl_composes": verdicts.get(r.name)} for r in results
+        ],
+    }
     Path(args.out).write_text(json.dumps(details, indent=1, default=str) + "\n")
     return 0
 
