@@ -81,6 +81,12 @@ def test_a_dashboard_asked_for_listens_on_localhost_and_ranks_rendezvous_over_lo
         try:
             masters = [rank["master"][0] for rank in group.whoami("rendezvous")]
             assert masters == ["127.0.0.1", "127.0.0.1"]  # one node: never a routable address
+            # and no TCPStore (it would listen on every interface): the ranks meet through a file
+            assert group.rendezvous_store() == ["FileStore", "FileStore"]
+            port = group.whoami("port")[0]["master"][1]
+            assert not [
+                c for p in psutil.Process().children(recursive=True) for c in _listening(p) if c.laddr.port == port
+            ]
         finally:
             group.shutdown()
             pool.remove()

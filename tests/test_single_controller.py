@@ -100,6 +100,17 @@ class EchoWorker(Worker):
         dist.all_reduce(value)
         return value.item()
 
+    @register(Dispatch.ONE_TO_ALL)
+    def rendezvous_store(self):
+        """The kind of store the default process group rendezvoused through (after joining it)."""
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        self.all_reduce_rank()
+        store = _get_default_store()
+        while hasattr(store, "underlying_store"):  # PrefixStores wrap the rendezvous store
+            store = store.underlying_store
+        return type(store).__name__
+
 
 class CrashWorker(Worker):
     def __init__(self):

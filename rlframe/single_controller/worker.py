@@ -12,7 +12,10 @@ from rlframe.single_controller.errors import WorkerError
 from rlframe.single_controller.transport import pack_value, unpack_value
 
 # Environment a worker group sets on each worker process before its class is constructed.
-RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Set for a group whose ranks all run on one node: torch.distributed rendezvouses through this file
+# (a FileStore) instead of a TCPStore, which would listen on every network interface of rank 0's node.
+RENDEZVOUS_FILE_ENV = "RLFRAME_RENDEZVOUS_FILE"
+RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", RENDEZVOUS_FILE_ENV)
 
 
 class Worker:
@@ -77,9 +80,10 @@ class Worker:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(self.device)
+        store_file = os.environ.get(RENDEZVOUS_FILE_ENV)
         dist.init_process_group(
             backend=backend,
-            init_method=f"tcp://{self.master_addr}:{self.master_port}",
+            init_method=f"file://{store_file}" if store_file else f"tcp://{self.master_addr}:{self.master_port}",
             rank=self.rank,
             world_size=self.world_size,
             timeout=timedelta(seconds=timeout_s),

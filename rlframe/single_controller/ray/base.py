@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import functools
 import inspect
 import os
 import socket
+import tempfile
 import types
+import uuid
 from collections.abc import Iterable
 from typing import Any, Generic, TypeVar
 
@@ -20,7 +23,7 @@ from rlframe.single_controller.errors import WorkerGroupError
 from rlframe.single_controller.ray.resource_pool import RayResourcePool
 from rlframe.single_controller.ray.wait import wait_all
 from rlframe.single_controller.transport import pack_value
-from rlframe.single_controller.worker import Worker
+from rlframe.single_controller.worker import RENDEZVOUS_FILE_ENV, Worker
 
 W = TypeVar("W", bound=Worker)
 
@@ -69,12 +72,24 @@ class RayClassWithInitArgs(Generic[W]):
 
 
 @ray.remote(num_cpus=0)
-def _node_address() -> tuple[str, int]:
-    """This node's IP and a port free on it right now (for torch.distributed's rendezvous)."""
+def _node_address() -> tuple[str, int, str]:
+    """This node's IP, a port free on it right now, and an unused file path in its temporary folder.
+
+    A multi-node group rendezvouses at the IP and port (torch.distributed's TCPStore, which listens on
+    every interface); a group on one node rendezvouses through the file (a FileStore: no socket at all).
+    """
     with socket.socket() as sock:
         sock.bind(("", 0))
         port = sock.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+    store_file = os.path.join(tempfile.gettempdir(), f"rlframe-rendezvous-{uuid.uuid4().hex}")
+    return ray.util.get_node_ip_address(), port, store_file
+
+
+@ray.remote(num_cpus=0)
+def _remove_file(path: str) -> None:
+    """Remove a finished group's rendezvous file (its ranks were killed, so none removed it)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
 
 
 class RayWorkerGroup(Generic[W]):
@@ -99,7 +114,7 @@ class RayWorkerGroup(Generic[W]):
         self.resource_pool = resource_pool
         self.call_timeout_s = call_timeout_s
         self._role_classes = dict(ray_cls_with_init.roles)
-        workers = _create_workers(resource_pool, ray_cls_with_init, runtime_env or {})
+        workers, self._rendezvous_file = _create_workers(resource_pool, ray_cls_with_init, runtime_env or {})
         self._setup(workers, ray_cls_with_init.cls, role=None)
         try:  # also surfaces constructor failures now, with their rank
             self.worker_info = wait_all(
@@ -147,7 +162,7 @@ class RayWorkerGroup(Generic[W]):
                 self.call_timeout_s,
                 self.worker_info,
             )
-            view._role_classes = {}
+            view._role_classes, view._rendezvous_file = {}, self._rendezvous_file
             view._setup(self._workers, self._role_classes[role], role=role)
             views[role] = view
         return views
@@ -157,6 +172,11 @@ class RayWorkerGroup(Generic[W]):
         for worker in self._workers:
             ray.kill(worker, no_restart=True)
         self._workers.clear()
+        if self._rendezvous_file is not None:
+            node, path = self._rendezvous_file
+            strategy = NodeAffinitySchedulingStrategy(node, soft=True)
+            with contextlib.suppress(Exception):  # best effort: a file of a few bytes in the node's /tmp
+                ray.get(_remove_file.options(scheduling_strategy=strategy).remote(path), timeout=30)
 
     def __repr__(self) -> str:
         role = f", role={self.role!r}" if self.role else ""
@@ -224,19 +244,24 @@ def _group_method(name: str, spec: RegisterSpec, worker_fn):
     return group_method
 
 
-def _create_workers(pool: RayResourcePool, cls_with_init: RayClassWithInitArgs, runtime_env: dict) -> list:
-    """One actor per slot; rank order follows the pool's nodes, then the slots on each node.
+def _create_workers(
+    pool: RayResourcePool, cls_with_init: RayClassWithInitArgs, runtime_env: dict
+) -> tuple[list, tuple[str, str] | None]:
+    """One actor per slot, and (node, path) of the group's rendezvous file when it has one.
 
-    `runtime_env` adds to each actor's Ray runtime_env (e.g. `nsight`: run the worker under nsys).
+    Rank order follows the pool's nodes, then the slots on each node. `runtime_env` adds to each
+    actor's Ray runtime_env (e.g. `nsight`: run the worker under nsys).
     """
     pgs = pool.placement_groups()
     node_of_rank0 = ray.util.placement_group_table(pgs[0])["bundles_to_node_id"][0]
-    master_addr, master_port = ray.get(
+    master_addr, master_port, store_file = ray.get(
         _node_address.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_of_rank0, soft=False)).remote(),
         timeout=120,
     )
-    if len(pool.process_on_nodes) == 1:  # every rank on rank 0's node: rendezvous over the loopback interface
+    rendezvous = {}
+    if len(pool.process_on_nodes) == 1:  # every rank on rank 0's node: no network listener for the rendezvous
         master_addr = "127.0.0.1"
+        rendezvous = {RENDEZVOUS_FILE_ENV: store_file}
     remote_cls = ray.remote(cls_with_init.cls)
     workers = []
     for pg, count in zip(pgs, pool.process_on_nodes):
@@ -251,6 +276,7 @@ def _create_workers(pool: RayResourcePool, cls_with_init: RayClassWithInitArgs, 
                 "LOCAL_WORLD_SIZE": count,
                 "MASTER_ADDR": master_addr,
                 "MASTER_PORT": master_port,
+                **rendezvous,
             }
             strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=local_rank)
             workers.append(
@@ -260,4 +286,4 @@ def _create_workers(pool: RayResourcePool, cls_with_init: RayClassWithInitArgs, 
                     **pool.actor_resources(),
                 ).remote(*cls_with_init.args, **cls_with_init.kwargs)
             )
-    return workers
+    return workers, ((node_of_rank0, store_file) if rendezvous else None)
