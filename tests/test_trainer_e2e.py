@@ -255,3 +255,20 @@ def test_other_estimators_run_a_step(tmp_path, cache_dir, estimator):
     assert out.returncode == 0, out.stderr[-4000:]
     (step,) = [m for m in read_metrics(tmp_path) if "actor/pg_loss" in m]
     assert ("timing_s/gen_max" in step) == (estimator == "remax")
+
+
+def test_val_only_validates_the_resumed_checkpoint_and_trains_nothing(tmp_path, cache_dir):
+    # trainer.val_only (verl's key): after resuming a checkpoint, one validation of that policy, then stop
+    run_dir = tmp_path / "run"
+    base = COMMON + [f"trainer.default_local_dir={run_dir}", "trainer.total_training_steps=3", "trainer.save_freq=1"]
+    out = run_main(base + ["trainer.total_training_steps=1"], cache_dir)
+    assert out.returncode == 0, out.stderr[-4000:]
+    out = run_main(
+        base + ["trainer.resume_mode=auto", "trainer.val_before_train=true", "trainer.val_only=true"], cache_dir
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    steps = read_metrics(run_dir)
+    assert [m["step"] for m in steps] == [1, 1]  # the training step, then the validation at the resumed step
+    assert any(key.startswith("val-core/") for key in steps[1]) and "actor/pg_loss" not in steps[1]
+    assert sorted(p.name for p in run_dir.glob("global_step_*")) == ["global_step_1"]  # nothing trained or saved
+    assert "resuming from" in out.stdout

@@ -163,6 +163,7 @@ class TrainerConfig(Section):
     )
     log_val_generations: int = key(0, "validation samples to log as text")
     val_before_train: bool = key(True, "run validation before the first step")
+    val_only: bool = key(False, "validate the policy (after any resume), then stop; needs val_before_train")
     test_freq: int = key(-1, "validate every N steps and after the last (<= 0: never during training)")
     save_freq: int = key(-1, "checkpoint every N steps (-1 = never)")
     critic_warmup: int = key(0, "steps before the actor starts updating")
@@ -203,6 +204,8 @@ class TrainerConfig(Section):
             out[f"{path}.resume_from_path"] = f"{path}.resume_mode={self.resume_mode} (only resume_path reads it)"
         # verl 0.8's scripts set it; it chose between two worker implementations of the same math
         out[f"{path}.use_legacy_worker_impl"] = "a verl < 0.9.1 switch between worker implementations; rlframe has one"
+        if not self.val_before_train:  # as verl 0.9.1, which stops after the validation before training only
+            out[f"{path}.val_only"] = f"{path}.val_before_train=false: no validation to stop after; the run trains"
         return out
 
 

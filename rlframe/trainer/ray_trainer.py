@@ -127,10 +127,16 @@ class RayPPOTrainer:
             self.global_step = driver_state["global_step"]
             self.kl_ctrl.value = driver_state["kl_coef"]
         progress = ProgressBar(self.total_training_steps, self.global_step)
-        if self.val_reward_fn is not None and cfg.val_before_train and self.global_step == 0:
+        # verl validates before training at any resumed step; rlframe only at step 0, unless val_only asks
+        # for the resumed policy's numbers
+        if self.val_reward_fn is not None and cfg.val_before_train and (self.global_step == 0 or cfg.val_only):
             validation = self._validate()
-            progress.validation(validation, 0)
-            self.tracker.log(validation, step=0)
+            progress.validation(validation, self.global_step)
+            self.tracker.log(validation, step=self.global_step)
+            if cfg.val_only:  # trainer.val_only: the validation was the run
+                progress.close()
+                self.tracker.finish()
+                return validation
         last_metrics: dict = {}
         passes = 0
         while self.global_step < self.total_training_steps:
