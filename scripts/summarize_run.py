@@ -9,14 +9,17 @@ def main(run_dir: str) -> None:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     train = [r for r in rows if "critic/score/mean" in r]
-    if not train:
-        sys.exit(f"no training steps in {run_dir}/metrics.jsonl")
-    window = max(1, min(10, len(train) // 4))
-    first = sum(r["critic/score/mean"] for r in train[:window]) / window
-    last = sum(r["critic/score/mean"] for r in train[-window:]) / window
-    step_s = sorted(r["timing_s/step"] for r in train)[len(train) // 2]
-    print(f"steps: {len(train)}   median step time: {step_s:.2f}s")
-    print(f"mean training reward, first {window} steps: {first:.3f}   last {window} steps: {last:.3f}")
+    if not train and not any(key.startswith("val-core/") for r in rows for key in r):
+        sys.exit(f"no training steps and no validation in {run_dir}/metrics.jsonl")
+    if train:
+        window = max(1, min(10, len(train) // 4))
+        first = sum(r["critic/score/mean"] for r in train[:window]) / window
+        last = sum(r["critic/score/mean"] for r in train[-window:]) / window
+        step_s = sorted(r["timing_s/step"] for r in train)[len(train) // 2]
+        print(f"steps: {len(train)}   median step time: {step_s:.2f}s")
+        print(f"mean training reward, first {window} steps: {first:.3f}   last {window} steps: {last:.3f}")
+    else:  # trainer.val_only
+        print("no training steps (validation only)")
     for r in rows:
         for key, value in r.items():
             if key.startswith("val-core/"):
