@@ -5,8 +5,10 @@
     python bench/e2e_grpo.py --model builtin://tiny --model builtin://smollm2-135m-instruct  # both, one table
     python bench/e2e_grpo.py --quick                              # 6 steps (tiny) / 4 steps (others)
     python bench/e2e_grpo.py --trl-path DIR                       # DIR holds trl and its dependencies
+    python bench/e2e_grpo.py --workers 1                          # rlframe with one worker process
 
-The job (`job_for`): GRPO on builtin://countdown_add with 2 CPU worker processes of one thread.
+The job (`job_for`): GRPO on builtin://countdown_add with 2 CPU worker processes of one thread
+(`--workers`: another count; the micro-batch sizes follow, one per worker and optimizer step).
 With the tiny model (builtin://tiny): 8 prompts x 4 samples, responses <= 16 tokens, mini-batch 4
 prompts = 2 optimizer steps per step, lr 3e-3. With any other model (a folder or
 builtin://smollm2-135m-instruct): 4 prompts x 4 samples, responses <= 32 tokens, one mini-batch =
@@ -321,6 +323,9 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--override", action="append", default=[], help="KEY=VALUE for rlframe's run (repeatable), after the job's"
     )
+    parser.add_argument(
+        "--workers", type=int, default=2, help="rlframe's worker processes (trainer.n_gpus_per_node); TRL runs one"
+    )
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trl_worker:
@@ -329,7 +334,7 @@ def main(argv=None) -> None:
     with_trl = not args.no_trl and trl_importable(args.trl_path)
     ratios = {}
     for model in args.model or [TINY]:
-        ratios[model] = compare(job_for(model), args, with_trl)
+        ratios[model] = compare(dataclasses.replace(job_for(model), workers=args.workers), args, with_trl)
     if with_trl:
         print("\nrlframe / TRL tokens/s: " + ", ".join(f"{model} {ratio:.2f}x" for model, ratio in ratios.items()))
     else:
