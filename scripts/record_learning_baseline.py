@@ -68,7 +68,7 @@ OVERRIDES = [
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=128",
     "trainer.balance_batch=true",
     # optimizer and schedule
-    "actor_rollout_ref.actor.optim.lr=1e-3",
+    "actor_rollout_ref.actor.optim.lr=3e-4",
     "actor_rollout_ref.actor.optim.lr_warmup_steps=-1",
     "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.0",
     "actor_rollout_ref.actor.optim.lr_scheduler_type=constant",
