@@ -101,8 +101,10 @@ def test_a_verl_key_rlframe_does_not_implement_is_taken_at_verls_default_only():
         r"verl 0.9.1's default \(0\)",
     ):
         compose(["critic.model.lora_rank=32"])
-    with pytest.raises(ValueError, match=r"trainer.val_only=True: rlframe does not implement"):
-        compose(["trainer.val_only=True"])
+    with pytest.raises(
+        ValueError, match=r"actor_rollout_ref.actor.use_prefix_grouper=True: rlframe does not implement"
+    ):
+        compose(["actor_rollout_ref.actor.use_prefix_grouper=True"])
 
 
 def test_every_verl_key_is_declared_by_rlframe_or_has_a_verl_default():

@@ -110,6 +110,7 @@ def _offload_worker(rank: int, port: int, model_path: str, out: str) -> None:
         params = dict(iter_full_params(model))
         if rank == 0:
             torch.save({"norm": norm, "grads": grads, "params": params}, out)
+        dist.barrier()  # neither rank tears its gloo pairs down while the other still writes or gathers
     finally:
         dist.destroy_process_group()
 
