@@ -1,10 +1,11 @@
-"""The on-policy skip of the old-log-prob pass (actor_rollout_ref.actor.skip_on_policy_old_log_prob).
+"""The update that computes its own old log-probs (actor_rollout_ref.actor.skip_on_policy_old_log_prob).
 
-One optimizer step whose loss takes its own forward's log-probs, detached, as the old ones must equal
-the step that first computes them in a separate forward: the same gradient and parameters after the
-step, the same metrics, and the same old log-probs and entropy handed back for the driver's metrics,
-on 1 and 2 FSDP workers (static and dynamic micro-batches, Ulysses sp 2). And the rule for when a
-step is exactly on-policy, key by key.
+An update whose first optimizer step takes its own forward's log-probs, detached, as the old ones, and
+whose later mini-batches take theirs from one forward without gradients before that step, must equal
+the update after the separate old-log-prob pass: the same gradient of the last step and the same
+parameters after it, the same metrics, and the same old log-probs and entropy handed back for the
+driver's metrics, on 1 and 2 FSDP workers (one and several mini-batches, static and dynamic
+micro-batches, shuffled, Ulysses sp 2). And the rule for when the pass can be skipped, key by key.
 """
 
 from __future__ import annotations
@@ -85,6 +86,11 @@ SCENARIOS = {
     "2 workers, dynamic micro-batches": Scenario(world=2, use_dynamic_bsz=True, max_token_len=24),
     "2 workers, sp 2": Scenario(world=2, sp=2, micro_batch_size=2),
     "2 workers, no entropy bonus, shuffle": Scenario(world=2, extra={"entropy_coeff": 0.0, "shuffle": True}),
+    "1 worker, 4 mini-batches": Scenario(world=1, micro_batch_size=1, mini_batch_size=2),
+    "2 workers, 2 mini-batches, dynamic, shuffle": Scenario(
+        world=2, use_dynamic_bsz=True, max_token_len=24, mini_batch_size=4, extra={"shuffle": True}
+    ),
+    "2 workers, sp 2, 2 mini-batches": Scenario(world=2, sp=2, micro_batch_size=2, mini_batch_size=4),
 }
 
 
@@ -105,18 +111,18 @@ def test_the_on_policy_step_equals_the_step_after_an_old_log_prob_pass(tiny_mode
             assert skip["metrics"][metric] == pytest.approx(values, rel=1e-6, abs=1e-6), (name, rank, metric)
 
 
-def test_an_update_of_several_optimizer_steps_is_not_on_policy(tiny_model_path):
+def test_an_update_of_several_epochs_does_not_compute_its_own_old_log_probs(tiny_model_path):
     sc = Scenario(world=1, strategy="none")
     data = make_batch(AutoConfig.from_pretrained(tiny_model_path).vocab_size, NUM_SEQS)
     model = load_hf_model(ModelSpec(path=tiny_model_path, role="actor", dtype=torch.float32, use_remove_padding=True))
-    settings = replace(settings_for(sc, NUM_SEQS), mini_batch_size=NUM_SEQS // 2)
+    settings = replace(settings_for(sc, NUM_SEQS), ppo_epochs=2)
     actor = PPOActor(model, RecordingSGD(model), settings)
-    with pytest.raises(ValueError, match="an on-policy update takes one optimizer step"):
+    with pytest.raises(ValueError, match="computes its own old log-probs takes one epoch: ppo_epochs=2"):
         actor.update_policy_on_policy(data)
 
 
 def _cfg(**overrides):
-    """The keys the rule reads, at a GRPO run's values that make each step exactly on-policy."""
+    """The keys the rule reads, at a GRPO run's values that let the update compute the old log-probs."""
     actor = {
         "skip_on_policy_old_log_prob": True,
         "ppo_epochs": 1,
@@ -145,7 +151,6 @@ def _cfg(**overrides):
         (SKIP_KEY, False, "skip_on_policy_old_log_prob=false"),
         ("algorithm.rollout_correction.bypass_mode", True, "the old log-probs are the rollout's"),
         ("actor_rollout_ref.actor.ppo_epochs", 2, "ppo_epochs=2"),
-        ("data.train_batch_size", 8, "2 optimizer steps per step"),
         ("algorithm.use_kl_in_reward", True, "KL penalty"),
         ("algorithm.adv_estimator", "optimal_token_baseline", "optimal_token_baseline"),
         ("actor_rollout_ref.actor.policy_loss.loss_mode", "clip_cov", "loss_mode=clip_cov"),
@@ -156,3 +161,7 @@ def _cfg(**overrides):
 def test_what_needs_the_old_log_probs_before_the_update_keeps_the_pass(key, value, reason):
     assert old_log_prob_pass_reason(_cfg()) is None
     assert reason in old_log_prob_pass_reason(_cfg(**{key: value}))
+
+
+def test_several_mini_batches_of_one_epoch_skip_the_pass():
+    assert old_log_prob_pass_reason(_cfg(**{"data.train_batch_size": 16})) is None  # 4 optimizer steps

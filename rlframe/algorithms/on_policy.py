@@ -1,11 +1,14 @@
-"""When a step is exactly on-policy, so that the separate old-log-prob forward can be skipped.
+"""When the update can compute the old log-probs itself, so that the separate old-log-prob pass is skipped.
 
 A PPO/GRPO step's old log-probs are the policy's log-probs of the sampled tokens under the
-parameters the update starts from. When the step takes exactly one optimizer step (one mini-batch,
-one epoch), the update's own forward runs under those same parameters, so its log-probs, detached,
-are the old ones (TRL does the same with num_iterations=1). That holds only if nothing needs them
-before the update: `old_log_prob_pass_reason` names what does, from the config
-(`actor_rollout_ref.actor.skip_on_policy_old_log_prob`, an rlframe key, turns the skip off).
+parameters the update starts from. In an update of one epoch, the first optimizer step's own forward
+runs under exactly those parameters, so its log-probs, detached, are the old ones of its mini-batch
+(TRL does the same with num_iterations=1); the later mini-batches' rows take one forward without
+gradients before that step, inside the same worker call. Either way the numbers are the separate
+pass's, without its round trip through the driver (and without its forward over the first
+mini-batch). That holds only if nothing needs them before the update: `old_log_prob_pass_reason`
+names what does, from the config (`actor_rollout_ref.actor.skip_on_policy_old_log_prob`, an rlframe
+key, turns the skip off).
 """
 
 from __future__ import annotations
@@ -26,13 +29,7 @@ def old_log_prob_pass_reason(cfg: Any) -> str | None:
         return "algorithm.rollout_correction.bypass_mode=true: the old log-probs are the rollout's, no pass runs"
     epochs = int(get(cfg, f"{ACTOR}.ppo_epochs"))
     if epochs != 1:
-        return f"{ACTOR}.ppo_epochs={epochs}: the epochs after the first are off-policy"
-    train, mini = int(get(cfg, "data.train_batch_size")), int(get(cfg, f"{ACTOR}.ppo_mini_batch_size"))
-    if train // mini != 1:
-        return (
-            f"{train // mini} optimizer steps per step (data.train_batch_size={train} / {ACTOR}.ppo_mini_batch_size"
-            f"={mini}): only the first mini-batch is on-policy"
-        )
+        return f"{ACTOR}.ppo_epochs={epochs}: later epochs reuse the old log-probs of every mini-batch"
     if get(cfg, "algorithm.use_kl_in_reward"):
         return "algorithm.use_kl_in_reward=true: the reward's KL penalty reads the old log-probs"
     if get(cfg, "algorithm.adv_estimator") == "optimal_token_baseline":

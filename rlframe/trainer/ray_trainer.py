@@ -270,7 +270,7 @@ class RayPPOTrainer:
         return metrics
 
     def _skips_old_log_prob(self) -> bool:
-        """This step is exactly on-policy and the actor updates in it: no separate old-log-prob pass."""
+        """The actor updates in this step and computes the old log-probs itself: no separate old-log-prob pass."""
         return self.on_policy and self.global_step > self.config.trainer.critic_warmup
 
     def _on_policy_metrics(self, batch: DataProto, out: DataProto, metrics: dict) -> None:

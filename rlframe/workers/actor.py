@@ -139,17 +139,21 @@ class PPOActor(PPOUpdater):
         return self._update(data, on_policy=False)
 
     def update_policy_on_policy(self, data: DataProto) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
-        """An exactly on-policy update without `old_log_probs`: one optimizer step whose loss takes the
-        current log-probs, detached, as the old ones (they are equal: same parameters, same tokens).
+        """The update without `old_log_probs` given: it computes them from the policy it starts from.
 
-        Returns the metrics and what the separate old-log-prob pass would have given, from the update's
-        own forward: `old_log_probs` and `entropys` [bs, resp_len] in the input order.
+        The first optimizer step's loss takes its own forward's log-probs, detached, as the old ones (they are
+        equal: same parameters, same tokens); the rows of the later mini-batches get theirs, with their entropy,
+        from one forward without gradients before that step (`_before_first_step`): the separate pass's numbers
+        on the rows that need them, inside this call. One epoch only: later epochs would reuse the first
+        mini-batch's old log-probs, which this call does not keep.
+
+        Returns the metrics and what the separate old-log-prob pass would have given: `old_log_probs` and
+        `entropys` [bs, resp_len] in the input order.
         """
         s = self.settings
-        if s.ppo_epochs != 1 or len(data) > s.mini_batch_size:
+        if s.ppo_epochs != 1:
             raise ValueError(
-                f"an on-policy update takes one optimizer step: ppo_epochs={s.ppo_epochs}, {len(data)} sequences "
-                f"on this rank for a mini-batch of {s.mini_batch_size}"
+                f"an update that computes its own old log-probs takes one epoch: ppo_epochs={s.ppo_epochs}"
             )
         if self.token_selector is not None or data.meta_info.get("rollout_correction") is not None:
             raise ValueError("clip_cov/kl_cov and bypass-mode rollout correction read old_log_probs before the loss")
@@ -164,7 +168,7 @@ class PPOActor(PPOUpdater):
         return metrics, stats
 
     def _update(self, data: DataProto, on_policy: bool) -> dict[str, list[float]]:
-        """The update; `on_policy`: the old log-probs are the loss's own forward's (`_on_policy_old`)."""
+        """The update; `on_policy`: the update computes the old log-probs (`update_policy_on_policy`)."""
         temperature = data.meta_info.get("temperature", 1.0)
         keys = ["advantages"] + (["ref_log_prob"] if self.settings.use_kl_loss else [])
         keys += [] if on_policy else ["old_log_probs"]
@@ -173,7 +177,7 @@ class PPOActor(PPOUpdater):
         self._temperature = temperature
         prepare = None if self.token_selector is None else (lambda mini: self._select_tokens(mini, temperature))
         batch = update_inputs(data.batch, *keys)
-        if on_policy:  # each row's index, to put the loss's log-probs back in the input order
+        if on_policy:  # each row's index, to put the old log-probs back in the input order
             batch["on_policy_row"] = torch.arange(len(batch), device=batch.device)
         metrics = self._train(batch, lambda micro, counts: self._loss(micro, counts, temperature), prepare)
         # verl names the rollout-correction metrics without the role
@@ -182,6 +186,28 @@ class PPOActor(PPOUpdater):
             name.removeprefix(role_prefix) if name.startswith(role_prefix + PREFIX) else name: values
             for name, values in metrics.items()
         }
+
+    def _before_first_step(self, batch: TensorDict) -> TensorDict:
+        """With the old log-probs computed here: the later mini-batches' rows get theirs before any step.
+
+        The first mini-batch's rows are marked `on_policy` (their loss takes its own forward's); the others are
+        scored as the separate pass scores them (its micro-batching, entropy included), under the parameters
+        the update starts from.
+        """
+        if self._on_policy_parts is None:
+            return batch
+        first = min(self.settings.mini_batch_size, len(batch))
+        batch = batch.clone(recurse=False)
+        batch["on_policy"] = torch.arange(len(batch), device=batch.device) < first
+        later = batch[first:]
+        batch["old_log_probs"] = torch.zeros_like(batch["advantages"])
+        if len(later) > 0:
+            later_data = DataProto(batch=forward_inputs(later), meta_info={"temperature": self._temperature})
+            stats = self.compute_token_stats(later_data, calculate_entropy=True)
+            self.module.train()  # compute_token_stats left it in eval mode
+            batch["old_log_probs"][first:] = stats["log_probs"]
+            self._on_policy_parts.append((later["on_policy_row"], stats["log_probs"], stats["entropy"]))
+        return batch
 
     def _optimizer_step(self, mini: TensorDict, loss_fn) -> dict[str, float]:
         """The shared optimizer step; in bypass mode with batch-normalized IS weights, after their mini-batch mean."""
@@ -218,7 +244,7 @@ class PPOActor(PPOUpdater):
         s = self.settings
         norm = counts.agg_kwargs()
         response_mask = response_mask_of(micro)
-        on_policy = "on_policy_row" in micro.keys()
+        on_policy = "on_policy" in micro.keys() and bool(micro["on_policy"][0])  # a mini-batch is wholly one or other
         out = self._forward(micro, temperature, calculate_entropy=s.entropy_coeff != 0 or on_policy)
         old_log_probs = self._on_policy_old(micro, out) if on_policy else micro["old_log_probs"]
         advantages = micro["advantages"]

@@ -331,7 +331,7 @@ class ActorConfig(Section):
     entropy_checkpointing: bool = key(False, "verl's memory switch; no effect: rlframe always recomputes")
     skip_on_policy_old_log_prob: bool = key(
         True,
-        "rlframe: an exactly on-policy step takes the update's log-probs, detached, as the old ones (no extra pass)",
+        "rlframe: a one-epoch update computes the old log-probs itself (its first step's, detached) instead of a pass",
     )
     policy_loss: PolicyLossConfig = section(PolicyLossConfig)
     optim: OptimConfig = section(OptimConfig)
@@ -366,7 +366,7 @@ class ActorConfig(Section):
         out.update(_policy_loss_inactive(path, self.policy_loss.loss_mode))
         reason = old_log_prob_pass_reason(root)
         if self.skip_on_policy_old_log_prob and reason is not None:
-            out[f"{path}.skip_on_policy_old_log_prob"] = f"the steps are not exactly on-policy: {reason}"
+            out[f"{path}.skip_on_policy_old_log_prob"] = f"the separate old-log-prob pass runs: {reason}"
         return out
 
 

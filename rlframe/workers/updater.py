@@ -65,9 +65,11 @@ class PPOUpdater:
         s = self.settings
         self.module.train()
         metrics: dict[str, list[float]] = {}
-        for _ in range(s.ppo_epochs):
+        for epoch in range(s.ppo_epochs):
             if s.shuffle:
                 batch = batch[torch.randperm(len(batch), generator=self.generator)]
+            if epoch == 0:
+                batch = self._before_first_step(batch)
             for mini in batch.split(s.mini_batch_size):
                 if prepare is not None:
                     mini = prepare(mini)
@@ -76,6 +78,10 @@ class PPOUpdater:
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         return metrics
+
+    def _before_first_step(self, batch: TensorDict) -> TensorDict:
+        """The batch in the order its mini-batches are cut (after the first epoch's shuffle), before any step."""
+        return batch
 
     def _optimizer_step(self, mini: TensorDict, loss_fn: LossFn) -> dict[str, float]:
         """Accumulate the gradient of `mini`'s loss over its micro-batches, then step; the step's metrics."""
