@@ -16,12 +16,14 @@ import torch
 import torch.distributed as dist
 from fsdp_harness import free_port
 
+from rlframe.distributed import shm_gather
+from rlframe.workers import weight_sync
 from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, build_fsdp_mesh, iter_full_params, load_hf_model, wrap_fsdp
 from rlframe.workers.weight_sync import _rows_per_rank, iter_full_params_bucketed
 
 
 def _counting(real, counter: list):
-    """`real` (torch.distributed.all_gather), counting its calls in `counter`."""
+    """`real` (the bucket gather, `weight_sync.all_gather_cpu`), counting its calls in `counter`."""
 
     def all_gather(*args, **kwargs):
         counter.append(1)
@@ -47,16 +49,17 @@ def _worker(rank: int, world: int, port: int, model_path: str, out_dir: str) -> 
         optimizer.step()
         reference = [(name, tensor.clone()) for name, tensor in iter_full_params(model)]
         result = {"reference": reference}
-        real = dist.all_gather
+        real = weight_sync.all_gather_cpu
         for label, bucket_bytes in (("small", 4096), ("default", None)):
             calls: list = []
-            dist.all_gather = _counting(real, calls)
+            weight_sync.all_gather_cpu = _counting(real, calls)
             try:
                 kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
                 result[label] = [(name, tensor.clone()) for name, tensor in iter_full_params_bucketed(model, **kwargs)]
             finally:
-                dist.all_gather = real
+                weight_sync.all_gather_cpu = real
             result[f"{label}_calls"] = len(calls)
+        result["through_shared_memory"] = shm_gather._groups[dist.group.WORLD].buffer is not None
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -87,6 +90,7 @@ def test_bucketed_sync_gives_every_full_tensor_bitwise_in_fewer_collectives(tiny
                 assert got.dtype == want.dtype and torch.equal(got, want), (label, name)
         assert 1 < result["small_calls"] < len(reference)
         assert result["default_calls"] == 1  # the tiny model fits one bucket
+        assert result["through_shared_memory"]  # every rank on this machine: /dev/shm, not gloo's sockets
         full = dict(reference)
         for name, value in result["rollout"].items():
             assert torch.equal(value, full[name]), name

@@ -1,11 +1,12 @@
 """The weight-sync stream from the FSDP actor into the rollout: full tensors, gathered a bucket at a time.
 
-`iter_full_params` (fsdp_utils) all-gathers every FSDP2 parameter on its own: one collective per
-tensor, ~270 for SmolLM2-135M, each paying gloo's latency on CPU. `iter_full_params_bucketed`
-gathers the dim-0 shards of many tensors of one dtype with one `all_gather` per bucket of about
-`bucket_bytes` (flat buffers, each rank's shard sizes known from DTensor's chunking rule), then cuts
-each full tensor back out: the same bytes (a copy, no arithmetic), in the same order, with at most
-one bucket of full tensors alive at a time. Tensors that are not sharded that way (FSDP1, HSDP's
+`iter_full_params` (fsdp_utils) all-gathers every FSDP2 parameter on its own: one collective per tensor,
+~270 for SmolLM2-135M, each paying gloo's latency on CPU. `iter_full_params_bucketed` gathers the dim-0
+shards of many tensors of one dtype with one `all_gather` per bucket of about `bucket_bytes` (flat
+buffers, each rank's shard sizes known from DTensor's chunking rule), then cuts each full tensor back
+out: the same bytes (a copy, no arithmetic), in the same order, with at most one bucket of full tensors
+alive at a time. On CPU with every rank on one machine the gather goes through shared memory instead of
+gloo's sockets (`rlframe.distributed.shm_gather`). Tensors that are not sharded that way (FSDP1, HSDP's
 2-D meshes, plain tensors) go through `iter_full_params`'s path.
 """
 
@@ -15,9 +16,9 @@ import math
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from rlframe.distributed.shm_gather import all_gather_cpu
 from rlframe.workers.fsdp_utils import iter_full_params, on_mesh_device
 
 BUCKET_BYTES = 64 * 2**20
@@ -65,8 +66,7 @@ def _gather_bucket(bucket: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str
     if locals_:
         flat = torch.cat([local.reshape(-1) for local in locals_])
         send[: flat.numel()].copy_(flat)
-    parts = [torch.empty_like(send) for _ in range(world)]
-    dist.all_gather(parts, send, group=group)
+    parts = all_gather_cpu(send, group)  # through /dev/shm on one machine (rlframe.distributed.shm_gather)
     offsets = [0] * world
     for (name, tensor), size in zip(bucket, sizes):
         pieces = []
