@@ -112,6 +112,33 @@ def test_packed_values_and_grads_match_padded(tiny_model_path, batch):
         assert_rel_close(packed_grads[name], padded_grads[name])
 
 
+@pytest.mark.parametrize("use_remove_padding", [True, False])
+def test_only_positions_scoring_the_response_reach_the_output_head(
+    tiny_model_path, batch, monkeypatch, use_remove_padding
+):
+    """The head projects the response's scoring positions only; results equal projecting every position."""
+    import rlframe.workers.model_forward as model_forward
+
+    attn = ATTN_IMPLEMENTATION if use_remove_padding else "sdpa"
+    model = load(tiny_model_path, attn)
+    rows = []
+    model.get_output_embeddings().register_forward_hook(lambda mod, args, out: rows.append(args[0].shape[:-1].numel()))
+    kwargs = dict(use_remove_padding=use_remove_padding, calculate_entropy=True, calculate_sum_pi_squared=True)
+    kept_out, kept_grads = run(model, batch, **kwargs)
+    monkeypatch.setattr(model_forward, "_keeps_logits", lambda model, value_head: False)
+    all_out, all_grads = run(model, batch, **kwargs)
+
+    mask = batch["attention_mask"]
+    scoring_columns = mask[:, -RESPONSE_LEN - 1 : -1]  # the columns whose logits score a response token
+    expected_rows = int(scoring_columns.sum()) if use_remove_padding else scoring_columns.numel()
+    assert rows == [expected_rows, int(mask.sum()) if use_remove_padding else mask.numel()]
+    for name in all_out:
+        assert_rel_close(kept_out[name], all_out[name], rel=1e-6)
+    assert kept_grads.keys() == all_grads.keys()
+    for name in all_grads:
+        assert_rel_close(kept_grads[name], all_grads[name], rel=1e-6)
+
+
 def test_temperature_divides_logits_before_log_softmax(tiny_model_path, batch):
     model = load(tiny_model_path, ATTN_IMPLEMENTATION)
     with torch.no_grad():

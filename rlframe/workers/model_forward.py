@@ -7,8 +7,14 @@ by the logits at column `seqlen - response_length - 1 + j`.
 
 With `use_remove_padding` the valid tokens are packed into one row (see `rlframe.distributed.padding`)
 and the model must use an attention that honours `cu_seq_lens_q` (`rlframe_varlen`, or transformers'
-`flash_attention_2`). Only the packed row's logits are ever materialized. With a Ulysses group of
-size > 1 each rank runs 1/sp of the row and the per-token results are gathered before padding back.
+`flash_attention_2`). With a Ulysses group of size > 1 each rank runs 1/sp of the row and the per-token
+results are gathered before padding back.
+
+Only the positions that score a response token go through the output head: the prompt's positions
+(most of a row in RL) are cut from the last hidden states with transformers' `logits_to_keep`, so the
+[tokens, vocab] projection, log-softmax and entropy run on the response alone, in both layouts. The
+other positions' per-token results are 0 and never read. Models whose forward has no `logits_to_keep`
+(some remote code) and the fused head project every position, as before.
 
 Value models are `AutoModelForTokenClassification` with `num_labels=1` (a causal LM backbone plus a
 scalar `score` head; set `classifier_dropout=0.0` so training-mode values are deterministic). The
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -89,6 +96,7 @@ def forward_micro_batch(
             input_ids,
             attention_mask,
             position_ids,
+            response_length,
             temperature,
             sp_group,
             calculate_entropy,
@@ -109,11 +117,15 @@ def forward_micro_batch(
                 "use_remove_padding=True (actor_rollout_ref.model./critic.model.)"
             )
         labels = torch.roll(input_ids, shifts=-1, dims=1)  # the fused head scores every position
+        scoring = slice(seqlen - response_length - 1, seqlen - 1)  # the columns whose logits score the response
+        keep = {}
+        if fused is None and _keeps_logits(model, value_head):
+            keep["logits_to_keep"] = torch.arange(scoring.start, scoring.stop, device=input_ids.device)
         with _fused_scoring(model, labels, fused):
             output = model(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **keep
             )
-        logits = output.logits[:, -response_length - 1 : -1]
+        logits = output.logits if keep else output.logits[:, scoring]
         if fused is not None:
             outputs = _fused_outputs(logits, calculate_entropy)
         else:
@@ -136,6 +148,7 @@ def _forward_packed(
     input_ids,
     attention_mask,
     position_ids,
+    response_length,
     temperature,
     group,
     calculate_entropy,
@@ -148,6 +161,9 @@ def _forward_packed(
     ids, indices, cu_seqlens, max_seqlen = unpad_input(input_ids, attention_mask)
     pos = pack_tensor(position_ids, indices).unsqueeze(0)
     labels = torch.roll(ids, shifts=-1, dims=1)  # next token in the row; wrong only at sequence ends, never scored
+    # the packed positions whose results are read: padded columns seqlen - response_length - 1 .. seqlen - 2
+    column = indices % input_ids.shape[1]
+    scored = ((column >= input_ids.shape[1] - response_length - 1) & (column < input_ids.shape[1] - 1))[None]
     sp_size = sp_size_of(group)
     pad_size = 0
     extra = {}
@@ -160,8 +176,14 @@ def _forward_packed(
             )
         ids, pos, cu_seqlens, max_seqlen, pad_size = pad_packed_for_sp(ids, pos, cu_seqlens, max_seqlen, sp_size)
         labels = torch.nn.functional.pad(labels, (0, pad_size))
-        ids, pos, labels = (slice_for_rank(x, group, dim=1) for x in (ids, pos, labels))
+        scored = torch.nn.functional.pad(scored, (0, pad_size))
+        ids, pos, labels, scored = (slice_for_rank(x, group, dim=1) for x in (ids, pos, labels, scored))
         extra["ulysses_group"] = group
+    keep = None
+    if fused is None and _keeps_logits(model, value_head):
+        keep = scored[0].nonzero().flatten()  # this rank's scored positions in its share of the row
+        extra["logits_to_keep"] = keep
+        labels = labels[:, keep]
 
     with _fused_scoring(model, labels, fused):
         output = model(
@@ -186,8 +208,30 @@ def _forward_packed(
             use_torch_compile,
             calculate_sum_pi_squared,
         )
+    if keep is not None:  # back to one entry per position of this rank's share; unscored positions are 0
+        length = ids.shape[1]
+        per_token = {name: x.new_zeros(length).index_copy(0, keep, x) for name, x in per_token.items()}
     per_token = {name: gather_outputs(x, group, dim=0, pad_size=pad_size) for name, x in per_token.items()}
     return per_token, indices
+
+
+def _keeps_logits(model, value_head: bool) -> bool:
+    """Whether the model's forward takes transformers' `logits_to_keep` (a causal LM head; value heads do not)."""
+    if value_head:
+        return False
+    inner = model
+    while True:  # through FSDP1's wrapper and a PEFT model to the transformers model that runs the head
+        if hasattr(inner, "_fsdp_wrapped_module"):
+            inner = inner._fsdp_wrapped_module
+        elif hasattr(inner, "get_base_model"):
+            inner = inner.get_base_model()
+        else:
+            return _forward_takes_logits_to_keep(type(inner))
+
+
+@functools.cache
+def _forward_takes_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
 def _score(
