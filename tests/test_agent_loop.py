@@ -157,6 +157,28 @@ def test_an_engine_error_reaches_the_caller_and_no_agent_hangs(tiny_model_path, 
         AgentLoopRollout(engine, 2, multi_turn).generate_sequences(make_prompts(tokenizer, list(SCRIPT)))
 
 
+def test_the_agent_loop_workers_are_started_once_and_survive_an_engine_error(tiny_model_path, tokenizer):
+    import threading
+
+    def agent_threads() -> set:
+        return {t for t in threading.enumerate() if t.name.startswith("agent-loop-")}
+
+    before = agent_threads()
+    engine, multi_turn = tool_rollouts(tiny_model_path, tokenizer)
+    rollout = AgentLoopRollout(engine, 3, multi_turn)
+    first = rollout.generate_sequences(make_prompts(tokenizer, list(SCRIPT)))
+    started = agent_threads() - before
+    assert len(started) == 3 and all(t.is_alive() for t in started)
+    real = engine._generate
+    engine._generate = lambda *args: (_ for _ in ()).throw(RuntimeError("engine died"))
+    with pytest.raises(RuntimeError, match="engine died"):
+        rollout.generate_sequences(make_prompts(tokenizer, list(SCRIPT)))
+    engine._generate = real
+    again = rollout.generate_sequences(make_prompts(tokenizer, list(SCRIPT)))
+    assert agent_threads() - before == started  # the same threads served all three generations
+    assert torch.equal(again.batch["responses"], first.batch["responses"])
+
+
 # ------------------------------------------------------------------------------------------ vLLM's server
 class SteppedEngine(ScriptedEngine):
     """The scripted engine behind vLLM's `LLMEngine` interface: requests added at any time, one token per step.

@@ -3,7 +3,8 @@
 `AgentLoopRollout.generate_sequences` keeps the synchronous rollout's contract (rows in, the rollout layout out)
 but generates differently: every row is one trajectory, run by an agent loop as a coroutine; the rows are
 split into `agent.num_workers` contiguous chunks, as verl splits a batch over its agent-loop workers, and each
-chunk runs on its own worker thread with its own asyncio event loop. A trajectory sends one generation request
+chunk runs on its own worker thread with its own asyncio event loop (threads and loops kept from one
+generation to the next). A trajectory sends one generation request
 per policy turn to the server (`server.py`) and, as `tool_agent`, runs its tool calls right away, without
 waiting for the other trajectories' turns. The server runs the engine on the calling thread.
 
@@ -24,8 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
@@ -46,6 +48,7 @@ class AgentLoopRollout:
         self.engine, self.settings, self.num_workers = engine, engine.settings, num_workers
         self.multi_turn = multi_turn
         self._worker_agents = [_worker_copy(multi_turn) for _ in range(num_workers)] if multi_turn else []
+        self._loops: _EventLoopThreads | None = None  # the worker threads, started at the first generation
 
     def __getattr__(self, name):  # update_weights, release, resume, update_lora_adapter, ...: the engine's
         return getattr(self.engine, name)
@@ -136,17 +139,40 @@ class AgentLoopRollout:
                 finally:
                     server.finished()
 
-            return await asyncio.gather(*(one(item) for item in part))
+            # every trajectory of the chunk ends (an engine error fails them all) before the first error is raised
+            results = await asyncio.gather(*(one(item) for item in part), return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            return results
 
+        if self._loops is None:
+            self._loops = _EventLoopThreads(self.num_workers)
         workers = self._worker_agents or [None] * len(chunks)
-        with ThreadPoolExecutor(max_workers=max(len(chunks), 1), thread_name_prefix="agent-loop") as pool:
-            futures = [pool.submit(asyncio.run, run_chunk(part, workers[i])) for i, part in enumerate(chunks)]
-            try:
-                metrics = server.serve(len(items))
-            finally:
-                server.close()
-            results = [result for future in futures for result in future.result()]
+        futures = [self._loops.submit(i, run_chunk(part, workers[i])) for i, part in enumerate(chunks)]
+        try:
+            metrics = server.serve(len(items))
+        finally:
+            server.close()
+        results = [result for future in futures for result in future.result()]
         return results, metrics
+
+
+class _EventLoopThreads:
+    """The agent-loop workers: one thread per worker, each running its own asyncio event loop.
+
+    Started at the first generation and kept for the rollout's life (daemon threads, idle in their event
+    loop between generations), so a generation pays no thread or event-loop start-up.
+    """
+
+    def __init__(self, num_workers: int):
+        self.loops = [asyncio.new_event_loop() for _ in range(num_workers)]
+        for index, loop in enumerate(self.loops):
+            threading.Thread(target=loop.run_forever, name=f"agent-loop-{index}", daemon=True).start()
+
+    def submit(self, index: int, coroutine) -> Future:
+        """Run `coroutine` on worker `index`'s loop; its result or exception through the returned future."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loops[index])
 
 
 def _worker_copy(multi_turn: MultiTurnRollout) -> MultiTurnRollout:
