@@ -10,7 +10,7 @@ from small_config import SMALL
 from rlframe.config.loader import config_dir
 from rlframe.config.schema import Section, walk
 from rlframe.explain import main as explain_main
-from rlframe.trainer.config import PPOTrainerConfig, compose, default_yaml
+from rlframe.trainer.config import PPOTrainerConfig, compose, default_yaml, typed
 from rlframe.trainer.main_ppo import prepare
 
 
@@ -85,6 +85,18 @@ def test_clip_ratio_alone_is_reported_as_without_effect_like_in_verl():
     assert ignored_key_warnings(compose(nulls), nulls) == []
     actor = compose(nulls).actor_rollout_ref.actor
     assert _or(actor.clip_ratio_low, actor.clip_ratio) == _or(actor.clip_ratio_high, actor.clip_ratio) == 0.3
+
+
+def test_restart_node_wait_without_restarts_is_reported_without_effect():
+    from rlframe.config.key_status import ignored_key_warnings
+
+    overrides = ["trainer.restart_node_wait_s=60"]
+    (line,) = ignored_key_warnings(compose(overrides), overrides)
+    assert "trainer.restart_node_wait_s=60 has no effect: trainer.max_restarts=0: the run never restarts" in line
+    restarts = [*overrides, "trainer.max_restarts=1"]
+    assert ignored_key_warnings(compose(restarts), restarts) == []
+    with pytest.raises(ValueError, match=r"restart_node_wait_s.*must be >= 0"):
+        typed(compose(["trainer.restart_node_wait_s=-1"]))
 
 
 def test_a_verl_key_rlframe_does_not_implement_is_taken_at_verls_default_only():

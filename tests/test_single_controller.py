@@ -310,6 +310,27 @@ def test_asking_for_more_processes_than_the_cluster_has_fails_before_scheduling(
         RayResourcePool([1], use_gpu=True).placement_groups()
 
 
+def test_a_pool_told_to_wait_for_nodes_fails_after_that_wait_naming_the_nodes(ray_cluster, caplog):
+    from ray.util import placement_group_table
+
+    from rlframe.single_controller.ray import ClusterTooSmallError, RayResourcePool
+
+    before = len(placement_group_table())
+    pool = RayResourcePool([3, 3], num_cpus_per_process=1.0, node_wait_s=2)
+    start = time.monotonic()
+    with pytest.raises(ClusterTooSmallError, match=r"\[3, 3\] processes.*1 alive node.*CPU=4.*\(waited 2s for nodes"):
+        pool.placement_groups()
+    assert 2 <= time.monotonic() - start < 10
+    assert "Waiting up to 2s for nodes to join." in caplog.text  # said once, when the wait began
+    assert len(placement_group_table()) == before
+    # a pool that fits does not wait
+    start = time.monotonic()
+    fits = RayResourcePool([1], num_cpus_per_process=1.0, node_wait_s=60)
+    fits.placement_groups()
+    fits.remove()
+    assert time.monotonic() - start < 5
+
+
 def test_dead_worker_is_reported_with_its_rank_not_waited_on(ray_cluster):
     from rlframe.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
 

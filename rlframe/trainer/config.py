@@ -180,6 +180,12 @@ class TrainerConfig(Section):
         "this run's latest checkpoint, at most this many times; 0 = stop, naming the dead rank",
         check=_non_negative,
     )
+    restart_node_wait_s: float = key(
+        300,
+        "rlframe: on a restart, how long to wait for the Ray cluster to hold nnodes × n_gpus_per_node workers "
+        "again (a lost node replaced) before failing, naming the nodes it has",
+        check=_non_negative,
+    )
     use_legacy_worker_impl: str = key(
         "auto",
         "verl < 0.9.1's worker-implementation switch (removed in 0.9.1): no effect, rlframe has one",
@@ -204,6 +210,8 @@ class TrainerConfig(Section):
             out[f"{path}.resume_from_path"] = f"{path}.resume_mode={self.resume_mode} (only resume_path reads it)"
         # verl 0.8's scripts set it; it chose between two worker implementations of the same math
         out[f"{path}.use_legacy_worker_impl"] = "a verl < 0.9.1 switch between worker implementations; rlframe has one"
+        if self.max_restarts == 0:
+            out[f"{path}.restart_node_wait_s"] = f"{path}.max_restarts=0: the run never restarts"
         if not self.val_before_train:  # as verl 0.9.1, which stops after the validation before training only
             out[f"{path}.val_only"] = f"{path}.val_before_train=false: no validation to stop after; the run trains"
         return out

@@ -58,15 +58,18 @@ QUIET_WORKER_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY
 
 
 def create_worker_groups(
-    cfg: DictConfig, plan: BatchPlan, total_training_steps: int, verbose: bool = False
+    cfg: DictConfig, plan: BatchPlan, total_training_steps: int, verbose: bool = False, node_wait_s: float = 0.0
 ) -> WorkerGroups:
     """Actor/rollout(/ref), critic and reward model share each worker process; models are built here.
 
-    Unless `verbose`, Ray's own start-up messages below ERROR and the workers' loading bars are muted.
+    Unless `verbose`, Ray's own start-up messages below ERROR and the workers' loading bars are muted. When
+    the alive nodes cannot hold the workers, waits up to `node_wait_s` for nodes to join (a restart passes
+    trainer.restart_node_wait_s), then raises `ClusterTooSmallError` naming the trainer keys and the nodes.
     """
     import ray
 
     from rlframe.single_controller.ray import (
+        ClusterTooSmallError,
         RayClassWithInitArgs,
         RayResourcePool,
         RayWorkerGroup,
@@ -85,19 +88,27 @@ def create_worker_groups(
         runtime_env={"env_vars": {**worker_env(), **({} if verbose else QUIET_WORKER_ENV)}},
         logging_level=logging.INFO if verbose else logging.ERROR,  # Ray's driver-side logger
     )
-    pool = RayResourcePool([int(cfg.trainer.n_gpus_per_node)] * int(cfg.trainer.nnodes), use_gpu=device_type == "cuda")
+    nnodes, per_node = int(cfg.trainer.nnodes), int(cfg.trainer.n_gpus_per_node)
+    pool = RayResourcePool([per_node] * nnodes, use_gpu=device_type == "cuda", node_wait_s=node_wait_s)
     config = OmegaConf.to_container(cfg)
     roles = {"actor_rollout": RayClassWithInitArgs(ActorRolloutRefWorker, config, plan, with_ref=plan.ref is not None)}
     if plan.critic is not None:
         roles["critic"] = RayClassWithInitArgs(CriticWorker, config, plan)
     if cfg.reward_model.enable:
         roles["reward_model"] = RayClassWithInitArgs(RewardModelWorker, config, plan)
-    owner = RayWorkerGroup(
-        pool,
-        create_colocated_worker_cls(roles),
-        call_timeout_s=float(cfg.trainer.worker_timeout_s),
-        runtime_env=nsight_runtime_env(cfg),  # global_profiler.tool=nsys: the workers run under nsys
-    )
+    try:
+        owner = RayWorkerGroup(
+            pool,
+            create_colocated_worker_cls(roles),
+            call_timeout_s=float(cfg.trainer.worker_timeout_s),
+            runtime_env=nsight_runtime_env(cfg),  # global_profiler.tool=nsys: the workers run under nsys
+        )
+    except ClusterTooSmallError as err:
+        waited = f" (trainer.restart_node_wait_s={node_wait_s:g})" if node_wait_s else ""
+        raise ClusterTooSmallError(
+            f"the run needs trainer.nnodes={nnodes} × trainer.n_gpus_per_node={per_node} worker processes "
+            f"(trainer.device={device_type}), which the Ray cluster cannot hold{waited}: {err}"
+        ) from None
     by_role = owner.spawn(list(roles))
     groups = WorkerGroups(
         actor_rollout=by_role["actor_rollout"],

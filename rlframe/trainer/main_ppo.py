@@ -175,10 +175,13 @@ def train_with_restarts(run: PreparedRun, verbose: bool = False) -> dict:
     down, recreate them and resume from this run's latest complete checkpoint (docs/reliability.md)."""
     cfg = run.cfg
     max_restarts = int(cfg.trainer.max_restarts)
+    # a restart waits for a lost node's replacement to join; the first launch fails at once
+    restart_node_wait_s = float(cfg.trainer.restart_node_wait_s)
     fresh_loader_state = run.train_loader.state_dict()  # where a restart with no checkpoint starts over
     resume_from = None
     for restart in range(max_restarts + 1):
-        groups = create_worker_groups(cfg, run.plan, run.schedule_steps, verbose=verbose)
+        node_wait_s = restart_node_wait_s if restart else 0.0
+        groups = create_worker_groups(cfg, run.plan, run.schedule_steps, verbose=verbose, node_wait_s=node_wait_s)
         trainer = None
         try:
             trainer = RayPPOTrainer(run, groups)
