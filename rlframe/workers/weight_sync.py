@@ -36,10 +36,16 @@ def _dim0_sharded(tensor: torch.Tensor) -> bool:
     )
 
 
-def _kind(tensor: torch.Tensor) -> tuple:
-    """What tensors of one bucket share: dtype and mesh (by its ranks, the same on every rank)."""
+def _kind(tensor: torch.Tensor, mesh_ranks: dict) -> tuple:
+    """What tensors of one bucket share: dtype and mesh (by its ranks, the same on every rank).
+
+    `mesh_ranks` caches each mesh's ranks by the mesh object: reading them costs more than the tiny
+    model's whole copy, and every parameter shares one mesh.
+    """
     mesh = tensor.device_mesh
-    return tensor.dtype, mesh.device_type, tuple(mesh.mesh.flatten().tolist())
+    if id(mesh) not in mesh_ranks:
+        mesh_ranks[id(mesh)] = (mesh, tuple(mesh.mesh.flatten().tolist()))  # the mesh kept alive with its id
+    return tensor.dtype, mesh.device_type, mesh_ranks[id(mesh)][1]
 
 
 def _rows_per_rank(rows: int, world: int) -> list[int]:
@@ -78,14 +84,16 @@ def _gather_bucket(bucket: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str
 
 def iter_full_params_bucketed(model: nn.Module, bucket_bytes: int = BUCKET_BYTES):
     """(name, full tensor) of `model`'s state dict in order, FSDP2 shards gathered a bucket at a time."""
-    if not any(_dim0_sharded(t) for t in model.state_dict().values()):
+    state = model.state_dict()
+    if not any(_dim0_sharded(t) for t in state.values()):
         yield from iter_full_params(model)
         return
     bucket: list[tuple[str, torch.Tensor]] = []
-    nbytes = 0
-    for name, tensor in model.state_dict().items():
+    nbytes, mesh_ranks = 0, {}
+    for name, tensor in state.items():
         tensor, sharded = tensor.detach(), _dim0_sharded(tensor)
-        if bucket and (not sharded or _kind(tensor) != _kind(bucket[0][1]) or nbytes >= bucket_bytes):
+        same_kind = sharded and bucket and _kind(tensor, mesh_ranks) == _kind(bucket[0][1], mesh_ranks)
+        if bucket and (not same_kind or nbytes >= bucket_bytes):
             yield from _gather_bucket(bucket)
             bucket, nbytes = [], 0
         if not sharded:
