@@ -23,7 +23,7 @@ from rlframe.workers.weight_sync import _rows_per_rank, iter_full_params_buckete
 
 
 def _counting(real, counter: list):
-    """`real` (the bucket gather, `weight_sync.all_gather_cpu`), counting its calls in `counter`."""
+    """`real` (`weight_sync.shared_half`, asked once per bucket on CPU), counting its calls in `counter`."""
 
     def all_gather(*args, **kwargs):
         counter.append(1)
@@ -49,17 +49,19 @@ def _worker(rank: int, world: int, port: int, model_path: str, out_dir: str) -> 
         optimizer.step()
         reference = [(name, tensor.clone()) for name, tensor in iter_full_params(model)]
         result = {"reference": reference}
-        real = weight_sync.all_gather_cpu
-        for label, bucket_bytes in (("small", 4096), ("default", None)):
+        real = weight_sync.shared_half
+        for label, bucket_bytes in (("small", 4096), ("default", None), ("gloo", None)):
             calls: list = []
-            weight_sync.all_gather_cpu = _counting(real, calls)
+            weight_sync.shared_half = _counting(real, calls)
+            if label == "gloo":  # no room in /dev/shm: the flat all_gather through gloo
+                weight_sync.shared_half = _counting(lambda group, nbytes: None, calls)
             try:
                 kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
                 result[label] = [(name, tensor.clone()) for name, tensor in iter_full_params_bucketed(model, **kwargs)]
             finally:
-                weight_sync.all_gather_cpu = real
+                weight_sync.shared_half = real
             result[f"{label}_calls"] = len(calls)
-        result["through_shared_memory"] = shm_gather._groups[dist.group.WORLD].buffer is not None
+        result["through_shared_memory"] = any(memory.buffer is not None for memory in shm_gather._groups.values())
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -84,12 +86,12 @@ def test_bucketed_sync_gives_every_full_tensor_bitwise_in_fewer_collectives(tiny
     for rank in range(world):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         reference = result["reference"]
-        for label in ("small", "default"):
+        for label in ("small", "default", "gloo"):
             assert [n for n, _ in result[label]] == [n for n, _ in reference], label
             for (name, got), (_, want) in zip(result[label], reference):
                 assert got.dtype == want.dtype and torch.equal(got, want), (label, name)
         assert 1 < result["small_calls"] < len(reference)
-        assert result["default_calls"] == 1  # the tiny model fits one bucket
+        assert result["default_calls"] == result["gloo_calls"] == 1  # the tiny model fits one bucket
         assert result["through_shared_memory"]  # every rank on this machine: /dev/shm, not gloo's sockets
         full = dict(reference)
         for name, value in result["rollout"].items():
@@ -137,6 +139,7 @@ def test_the_worker_syncs_the_rollout_only_when_it_may_differ_from_the_actor(tin
     worker = object.__new__(ActorRolloutRefWorker)
     worker.device_type, worker.tp_group, worker.rollout, worker.actor_module = "cpu", None, rollout, actor
     worker._weights_dirty = True  # as after init_model
+    worker.generation_pool = None  # one process: nothing to pool
     worker.profiler = Profiler(cfg.global_profiler, None, "actor_rollout_ref", 0, 1, "cpu")  # profiling off
     ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9, 10], [0, 5, 6, 7, 8, 9, 10, 11]])
     mask = (ids != 0).long()

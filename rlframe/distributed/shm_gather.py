@@ -1,16 +1,19 @@
-"""all_gather through shared memory for CPU process groups on one machine.
+"""A buffer in /dev/shm shared by the CPU ranks of one machine: gathers without sockets.
 
 gloo moves every byte of an all_gather through a loopback socket, one peer at a time. When every rank of a
-group runs on this machine, the ranks can instead map one buffer in `/dev/shm`: each writes its part into
-its own slot, one barrier, and each reads every slot. The weight sync (`rlframe.workers.weight_sync`)
-gathers the whole model this way on every step; for SmolLM2-135M on 2 CPU workers that is 270 MB out and
-540 MB in per rank (docs/benchmarks.md §5).
+group runs on this machine, the ranks can instead map one buffer in `/dev/shm`: each writes its part where
+the whole belongs, one barrier, and every rank reads the whole in place. The weight sync
+(`rlframe.workers.weight_sync`) gathers the whole model this way on every step: for SmolLM2-135M on 2 CPU
+workers each rank writes its 270 MB of shards and the full tensors are read where they lie, instead of
+gloo sending 270 MB each way and copying 540 MB out (docs/benchmarks.md §5).
 
-The buffer has two halves used in turn, so one barrier per call is enough: a rank writes call k + 1 into
+The protocol of `shared_half(group, nbytes)`: every rank of the group calls it with the same `nbytes`, writes
+its own bytes of the half it returns, calls `dist.barrier(group)`, and may then read any byte of it. The
+buffer has two halves used in turn, so that one barrier per call is enough: a rank writes call k + 1 into
 the other half while its peers may still read call k, and cannot come back to call k's half before every
-peer has passed call k + 1's barrier, which each reaches only after it has read call k. The parts returned
-are views into the buffer: valid until the next call but one on the same group. The file is unlinked as
-soon as every rank has mapped it, so nothing is left in /dev/shm even if a process is killed.
+peer has passed call k + 1's barrier, which each reaches only after it has read call k. So what a rank
+reads stays intact until its next call but one. The file is unlinked as soon as every rank has mapped it:
+nothing is left in /dev/shm even when a process is killed.
 """
 
 from __future__ import annotations
@@ -28,37 +31,32 @@ SHM_DIR = "/dev/shm"
 
 
 class _SharedBuffer:
-    """One mapping of a /dev/shm file shared by every rank of `group`; `halves` x `world` slots of `slot_bytes`."""
+    """One mapping of a /dev/shm file by every rank of `group`: two halves of `half_bytes`."""
 
-    def __init__(self, group, slot_bytes: int):
-        self.group, self.world, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
-        self.slot_bytes, self.calls = slot_bytes, 0
-        nbytes = 2 * self.world * slot_bytes
+    def __init__(self, group, half_bytes: int):
+        self.half_bytes, self.calls = half_bytes, 0
         path = [None]
-        if self.rank == 0:
+        if dist.get_rank(group) == 0:
             fd, path[0] = tempfile.mkstemp(prefix="rlframe-gather-", dir=SHM_DIR)
-            os.ftruncate(fd, nbytes)
+            os.ftruncate(fd, 2 * half_bytes)
             os.close(fd)
         dist.broadcast_object_list(path, group_src=0, group=group)
         with open(path[0], "r+b") as file:
-            self.map = mmap.mmap(file.fileno(), nbytes)
+            self.map = mmap.mmap(file.fileno(), 2 * half_bytes)
         dist.barrier(group=group)
-        if self.rank == 0:
+        if dist.get_rank(group) == 0:
             os.unlink(path[0])
-        self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+        self.halves = torch.frombuffer(self.map, dtype=torch.uint8).view(2, half_bytes)
 
-    def all_gather(self, send: torch.Tensor) -> list[torch.Tensor]:
-        nbytes = send.numel() * send.element_size()
-        half = self.bytes.view(2, self.world, self.slot_bytes)[self.calls % 2]
+    def next_half(self, nbytes: int) -> torch.Tensor:
+        half = self.halves[self.calls % 2, :nbytes]
         self.calls += 1
-        half[self.rank, :nbytes].view(send.dtype).copy_(send.reshape(-1))
-        dist.barrier(group=self.group)
-        return [half[r, :nbytes].view(send.dtype).view(send.shape) for r in range(self.world)]
+        return half
 
 
 @dataclass
 class _GroupMemory:
-    """What a group agreed on at its first gather: whether its ranks share a machine, and its /dev/shm room."""
+    """What a group agreed on when first asked: whether its ranks share a machine, and its /dev/shm room."""
 
     one_machine: bool
     capacity: int  # the least free /dev/shm bytes any rank saw, the same number on every rank
@@ -69,7 +67,7 @@ _groups: dict = {}
 
 
 def _group_memory(group) -> _GroupMemory:
-    """Asked once per group (a collective on its first gather): host, boot and free /dev/shm of every rank."""
+    """Asked once per group (a collective the first time): host, boot and free /dev/shm of every rank."""
     if group not in _groups:
         free = 0
         if os.path.isdir(SHM_DIR):
@@ -82,6 +80,11 @@ def _group_memory(group) -> _GroupMemory:
     return _groups[group]
 
 
+def ranks_share_a_machine(group) -> bool:
+    """Every rank of `group` runs on this machine (a collective the first time a group is asked)."""
+    return _group_memory(group).one_machine
+
+
 def _boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -90,24 +93,93 @@ def _boot_id() -> str:
         return ""
 
 
-def all_gather_cpu(send: torch.Tensor, group) -> list[torch.Tensor]:
-    """Every rank's `send` (the same shape and dtype on each), in rank order: `dist.all_gather`'s result.
+def shared_half(group, nbytes: int) -> torch.Tensor | None:
+    """`nbytes` of the group's shared buffer (uint8, see the module for the protocol), or None.
 
-    Through /dev/shm when the tensors are on the CPU, every rank runs on this machine and the buffer takes
-    at most a quarter of the free /dev/shm; through the group's backend otherwise. Every rank decides alike
-    (from numbers the ranks agreed on), so all of them take the same path. Parts from /dev/shm are views,
-    valid until the next call but one on this group.
+    None when the ranks are not all on this machine or the buffer (two halves) would take more than a
+    quarter of the free /dev/shm they reported: then gather through the group's backend. Every rank
+    decides alike, from numbers the ranks agreed on and the `nbytes` they all pass.
     """
-    world = dist.get_world_size(group)
-    nbytes = send.numel() * send.element_size()
-    memory = _group_memory(group) if send.device.type == "cpu" and world > 1 else None
-    slot = max(nbytes, 1 << 20)
-    if memory is None or not memory.one_machine or 2 * world * slot > memory.capacity // 4:
-        parts = [torch.empty_like(send) for _ in range(world)]
-        dist.all_gather(parts, send, group=group)
-        return parts
-    if memory.buffer is None or memory.buffer.slot_bytes < nbytes:
+    if dist.get_world_size(group) == 1:
+        return None
+    memory = _group_memory(group)
+    half = max(nbytes, 1 << 20)
+    if not memory.one_machine or 2 * half > memory.capacity // 4:
+        return None
+    if memory.buffer is None or memory.buffer.half_bytes < nbytes:
         if memory.buffer is not None:  # every rank grows it at the same call; nobody still reads the old one
             dist.barrier(group=group)
-        memory.buffer = _SharedBuffer(group, slot)
-    return memory.buffer.all_gather(send)
+        memory.buffer = _SharedBuffer(group, half)
+    return memory.buffer.next_half(nbytes)
+
+
+# ------------------------------------------------------------------ FSDP2's collectives through the buffer
+try:  # FSDP2's pluggable collectives (torch >= 2.8; the interface lives in a private module)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+except ImportError:  # pragma: no cover - older torch: FSDP keeps its process group's collectives
+    AllGather = ReduceScatter = None
+
+
+def _empty(size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(*size, dtype=dtype, device=device)
+
+
+if AllGather is not None:
+
+    class SharedMemoryAllGather(AllGather):
+        """FSDP2's parameter all-gather through the shared buffer: write my shard, barrier, read the others'.
+
+        FSDP has already copied this rank's shard into its place in `output_tensor` (`input_tensor` is a
+        view of it), so only the other ranks' shards are copied in.
+        """
+
+        allocate = staticmethod(_empty)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+            world, rank = dist.get_world_size(group), dist.get_rank(group)
+            nbytes = input_tensor.numel() * input_tensor.element_size()
+            half = shared_half(group, world * nbytes)
+            if half is None:
+                return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+            slots = half.view(input_tensor.dtype).view(world, input_tensor.numel())
+            slots[rank].copy_(input_tensor.reshape(-1))
+            dist.barrier(group=group)
+            parts = output_tensor.view(world, input_tensor.numel())
+            for other in range(world):
+                if other != rank:
+                    parts[other].copy_(slots[other])
+            return None
+
+    class SharedMemoryReduceScatter(ReduceScatter):
+        """FSDP2's gradient reduce-scatter through the shared buffer: every rank writes its whole input, then
+        sums (and for AVG divides) its own chunk of everyone's, in rank order. Other reductions go through
+        the group's backend."""
+
+        allocate = staticmethod(_empty)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+            world, rank = dist.get_world_size(group), dist.get_rank(group)
+            half = None
+            if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+                half = shared_half(group, world * input_tensor.numel() * input_tensor.element_size())
+            if half is None:
+                return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+            slots = half.view(input_tensor.dtype).view(world, world, output_tensor.numel())
+            slots[rank].copy_(input_tensor.view(world, output_tensor.numel()))
+            dist.barrier(group=group)
+            torch.sum(slots[:, rank], dim=0, out=output_tensor)
+            if op == dist.ReduceOp.AVG:
+                output_tensor.div_(world)
+            return None
+
+
+def use_shared_memory_comms(model: torch.nn.Module, group) -> bool:
+    """FSDP2 modules of `model` gather parameters and reduce gradients through /dev/shm when every rank of
+    `group` (their shard group) is on this machine; returns whether they do. A collective (all ranks call)."""
+    if AllGather is None or dist.get_world_size(group) == 1 or not ranks_share_a_machine(group):
+        return False
+    modules = [m for m in model.modules() if hasattr(m, "set_custom_all_gather")]
+    for module in modules:
+        module.set_custom_all_gather(SharedMemoryAllGather())
+        module.set_custom_reduce_scatter(SharedMemoryReduceScatter())
+    return bool(modules)

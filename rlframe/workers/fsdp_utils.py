@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlframe.config.checks import STRATEGIES, check_fsdp_size
+from rlframe.distributed.shm_gather import use_shared_memory_comms
 from rlframe.workers.lora import trainable_parameters, trains_leaf_weight
 
 DTYPES = {
@@ -154,6 +155,9 @@ def _wrap_fsdp2(model, spec, mesh, device_type):
     if spec.forward_prefetch:  # one layer ahead, as FSDP1's forward_prefetch (its limit is 1)
         for layer, following in zip(layers, layers[1:]):
             layer.set_modules_to_forward_prefetch([following])
+    if device_type == "cpu" and dist.is_initialized():
+        # every rank on this machine: parameters and gradients cross through /dev/shm, not gloo's sockets
+        use_shared_memory_comms(model, dist.group.WORLD)
     return model
 
 

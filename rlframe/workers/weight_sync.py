@@ -3,11 +3,13 @@
 `iter_full_params` (fsdp_utils) all-gathers every FSDP2 parameter on its own: one collective per tensor,
 ~270 for SmolLM2-135M, each paying gloo's latency on CPU. `iter_full_params_bucketed` gathers the dim-0
 shards of many tensors of one dtype with one `all_gather` per bucket of about `bucket_bytes` (flat
-buffers, each rank's shard sizes known from DTensor's chunking rule), then cuts each full tensor back
-out: the same bytes (a copy, no arithmetic), in the same order, with at most one bucket of full tensors
-alive at a time. On CPU with every rank on one machine the gather goes through shared memory instead of
-gloo's sockets (`rlframe.distributed.shm_gather`). Tensors that are not sharded that way (FSDP1, HSDP's
-2-D meshes, plain tensors) go through `iter_full_params`'s path.
+buffers, each rank's shard sizes known from DTensor's chunking rule), then cuts each full tensor back out:
+the same bytes (a copy, no arithmetic), in the same order, with at most one bucket of full tensors alive
+at a time. On CPU with every rank on one machine the gather goes through shared memory instead of gloo's
+sockets, and the full tensors yielded are views of it, valid until the stream has moved two buckets on
+(`rlframe.distributed.shm_gather`): a consumer copies each one, or keeps it only until the next. Tensors
+that are not sharded that way (FSDP1, HSDP's 2-D meshes, plain tensors) go through `iter_full_params`'s
+path.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import math
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from rlframe.distributed.shm_gather import all_gather_cpu
+from rlframe.distributed.shm_gather import shared_half
 from rlframe.workers.fsdp_utils import iter_full_params, on_mesh_device
 
 BUCKET_BYTES = 64 * 2**20
@@ -55,7 +58,12 @@ def _rows_per_rank(rows: int, world: int) -> list[int]:
 
 
 def _gather_bucket(bucket: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """One all_gather for the shards of `bucket` (same mesh and dtype); yields the full tensors in order."""
+    """One gather of the shards of `bucket` (same mesh and dtype); yields the full tensors in order.
+
+    On one machine (CPU) each rank writes its rows of every tensor where they belong in the shared buffer
+    and the full tensors are read there, as views (`rlframe.distributed.shm_gather`: valid until the next
+    bucket but one); otherwise one flat all_gather through the group's backend, cut into new tensors.
+    """
     mesh = bucket[0][1].device_mesh
     group, world, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
     locals_ = [tensor.to_local() for _, tensor in bucket]
@@ -66,13 +74,28 @@ def _gather_bucket(bucket: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str
             raise RuntimeError(f"weight sync: {name}'s shard has {local.shape[0]} rows, not {rows[rank]}")
         row_numel = math.prod(tensor.shape[1:])
         sizes.append([r * row_numel for r in rows])
+    dtype = locals_[0].dtype
+    total = sum(tensor.numel() for _, tensor in bucket)
+    shared = shared_half(group, total * dtype.itemsize) if locals_[0].device.type == "cpu" else None
+    if shared is not None:
+        full, offset = shared.view(dtype), 0
+        for (_, tensor), local, size in zip(bucket, locals_, sizes):
+            start = offset + sum(size[:rank])
+            full[start : start + local.numel()].copy_(local.reshape(-1))
+            offset += tensor.numel()
+        dist.barrier(group=group)
+        offset = 0
+        for name, tensor in bucket:
+            yield name, full[offset : offset + tensor.numel()].view(tensor.shape)
+            offset += tensor.numel()
+        return
     totals = [sum(s[r] for s in sizes) for r in range(world)]
     width = max(totals)
-    send = torch.empty(width, dtype=locals_[0].dtype, device=locals_[0].device)
-    if locals_:
-        flat = torch.cat([local.reshape(-1) for local in locals_])
-        send[: flat.numel()].copy_(flat)
-    parts = all_gather_cpu(send, group)  # through /dev/shm on one machine (rlframe.distributed.shm_gather)
+    send = torch.empty(width, dtype=dtype, device=locals_[0].device)
+    flat = torch.cat([local.reshape(-1) for local in locals_])
+    send[: flat.numel()].copy_(flat)
+    parts = [torch.empty_like(send) for _ in range(world)]
+    dist.all_gather(parts, send, group=group)
     offsets = [0] * world
     for (name, tensor), size in zip(bucket, sizes):
         pieces = []
