@@ -15,6 +15,7 @@ from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from rlframe.batch_plan import BatchPlan, UpdatePlan
@@ -277,6 +278,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         from torch.distributed.device_mesh import init_device_mesh
 
         from rlframe.workers.rollout import build_rollout
+        from rlframe.workers.rollout.pool import pools_generation
 
         tp = self.plan.rollout.tensor_parallel_size
         tp_group = None
@@ -296,6 +298,12 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             lora_rank=lora.lora_rank_of(self.actor_module),
             chat_template_kwargs=OmegaConf.to_container(self.config.data.apply_chat_template_kwargs),
         )
+        # rollout.pool_cpu_generation: the ranks of this machine generate on rank 0 (rollout/pool.py)
+        self.generation_pool = None
+        if cfg.rollout.name == "hf" and tp == 1 and self.device_type == "cpu" and self.world_size > 1:
+            weight_bytes = sum(p.numel() * p.element_size() for p in self.actor_module.parameters())
+            if pools_generation(cfg.rollout.pool_cpu_generation, weight_bytes, dist.group.WORLD):
+                self.generation_pool = dist.group.WORLD
 
     @register(dispatch_mode=Dispatch.RANK_ZERO, execute_mode=Execute.RANK_ZERO)
     def flops_info(self) -> dict:
@@ -308,11 +316,17 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Sync the actor's current weights into the rollout engine, then generate."""
         from rlframe.workers.rollout import generate_in_tp_group
+        from rlframe.workers.rollout.pool import generate_pooled
 
         start = time.perf_counter()
-        self.rollout.resume()
+        generates_here = self.generation_pool is None or dist.get_rank(self.generation_pool) == 0
+        if generates_here:
+            self.rollout.resume()
         if self._weights_dirty:
-            if lora.is_lora(self.actor_module):
+            if not generates_here:  # pooled: its shards reach the rank that generates; its own replica stays idle
+                for _ in iter_full_params_bucketed(self.actor_module):
+                    pass
+            elif lora.is_lora(self.actor_module):
                 lora.sync_to_rollout(self.rollout, self.actor_module)
             else:
                 self.rollout.update_weights(iter_full_params_bucketed(self.actor_module))
@@ -323,7 +337,10 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         devices = [torch.cuda.current_device()] if self.device_type == "cuda" else []
         rng = torch.random.fork_rng(devices=devices) if prompts.meta_info.get("validate", False) else nullcontext()
         with rng:
-            output = generate_in_tp_group(self.rollout, self._to_device(prompts), self.tp_group)
+            if self.generation_pool is not None:
+                output = generate_pooled(self.rollout, self._to_device(prompts), self.generation_pool)
+            else:
+                output = generate_in_tp_group(self.rollout, self._to_device(prompts), self.tp_group)
         if self.rollout.settings.free_cache_engine:
             self.rollout.release()
             self._weights_dirty = True

@@ -60,7 +60,7 @@ class AgentLoopRollout:
             raise ValueError("the tool agent needs the chat messages of each prompt: set data.return_raw_chat=true")
         params = self.engine.sampling_for(prompts.meta_info)
         eos_ids, pad_id = self.engine.special_tokens_for(prompts.meta_info)
-        seeds = self.engine.sample_seeds(len(prompts))
+        seeds = self.engine.seeds_for(prompts)
         server_class = getattr(self.engine, "server_class", BatchingServer)
         server: RolloutServer = server_class(self.engine, params, eos_ids, pad_id)
         rank, size = group_rank_and_size(self.engine.tp_group)

@@ -199,6 +199,9 @@ def build_rollout_output(
     return DataProto.from_dict(tensors, dict(prompts.non_tensor_batch))
 
 
+SEED_KEY = "sample_seed"  # a row's sampling seed, when the rank owning the row drew it (rollout/pool.py)
+
+
 def request_seeds(draw: int, seed: int, dp_rank: int, count: int) -> list[int]:
     """Per-sample sampling seeds: sample i's seed depends on (draw, seed, dp_rank, i) only, never on `count`.
 
@@ -282,13 +285,19 @@ class BaseRollout(ABC):
         draw = int(torch.randint(0, 2**62, ()).item())
         return request_seeds(draw, self.seed, self.dp_rank, count)
 
+    def seeds_for(self, prompts: DataProto) -> list[int]:
+        """The rows' sample seeds: drawn by the rank that owns them when given (`SEED_KEY`, pooled generation)."""
+        if SEED_KEY in prompts.non_tensor_batch:
+            return [int(seed) for seed in prompts.non_tensor_batch[SEED_KEY]]
+        return self.sample_seeds(len(prompts))
+
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Left-padded prompts in, the rollout contract out (see `build_rollout_output`), with metrics."""
         check_prompts(prompts, self.settings.prompt_length)
         params = self.sampling_for(prompts.meta_info)
         eos_ids, pad_id = self.special_tokens_for(prompts.meta_info)
-        seeds = self.sample_seeds(len(prompts))
+        seeds = self.seeds_for(prompts)
         start = time.perf_counter()
         responses, lengths, log_probs = self._generate(prompts, params, eos_ids, pad_id, seeds)
         elapsed = time.perf_counter() - start

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-from rlframe.config.checks import ROLLOUT_ENGINES
+from rlframe.config.checks import ROLLOUT_ENGINES, planned_device
 from rlframe.config.keys import ACTOR, ACTOR_KEYS, ROLLOUT, micro_batch_inactive
 from rlframe.config.schema import Section, key, section
 from rlframe.workers.fsdp_utils import DTYPES
@@ -266,6 +266,11 @@ class RolloutConfig(Section):
     response_length: int = key("${data.max_response_length}", "max generated tokens")
     dtype: str = key("auto", "generation dtype: auto = bf16 on GPU, fp32 on CPU", choices=("auto", *DTYPES))
     micro_batch_size: int = key(32, "hf: sequences generated together (bounds memory)")
+    pool_cpu_generation: Optional[bool] = key(
+        None,
+        "rlframe, hf on CPU without TP: the ranks of one machine generate on the first with all their threads "
+        "(same samples); null = when the weights outgrow a core's L2 cache",
+    )
     tensor_model_parallel_size: int = key(1, "rollout TP degree")
     gpu_memory_utilization: float = key(
         0.5, "vllm, sglang: fraction of GPU memory for weights + KV cache", check=_check_memory_fraction
@@ -360,7 +365,13 @@ class RolloutConfig(Section):
         out[f"{path}.over_sample_rate"] = "rlframe, like verl 0.9.1 (which reads it nowhere), finishes every request"
         if self.name == "hf":
             out.update({f"{path}.{name}": f"{path}.name=hf: a vLLM setting" for name in VLLM_ONLY_KEYS})
+            world = int(root.trainer.nnodes) * int(root.trainer.n_gpus_per_node)
+            if planned_device(root.trainer.device) != "cpu" or self.tensor_model_parallel_size > 1 or world == 1:
+                out[f"{path}.pool_cpu_generation"] = (
+                    "pooling applies to the hf engine on CPU without TP, with more than one worker process"
+                )
         else:
+            out[f"{path}.pool_cpu_generation"] = f"{path}.name={self.name}: pooling is the hf engine's, on CPU"
             out[f"{path}.micro_batch_size"] = f"{path}.name={self.name}: the engine batches by max_num_batched_tokens"
         if self.name == "sglang":
             out[f"{path}.disable_log_stats"] = f"{path}.name=sglang: a vLLM setting"

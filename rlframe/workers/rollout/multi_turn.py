@@ -251,7 +251,7 @@ class MultiTurnRollout:
         params = self.engine.sampling_for(prompts.meta_info)
         eos_ids, pad_id = self.engine.special_tokens_for(prompts.meta_info)
         start = time.perf_counter()
-        seeds = self.engine.sample_seeds(len(prompts))
+        seeds = self.engine.seeds_for(prompts)
         trajectories = [self.start_trajectory(row, prompts, seeds[row]) for row in range(len(prompts))]
         while True:
             active = [t for t in trajectories if not t.done]
