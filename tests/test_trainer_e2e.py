@@ -272,3 +272,39 @@ def test_val_only_validates_the_resumed_checkpoint_and_trains_nothing(tmp_path, 
     assert any(key.startswith("val-core/") for key in steps[1]) and "actor/pg_loss" not in steps[1]
     assert sorted(p.name for p in run_dir.glob("global_step_*")) == ["global_step_1"]  # nothing trained or saved
     assert "resuming from" in out.stdout
+
+
+def test_pooled_cpu_generation_trains_on_the_same_samples(tmp_path, cache_dir):
+    """rollout.pool_cpu_generation=true (rank 0 generates both workers' rows) and false give the same run."""
+    train = _small_dataset(tmp_path, 8)
+    base = COMMON + [
+        f"data.train_files={train}",
+        "trainer.n_gpus_per_node=2",
+        "trainer.device=cpu",
+        "trainer.total_training_steps=2",
+        "trainer.save_freq=2",
+        "trainer.test_freq=-1",
+    ]
+    runs = {}
+    for pool in ("true", "false"):
+        run_dir = tmp_path / pool
+        out = run_main(
+            base + [f"trainer.default_local_dir={run_dir}", f"actor_rollout_ref.rollout.pool_cpu_generation={pool}"],
+            cache_dir,
+        )
+        assert out.returncode == 0, out.stderr[-4000:]
+        runs[pool] = run_dir
+    pooled, alone = read_metrics(runs["true"]), read_metrics(runs["false"])
+    # the rollout server's batches: rank 0 serves both workers' 4 rows when pooled, each worker its own 4 alone
+    assert [r["rollout/server_batch_size_mean"] for r in pooled] == [8, 8]
+    assert [r["rollout/server_batch_size_mean"] for r in alone] == [4, 4]
+    for a, b in zip(pooled, alone):
+        for key in ("critic/score/mean", "response_length/mean", "response_length/clip_ratio", "actor/pg_loss"):
+            assert a[key] == b[key], key
+    final_pooled, final_alone = (
+        _actor_tensors(runs["true"] / "global_step_2"),
+        _actor_tensors(runs["false"] / "global_step_2"),
+    )
+    for part in final_pooled:
+        for name, tensor in final_pooled[part].items():
+            assert torch.equal(tensor, final_alone[part][name]), f"{part}:{name}"
