@@ -233,20 +233,27 @@ def run_scenario(
 
 @contextlib.contextmanager
 def counting_all_gathers():
-    """Counts the all-gathers FSDP2 issues for its parameters (`dist.all_gather_single`) while inside."""
+    """Counts the all-gathers FSDP2 issues for its parameters while inside: through gloo
+    (`dist.all_gather_single`) or, on one machine's CPU ranks, through shared memory."""
     import torch.distributed as dist
 
-    count, original = [0], dist.all_gather_single
+    from rlframe.distributed.shm_gather import SharedMemoryAllGather
+
+    count, original, shared = [0], dist.all_gather_single, SharedMemoryAllGather.__call__
 
     def counted(*args, **kwargs):
         count[0] += 1
         return original(*args, **kwargs)
 
-    dist.all_gather_single = counted
+    def counted_shared(*args, **kwargs):
+        count[0] += 1
+        return shared(*args, **kwargs)
+
+    dist.all_gather_single, SharedMemoryAllGather.__call__ = counted, counted_shared
     try:
         yield count
     finally:
-        dist.all_gather_single = original
+        dist.all_gather_single, SharedMemoryAllGather.__call__ = original, shared
 
 
 def free_port() -> int:
