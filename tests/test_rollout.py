@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -176,6 +177,38 @@ def test_generation_uses_weights_from_the_latest_optimizer_step(tiny_model_path)
     rollout.update_weights(full_state_dict(actor).items())
     after = rollout.generate_sequences(prompts).batch["responses"]
     assert torch.equal(after, expected)
+
+
+def test_rows_sharing_a_prompt_are_prefilled_once_and_sample_as_before(hf_rollout, monkeypatch):
+    """GRPO's n samples of a prompt: the prompt runs through the model once (all but its last token), then
+    each row samples on its own; the same tokens, greedy and sampled, as prefilling every row."""
+    from rlframe.workers.rollout.hf_rollout import HFRollout
+
+    prompts = make_prompts(lengths=(8, 3, 5), seed=2).repeat(3, interleave=True)  # 3 prompts x 3 samples
+    prompts.non_tensor_batch["uid"] = np.array([f"r{i}" for i in range(len(prompts))], dtype=object)
+    seen = []  # batch and width of every forward the replica runs
+    hook = hf_rollout.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    shared = {}
+    for meta in ({"do_sample": False}, {}):
+        prompts.meta_info = meta
+        seen.clear()
+        torch.manual_seed(11)
+        shared[bool(meta)] = hf_rollout.generate_sequences(prompts)
+        # micro-batches of 2 rows (rollout_config): the pairs with one prompt are prefilled as one row
+        assert (1, PROMPT_LEN - 1) in seen and all(batch <= 2 for batch, _ in seen)
+    monkeypatch.setattr(HFRollout, "_shared_prompt_cache", lambda self, ids, mask: {})
+    for meta in ({"do_sample": False}, {}):
+        prompts.meta_info = meta
+        torch.manual_seed(11)
+        alone = hf_rollout.generate_sequences(prompts)
+        for key in ("responses", "response_mask", "input_ids", "attention_mask"):
+            assert torch.equal(shared[bool(meta)].batch[key], alone.batch[key]), (meta, key)
+        torch.testing.assert_close(
+            shared[bool(meta)].batch["rollout_log_probs"], alone.batch["rollout_log_probs"], atol=1e-5, rtol=0
+        )
+    hook.remove()
 
 
 # ---------------------------------------------------------------------------------------- TP

@@ -9,6 +9,8 @@ group (see `tp.py`), and all TP ranks see the same prompts and RNG, hence the sa
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Iterable
 
 import torch
@@ -201,6 +203,7 @@ class HFRollout(BaseRollout):
                 attention_mask=mask,
                 generation_config=generation_config,
                 logits_processor=LogitsProcessorList(processors),
+                **self._shared_prompt_cache(ids, mask),
             )
             new = out.sequences[:, ids.shape[1] :]
             tokens.append(_pad_right(new, params.response_length, pad_id))
@@ -208,6 +211,46 @@ class HFRollout(BaseRollout):
             if recorder is not None:
                 log_probs.append(_pad_right(recorder.finish(out.sequences), params.response_length, 0.0))
         return torch.cat(tokens), torch.cat(lengths), torch.cat(log_probs) if log_probs else None
+
+    @torch.no_grad()
+    def _shared_prompt_cache(self, ids: torch.Tensor, mask: torch.Tensor) -> dict:
+        """A prefilled KV cache for the micro-batch when some rows share their prompt (GRPO's n samples of one
+        prompt), as `generate`'s cache argument; {} when every prompt is distinct.
+
+        Each distinct prompt runs through the model once, but for its last token, with the positions
+        `generate` gives left-padded rows; the cache rows are then repeated to the batch's rows, and
+        `generate` starts from the last prompt token. The same cache `generate` would build for each row,
+        so the same tokens (its values rounded as in a smaller batch: log-probs agree to a few ulps);
+        the prompt's forward is paid once per distinct prompt instead of once per sample.
+        """
+        from transformers import DynamicCache
+
+        if ids.shape[1] < 2:
+            return {}
+        unique, row_of = torch.unique(torch.cat([ids, mask], dim=1), dim=0, return_inverse=True)
+        if len(unique) == len(ids):
+            return {}
+        prompt_ids, prompt_mask = unique[:, : ids.shape[1]], unique[:, ids.shape[1] :]
+        positions = prompt_mask.long().cumsum(-1) - 1
+        positions.masked_fill_(prompt_mask == 0, 1)  # generate's prefill positions for left padding
+        name = _cache_argument(type(self.model))
+        takes_config = "config" in inspect.signature(DynamicCache.__init__).parameters
+        cache = DynamicCache(config=self.model.config) if takes_config else DynamicCache()
+        self.model(
+            input_ids=prompt_ids[:, :-1],
+            attention_mask=prompt_mask[:, :-1],
+            position_ids=positions[:, :-1],
+            use_cache=True,
+            **{name: cache},
+        )
+        cache.batch_select_indices(row_of.to(ids.device))
+        return {name: cache}
+
+
+@functools.cache
+def _cache_argument(model_class: type) -> str:
+    """The name transformers gives the KV cache argument (`cache` from 5.x, `past_key_values` before)."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def _pad_right(x: torch.Tensor, width: int, value) -> torch.Tensor:
