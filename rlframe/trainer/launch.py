@@ -119,6 +119,10 @@ def create_worker_groups(
         _pool=pool,
         _started_ray=started_here,
     )
-    for name in roles:  # in order: the actor's process group is created first
-        by_role[name].init_model(total_training_steps)
+    try:
+        for name in roles:  # in order: the actor's process group is created first
+            by_role[name].init_model(total_training_steps)
+    except BaseException:  # a worker lost while building its models: free the others and the placement groups
+        groups.shutdown()
+        raise
     return groups

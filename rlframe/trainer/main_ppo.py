@@ -181,9 +181,9 @@ def train_with_restarts(run: PreparedRun, verbose: bool = False) -> dict:
     resume_from = None
     for restart in range(max_restarts + 1):
         node_wait_s = restart_node_wait_s if restart else 0.0
-        groups = create_worker_groups(cfg, run.plan, run.schedule_steps, verbose=verbose, node_wait_s=node_wait_s)
-        trainer = None
-        try:
+        groups = trainer = None
+        try:  # a worker lost while the groups start (building its models) restarts like one lost later
+            groups = create_worker_groups(cfg, run.plan, run.schedule_steps, verbose=verbose, node_wait_s=node_wait_s)
             trainer = RayPPOTrainer(run, groups)
             trainer.num_restarts = restart
             if resume_from is not None:  # else: as trainer.resume_mode says, like the first attempt
@@ -206,7 +206,8 @@ def train_with_restarts(run: PreparedRun, verbose: bool = False) -> dict:
                 flush=True,
             )
         finally:
-            groups.shutdown()
+            if groups is not None:
+                groups.shutdown()
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 

@@ -267,6 +267,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
                 use_torch_compile=bool(cfg.ref.use_torch_compile) and self.device_type == "cuda",
             )
             self.ref = PPOActor(ref_module, None, ref_settings, self.dp_group, self.sp_group, self.dp_size)
+        kill_point("worker.init")  # crash-consistency tests (docs/reliability.md)
         self._init_rollout(cfg)
 
     def _with_rollout_temperature(self, data: DataProto) -> DataProto:
