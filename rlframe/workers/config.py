@@ -367,6 +367,10 @@ class ActorConfig(Section):
         reason = old_log_prob_pass_reason(root)
         if self.skip_on_policy_old_log_prob and reason is not None:
             out[f"{path}.skip_on_policy_old_log_prob"] = f"the separate old-log-prob pass runs: {reason}"
+        if reason is None:  # only optimal_token_baseline reads Σπ², and it keeps the pass
+            out[f"{path}.calculate_sum_pi_squared"] = (
+                f"the update computes the old log-probs ({path}.skip_on_policy_old_log_prob): no pass returns Σπ²"
+            )
         return out
 
 
