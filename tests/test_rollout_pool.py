@@ -70,6 +70,32 @@ def test_pooled_generation_gives_each_rank_the_rows_it_would_generate_alone(tiny
         assert "response_length/truncated_ratio" in result["metrics"]
 
 
+def _failing_worker(rank: int, port: int, model_path: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        cfg = rollout_config("actor_rollout_ref.rollout.mode=sync")
+        rollout = build_rollout("hf", cfg, model_path, load_tokenizer(model_path), "cpu")
+        rollout._generate = lambda *args: (_ for _ in ()).throw(RuntimeError("engine died"))
+        try:
+            pool.generate_pooled(rollout, make_prompts(LENGTHS[rank], seed=rank), dist.group.WORLD)
+            message = "no error"
+        except RuntimeError as error:
+            message = str(error)
+        torch.save(message, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_engine_error_on_rank_0_reaches_every_rank(tiny_model_path, tmp_path):
+    out = str(tmp_path / "out")
+    torch.multiprocessing.spawn(_failing_worker, args=(free_port(), tiny_model_path, out), nprocs=2, join=True)
+    assert torch.load(f"{out}.0") == "engine died"
+    assert torch.load(f"{out}.1") == (
+        "pooled generation failed on rank 0 of the machine (it generates every rank's rows): RuntimeError: engine died"
+    )
+
+
 def test_pooling_follows_the_key_and_by_default_the_l2_cache(monkeypatch):
     monkeypatch.setattr(pool, "ranks_share_a_machine", lambda group: True)
     l2 = pool.l2_cache_bytes()

@@ -74,8 +74,12 @@ def generate_pooled(rollout: BaseRollout, prompts: DataProto, group) -> DataProt
     prompts.non_tensor_batch.pop(SEED_KEY)
     shares = [None]
     if rank == 0:
-        with _threads(size * torch.get_num_threads()):
-            output = rollout.generate_sequences(every)
+        try:
+            with _threads(size * torch.get_num_threads()):
+                output = rollout.generate_sequences(every)
+        except BaseException as error:  # the others wait for their rows: tell them, so that no rank hangs
+            dist.scatter_object_list(shares, [f"{type(error).__name__}: {error}"] * size, group_src=0, group=group)
+            raise
         output.non_tensor_batch.pop(SEED_KEY, None)
         bounds = np.cumsum([0, *counts]).tolist()
         parts = [output.select_idxs(slice(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
@@ -85,6 +89,10 @@ def generate_pooled(rollout: BaseRollout, prompts: DataProto, group) -> DataProt
     else:
         dist.scatter_object_list(shares, None, group_src=0, group=group)
     share = shares[0]
+    if isinstance(share, str):
+        raise RuntimeError(
+            f"pooled generation failed on rank 0 of the machine (it generates every rank's rows): {share}"
+        )
     # length statistics describe this rank's rows; timing and throughput the pooled generation
     metrics = dict(share.meta_info["metrics"])
     eos_ids, _ = rollout.special_tokens_for(prompts.meta_info)
