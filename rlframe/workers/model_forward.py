@@ -161,9 +161,10 @@ def _forward_packed(
     ids, indices, cu_seqlens, max_seqlen = unpad_input(input_ids, attention_mask)
     pos = pack_tensor(position_ids, indices).unsqueeze(0)
     labels = torch.roll(ids, shifts=-1, dims=1)  # next token in the row; wrong only at sequence ends, never scored
-    # the packed positions whose results are read: padded columns seqlen - response_length - 1 .. seqlen - 2
-    column = indices % input_ids.shape[1]
-    scored = ((column >= input_ids.shape[1] - response_length - 1) & (column < input_ids.shape[1] - 1))[None]
+    scored = None  # the packed positions whose results are read, when only they go through the head
+    if fused is None and _keeps_logits(model, value_head):
+        column = indices % input_ids.shape[1]  # padded columns seqlen - response_length - 1 .. seqlen - 2
+        scored = ((column >= input_ids.shape[1] - response_length - 1) & (column < input_ids.shape[1] - 1))[None]
     sp_size = sp_size_of(group)
     pad_size = 0
     extra = {}
@@ -176,11 +177,12 @@ def _forward_packed(
             )
         ids, pos, cu_seqlens, max_seqlen, pad_size = pad_packed_for_sp(ids, pos, cu_seqlens, max_seqlen, sp_size)
         labels = torch.nn.functional.pad(labels, (0, pad_size))
-        scored = torch.nn.functional.pad(scored, (0, pad_size))
-        ids, pos, labels, scored = (slice_for_rank(x, group, dim=1) for x in (ids, pos, labels, scored))
+        ids, pos, labels = (slice_for_rank(x, group, dim=1) for x in (ids, pos, labels))
+        if scored is not None:
+            scored = slice_for_rank(torch.nn.functional.pad(scored, (0, pad_size)), group, dim=1)
         extra["ulysses_group"] = group
     keep = None
-    if fused is None and _keeps_logits(model, value_head):
+    if scored is not None:
         keep = scored[0].nonzero().flatten()  # this rank's scored positions in its share of the row
         extra["logits_to_keep"] = keep
         labels = labels[:, keep]

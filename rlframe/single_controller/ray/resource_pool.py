@@ -90,13 +90,9 @@ class RayResourcePool:
 
     def _wait_for_capacity(self, node_deadline: float) -> None:
         """Return once the alive nodes can hold the pool; raise if they still cannot at `node_deadline`."""
-        waiting = False
+        warned = False
         while (shortfall := self._shortfall()) is not None:
-            if time.monotonic() >= node_deadline:
-                raise ClusterTooSmallError(self._waited(shortfall))
-            if not waiting:
-                waiting = True
-                logger.warning("%s Waiting up to %gs for nodes to join.", shortfall, self.node_wait_s)
+            warned = self._wait_for_nodes(shortfall, node_deadline, warned)
             time.sleep(1.0)
 
     def _wait_until_ready(self, pgs: list[PlacementGroup], node_deadline: float) -> None:
@@ -107,27 +103,29 @@ class RayResourcePool:
         """
         ready_deadline = time.monotonic() + self.ready_timeout_s
         refs = [pg.ready() for pg in pgs]
-        waiting = False
+        warned = False
         while True:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
             if len(ready) == len(refs):
                 return
-            now, shortfall = time.monotonic(), self._shortfall()
+            shortfall = self._shortfall()
             if shortfall is not None:
-                if now >= node_deadline:
-                    raise ClusterTooSmallError(self._waited(shortfall))
-                if not waiting:
-                    waiting = True
-                    logger.warning("%s Waiting up to %gs for nodes to join.", shortfall, self.node_wait_s)
-            elif now >= ready_deadline:
+                warned = self._wait_for_nodes(shortfall, node_deadline, warned)
+            elif time.monotonic() >= ready_deadline:
                 raise RuntimeError(
                     f"{self!r}: placement groups not ready after {self.ready_timeout_s:g}s; the "
                     f"cluster has room in total but other work holds it. Available now: "
                     f"{_resources_text(ray.available_resources())}"
                 )
 
-    def _waited(self, shortfall: str) -> str:
-        return f"{shortfall} (waited {self.node_wait_s:g}s for nodes to join)" if self.node_wait_s else shortfall
+    def _wait_for_nodes(self, shortfall: str, node_deadline: float, warned: bool) -> bool:
+        """Fail once `node_deadline` has passed; else say once that it waits. Returns whether it has said so."""
+        if time.monotonic() >= node_deadline:
+            waited = f" (waited {self.node_wait_s:g}s for nodes to join)" if self.node_wait_s else ""
+            raise ClusterTooSmallError(shortfall + waited)
+        if not warned:
+            logger.warning("%s Waiting up to %gs for nodes to join.", shortfall, self.node_wait_s)
+        return True
 
     def remove(self) -> None:
         """Release the reserved resources (kill the pool's worker groups first)."""

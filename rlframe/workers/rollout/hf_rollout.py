@@ -234,8 +234,7 @@ class HFRollout(BaseRollout):
         positions = prompt_mask.long().cumsum(-1) - 1
         positions.masked_fill_(prompt_mask == 0, 1)  # generate's prefill positions for left padding
         name = _cache_argument(type(self.model))
-        takes_config = "config" in inspect.signature(DynamicCache.__init__).parameters
-        cache = DynamicCache(config=self.model.config) if takes_config else DynamicCache()
+        cache = DynamicCache(config=self.model.config) if _cache_takes_config() else DynamicCache()
         self.model(
             input_ids=prompt_ids[:, :-1],
             attention_mask=prompt_mask[:, :-1],
@@ -245,6 +244,14 @@ class HFRollout(BaseRollout):
         )
         cache.batch_select_indices(row_of.to(ids.device))
         return {name: cache}
+
+
+@functools.cache
+def _cache_takes_config() -> bool:
+    """transformers 5's DynamicCache builds its layers from the model config (sliding windows); 4.x takes none."""
+    from transformers import DynamicCache
+
+    return "config" in inspect.signature(DynamicCache.__init__).parameters
 
 
 @functools.cache
