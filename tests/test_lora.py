@@ -218,13 +218,6 @@ def test_vllm_rollout_receives_the_base_once_then_the_adapter(tiny_model_path, a
 
 
 def test_vllm_names_and_engine_arguments():
-    assert lora.vllm_base_layer_name("model.layers.0.self_attn.q_proj.weight") == (
-        "model.layers.0.self_attn.q_proj.base_layer.weight"
-    )
-    assert (
-        lora.vllm_base_layer_name("model.layers.0.mlp.down_proj.bias") == "model.layers.0.mlp.down_proj.base_layer.bias"
-    )
-    assert lora.vllm_base_layer_name("model.norm.weight") == "model.norm.weight"
     assert lora.vllm_lora_engine_kwargs(0) == {}
     assert lora.vllm_lora_engine_kwargs(4) == {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8}
     assert lora.vllm_max_lora_rank(64) == 64 and lora.vllm_max_lora_rank(65) == 128
@@ -411,7 +404,8 @@ def test_vllm_serves_the_adapter_across_updates_and_sleeps(tiny_model_path, adap
 @pytest.mark.usefixtures("cuda_less_gpu")
 def test_vllm_rollout_lora_path_with_a_stand_in_engine(monkeypatch, tiny_model_path, tmp_path):
     """The vLLM side without vLLM (test_vllm_engine's stand-in): LoRA engine arguments, level-1 sleep, base
-    weights under vLLM's base_layer names, and each adapter version served as a new LoRA request."""
+    weights under the checkpoint's names (vLLM's loader maps them onto its LoRA-wrapped layers), and each adapter
+    version served as a new LoRA request."""
     import types
     from dataclasses import dataclass
 
@@ -454,7 +448,7 @@ def test_vllm_rollout_lora_path_with_a_stand_in_engine(monkeypatch, tiny_model_p
     monkeypatch.setattr(worker_model, "load_weights", lambda w: loaded_names.extend(n for n, _ in w) or load(w))
     weights = [("a.weight", torch.ones(2, 2)), ("b.weight", torch.ones(2, 2))]
     engine.update_weights([*weights, ("model.layers.0.self_attn.q_proj.weight", torch.ones(2, 2))])
-    assert loaded_names[-1] == "model.layers.0.self_attn.q_proj.base_layer.weight" and not engine.needs_base_weights
+    assert loaded_names[-1] == "model.layers.0.self_attn.q_proj.weight" and not engine.needs_base_weights
 
     model = fresh_lora(tiny_model_path)  # not loaded from a file: safetensors would pin memory on the fake GPU
     tensors = lora.peft_adapter_files(model, lora.full_adapter_state(model))

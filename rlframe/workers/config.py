@@ -95,11 +95,12 @@ class ModelConfig(Section):
                 "Σπ² needs the full logits, which the fused head never builds (as in verl 0.9.1); turn one off"
             )
         rollout = root.actor_rollout_ref.rollout
-        if self.lora_rank > 0 and rollout.name == "vllm" and rollout.dtype in ("fp32", "float32"):
+        on_gpu = planned_device(root.trainer.device) == "cuda"  # vLLM's CPU build serves fp32 adapters
+        if self.lora_rank > 0 and rollout.name == "vllm" and rollout.dtype in ("fp32", "float32") and on_gpu:
             raise ValueError(
                 f"{path}.lora_rank={self.lora_rank} with actor_rollout_ref.rollout.name=vllm needs "
-                f"actor_rollout_ref.rollout.dtype bf16, fp16 or auto (vLLM's LoRA kernels have no fp32; got "
-                f"{rollout.dtype}); or use rollout.name=hf, which generates with merged weights in any dtype"
+                "actor_rollout_ref.rollout.dtype bf16, fp16 or auto on a GPU (vLLM's CUDA LoRA kernels have no fp32; "
+                f"got {rollout.dtype}); or use rollout.name=hf, which generates with merged weights in any dtype"
             )
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:

@@ -259,9 +259,6 @@ def sync_to_rollout(rollout, model: nn.Module) -> None:
 # ---------------------------------------------------------------- vLLM's side (pure: tested without vLLM)
 # vLLM's accepted max_lora_rank values (vllm.config.lora.MaxLoRARanks, read when vLLM is installed)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-# With enable_lora vLLM wraps every linear it can adapt, whatever the adapter targets, so these base
-# weights are loaded as `<module>.base_layer.<leaf>`; vLLM's loader then fuses q/k/v and gate/up as usual.
-VLLM_LORA_WRAPPED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def vllm_max_lora_rank(rank: int, allowed: tuple[int, ...] = VLLM_LORA_RANKS) -> int:
@@ -303,14 +300,6 @@ def vllm_adapter_config(peft_config):
         config.target_modules = sorted({name.rsplit(".", 1)[-1] for name in config.target_modules})
     config.exclude_modules = None
     return config
-
-
-def vllm_base_layer_name(name: str) -> str:
-    """A base model tensor name as a LoRA-enabled vLLM model holds it."""
-    module, _, leaf = name.rpartition(".")
-    if leaf in ("weight", "bias") and module.rsplit(".", 1)[-1] in VLLM_LORA_WRAPPED:
-        return f"{module}.base_layer.{leaf}"
-    return name
 
 
 # ---------------------------------------------------------------- Hugging Face export

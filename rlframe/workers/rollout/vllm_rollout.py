@@ -59,7 +59,7 @@ import torch.distributed as dist
 from rlframe.models.builtin import SHM_ROOT
 from rlframe.protocol import DataProto
 from rlframe.workers.fsdp_utils import resolve_dtype
-from rlframe.workers.lora import vllm_base_layer_name, vllm_lora_engine_kwargs
+from rlframe.workers.lora import vllm_lora_engine_kwargs
 from rlframe.workers.rollout.base import BaseRollout, RolloutSettings, SamplingParams, position_seed
 from rlframe.workers.rollout.config import ROLLOUT, check_vllm_engine_kwargs
 from rlframe.workers.rollout.vllm_cpu import (
@@ -342,8 +342,12 @@ def _worker_load_weights(worker, weights: list[tuple[str, torch.Tensor]]) -> set
 
 
 def _worker_parameter_names(worker) -> list[str]:
-    """Inside the engine's worker: the model's parameter names (tied ones once)."""
-    return [name for name, _ in worker.get_model().named_parameters()]
+    """Inside the engine's worker: the model's parameter names (tied ones once), as its loader names them.
+
+    With LoRA, vLLM wraps each adapted layer and its weights sit under `.base_layer.`, while the loader takes (and
+    reports) the checkpoint's names, as vLLM's own reload compares them.
+    """
+    return [name.replace(".base_layer.", ".") for name, _ in worker.get_model().named_parameters()]
 
 
 def _worker_attention_backends(worker) -> list[str]:
@@ -476,9 +480,7 @@ class VLLMRollout(BaseRollout):
         On a GPU the tensors go in buckets of ~WEIGHT_BUCKET_BYTES; on CPU as one stream through the reload.
         """
         stream = (
-            (vllm_base_layer_name(name) if self.takes_lora_adapter else name, self._engine_tensor(tensor))
-            for name, tensor in named_tensors
-            if name not in self._tied_aliases
+            (name, self._engine_tensor(tensor)) for name, tensor in named_tensors if name not in self._tied_aliases
         )
         if self.on_cpu:
             loaded = self.llm.collective_rpc(reload_weights_in_worker, args=(stream,))[0]
