@@ -6,6 +6,9 @@
     python bench/e2e_grpo.py --quick                              # 6 steps (tiny) / 4 steps (others)
     python bench/e2e_grpo.py --trl-path DIR                       # DIR holds trl and its dependencies
     python bench/e2e_grpo.py --workers 1                          # rlframe with one worker process
+    python bench/e2e_grpo.py --model builtin://smollm2-135m-instruct --response-length 128 \
+        --rollout hf --rollout vllm                               # both rollout engines, one table (vLLM's
+                                                                  # CPU build: run it with .venv-vllm's python)
 
 The job (`job_for`): GRPO on builtin://countdown_add with 2 CPU worker processes of one thread
 (`--workers`: another count; the micro-batch sizes follow, one per worker and optimizer step).
@@ -18,7 +21,10 @@ of the step's log-prob pass as one), as TRL's `per_device_train_batch_size` is o
 one forward/backward per optimizer step in both. Both models fit whole in each worker's memory (as
 TRL keeps the whole model), so the job sets `fsdp_config.reshard_after_forward=false` (verl's key,
 default true): the gathered parameters stay from a forward to its backward (and across the
-log-prob pass's micro-batches) instead of being gathered again. rlframe's figures come from the
+log-prob pass's micro-batches) instead of being gathered again. `--rollout vllm` runs rlframe's job with
+the vLLM rollout (vLLM's CPU build on a CPU: `actor_rollout_ref.rollout.name=vllm`, max_model_len = prompt +
+response, enforce_eager; the same sampling and job otherwise); several `--rollout`s give one row each, against the
+same TRL run. rlframe's figures come from the
 run's metrics.jsonl (`timing_s/*`, `perf/total_num_tokens`: prompt + response tokens of the step).
 Medians skip the first `--skip-steps` steps (warm-up). Ray start-up and validation are outside the
 step times. Several `--model`s run one after the other and end with one line of ratios.
@@ -123,6 +129,18 @@ def rlframe_overrides(job: Job, steps: int, run_dir: str) -> list[str]:
         "trainer.logger=[jsonl]",
         "trainer.resume_mode=disable",
         f"trainer.default_local_dir={run_dir}",
+    ]
+
+
+def rollout_overrides(job: Job, rollout: str) -> list[str]:
+    """The rollout engine's keys: hf needs none; vllm gets a KV cache for its share of a step's sequences."""
+    if rollout == "hf":
+        return []
+    return [
+        f"actor_rollout_ref.rollout.name={rollout}",
+        f"actor_rollout_ref.rollout.max_model_len={job.max_prompt_length + job.max_response_length}",
+        f"actor_rollout_ref.rollout.max_num_seqs={job.prompts * job.samples}",
+        "actor_rollout_ref.rollout.enforce_eager=true",
     ]
 
 
@@ -326,6 +344,16 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--workers", type=int, default=2, help="rlframe's worker processes (trainer.n_gpus_per_node); TRL runs one"
     )
+    parser.add_argument(
+        "--rollout",
+        action="append",
+        choices=("hf", "vllm"),
+        default=None,
+        help="rlframe's rollout engine (default hf); repeat it for one row per engine",
+    )
+    parser.add_argument(
+        "--response-length", type=int, default=None, help="max response tokens (default: 16 tiny, 32 others)"
+    )
     parser.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.trl_worker:
@@ -334,22 +362,30 @@ def main(argv=None) -> None:
     with_trl = not args.no_trl and trl_importable(args.trl_path)
     ratios = {}
     for model in args.model or [TINY]:
-        ratios[model] = compare(dataclasses.replace(job_for(model), workers=args.workers), args, with_trl)
+        job = dataclasses.replace(job_for(model), workers=args.workers)
+        if args.response_length:
+            job = dataclasses.replace(job, max_response_length=args.response_length)
+        ratios[model] = compare(job, args, with_trl)
     if with_trl:
-        print("\nrlframe / TRL tokens/s: " + ", ".join(f"{model} {ratio:.2f}x" for model, ratio in ratios.items()))
+        print(
+            "\nrlframe / TRL tokens/s: "
+            + ", ".join(f"{model} ({rollout}) {r:.2f}x" for model, by in ratios.items() for rollout, r in by.items())
+        )
     else:
         print("\n" + ("TRL comparison skipped (--no-trl)." if args.no_trl else TRL_NOTE))
 
 
-def compare(job: Job, args: argparse.Namespace, with_trl: bool) -> float | None:
-    """Run `job` in rlframe (and TRL), print its tables; the tokens/s ratio rlframe / TRL (None without TRL)."""
+def compare(job: Job, args: argparse.Namespace, with_trl: bool) -> dict[str, float]:
+    """Run `job` in rlframe (once per rollout engine) and TRL, print its tables; tokens/s rlframe / TRL by engine."""
     steps = args.steps or (20 if job.model == TINY else 8)
     skip = 2 if args.skip_steps is None else args.skip_steps
     if args.quick:
         steps, skip = (6, 1) if job.model == TINY else (4, 1)
     loads = [_load()]
-    ours = run_rlframe(job, steps, skip, args.override)
-    loads.append(_load())
+    ours = {}
+    for rollout in args.rollout or ["hf"]:
+        ours[rollout] = run_rlframe(job, steps, skip, rollout_overrides(job, rollout) + args.override)
+        loads.append(_load())
     theirs = None
     if with_trl:
         theirs = run_trl(job, steps, skip, args.trl_threads, args.trl_path)
@@ -359,17 +395,20 @@ def compare(job: Job, args: argparse.Namespace, with_trl: bool) -> float | None:
         f"\nGRPO, {job.model} on builtin://countdown_add, {job.prompts} prompts x {job.samples} samples per step, "
         f"responses <= {job.max_response_length} tokens, {job.optimizer_steps} optimizer step(s) per step, "
         f"{steps} steps (medians skip the first {skip}); {os.cpu_count()} CPU cores; "
-        f"1-min load average at start / after rlframe / after TRL: {' / '.join(loads)}\n"
+        f"1-min load average at start / after each rlframe run / after TRL: {' / '.join(loads)}\n"
     )
     headers = ["", "step s (median)", "tokens/s", "tokens/step", "mean reward", "run wall s"]
-    rows = [_row(f"rlframe ({job.workers} workers)", ours)]
-    ratio = None
+    rows = [_row(f"rlframe ({job.workers} workers, {rollout} rollout)", f) for rollout, f in ours.items()]
+    ratios = {}
     if theirs is not None:
         rows.append(_row(f"TRL {theirs['trl_version']} GRPOTrainer", theirs))
-        ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
-        rows.append(["rlframe / TRL", f"{theirs['step_s'] / ours['step_s']:.2f}x", f"{ratio:.2f}x", "", "", ""])
+        for rollout, figures in ours.items():
+            ratios[rollout] = figures["tokens_per_s"] / theirs["tokens_per_s"]
+            step_ratio = theirs["step_s"] / figures["step_s"]
+            rows.append([f"rlframe ({rollout}) / TRL", f"{step_ratio:.2f}x", f"{ratios[rollout]:.2f}x", "", "", ""])
     print_table(headers, rows)
-    for name, figures in [("rlframe", ours)] + ([("TRL", theirs)] if theirs is not None else []):
+    named = [(f"rlframe ({rollout} rollout)", figures) for rollout, figures in ours.items()]
+    for name, figures in named + ([("TRL", theirs)] if theirs is not None else []):
         phases = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in figures["phases"].items())
         print(f"\n{name} median seconds per phase: {phases}")
     print(
@@ -377,7 +416,7 @@ def compare(job: Job, args: argparse.Namespace, with_trl: bool) -> float | None:
         + ("; TRL's is trainer.train() only" if theirs is not None else ""),
         flush=True,
     )
-    return ratio
+    return ratios
 
 
 if __name__ == "__main__":

