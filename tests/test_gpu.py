@@ -191,12 +191,13 @@ def _hf_log_probs(path: str, state: dict | None, batch: dict, dtype: torch.dtype
 
 def test_vllm_rollout_on_a_second_worker_with_weight_sync(smollm2, monkeypatch, tmp_path):
     """Issue 18 items 1, 7, 8 and the weight-load check: LOCAL_RANK=1 with one visible GPU, RNG untouched,
-    level-2 sleep then a full sync; the engine's log-probs match HF's within bf16 error, before and after."""
+    level-2 sleep then a full sync in one-tensor buckets (issue 24: SmolLM2's tied head); the engine's log-probs
+    match HF's within bf16 error, before and after."""
     pytest.importorskip("vllm", reason="vllm not installed")
     from test_rollout import load_tokenizer, make_prompts
     from transformers import AutoModelForCausalLM
 
-    from rlframe.workers.rollout import build_rollout
+    from rlframe.workers.rollout import build_rollout, vllm_rollout
 
     # the second worker on a node: Ray shows it one GPU (index 0), the worker group sets LOCAL_RANK=1
     for key, value in dict(RANK="0", LOCAL_RANK="1", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
@@ -215,8 +216,15 @@ def test_vllm_rollout_on_a_second_worker_with_weight_sync(smollm2, monkeypatch, 
         assert engine._sleep_level == 2
 
         base = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).state_dict()
+        moved = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
         gen = torch.Generator().manual_seed(0)
-        perturbed = {k: v + 0.5 * v.std() * torch.randn(v.shape, generator=gen) for k, v in base.items()}
+        with torch.no_grad():  # by parameter: the tied head moves with its embedding, as an update moves it
+            for param in moved.parameters():
+                param.add_(0.5 * param.std() * torch.randn(param.shape, generator=gen))
+        perturbed = moved.state_dict()
+        # one tensor per bucket: the tied alias lm_head.weight would arrive in a load_weights call without its
+        # embedding, which vLLM's loader refuses (the crash of every tied model above one 512 MiB bucket)
+        monkeypatch.setattr(vllm_rollout, "WEIGHT_BUCKET_BYTES", 1)
         previous = None
         for state in (base, perturbed):
             engine.release()  # level 2: the weights are dropped; every one must come back
@@ -245,7 +253,12 @@ def test_vllm_rollout_on_a_second_worker_with_weight_sync(smollm2, monkeypatch, 
 def test_vllm_async_server_gives_the_sync_samples(smollm2, monkeypatch):
     """Issue 14: rollout.mode=async on vLLM (requests added to the in-process LLMEngine and stepped, continuous
     batching) samples what the synchronous LLM.generate path samples under the same seed, for 1 and 4
-    agent-loop workers: the idle engine starts with every request, as LLM.generate does."""
+    agent-loop workers: the idle engine starts with every request, as LLM.generate does.
+
+    What vLLM promises in bf16 (without its batch-invariant mode) is the same seeds, not the same numerics across
+    batch compositions: a continuous batch is composed differently, so a log-prob moves within bf16 noise and a
+    token sampled at a near-tie may flip and change the rest of its row. So: all rows but at most one equal, and
+    the equal rows' log-probs within twice what a bf16 forward may be from fp32 (the bound of the other tests)."""
     pytest.importorskip("vllm", reason="vllm not installed")
     from test_rollout import load_tokenizer, make_prompts
 
@@ -262,15 +275,25 @@ def test_vllm_async_server_gives_the_sync_samples(smollm2, monkeypatch):
         torch.manual_seed(3)
         expected = generate_in_tp_group(engine, prompts).to("cpu")
         assert expected.batch["response_mask"].sum() > 0
+        batch = {k: expected.batch[k] for k in ("input_ids", "attention_mask", "position_ids", "responses")}
+        fp32 = _hf_log_probs(smollm2, None, batch, torch.float32)
+        bf16 = _hf_log_probs(smollm2, None, batch, torch.bfloat16)
+        bound = 2 * (BF16_SLACK * _mean_abs(bf16, fp32, expected.batch["response_mask"]) + FLOOR)
         for workers in (1, 4):
             torch.manual_seed(3)
             out = generate_in_tp_group(AgentLoopRollout(engine, workers), prompts).to("cpu")
-            for key in ("responses", "response_mask", "attention_mask", "rollout_log_probs"):
-                assert torch.equal(out.batch[key], expected.batch[key]), (workers, key)
+            same = (out.batch["responses"] == expected.batch["responses"]).all(-1)
+            assert int((~same).sum()) <= 1, (workers, same)
+            for key in ("response_mask", "attention_mask"):
+                assert torch.equal(out.batch[key][same], expected.batch[key][same]), (workers, key)
+            mask = expected.batch["response_mask"][same]
+            error = _mean_abs(out.batch["rollout_log_probs"][same], expected.batch["rollout_log_probs"][same], mask)
+            assert error <= bound, (workers, error, bound)
             metrics = out.meta_info["metrics"]
             print(
                 f"vLLM async: {workers} workers, batch {metrics['rollout/server_batch_size_mean']:.1f}, "
-                f"{metrics['rollout/server_tokens_per_s']:.0f} tokens/s, same samples as sync"
+                f"{metrics['rollout/server_tokens_per_s']:.0f} tokens/s, {int(same.sum())}/{len(same)} rows equal, "
+                f"log-prob difference {error:.1e} (bound {bound:.1e})"
             )
     finally:
         engine.shutdown()

@@ -76,9 +76,10 @@ def test_grpo_with_the_vllm_rollout_syncs_every_step_and_reruns_the_same(tmp_pat
         assert m["training/rollout_probs_diff_mean"] < PROB_DIFF_MEAN, m
         assert m["training/rollout_probs_diff_max"] < PROB_DIFF_MAX, m
         assert "training/rollout_probs_diff_std" in m
-    print("vLLM-CPU GRPO, |p - p'| mean/max per step:", [
-        f"{m['training/rollout_probs_diff_mean']:.1e}/{m['training/rollout_probs_diff_max']:.1e}" for m in steps
-    ])
+    print(
+        "vLLM-CPU GRPO, |p - p'| mean/max per step:",
+        [f"{m['training/rollout_probs_diff_mean']:.1e}/{m['training/rollout_probs_diff_max']:.1e}" for m in steps],
+    )
     first = rollouts(runs["a"] / "rollouts", 1)
     assert len(first) == 16 and len({response for _, response in first}) > 1
     assert rollouts(runs["b"] / "rollouts", 1) == first  # same data.seed: the same prompts and the same tokens
