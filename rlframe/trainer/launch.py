@@ -52,9 +52,14 @@ class WorkerGroups:
             ray.shutdown()
 
 
-# Set on the workers unless --verbose: no "Loading weights" bars, transformers' errors only. Errors,
-# tracebacks and anything a worker prints still reach the console, prefixed with the worker's rank.
-QUIET_WORKER_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+# Set on the workers unless --verbose: no "Loading weights" bars, transformers' errors only, vLLM's warnings and
+# errors only (not its engine configuration at start-up nor a line per weight sync). Errors, tracebacks and anything a
+# worker prints still reach the console, prefixed with the worker's rank.
+QUIET_WORKER_ENV = {
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
 
 
 def create_worker_groups(

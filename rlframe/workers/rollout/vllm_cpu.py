@@ -27,6 +27,7 @@ its threads in its own worker processes); the training process keeps its own thr
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -136,16 +137,44 @@ def reload_weights_in_worker(worker, weights: Iterable[tuple[str, torch.Tensor]]
 
     model = worker.get_model()
     runner = worker.model_runner
-    with set_current_vllm_config(worker.vllm_config), torch.no_grad():
+    modules = dict(model.named_modules())
+    heads = [modules[alias.rpartition(".")[0]] for alias in tied_aliases(model)]
+    quiet = ExpectedUnloadedLayers({type(head).__name__ for head in heads})
+    with set_current_vllm_config(worker.vllm_config), torch.no_grad(), quiet:
         initialize_layerwise_reload(model)
         loaded = set(model.load_weights(weights) or ())
         finalize_layerwise_reload(model, worker.vllm_config.model_config)
-        modules = dict(model.named_modules())
-        for alias in tied_aliases(model):
-            head = modules[alias.rpartition(".")[0]]
+        for head in heads:
             if getattr(head, "quant_method", None) is not None:
                 head.quant_method.process_weights_after_loading(head)
     for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
         if hasattr(runner, reset):
             getattr(runner, reset)()
     return loaded
+
+
+class ExpectedUnloadedLayers(logging.Filter):
+    """While a reload runs: drops vLLM's "<layer>: Failed to load weights" for layers that have nothing to load.
+
+    A rotary embedding's cache is no checkpoint weight, and a tied head's weight arrives under its embedding's name
+    (the head is processed again after the reload): vLLM warns about both at every sync. Any other layer's warning
+    passes: it would be a real gap in the stream.
+    """
+
+    LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+    def __init__(self, tied_heads: set[str]):
+        super().__init__()
+        self.tied_heads = tied_heads
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "%s: Failed to load weights" or not record.args:
+            return True
+        layer = str(record.args[0])
+        return not (layer.endswith("RotaryEmbedding") or layer in self.tied_heads)
+
+    def __enter__(self):
+        logging.getLogger(self.LOGGER).addFilter(self)
+
+    def __exit__(self, *exc):
+        logging.getLogger(self.LOGGER).removeFilter(self)
