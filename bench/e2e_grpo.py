@@ -24,8 +24,8 @@ default true): the gathered parameters stay from a forward to its backward (and 
 log-prob pass's micro-batches) instead of being gathered again. `--rollout vllm` runs rlframe's job with
 the vLLM rollout (vLLM's CPU build on a CPU: `actor_rollout_ref.rollout.name=vllm`, max_model_len = prompt +
 response, enforce_eager; the same sampling and job otherwise); several `--rollout`s give one row each, against the
-same TRL run. rlframe's figures come from the
-run's metrics.jsonl (`timing_s/*`, `perf/total_num_tokens`: prompt + response tokens of the step).
+same TRL run (TRL's own vLLM mode does not run on vLLM's CPU build: docs/benchmarks.md §5). rlframe's figures
+come from the run's metrics.jsonl (`timing_s/*`, `perf/total_num_tokens`: prompt + response tokens of the step).
 Medians skip the first `--skip-steps` steps (warm-up). Ray start-up and validation are outside the
 step times. Several `--model`s run one after the other and end with one line of ratios.
 
