@@ -238,7 +238,7 @@ def test_async_server_samples_what_sync_samples(engine, hf_model):
         assert diff < 1e-4, (workers, float(diff))
 
 
-def test_tool_agent_turns_on_the_real_engine(engine, hf_model, smollm2_path, monkeypatch):
+def test_tool_agent_turns_on_the_real_engine(engine, smollm2_path, monkeypatch):
     """The tool agent on vLLM: built-in calc_multiply prompts (one worked call in the prompt), temperature 1.
     Trajectories call the calculator and get its answer as context; the policy turns' log-probs from vLLM are the
     actor's on the whole trajectory (the engine saw exactly the tokens that are trained); the async agent loops
@@ -260,7 +260,11 @@ def test_tool_agent_turns_on_the_real_engine(engine, hf_model, smollm2_path, mon
         f"{ROLLOUT}.multi_turn.max_assistant_turns=2",
     )
     monkeypatch.setattr(engine, "settings", RolloutSettings.from_config(cfg))  # the lengths of this config
-    engine.update_weights(hf_model.state_dict().items())
+    from transformers import AutoModelForCausalLM
+
+    # the pretrained weights (the module's hf_model was moved far by the other tests: it no longer calls tools)
+    hf_model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32, attn_implementation="sdpa")
+    engine.update_weights(hf_model.eval().state_dict().items())
     rows = calc_multiply_rows("train", 8, seed=0)
     raw = np.empty(len(rows), dtype=object)
     raw[:] = [row["prompt"] for row in rows]
