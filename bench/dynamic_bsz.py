@@ -29,32 +29,42 @@ from _common import (
     tiny_causal_lm,
 )
 
+from rlframe.batch_plan import ForwardPlan, UpdatePlan
 from rlframe.seqpack import MicroBatchSpec
-from rlframe.workers.actor import ActorSettings, PPOActor
+from rlframe.workers.actor import PPOActor
 from rlframe.workers.batching import split_micro_batches
+from rlframe.workers.config import ActorConfig, OptimConfig
+from rlframe.workers.updater import ModelOptions, RoleModel
 
 MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=512)
 
 
-def make_settings(num_seqs: int, micro: MicroBatchSpec) -> ActorSettings:
-    return ActorSettings(
+def make_actor(model, num_seqs: int, micro: MicroBatchSpec) -> PPOActor:
+    """A one-process actor whose update and forward are cut as `micro`: one mini-batch of `num_seqs`."""
+    cut = {
+        "sequence_parallel_size": 1,
+        "dp_size": 1,
+        "sequences_per_gpu": num_seqs,
+        "sequences_per_dp": num_seqs,
+        "use_dynamic_bsz": micro.use_dynamic_bsz,
+        "micro_batch_size": micro.micro_batch_size,
+        "max_token_len_per_gpu": micro.max_token_len,
+        "max_token_len": micro.max_token_len,
+        "packing_algorithm": micro.packing_algorithm,
+    }
+    plan = UpdatePlan(
+        **cut,
         mini_batch_size=num_seqs,
-        update=micro,
-        log_prob=micro,
+        mini_batch_size_per_dp=num_seqs,
+        num_mini_batches=1,
         ppo_epochs=1,
-        shuffle=False,
-        grad_clip=1.0,
-        clip_ratio_low=0.2,
-        clip_ratio_high=0.28,
-        clip_ratio_c=3.0,
-        loss_agg_mode="token-mean",
-        policy_loss="vanilla",
-        entropy_coeff=0.0,
-        use_kl_loss=True,
-        kl_loss_coef=0.001,
-        kl_loss_type="low_var_kl",
-        use_remove_padding=True,
+        optimizer_steps_per_step=1,
+        grad_accum_steps=None,
+        forward=ForwardPlan(**cut, num_micro_batches=None),
     )
+    config = ActorConfig(clip_ratio_high=0.28, use_kl_loss=True, optim=OptimConfig(clip_grad=1.0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    return PPOActor(RoleModel(model, ModelOptions(use_remove_padding=True), optimizer), config, plan)
 
 
 def main(argv=None) -> None:
@@ -121,8 +131,7 @@ def compare(modes: dict[str, MicroBatchSpec], data, num_seqs: int, steps: int) -
     actors, counts = {}, {}
     for name, micro in modes.items():
         model = tiny_causal_lm(**MODEL, use_remove_padding=True)  # same seed: same weights in every mode
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        actors[name] = PPOActor(model, optimizer, make_settings(num_seqs, micro))
+        actors[name] = make_actor(model, num_seqs, micro)
         micro_batches, _ = split_micro_batches(data.batch, micro)
         counts[name] = [int(m["attention_mask"].sum()) for m in micro_batches]
     times = {name: [] for name in modes}

@@ -12,16 +12,19 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from rlframe.batch_plan import ForwardPlan, UpdatePlan
+from rlframe.distributed.parallel_dims import ParallelDims, build_fsdp_mesh
 from rlframe.protocol import DataProto
-from rlframe.seqpack import MicroBatchSpec
-from rlframe.workers.actor import ActorSettings, PPOActor
-from rlframe.workers.critic import CriticSettings, PPOCritic
-from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, build_fsdp_mesh, decoder_layers, load_hf_model, wrap_fsdp
+from rlframe.workers.actor import PPOActor
+from rlframe.workers.config import ActorConfig, CriticConfig, CriticOptimConfig, OptimConfig, PolicyLossConfig
+from rlframe.workers.critic import PPOCritic
+from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, decoder_layers, load_hf_model, wrap_fsdp
 from rlframe.workers.lora import LoraSpec, adapter_disabled, apply_lora
+from rlframe.workers.updater import ModelOptions, RoleModel
 
 PROMPT_LEN, RESPONSE_LEN = 8, 8
 # policy-loss parameters under which every mode acts on this batch (clip_cov / kl_cov pick ~20% of tokens)
@@ -122,43 +125,80 @@ def make_batch(
     return DataProto.from_dict(tensors, meta_info={"temperature": 1.0})
 
 
-def settings_for(sc: Scenario, num_seqs: int):
+def update_plan(sc: Scenario, num_seqs: int, ppo_epochs: int = 1) -> UpdatePlan:
+    """The batch plan of a scenario's role: one DP rank's mini-batches and micro-batches (forward cut alike)."""
     mini_global = sc.mini_batch_size or num_seqs
-    update = MicroBatchSpec(sc.use_dynamic_bsz, sc.micro_batch_size, sc.max_token_len * sc.sp, "kk")
+    mini_per_dp, per_dp = mini_global // sc.dp, num_seqs // sc.dp
+    micro = None if sc.use_dynamic_bsz else sc.micro_batch_size
+    budget = sc.max_token_len * sc.sp if sc.use_dynamic_bsz else None
+    cut = {
+        "sequence_parallel_size": sc.sp,
+        "dp_size": sc.dp,
+        "sequences_per_gpu": num_seqs // sc.world,
+        "sequences_per_dp": per_dp,
+        "use_dynamic_bsz": sc.use_dynamic_bsz,
+        "micro_batch_size": micro,
+        "max_token_len_per_gpu": None if budget is None else sc.max_token_len,
+        "max_token_len": budget,
+        "packing_algorithm": "kk" if sc.use_dynamic_bsz else None,
+    }
+    forward = ForwardPlan(**cut, num_micro_batches=None if micro is None else -(-per_dp // micro))
+    return UpdatePlan(
+        **cut,
+        mini_batch_size=mini_global,
+        mini_batch_size_per_dp=mini_per_dp,
+        num_mini_batches=num_seqs // mini_global,
+        ppo_epochs=ppo_epochs,
+        optimizer_steps_per_step=num_seqs // mini_global * ppo_epochs,
+        grad_accum_steps=None if micro is None else mini_per_dp // micro,
+        forward=forward,
+    )
+
+
+def role_for(sc: Scenario, num_seqs: int) -> tuple:
+    """(typed config section, update plan, model options) of the scenario's role; `sc.extra` overrides any."""
+    extra = dict(sc.extra)
+    plan = update_plan(sc, num_seqs, extra.pop("ppo_epochs", 1))
+    option_names = {f.name for f in fields(ModelOptions)}
+    options = ModelOptions(
+        use_remove_padding=sc.use_remove_padding,
+        reshard_after_forward=sc.reshard_after_forward,
+        **{k: extra.pop(k) for k in list(extra) if k in option_names},
+    )
     if sc.role == "critic":
-        return CriticSettings(
-            mini_batch_size=mini_global // sc.dp,
-            update=update,
-            forward=update,
-            ppo_epochs=1,
-            shuffle=False,
-            grad_clip=1e9,
-            cliprange_value=0.5,
-            loss_agg_mode=sc.loss_agg_mode,
-            use_remove_padding=sc.use_remove_padding,
-            reshard_after_forward=sc.reshard_after_forward,
+        config = CriticConfig(
+            shuffle=False, cliprange_value=0.5, loss_agg_mode=sc.loss_agg_mode, optim=CriticOptimConfig(clip_grad=1e9)
         )
-    base = ActorSettings(
-        mini_batch_size=mini_global // sc.dp,
-        update=update,
-        log_prob=update,
-        ppo_epochs=1,
+        return replace(config, **extra), plan, options
+    losses = {k: v for k, v in POLICY_LOSS_PARAMS.items() if k not in ("tau_pos", "tau_neg")}
+    config = ActorConfig(
         shuffle=False,
-        grad_clip=1e9,
         clip_ratio_low=0.2,
         clip_ratio_high=0.28,
         clip_ratio_c=3.0,
+        tau_pos=POLICY_LOSS_PARAMS["tau_pos"],
+        tau_neg=POLICY_LOSS_PARAMS["tau_neg"],
         loss_agg_mode=sc.loss_agg_mode,
-        policy_loss=sc.loss_mode,
-        policy_loss_params=POLICY_LOSS_PARAMS,
+        policy_loss=PolicyLossConfig(loss_mode=sc.loss_mode, **losses),
         entropy_coeff=0.01,
         use_kl_loss=True,
         kl_loss_coef=0.1,
         kl_loss_type="low_var_kl",
-        use_remove_padding=sc.use_remove_padding,
-        reshard_after_forward=sc.reshard_after_forward,
+        optim=OptimConfig(clip_grad=1e9),
     )
-    return replace(base, **sc.extra)
+    return replace(config, **extra), plan, options
+
+
+def make_role(sc: Scenario, num_seqs: int, module, optimizer=None, dims=None):
+    """The scenario's PPOActor or PPOCritic around `module` (dims: the DP/SP groups; None = one process)."""
+    config, plan, options = role_for(sc, num_seqs)
+    cls = PPOCritic if sc.role == "critic" else PPOActor
+    return cls(RoleModel(module, options, optimizer), config, plan, dims)
+
+
+def single_dims(sc: Scenario, dp_group=None, sp_group=None) -> ParallelDims:
+    """The ParallelDims of a scenario's rank from its groups."""
+    return ParallelDims(dp_size=sc.dp, sp_size=sc.sp, dp_group=dp_group, sp_group=sp_group)
 
 
 class RecordingSGD(torch.optim.SGD):
@@ -213,13 +253,13 @@ def run_scenario(
             assert_forward_prefetch(model, sc.strategy)
     optimizer = RecordingSGD(model)
     shard = data.chunk(sc.dp)[dp_rank]
-    settings = settings_for(sc, len(data))
+    role = make_role(sc, len(data), model, optimizer, single_dims(sc, dp_group, sp_group))
     if sc.role == "critic":
-        critic = PPOCritic(model, optimizer, settings, dp_group, sp_group, dp_size=sc.dp)
+        critic = role
         outputs = {"values": critic.compute_values(shard)}
         metrics = critic.update_critic(shard)
     else:
-        actor = PPOActor(model, optimizer, settings, dp_group, sp_group, dp_size=sc.dp)
+        actor = role
         log_probs, entropy = actor.compute_log_prob(shard, calculate_entropy=True)
         outputs = {"log_probs": log_probs, "entropy": entropy}
         if sc.lora_adapter is not None:  # the reference policy: the base model, adapter disabled

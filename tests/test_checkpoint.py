@@ -18,9 +18,10 @@ import pytest
 import torch
 from fsdp_harness import free_port
 
+from rlframe.distributed.parallel_dims import build_fsdp_mesh
 from rlframe.utils.manifest import write_manifest
 from rlframe.workers import checkpoint as ckpt
-from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, build_fsdp_mesh, load_hf_model, wrap_fsdp
+from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, load_hf_model, wrap_fsdp
 
 TRAIN_STEPS = 2
 

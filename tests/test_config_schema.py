@@ -76,7 +76,7 @@ def test_explain_and_train_give_the_same_verdict(overrides, capsys):
 def test_clip_ratio_alone_is_reported_as_without_effect_like_in_verl():
     # verl 0.9.1's yaml sets clip_ratio_low/high to 0.2; clip_ratio only fills in where they are null
     from rlframe.config.key_status import ignored_key_warnings
-    from rlframe.workers.fsdp_workers import _or
+    from rlframe.workers.config import clip_ratio_bounds
 
     overrides = ["actor_rollout_ref.actor.clip_ratio=0.3"]
     (line,) = ignored_key_warnings(compose(overrides), overrides)
@@ -84,7 +84,7 @@ def test_clip_ratio_alone_is_reported_as_without_effect_like_in_verl():
     nulls = overrides + ["actor_rollout_ref.actor.clip_ratio_low=null", "actor_rollout_ref.actor.clip_ratio_high=null"]
     assert ignored_key_warnings(compose(nulls), nulls) == []
     actor = compose(nulls).actor_rollout_ref.actor
-    assert _or(actor.clip_ratio_low, actor.clip_ratio) == _or(actor.clip_ratio_high, actor.clip_ratio) == 0.3
+    assert clip_ratio_bounds(actor) == (0.3, 0.3)
 
 
 def test_restart_node_wait_without_restarts_is_reported_without_effect():
@@ -200,8 +200,7 @@ def test_every_shared_key_has_verls_default_unless_the_docs_say_why():
 
 def test_gradients_are_clipped_by_optim_clip_grad_as_in_verl():
     # verl 0.9.1 clips by optim.clip_grad and never reads actor.grad_clip / critic.grad_clip
-    from rlframe.batch_plan import make_batch_plan
-    from rlframe.workers.fsdp_workers import actor_settings, critic_settings
+    from rlframe.trainer.config import typed
 
     cfg = compose(
         [
@@ -212,6 +211,6 @@ def test_gradients_are_clipped_by_optim_clip_grad_as_in_verl():
             "actor_rollout_ref.actor.grad_clip=9",
         ]
     )
-    plan = make_batch_plan(cfg)
-    assert actor_settings(cfg.actor_rollout_ref.actor, plan.actor, True).grad_clip == 0.5
-    assert critic_settings(cfg.critic, plan.critic).grad_clip == 0.25
+    root = typed(cfg)
+    assert root.actor_rollout_ref.actor.optim.clip_grad == 0.5  # what PPOUpdater clips by
+    assert root.critic.optim.clip_grad == 0.25

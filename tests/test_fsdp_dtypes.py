@@ -13,10 +13,10 @@ import pytest
 import torch
 from fsdp_harness import free_port
 
+from rlframe.distributed.parallel_dims import build_fsdp_mesh
 from rlframe.trainer.config import compose, typed
 from rlframe.workers.fsdp_utils import (
     ModelSpec,
-    build_fsdp_mesh,
     decoder_layers,
     load_hf_model,
     resolve_dtype,

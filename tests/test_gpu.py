@@ -75,10 +75,10 @@ def _batch(vocab: int, seqs: int = 4, prompt: int = 16, response: int = 16, seed
 # ---------------------------------------------------------------------------------------- nccl, offload
 def test_nccl_fsdp2_param_and_optimizer_offload_step(smollm2, nccl_world):
     """Issue 18 items 5, 6, 9: offloaded shards meet nccl only on CUDA; Adam's state stays with its parameter."""
+    from rlframe.distributed.parallel_dims import build_fsdp_mesh
     from rlframe.workers.fsdp_utils import (
         FSDPSpec,
         ModelSpec,
-        build_fsdp_mesh,
         clip_grad_norm,
         iter_full_params,
         load_hf_model,

@@ -95,7 +95,8 @@ def test_fsdp2_wrap_leaves_the_model_where_it_is_and_shards_layer_by_layer(monke
 def _offload_worker(rank: int, port: int, model_path: str, out: str) -> None:
     import torch.distributed as dist
 
-    from rlframe.workers.fsdp_utils import ModelSpec, build_fsdp_mesh, clip_grad_norm, iter_full_params, load_hf_model
+    from rlframe.distributed.parallel_dims import build_fsdp_mesh
+    from rlframe.workers.fsdp_utils import ModelSpec, clip_grad_norm, iter_full_params, load_hf_model
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:

@@ -11,18 +11,17 @@ micro-batches, shuffled, Ulysses sp 2). And the rule for when the pass can be sk
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 import pytest
 import torch
-from fsdp_harness import RecordingSGD, Scenario, free_port, make_batch, relative_error, settings_for
+from fsdp_harness import RecordingSGD, Scenario, free_port, make_batch, make_role, relative_error, single_dims
 from omegaconf import OmegaConf
 from transformers import AutoConfig
 
 from rlframe.algorithms.on_policy import SKIP_KEY, old_log_prob_pass_reason
+from rlframe.distributed.parallel_dims import build_fsdp_mesh
 from rlframe.protocol import DataProto
-from rlframe.workers.actor import PPOActor
-from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, build_fsdp_mesh, load_hf_model, wrap_fsdp
+from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, load_hf_model, wrap_fsdp
 
 NUM_SEQS = 8
 
@@ -33,7 +32,7 @@ def _one_step(sc: Scenario, model_path: str, shard: DataProto, on_policy: bool, 
     model = load_hf_model(ModelSpec(path=model_path, role="actor", dtype=torch.float32, use_remove_padding=True))
     model = wrap_fsdp(model, FSDPSpec("fsdp2", torch.float32, torch.float32, False, True), mesh, "cpu")
     optimizer = RecordingSGD(model, lr=0.5)
-    actor = PPOActor(model, optimizer, settings_for(sc, NUM_SEQS), dp_group, sp_group, dp_size=sc.dp)
+    actor = make_role(sc, NUM_SEQS, model, optimizer, single_dims(sc, dp_group, sp_group))
     data = shard.select(deepcopy=True)
     if on_policy:
         data.pop(batch_keys=["old_log_probs"])
@@ -112,11 +111,10 @@ def test_the_on_policy_step_equals_the_step_after_an_old_log_prob_pass(tiny_mode
 
 
 def test_an_update_of_several_epochs_does_not_compute_its_own_old_log_probs(tiny_model_path):
-    sc = Scenario(world=1, strategy="none")
+    sc = Scenario(world=1, strategy="none", extra={"ppo_epochs": 2})
     data = make_batch(AutoConfig.from_pretrained(tiny_model_path).vocab_size, NUM_SEQS)
     model = load_hf_model(ModelSpec(path=tiny_model_path, role="actor", dtype=torch.float32, use_remove_padding=True))
-    settings = replace(settings_for(sc, NUM_SEQS), ppo_epochs=2)
-    actor = PPOActor(model, RecordingSGD(model), settings)
+    actor = make_role(sc, NUM_SEQS, model, RecordingSGD(model))
     with pytest.raises(ValueError, match="computes its own old log-probs takes one epoch: ppo_epochs=2"):
         actor.update_policy_on_policy(data)
 

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import torch
 from fsdp_harness import free_port
 
-from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, build_fsdp_mesh, build_optimizer, load_hf_model, wrap_fsdp
+from rlframe.distributed.parallel_dims import build_fsdp_mesh
+from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, build_optimizer, load_hf_model, wrap_fsdp
 
 STEPS = 3
 OPTIM = SimpleNamespace(lr=1e-2, betas=[0.9, 0.95], weight_decay=0.1)

@@ -67,8 +67,9 @@ def test_what_each_rank_writes_every_rank_reads_after_the_barrier(tmp_path, worl
 def _fsdp_worker(rank: int, world: int, port: int, model_path: str, out: str) -> None:
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
+    from rlframe.distributed.parallel_dims import build_fsdp_mesh
     from rlframe.distributed.shm_gather import SharedMemoryAllGather, SharedMemoryReduceScatter
-    from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, build_fsdp_mesh, load_hf_model, wrap_fsdp
+    from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, load_hf_model, wrap_fsdp
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

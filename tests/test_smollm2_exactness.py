@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from fsdp_harness import RESPONSE_LEN, Scenario, make_batch, relative_error, run_distributed, run_scenario, settings_for
+from fsdp_harness import RESPONSE_LEN, Scenario, make_batch, relative_error, role_for, run_distributed, run_scenario
 from small_config import SMALL
 from transformers import AutoModelForCausalLM
 
@@ -38,7 +38,7 @@ def references(smollm2_path, batches):
 
 def hf_reference(model_path: str, batch, dtype: torch.dtype) -> dict:
     """Plain transformers forward/backward on the padded batch: outputs, losses and gradients."""
-    s = settings_for(Scenario(), len(batch))
+    s, _, _ = role_for(Scenario(), len(batch))
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="sdpa")
     b = batch.batch
     mask = b["attention_mask"]

@@ -17,8 +17,9 @@ import torch.distributed as dist
 from fsdp_harness import free_port
 
 from rlframe.distributed import shm_gather
+from rlframe.distributed.parallel_dims import build_fsdp_mesh
 from rlframe.workers import weight_sync
-from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, build_fsdp_mesh, iter_full_params, load_hf_model, wrap_fsdp
+from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, iter_full_params, load_hf_model, wrap_fsdp
 from rlframe.workers.weight_sync import _rows_per_rank, iter_full_params_bucketed
 
 

@@ -53,6 +53,12 @@ def policy_loss_kwargs(fn: Callable, params: dict) -> dict:
     return {name: value for name, value in params.items() if name in accepted}
 
 
+def keyword_parameters(fn: Callable) -> list[str]:
+    """A loss's own parameters: its keyword-only ones, which the actor reads by these names from its config."""
+    kind = inspect.Parameter.KEYWORD_ONLY
+    return [p.name for p in inspect.signature(fn).parameters.values() if p.kind == kind]
+
+
 def agg_loss(loss_mat, loss_mask, loss_agg_mode, global_num_tokens=None, global_num_seqs=None, norm_factor=None):
     """Reduce a [bs, len] token loss to a scalar, normalized by mini-batch-wide counts.
 

@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlframe.batch_plan import BatchPlan
 from rlframe.config.checks import resolve_device
+from rlframe.trainer.config import PPOTrainerConfig
 from rlframe.trainer.profiling import nsight_runtime_env
 
 if TYPE_CHECKING:  # Ray is imported only when the groups are created (prepare() runs without it)
@@ -95,7 +96,8 @@ def create_worker_groups(
     )
     nnodes, per_node = int(cfg.trainer.nnodes), int(cfg.trainer.n_gpus_per_node)
     pool = RayResourcePool([per_node] * nnodes, use_gpu=device_type == "cuda", node_wait_s=node_wait_s)
-    config = OmegaConf.to_container(cfg)
+    # workers receive the typed sections (interpolations resolved), not a dict to re-cast
+    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PPOTrainerConfig), cfg))
     roles = {"actor_rollout": RayClassWithInitArgs(ActorRolloutRefWorker, config, plan, with_ref=plan.ref is not None)}
     if plan.critic is not None:
         roles["critic"] = RayClassWithInitArgs(CriticWorker, config, plan)

@@ -10,12 +10,9 @@ dp, sp, micro-batch size or micro-batching mode.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
-from torch import nn
 
 from rlframe.algorithms.kl import kl_penalty
 from rlframe.algorithms.loss import (
@@ -23,6 +20,7 @@ from rlframe.algorithms.loss import (
     agg_loss,
     compute_policy_loss_vanilla,
     get_policy_loss_fn,
+    keyword_parameters,
     policy_loss_kwargs,
 )
 from rlframe.algorithms.rollout_correction import (
@@ -32,6 +30,9 @@ from rlframe.algorithms.rollout_correction import (
     needs_mini_batch_normalizer,
     normalizer_sums,
 )
+from rlframe.batch_plan import UpdatePlan
+from rlframe.config.keys import ACTOR_KEYS
+from rlframe.distributed.parallel_dims import ParallelDims
 from rlframe.protocol import DataProto
 from rlframe.seqpack import MicroBatchSpec
 from rlframe.workers.batching import (
@@ -42,76 +43,57 @@ from rlframe.workers.batching import (
     split_micro_batches,
     update_inputs,
 )
+from rlframe.workers.config import clip_ratio_bounds
 from rlframe.workers.model_forward import forward_micro_batch
-from rlframe.workers.updater import PPOUpdater
-
-
-@dataclass(frozen=True)
-class ActorSettings:
-    """Plain values for one actor, read once from the config and the batch plan."""
-
-    mini_batch_size: int  # sequences per optimizer step on this DP rank
-    update: MicroBatchSpec  # micro-batching of the update
-    log_prob: MicroBatchSpec  # micro-batching of forward-only log-probs
-    ppo_epochs: int
-    shuffle: bool
-    grad_clip: float
-    clip_ratio_low: float
-    clip_ratio_high: float
-    clip_ratio_c: float
-    loss_agg_mode: str
-    policy_loss: str
-    entropy_coeff: float
-    use_kl_loss: bool
-    kl_loss_coef: float
-    kl_loss_type: str
-    use_remove_padding: bool
-    use_torch_compile: bool = False  # torch.compile the log-prob/entropy kernels (CUDA)
-    use_fused_kernels: bool = False  # score from hidden states a chunk at a time (model.use_fused_kernels)
-    reshard_after_forward: bool = True  # fsdp_config's; False: gathered across an optimizer step (PPOUpdater)
-    # the policy loss's own parameters by verl's names (policy_loss.clip_cov_ratio, tau_pos, ...)
-    policy_loss_params: dict = field(default_factory=dict)
+from rlframe.workers.updater import Batching, PPOUpdater, RoleModel, UpdateContext
 
 
 class PPOActor(PPOUpdater):
     """Computes log-probs and updates a (possibly FSDP-wrapped) causal LM."""
 
     role = "actor"
-    _on_policy_parts: list | None = None  # (rows, log-probs, entropy) per micro-batch of an on-policy update
-    _bypass: dict | None = None  # algorithm.rollout_correction in bypass mode (set per update from meta_info)
 
     def __init__(
         self,
-        module: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        settings: ActorSettings,
-        dp_group=None,
-        sp_group=None,
-        dp_size: int = 1,
-        lr_scheduler=None,
+        model: RoleModel,
+        config,
+        plan: UpdatePlan,
+        dims: ParallelDims | None = None,
         seed: int = 0,
+        log_prob: MicroBatchSpec | None = None,
     ):
-        super().__init__(module, optimizer, settings, dp_group, sp_group, dp_size, lr_scheduler, seed)
-        self.policy_loss_fn = get_policy_loss_fn(settings.policy_loss)
-        self.policy_loss_kwargs = policy_loss_kwargs(self.policy_loss_fn, settings.policy_loss_params)
+        """`config` is the actor's section (`ActorConfig`: actor_rollout_ref.actor); `log_prob` replaces the
+        plan's forward micro-batching (the reference policy's, from its own keys)."""
+        super().__init__(model, config, Batching.of(plan, ACTOR_KEYS, log_prob), dims or ParallelDims.single(), seed)
+        self.clip_ratio_low, self.clip_ratio_high = clip_ratio_bounds(config)
+        self.policy_loss_fn = get_policy_loss_fn(config.policy_loss.loss_mode)
+        self.policy_loss_kwargs = policy_loss_params(self.policy_loss_fn, config)
         # clip_cov/kl_cov choose tokens over the whole mini-batch (see _select_tokens); the same seed on
         # every rank, so every rank draws the same clip_cov permutation
-        self.token_selector = TOKEN_SELECTORS.get(settings.policy_loss)
+        self.token_selector = TOKEN_SELECTORS.get(config.policy_loss.loss_mode)
         self.selection_generator = torch.Generator().manual_seed(seed)
 
     def _forward(self, micro: dict, temperature: float, calculate_entropy: bool, calculate_sum_pi_squared=False):
+        o = self.options
         return forward_micro_batch(
             self.module,
             micro,
             response_length=micro["responses"].shape[-1],
             temperature=temperature,
-            use_remove_padding=self.settings.use_remove_padding,
-            sp_group=self.sp_group,
+            use_remove_padding=o.use_remove_padding,
+            sp_group=self.dims.sp_group,
             calculate_entropy=calculate_entropy,
-            use_torch_compile=self.settings.use_torch_compile,
+            use_torch_compile=o.use_torch_compile,
             calculate_sum_pi_squared=calculate_sum_pi_squared,
-            use_fused_kernels=self.settings.use_fused_kernels,
+            use_fused_kernels=o.use_fused_kernels,
         )
+
+    def _score(self, batch: TensorDict, spec: MicroBatchSpec, temperature: float, **wanted) -> dict:
+        """The per-token outputs of one forward without gradients over `batch`, cut as `spec`, in its order."""
+        with torch.no_grad():
+            micro_batches, reverse_idx = split_micro_batches(forward_inputs(batch), spec, self.dims.dp_group)
+            outputs = [self._forward(m, temperature, **wanted) for m in micro_batches]
+        return {name: restore_order([out[name] for out in outputs], reverse_idx) for name in outputs[0]}
 
     def compute_log_prob(
         self, data: DataProto, calculate_entropy: bool = False
@@ -120,23 +102,23 @@ class PPOActor(PPOUpdater):
         out = self.compute_token_stats(data, calculate_entropy)
         return out["log_probs"], out.get("entropy")
 
-    @torch.no_grad()
     def compute_token_stats(
         self, data: DataProto, calculate_entropy: bool = False, calculate_sum_pi_squared: bool = False
     ) -> dict[str, torch.Tensor]:
         """Per-response-token `log_probs` [bs, resp_len], and `entropy` / `sum_pi_squared` (Σ_v π(v)²)
         when asked, in the input order."""
         self.module.eval()
-        temperature = data.meta_info.get("temperature", 1.0)
-        micro_batches, reverse_idx = split_micro_batches(
-            forward_inputs(data.batch), self.settings.log_prob, self.dp_group
+        return self._score(
+            data.batch,
+            self.batching.forward,
+            data.meta_info.get("temperature", 1.0),
+            calculate_entropy=calculate_entropy,
+            calculate_sum_pi_squared=calculate_sum_pi_squared,
         )
-        outputs = [self._forward(m, temperature, calculate_entropy, calculate_sum_pi_squared) for m in micro_batches]
-        return {name: restore_order([out[name] for out in outputs], reverse_idx) for name in outputs[0]}
 
     def update_policy(self, data: DataProto) -> dict[str, list[float]]:
         """`ppo_epochs` passes of mini-batch optimizer steps; returns metric lists (one value per step)."""
-        return self._update(data, on_policy=False)
+        return self._update(data, self._context(data))
 
     def update_policy_on_policy(self, data: DataProto) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
         """The update without `old_log_probs` given: it computes them from the policy it starts from.
@@ -150,36 +132,37 @@ class PPOActor(PPOUpdater):
         Returns the metrics and what the separate old-log-prob pass would have given: `old_log_probs` and
         `entropys` [bs, resp_len] in the input order.
         """
-        s = self.settings
-        if s.ppo_epochs != 1:
+        if self.batching.ppo_epochs != 1:
             raise ValueError(
-                f"an update that computes its own old log-probs takes one epoch: ppo_epochs={s.ppo_epochs}"
+                f"an update that computes its own old log-probs takes one epoch: ppo_epochs={self.batching.ppo_epochs}"
             )
         if self.token_selector is not None or data.meta_info.get("rollout_correction") is not None:
             raise ValueError("clip_cov/kl_cov and bypass-mode rollout correction read old_log_probs before the loss")
-        self._on_policy_parts = []
-        metrics = self._update(data, on_policy=True)
-        parts, self._on_policy_parts = self._on_policy_parts, None
-        rows = torch.cat([row for row, _, _ in parts])
+        ctx = self._context(data)
+        ctx.on_policy_parts = []
+        metrics = self._update(data, ctx)
+        rows = torch.cat([row for row, _, _ in ctx.on_policy_parts])
         stats = {}
         for name, index in (("old_log_probs", 1), ("entropys", 2)):
-            values = torch.cat([part[index] for part in parts])
+            values = torch.cat([part[index] for part in ctx.on_policy_parts])
             stats[name] = torch.empty_like(values).index_copy_(0, rows, values)
         return metrics, stats
 
-    def _update(self, data: DataProto, on_policy: bool) -> dict[str, list[float]]:
-        """The update; `on_policy`: the update computes the old log-probs (`update_policy_on_policy`)."""
-        temperature = data.meta_info.get("temperature", 1.0)
-        keys = ["advantages"] + (["ref_log_prob"] if self.settings.use_kl_loss else [])
+    @staticmethod
+    def _context(data: DataProto) -> UpdateContext:
+        """The update's context: the sampling temperature and the bypass-mode rollout correction, if any."""
+        return UpdateContext(data.meta_info.get("temperature", 1.0), data.meta_info.get("rollout_correction"))
+
+    def _update(self, data: DataProto, ctx: UpdateContext) -> dict[str, list[float]]:
+        """The update of `data` under `ctx` (with `ctx.on_policy_parts`, it computes the old log-probs)."""
+        on_policy = ctx.on_policy_parts is not None
+        keys = ["advantages"] + (["ref_log_prob"] if self.config.use_kl_loss else [])
         keys += [] if on_policy else ["old_log_probs"]
         keys += [k for k in ("rollout_is_weights",) if k in data.batch.keys()]  # decoupled rollout correction
-        self._bypass = data.meta_info.get("rollout_correction")  # bypass mode: old_log_probs are the rollout's
-        self._temperature = temperature
-        prepare = None if self.token_selector is None else (lambda mini: self._select_tokens(mini, temperature))
         batch = update_inputs(data.batch, *keys)
         if on_policy:  # each row's index, to put the old log-probs back in the input order
             batch["on_policy_row"] = torch.arange(len(batch), device=batch.device)
-        metrics = self._train(batch, lambda micro, counts: self._loss(micro, counts, temperature), prepare)
+        metrics = self._train(batch, ctx)
         # verl names the rollout-correction metrics without the role
         role_prefix = f"{self.role}/"
         return {
@@ -187,79 +170,78 @@ class PPOActor(PPOUpdater):
             for name, values in metrics.items()
         }
 
-    def _before_first_step(self, batch: TensorDict) -> TensorDict:
+    def _before_first_step(self, batch: TensorDict, ctx: UpdateContext) -> TensorDict:
         """With the old log-probs computed here: the later mini-batches' rows get theirs before any step.
 
         The first mini-batch's rows are marked `on_policy` (their loss takes its own forward's); the others are
         scored as the separate pass scores them (its micro-batching, entropy included), under the parameters
         the update starts from.
         """
-        if self._on_policy_parts is None:
+        if ctx.on_policy_parts is None:
             return batch
-        first = min(self.settings.mini_batch_size, len(batch))
+        first = min(self.batching.mini_batch_size, len(batch))
         batch = batch.clone(recurse=False)
         batch["on_policy"] = torch.arange(len(batch), device=batch.device) < first
         later = batch[first:]
         batch["old_log_probs"] = torch.zeros_like(batch["advantages"])
         if len(later) > 0:
-            later_data = DataProto(batch=forward_inputs(later), meta_info={"temperature": self._temperature})
-            stats = self.compute_token_stats(later_data, calculate_entropy=True)
-            self.module.train()  # compute_token_stats left it in eval mode
+            self.module.eval()  # as the separate pass scores them
+            stats = self._score(later, self.batching.forward, ctx.temperature, calculate_entropy=True)
+            self.module.train()
             batch["old_log_probs"][first:] = stats["log_probs"]
-            self._on_policy_parts.append((later["on_policy_row"], stats["log_probs"], stats["entropy"]))
+            ctx.on_policy_parts.append((later["on_policy_row"], stats["log_probs"], stats["entropy"]))
         return batch
 
-    def _optimizer_step(self, mini: TensorDict, loss_fn) -> dict[str, float]:
-        """The shared optimizer step; in bypass mode with batch-normalized IS weights, after their mini-batch mean."""
-        if needs_mini_batch_normalizer(self._bypass):
-            mini = self._with_is_normalizer(mini)
-        return super()._optimizer_step(mini, loss_fn)
+    def _prepare_mini_batch(self, mini: TensorDict, ctx: UpdateContext) -> TensorDict:
+        """clip_cov/kl_cov's token choice and bypass mode's IS normalizer: both over the whole mini-batch."""
+        if self.token_selector is not None:
+            mini = self._select_tokens(mini, ctx)
+        if needs_mini_batch_normalizer(ctx.bypass):
+            mini = self._with_is_normalizer(mini, ctx)
+        return mini
 
-    def _with_is_normalizer(self, mini: TensorDict) -> TensorDict:
+    def _with_is_normalizer(self, mini: TensorDict, ctx: UpdateContext) -> TensorDict:
         """`mini` with `rollout_is_normalizer` [rows, 2]: (Σ weights, count) of the whole mini-batch, all DP ranks.
 
         Bypass mode's IS weights π_θ/π_rollout follow the parameters of this optimizer step, so their mean
         takes one forward without gradients over the mini-batch (the loss's micro-batching) before the
         micro-batches' losses; the sums are added over the DP group.
         """
-        cfg = self._bypass
+        cfg = ctx.bypass
+        log_probs = self._score(mini, self.batching.update, ctx.temperature, calculate_entropy=False)["log_probs"]
         with torch.no_grad():
-            micro_batches, reverse_idx = split_micro_batches(forward_inputs(mini), self.settings.update, self.dp_group)
-            log_probs = restore_order(
-                [self._forward(m, self._temperature, False)["log_probs"] for m in micro_batches], reverse_idx
-            )
             mask = response_mask_of(mini)
             weights, _ = is_weights(
                 log_probs - mini["old_log_probs"], mask, cfg["rollout_is"], cfg["rollout_is_threshold"]
             )
             sums = torch.stack(normalizer_sums(weights, mask, cfg["rollout_is"])).to(torch.float64)
-        if self.dp_group is not None and dist.is_initialized() and dist.get_world_size(self.dp_group) > 1:
-            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.dp_group)
+        if self.dims.reduces_over_dp:
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.dims.dp_group)
         mini = mini.clone(recurse=False)
         mini["rollout_is_normalizer"] = sums.to(weights.dtype).expand(len(mini), 2).clone()
         return mini
 
-    def _loss(self, micro, counts: GlobalCounts, temperature: float) -> tuple[torch.Tensor, dict]:
+    def _loss(self, micro, counts: GlobalCounts, ctx: UpdateContext) -> tuple[torch.Tensor, dict]:
         """Policy loss, minus the entropy bonus, plus the KL loss, normalized by the mini-batch's global counts."""
-        s = self.settings
+        c = self.config
         norm = counts.agg_kwargs()
         response_mask = response_mask_of(micro)
         on_policy = "on_policy" in micro.keys() and bool(micro["on_policy"][0])  # a mini-batch is wholly one or other
-        out = self._forward(micro, temperature, calculate_entropy=s.entropy_coeff != 0 or on_policy)
-        old_log_probs = self._on_policy_old(micro, out) if on_policy else micro["old_log_probs"]
+        out = self._forward(micro, ctx.temperature, calculate_entropy=c.entropy_coeff != 0 or on_policy)
+        old_log_probs = self._on_policy_old(micro, out, ctx) if on_policy else micro["old_log_probs"]
         advantages = micro["advantages"]
         if "rollout_is_weights" in micro.keys():  # ℓ(w·A) = w·ℓ(A) for the losses that take them
             advantages = advantages * micro["rollout_is_weights"]
-        args = (s.clip_ratio_low, s.clip_ratio_high, s.clip_ratio_c, s.loss_agg_mode)
-        if self._bypass is not None:
+        args = (self.clip_ratio_low, self.clip_ratio_high, float(c.clip_ratio_c), c.loss_agg_mode)
+        if ctx.bypass is not None:
             pg_loss, pg_metrics = bypass_policy_loss(
                 micro["old_log_probs"],
                 out["log_probs"],
                 advantages,
                 response_mask,
-                self._bypass,
+                ctx.bypass,
                 lambda old, new, adv, mask: compute_policy_loss_vanilla(old, new, adv, mask, *args, **norm),
-                lambda mat, mask: agg_loss(mat, mask, s.loss_agg_mode, **norm),
+                lambda mat, mask: agg_loss(mat, mask, c.loss_agg_mode, **norm),
                 tuple(micro["rollout_is_normalizer"][0]) if "rollout_is_normalizer" in micro.keys() else None,
             )
         else:
@@ -282,24 +264,24 @@ class PPOActor(PPOUpdater):
             },
             **{name: value * share for name, value in pg_metrics.items() if name.startswith(PREFIX)},
         }
-        if s.entropy_coeff != 0:
-            entropy = agg_loss(out["entropy"], response_mask, s.loss_agg_mode, **norm)
-            loss = loss - s.entropy_coeff * entropy
+        if c.entropy_coeff != 0:
+            entropy = agg_loss(out["entropy"], response_mask, c.loss_agg_mode, **norm)
+            loss = loss - float(c.entropy_coeff) * entropy
             metrics["entropy_loss"] = entropy
-        if s.use_kl_loss:
-            kl = kl_penalty(out["log_probs"], micro["ref_log_prob"], s.kl_loss_type)
-            kl_loss = agg_loss(kl, response_mask, s.loss_agg_mode, **norm)
-            loss = loss + s.kl_loss_coef * kl_loss
+        if c.use_kl_loss:
+            kl = kl_penalty(out["log_probs"], micro["ref_log_prob"], c.kl_loss_type)
+            kl_loss = agg_loss(kl, response_mask, c.loss_agg_mode, **norm)
+            loss = loss + float(c.kl_loss_coef) * kl_loss
             metrics["kl_loss"] = kl_loss
         return loss, metrics
 
-    def _on_policy_old(self, micro: TensorDict, out: dict) -> torch.Tensor:
+    def _on_policy_old(self, micro: TensorDict, out: dict, ctx: UpdateContext) -> torch.Tensor:
         """The old log-probs of an on-policy update: this forward's, detached; kept with the entropy."""
         old = out["log_probs"].detach()
-        self._on_policy_parts.append((micro["on_policy_row"], old, out["entropy"].detach()))
+        ctx.on_policy_parts.append((micro["on_policy_row"], old, out["entropy"].detach()))
         return old
 
-    def _select_tokens(self, mini: TensorDict, temperature: float) -> TensorDict:
+    def _select_tokens(self, mini: TensorDict, ctx: UpdateContext) -> TensorDict:
         """`mini` with `pg_token_selection`: the tokens clip_cov/kl_cov treat apart, chosen over the whole
         mini-batch of every DP rank, as one single-process call on the whole mini-batch would.
 
@@ -308,27 +290,38 @@ class PPOActor(PPOUpdater):
         in rank order (equal row counts and widths: one dispatched batch), selected on every rank
         alike, and each rank keeps its own rows.
         """
-        s = self.settings
-        with torch.no_grad():
-            micro_batches, reverse_idx = split_micro_batches(forward_inputs(mini), s.update, self.dp_group)
-            log_probs = restore_order(
-                [self._forward(m, temperature, False)["log_probs"] for m in micro_batches], reverse_idx
-            )
+        log_probs = self._score(mini, self.batching.update, ctx.temperature, calculate_entropy=False)["log_probs"]
         inputs = [mini["old_log_probs"], log_probs, mini["advantages"], response_mask_of(mini).to(log_probs.dtype)]
         rank, world = 0, 1
-        if self.dp_group is not None and dist.is_initialized() and dist.get_world_size(self.dp_group) > 1:
-            rank, world = dist.get_rank(self.dp_group), dist.get_world_size(self.dp_group)
-            inputs = [_all_gather_rows(x, self.dp_group, world) for x in inputs]
+        if self.dims.reduces_over_dp:
+            rank, world = self.dims.dp_rank, self.dims.dp_size
+            inputs = [_all_gather_rows(x, self.dims.dp_group, world) for x in inputs]
         params = {
             **self.policy_loss_kwargs,
-            "clip_ratio_low": s.clip_ratio_low,
-            "clip_ratio_high": s.clip_ratio_high,
+            "clip_ratio_low": self.clip_ratio_low,
+            "clip_ratio_high": self.clip_ratio_high,
             "generator": self.selection_generator,
         }
         selected = self.token_selector(*inputs, **policy_loss_kwargs(self.token_selector, params))
         mini = mini.clone(recurse=False)
         mini["pg_token_selection"] = selected.chunk(world)[rank]
         return mini
+
+
+def policy_loss_params(fn, config) -> dict:
+    """The keyword parameters policy loss `fn` declares, read from the actor's section by verl's names.
+
+    A loss's own parameters live in `policy_loss` (clip_cov_ratio, dro_beta, ...) or, for sapo's gate
+    temperatures, on the actor (tau_pos, tau_neg): the loss's signature says which it reads.
+    """
+    out = {}
+    for name in keyword_parameters(fn):
+        for section in (config.policy_loss, config):
+            if hasattr(section, name):
+                value = getattr(section, name)
+                out[name] = float(value) if isinstance(value, (int, float)) else value
+                break
+    return out
 
 
 def _all_gather_rows(x: torch.Tensor, group, world: int) -> torch.Tensor:

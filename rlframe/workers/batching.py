@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from rlframe.distributed.parallel_dims import spans_ranks
 from rlframe.seqpack import MicroBatchSpec, get_reverse_idx, packing_metrics, rearrange_micro_batches
 
 # What a model forward reads; a role's update adds its loss keys (update_inputs).
@@ -96,7 +97,7 @@ def global_counts(mini_batch: TensorDict, dp_group=None) -> GlobalCounts:
     response_mask = response_mask_of(mini_batch)
     # N_seq counts every row, empty responses included: verl 0.9.1 divides by ppo_mini_batch_size × n
     counts = torch.stack([response_mask.sum(), torch.tensor(response_mask.shape[0])]).to(torch.float64)
-    if dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
+    if spans_ranks(dp_group):
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=dp_group)
     return GlobalCounts(counts[0], counts[1], mini_batch["responses"].shape[-1])
 
@@ -107,7 +108,7 @@ def dp_sum(values: dict[str, float], dp_group=None) -> dict[str, float]:
         return {}
     keys = sorted(values)
     tensor = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-    if dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
+    if spans_ranks(dp_group):
         backend = dist.get_backend(dp_group)
         device = "cuda" if backend == "nccl" else "cpu"
         tensor = tensor.to(device)

@@ -375,6 +375,12 @@ class ActorConfig(Section):
         return out
 
 
+def clip_ratio_bounds(actor: ActorConfig) -> tuple[float, float]:
+    """(clip_ratio_low, clip_ratio_high) by verl's rule: a null bound falls back to clip_ratio."""
+    low, high = actor.clip_ratio_low, actor.clip_ratio_high
+    return float(actor.clip_ratio if low is None else low), float(actor.clip_ratio if high is None else high)
+
+
 def _policy_loss_inactive(path: str, mode: str) -> dict[str, str]:
     """The actor keys the chosen policy loss does not read."""
     out = {}

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from rlframe.algorithms.loss import compute_value_loss
 from rlframe.algorithms.masked import masked_mean
+from rlframe.batch_plan import UpdatePlan
+from rlframe.config.keys import CRITIC_KEYS
+from rlframe.distributed.parallel_dims import ParallelDims
 from rlframe.protocol import DataProto
-from rlframe.seqpack import MicroBatchSpec
 from rlframe.workers.batching import (
     GlobalCounts,
     forward_inputs,
@@ -19,23 +19,7 @@ from rlframe.workers.batching import (
     update_inputs,
 )
 from rlframe.workers.model_forward import forward_micro_batch
-from rlframe.workers.updater import PPOUpdater
-
-
-@dataclass(frozen=True)
-class CriticSettings:
-    """Plain values for one critic, read once from the config and the batch plan."""
-
-    mini_batch_size: int  # sequences per optimizer step on this DP rank
-    update: MicroBatchSpec
-    forward: MicroBatchSpec
-    ppo_epochs: int
-    shuffle: bool
-    grad_clip: float
-    cliprange_value: float
-    loss_agg_mode: str
-    use_remove_padding: bool
-    reshard_after_forward: bool = True  # fsdp_config's; False: gathered across an optimizer step (PPOUpdater)
+from rlframe.workers.updater import Batching, PPOUpdater, RoleModel, UpdateContext
 
 
 class PPOCritic(PPOUpdater):
@@ -43,13 +27,17 @@ class PPOCritic(PPOUpdater):
 
     role = "critic"
 
+    def __init__(self, model: RoleModel, config, plan: UpdatePlan, dims: ParallelDims | None = None, seed: int = 0):
+        """`config` is the `critic` section (`CriticConfig`); `plan` the critic's update plan."""
+        super().__init__(model, config, Batching.of(plan, CRITIC_KEYS), dims or ParallelDims.single(), seed)
+
     def _values(self, micro) -> torch.Tensor:
         out = forward_micro_batch(
             self.module,
             micro,
             response_length=micro["responses"].shape[-1],
-            use_remove_padding=self.settings.use_remove_padding,
-            sp_group=self.sp_group,
+            use_remove_padding=self.options.use_remove_padding,
+            sp_group=self.dims.sp_group,
             value_head=True,
         )
         return out["values"]
@@ -59,17 +47,17 @@ class PPOCritic(PPOUpdater):
         """Per-response-token values [bs, resp_len] in the input order."""
         self.module.eval()
         micro_batches, reverse_idx = split_micro_batches(
-            forward_inputs(data.batch), self.settings.forward, self.dp_group
+            forward_inputs(data.batch), self.batching.forward, self.dims.dp_group
         )
         return restore_order([self._values(micro) for micro in micro_batches], reverse_idx)
 
     def update_critic(self, data: DataProto) -> dict[str, list[float]]:
         """`ppo_epochs` passes of mini-batch optimizer steps; returns metric lists (one value per step)."""
-        return self._train(update_inputs(data.batch, "values", "returns"), self._loss)
+        return self._train(update_inputs(data.batch, "values", "returns"), UpdateContext())
 
-    def _loss(self, micro, counts: GlobalCounts) -> tuple[torch.Tensor, dict]:
+    def _loss(self, micro, counts: GlobalCounts, ctx: UpdateContext) -> tuple[torch.Tensor, dict]:
         """The clipped value loss of one micro-batch, normalized by the mini-batch's global counts."""
-        s = self.settings
+        s = self.config
         response_mask = response_mask_of(micro)
         vpreds = self._values(micro)
         vf_loss, vf_clipfrac = compute_value_loss(
@@ -77,7 +65,7 @@ class PPOCritic(PPOUpdater):
             micro["returns"],
             micro["values"],
             response_mask,
-            s.cliprange_value,
+            float(s.cliprange_value),
             s.loss_agg_mode,
             **counts.agg_kwargs(),
         )

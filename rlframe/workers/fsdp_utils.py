@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlframe.config.checks import STRATEGIES, check_fsdp_size
+from rlframe.config.checks import STRATEGIES
 from rlframe.distributed.shm_gather import use_shared_memory_comms
 from rlframe.workers.lora import trainable_parameters, trains_leaf_weight
 
@@ -85,21 +85,6 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
         inner = getattr(model, "model", model)
         layers = list(getattr(inner, "layers", []))
     return layers
-
-
-def build_fsdp_mesh(device_type: str, world_size: int, fsdp_size: int, key: str = "fsdp_config.fsdp_size"):
-    """1-D mesh over all ranks (fsdp_size -1 or world size), else (replicas, fsdp_size): hybrid sharding.
-
-    With two dims, FSDP shards within groups of `fsdp_size` ranks and replicates across groups
-    (HSDP), keeping the all-gathers inside a node; gradients are averaged over both dims, so the
-    math is the same as with one dim.
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if fsdp_size in (-1, world_size):
-        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("fsdp",))
-    check_fsdp_size(fsdp_size, world_size, key)
-    return init_device_mesh(device_type, (world_size // fsdp_size, fsdp_size), mesh_dim_names=("ddp", "fsdp"))
 
 
 @dataclass(frozen=True)

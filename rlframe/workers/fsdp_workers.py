@@ -12,16 +12,16 @@ import importlib
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from rlframe.batch_plan import BatchPlan, UpdatePlan
+from rlframe.batch_plan import BatchPlan
 from rlframe.config import trace
 from rlframe.config.checks import resolve_device
-from rlframe.config.keys import ACTOR_KEYS, CRITIC_KEYS, REF_KEYS
+from rlframe.config.keys import REF_KEYS
+from rlframe.distributed.parallel_dims import ParallelDims, tensor_parallel_group
 from rlframe.models.builtin import copy_to_shm
 from rlframe.protocol import DataProto, all_gather_data_proto
 from rlframe.single_controller import Dispatch, Execute, Worker, register
@@ -30,14 +30,12 @@ from rlframe.utils.flops import model_flops_info
 from rlframe.workers import checkpoint as ckpt
 from rlframe.workers import lora
 from rlframe.workers.activation_offload import enable as enable_activation_offload
-from rlframe.workers.actor import ActorSettings, PPOActor
+from rlframe.workers.actor import PPOActor
 from rlframe.workers.batching import micro_batch_spec
-from rlframe.workers.config import POLICY_LOSS_PARAM_OWNERS
-from rlframe.workers.critic import CriticSettings, PPOCritic
+from rlframe.workers.critic import PPOCritic
 from rlframe.workers.fsdp_utils import (
     FSDPSpec,
     ModelSpec,
-    build_fsdp_mesh,
     build_lr_scheduler,
     build_optimizer,
     load_hf_model,
@@ -46,62 +44,8 @@ from rlframe.workers.fsdp_utils import (
     wrap_fsdp,
 )
 from rlframe.workers.profiler import Profiler, profiled
+from rlframe.workers.updater import ModelOptions, RoleModel
 from rlframe.workers.weight_sync import iter_full_params_bucketed
-
-
-def _or(value, fallback) -> float:
-    """verl's rule for clip_ratio_low/high: null falls back to clip_ratio."""
-    return float(fallback if value is None else value)
-
-
-def actor_settings(
-    actor_cfg: DictConfig,
-    plan: UpdatePlan,
-    use_remove_padding: bool,
-    device_type: str = "cpu",
-    use_fused_kernels: bool = False,
-) -> ActorSettings:
-    return ActorSettings(
-        mini_batch_size=plan.mini_batch_size_per_dp,
-        update=micro_batch_spec(plan, ACTOR_KEYS.max_token_len),
-        log_prob=micro_batch_spec(plan.forward, ACTOR_KEYS.forward.max_token_len),
-        ppo_epochs=plan.ppo_epochs,
-        shuffle=bool(actor_cfg.shuffle),
-        grad_clip=float(actor_cfg.optim.clip_grad),
-        clip_ratio_low=_or(actor_cfg.clip_ratio_low, actor_cfg.clip_ratio),
-        clip_ratio_high=_or(actor_cfg.clip_ratio_high, actor_cfg.clip_ratio),
-        clip_ratio_c=float(actor_cfg.clip_ratio_c),
-        loss_agg_mode=str(actor_cfg.loss_agg_mode),
-        policy_loss=str(actor_cfg.policy_loss.loss_mode),
-        entropy_coeff=float(actor_cfg.entropy_coeff),
-        use_kl_loss=bool(actor_cfg.use_kl_loss),
-        kl_loss_coef=float(actor_cfg.kl_loss_coef),
-        kl_loss_type=str(actor_cfg.kl_loss_type),
-        use_remove_padding=use_remove_padding,
-        use_torch_compile=bool(actor_cfg.use_torch_compile) and device_type == "cuda",
-        reshard_after_forward=bool(actor_cfg.fsdp_config.reshard_after_forward),
-        use_fused_kernels=use_fused_kernels,
-        policy_loss_params={
-            **{name: actor_cfg.policy_loss[name] for name in POLICY_LOSS_PARAM_OWNERS},
-            "tau_pos": float(actor_cfg.tau_pos),
-            "tau_neg": float(actor_cfg.tau_neg),
-        },
-    )
-
-
-def critic_settings(critic_cfg: DictConfig, plan: UpdatePlan) -> CriticSettings:
-    return CriticSettings(
-        mini_batch_size=plan.mini_batch_size_per_dp,
-        update=micro_batch_spec(plan, CRITIC_KEYS.max_token_len),
-        forward=micro_batch_spec(plan.forward, CRITIC_KEYS.forward.max_token_len),
-        ppo_epochs=plan.ppo_epochs,
-        shuffle=bool(critic_cfg.shuffle),
-        grad_clip=float(critic_cfg.optim.clip_grad),
-        cliprange_value=float(critic_cfg.cliprange_value),
-        loss_agg_mode=str(critic_cfg.loss_agg_mode),
-        use_remove_padding=bool(critic_cfg.model.use_remove_padding),
-        reshard_after_forward=bool(critic_cfg.model.fsdp_config.reshard_after_forward),
-    )
 
 
 def fsdp_spec(fsdp_cfg: DictConfig, strategy: str, device_type: str) -> FSDPSpec:
@@ -121,15 +65,15 @@ def fsdp_spec(fsdp_cfg: DictConfig, strategy: str, device_type: str) -> FSDPSpec
 class FSDPWorkerBase(Worker):
     """Shared set-up: process group, meshes, FSDP-wrapped models, SP gather/scatter."""
 
-    def __init__(self, config: dict, plan: BatchPlan):
+    def __init__(self, config, plan: BatchPlan):
+        """`config`: the whole typed config (the driver's `PPOTrainerConfig`, interpolations resolved)."""
         super().__init__()
         trace.enable_from_env()
-        self.config = OmegaConf.create(config)
+        self.config = OmegaConf.structured(config)  # typed sections: each role receives its own
         OmegaConf.set_readonly(self.config, True)
         self.plan = plan
         self.device_type = resolve_device(self.config.trainer.device)
-        self.sp_group = None
-        self.dp_group = None
+        self.dims = ParallelDims.single()
         self.profilers: list[Profiler] = []  # the roles' profilers of this worker (global_profiler)
 
     def _profiler(self, role_cfg, role: str, stages_only: bool = False) -> Profiler:
@@ -151,16 +95,9 @@ class FSDPWorkerBase(Worker):
             profiler.stop()
 
     def _init_dist(self, sp: int, fsdp_size: int = -1):
-        from torch.distributed.device_mesh import init_device_mesh
-
         self.init_process_group(timeout_s=float(self.config.actor_rollout_ref.nccl_timeout))
         torch.manual_seed(int(self.config.data.seed))  # fresh heads (critic) start equal on every rank
-        world = self.world_size
-        self.fsdp_mesh = build_fsdp_mesh(self.device_type, world, fsdp_size)
-        self.sp_mesh = init_device_mesh(self.device_type, (world // sp, sp), mesh_dim_names=("dp", "sp"))
-        self.sp_size, self.dp_size = sp, world // sp
-        self.dp_group = self.sp_mesh["dp"].get_group()
-        self.sp_group = self.sp_mesh["sp"].get_group() if sp > 1 else None
+        self.dims = ParallelDims.build(self.device_type, self.world_size, sp, fsdp_size)
 
     def _load(self, model_cfg, role: str, use_remove_padding: bool, fsdp_cfg):
         """The HF model on CPU in fsdp_config.model_dtype (FSDP's mixed precision casts for compute)."""
@@ -181,7 +118,7 @@ class FSDPWorkerBase(Worker):
 
     def _wrap(self, model, fsdp_cfg, activation_offload: bool = False):
         module = wrap_fsdp(
-            model, fsdp_spec(fsdp_cfg, self._strategy, self.device_type), self.fsdp_mesh, self.device_type
+            model, fsdp_spec(fsdp_cfg, self._strategy, self.device_type), self.dims.fsdp_mesh, self.device_type
         )
         if activation_offload and self.device_type == "cuda":  # on CPU activations already are in host memory
             enable_activation_offload(module)
@@ -201,13 +138,13 @@ class FSDPWorkerBase(Worker):
 
     def _gather_sp(self, data: DataProto) -> DataProto:
         """Ulysses peers need the same sequences: concatenate the SP group's shares."""
-        return data if self.sp_group is None else all_gather_data_proto(data, self.sp_group)
+        return data if self.dims.sp_group is None else all_gather_data_proto(data, self.dims.sp_group)
 
     def _scatter_sp(self, data: DataProto) -> DataProto:
         """Keep this rank's share of an SP-gathered result."""
-        if self.sp_group is None:
+        if self.dims.sp_group is None:
             return data
-        return data.chunk(self.sp_size)[torch.distributed.get_rank(self.sp_group)]
+        return data.chunk(self.dims.sp_size)[self.dims.sp_rank]
 
 
 class ActorRolloutRefWorker(FSDPWorkerBase):
@@ -242,17 +179,9 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         self.actor_module = self._wrap(model, cfg.actor.fsdp_config, bool(cfg.model.enable_activation_offload))
         self.optimizer = build_optimizer(self.actor_module, cfg.actor.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.actor.optim, total_training_steps)
-        fused = bool(cfg.model.use_fused_kernels)
-        self.actor = PPOActor(
-            self.actor_module,
-            self.optimizer,
-            actor_settings(cfg.actor, self.plan.actor, use_rmpad, self.device_type, fused),
-            self.dp_group,
-            self.sp_group,
-            self.dp_size,
-            self.lr_scheduler,
-            seed=int(self.config.data.seed),
-        )
+        options = self._model_options(cfg.actor.use_torch_compile, cfg.actor.fsdp_config)
+        actor_model = RoleModel(self.actor_module, options, self.optimizer, self.lr_scheduler)
+        self.actor = PPOActor(actor_model, cfg.actor, self.plan.actor, self.dims, seed=int(self.config.data.seed))
         self._offload_optimizer()
         if self.with_ref:
             if lora_spec is not None:  # verl's ref_in_actor: the actor with its adapter disabled
@@ -261,14 +190,21 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
                 ref_model = self._load(cfg.model, "actor", use_rmpad, cfg.ref.fsdp_config)
                 ref_module = self._wrap(ref_model, cfg.ref.fsdp_config)
                 ref_module.requires_grad_(False)
-            ref_settings = replace(
-                actor_settings(cfg.actor, self.plan.actor, use_rmpad, self.device_type, fused),
-                log_prob=micro_batch_spec(self.plan.ref, REF_KEYS.max_token_len),
-                use_torch_compile=bool(cfg.ref.use_torch_compile) and self.device_type == "cuda",
-            )
-            self.ref = PPOActor(ref_module, None, ref_settings, self.dp_group, self.sp_group, self.dp_size)
+            ref_model = RoleModel(ref_module, self._model_options(cfg.ref.use_torch_compile, cfg.actor.fsdp_config))
+            log_prob = micro_batch_spec(self.plan.ref, REF_KEYS.max_token_len)
+            self.ref = PPOActor(ref_model, cfg.actor, self.plan.actor, self.dims, log_prob=log_prob)
         kill_point("worker.init")  # crash-consistency tests (docs/reliability.md)
         self._init_rollout(cfg)
+
+    def _model_options(self, use_torch_compile: bool, fsdp_cfg) -> ModelOptions:
+        """How the actor's (or reference's) model runs: model keys, the pass's compile switch (CUDA only)."""
+        model = self.config.actor_rollout_ref.model
+        return ModelOptions(
+            use_remove_padding=bool(model.use_remove_padding),
+            use_fused_kernels=bool(model.use_fused_kernels),
+            use_torch_compile=bool(use_torch_compile) and self.device_type == "cuda",
+            reshard_after_forward=bool(fsdp_cfg.reshard_after_forward),
+        )
 
     def _with_rollout_temperature(self, data: DataProto) -> DataProto:
         """Score responses at the temperature they were sampled with (verl: log-probs of logits / T)."""
@@ -276,17 +212,11 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         return data
 
     def _init_rollout(self, cfg) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-
         from rlframe.workers.rollout import build_rollout
         from rlframe.workers.rollout.pool import pools_generation
 
         tp = self.plan.rollout.tensor_parallel_size
-        tp_group = None
-        if tp > 1:
-            mesh = init_device_mesh(self.device_type, (self.world_size // tp, tp), mesh_dim_names=("dp", "tp"))
-            tp_group = mesh["tp"].get_group()
-        self.tp_group = tp_group
+        self.tp_group = tp_group = tensor_parallel_group(self.device_type, self.world_size, tp)
         self.rollout = build_rollout(
             str(cfg.rollout.name),
             cfg.rollout,
@@ -442,16 +372,12 @@ class CriticWorker(FSDPWorkerBase):
         )
         self.optimizer = build_optimizer(self.critic_module, cfg.optim)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optim, total_training_steps)
-        self.critic = PPOCritic(
-            self.critic_module,
-            self.optimizer,
-            critic_settings(cfg, self.plan.critic),
-            self.dp_group,
-            self.sp_group,
-            self.dp_size,
-            self.lr_scheduler,
-            seed=int(self.config.data.seed),
+        options = ModelOptions(
+            use_remove_padding=bool(cfg.model.use_remove_padding),
+            reshard_after_forward=bool(cfg.model.fsdp_config.reshard_after_forward),
         )
+        critic_model = RoleModel(self.critic_module, options, self.optimizer, self.lr_scheduler)
+        self.critic = PPOCritic(critic_model, cfg, self.plan.critic, self.dims, seed=int(self.config.data.seed))
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @profiled("critic_compute_values")

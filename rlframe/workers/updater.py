@@ -1,11 +1,12 @@
 """The update loop actor and critic share: `ppo_epochs` passes of mini-batch optimizer steps.
 
 One optimizer step over a mini-batch: the global counts (the loss denominators, summed over the DP
-group), the micro-batch split, zero_grad, then per micro-batch the role's loss (`loss_fn(micro,
-counts) -> (loss, metrics)`) scaled by `dp_size` and back-propagated, then the DP sum of the
+group), the micro-batch split, zero_grad, then per micro-batch the role's loss (`_loss(micro,
+counts, ctx) -> (loss, metrics)`) scaled by `dp_size` and back-propagated, then the DP sum of the
 metrics, the micro-batch packing metrics and the clipped optimizer step. A role (`PPOActor`,
-`PPOCritic`) supplies only its loss and the keys it reads; the math itself lives in
-`rlframe.algorithms`.
+`PPOCritic`) is built from its typed config section and its plan, and supplies its loss, the keys it
+reads and, for the actor, named preparers of a mini-batch; one `UpdateContext` per call carries what the
+call knows besides its batch. The math itself lives in `rlframe.algorithms`.
 
 With `fsdp_config.reshard_after_forward=false` (FSDP2) the gathered parameters are kept from a
 micro-batch's forward through its backward; the updater also keeps them from one micro-batch to
@@ -18,90 +19,152 @@ reduce-scattered per micro-batch as before, so the arithmetic is unchanged.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tensordict import TensorDict
+from torch import nn
 
-from rlframe.workers.batching import GlobalCounts, dp_sum, global_counts, micro_batch_metrics, split_micro_batches
+from rlframe.batch_plan import UpdatePlan
+from rlframe.config.keys import UpdateKeys
+from rlframe.distributed.parallel_dims import ParallelDims
+from rlframe.seqpack import MicroBatchSpec
+from rlframe.workers.batching import (
+    GlobalCounts,
+    dp_sum,
+    global_counts,
+    micro_batch_metrics,
+    micro_batch_spec,
+    split_micro_batches,
+)
 from rlframe.workers.fsdp_utils import clip_grad_norm
 
-# A role's loss on one micro-batch: (loss to back-propagate, metrics to sum over micro-batches and DP ranks).
-# Metric names come without the role prefix; values are floats or 0-dim tensors, already weighted so
-# that their sum over the mini-batch is the mini-batch's value (see GlobalCounts.token_share).
-LossFn = Callable[[TensorDict, GlobalCounts], tuple[torch.Tensor, dict[str, torch.Tensor | float]]]
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How a role runs its model: the model keys it honours, resolved for this device."""
+
+    use_remove_padding: bool
+    use_fused_kernels: bool = False  # model.use_fused_kernels: score from hidden states a chunk at a time
+    use_torch_compile: bool = False  # the role's use_torch_compile, on CUDA only
+    reshard_after_forward: bool = True  # fsdp_config's; False: gathered across an optimizer step (see above)
 
 
-class PPOUpdater:
-    """A module, its optimizer and the groups it reduces over, trained by mini-batch optimizer steps.
+@dataclass
+class RoleModel:
+    """A role's (possibly FSDP-wrapped) module, how it is run, and what trains it (None: forward only)."""
 
-    Subclasses set `role` (the metric prefix) and call `_train` with their loss function.
+    module: nn.Module
+    options: ModelOptions
+    optimizer: torch.optim.Optimizer | None = None
+    lr_scheduler: Any = None
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a role cuts its batches on one DP rank, read from its plan (rlframe.batch_plan)."""
+
+    mini_batch_size: int  # sequences per optimizer step on this DP rank
+    ppo_epochs: int
+    update: MicroBatchSpec  # micro-batches of the update
+    forward: MicroBatchSpec  # micro-batches of a forward-only pass
+
+    @classmethod
+    def of(cls, plan: UpdatePlan, keys: UpdateKeys, forward: MicroBatchSpec | None = None) -> Batching:
+        """The batching of `plan`; `forward` replaces the plan's forward pass (the reference policy's)."""
+        return cls(
+            mini_batch_size=plan.mini_batch_size_per_dp,
+            ppo_epochs=plan.ppo_epochs,
+            update=micro_batch_spec(plan, keys.max_token_len),
+            forward=forward or micro_batch_spec(plan.forward, keys.forward.max_token_len),
+        )
+
+
+@dataclass
+class UpdateContext:
+    """What one call of an update knows besides its batch; built once per call and passed down.
+
+    `temperature` scores the responses as they were sampled; `bypass` is algorithm.rollout_correction in
+    bypass mode (None otherwise); `on_policy_parts` collects (rows, old log-probs, entropy) when the update
+    computes the old log-probs itself (None otherwise).
+    """
+
+    temperature: float = 1.0
+    bypass: dict | None = None
+    on_policy_parts: list | None = None
+
+
+class PPOUpdater(ABC):
+    """A role's model and the DP/SP dims it reduces over, trained by mini-batch optimizer steps.
+
+    Subclasses set `role` (the metric prefix) and implement `_loss(micro, counts, ctx)`; they may prepare
+    each mini-batch before its step (`_prepare_mini_batch`) and the whole batch before the first step
+    (`_before_first_step`).
     """
 
     role: str
 
-    def __init__(
-        self,
-        module,
-        optimizer,
-        settings,
-        dp_group=None,
-        sp_group=None,
-        dp_size: int = 1,
-        lr_scheduler=None,
-        seed: int = 0,
-    ):
-        self.module, self.optimizer, self.settings = module, optimizer, settings
-        self.dp_group, self.sp_group, self.dp_size = dp_group, sp_group, dp_size
-        self.lr_scheduler = lr_scheduler
+    def __init__(self, model: RoleModel, config, batching: Batching, dims: ParallelDims, seed: int = 0):
+        self.module, self.options = model.module, model.options
+        self.optimizer, self.lr_scheduler = model.optimizer, model.lr_scheduler
+        self.config, self.batching, self.dims = config, batching, dims
         self.generator = torch.Generator().manual_seed(seed)
 
-    def _train(self, batch: TensorDict, loss_fn: LossFn, prepare=None) -> dict[str, list[float]]:
-        """One optimizer step per mini-batch of every epoch; metric lists, one value per step.
-
-        `prepare(mini) -> mini`, when given, adds what the loss needs from the whole mini-batch
-        (after any shuffle, before the micro-batch split) at the start of each optimizer step.
-        """
-        s = self.settings
+    def _train(self, batch: TensorDict, ctx: UpdateContext) -> dict[str, list[float]]:
+        """One optimizer step per mini-batch of every epoch; metric lists, one value per step."""
         self.module.train()
         metrics: dict[str, list[float]] = {}
-        for epoch in range(s.ppo_epochs):
-            if s.shuffle:
+        for epoch in range(self.batching.ppo_epochs):
+            if self.config.shuffle:
                 batch = batch[torch.randperm(len(batch), generator=self.generator)]
             if epoch == 0:
-                batch = self._before_first_step(batch)
-            for mini in batch.split(s.mini_batch_size):
-                if prepare is not None:
-                    mini = prepare(mini)
-                for name, value in self._optimizer_step(mini, loss_fn).items():
+                batch = self._before_first_step(batch, ctx)
+            for mini in batch.split(self.batching.mini_batch_size):
+                mini = self._prepare_mini_batch(mini, ctx)
+                for name, value in self._optimizer_step(mini, ctx).items():
                     metrics.setdefault(name, []).append(value)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         return metrics
 
-    def _before_first_step(self, batch: TensorDict) -> TensorDict:
+    def _before_first_step(self, batch: TensorDict, ctx: UpdateContext) -> TensorDict:
         """The batch in the order its mini-batches are cut (after the first epoch's shuffle), before any step."""
         return batch
 
-    def _optimizer_step(self, mini: TensorDict, loss_fn: LossFn) -> dict[str, float]:
+    def _prepare_mini_batch(self, mini: TensorDict, ctx: UpdateContext) -> TensorDict:
+        """What the loss needs from the whole mini-batch (all DP ranks), added before its optimizer step."""
+        return mini
+
+    @abstractmethod
+    def _loss(self, micro: TensorDict, counts: GlobalCounts, ctx: UpdateContext) -> tuple[torch.Tensor, dict]:
+        """(loss to back-propagate, metrics summed over micro-batches and DP ranks) of one micro-batch.
+
+        Metric names come without the role prefix; values are floats or 0-dim tensors, already weighted so
+        that their sum over the mini-batch is the mini-batch's value (see GlobalCounts.token_share).
+        """
+
+    def _optimizer_step(self, mini: TensorDict, ctx: UpdateContext) -> dict[str, float]:
         """Accumulate the gradient of `mini`'s loss over its micro-batches, then step; the step's metrics."""
-        counts = global_counts(mini, self.dp_group)
-        micro_batches, _ = split_micro_batches(mini, self.settings.update, self.dp_group)
+        dp_group = self.dims.dp_group
+        counts = global_counts(mini, dp_group)
+        micro_batches, _ = split_micro_batches(mini, self.batching.update, dp_group)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        keep_gathered = not self.settings.reshard_after_forward and hasattr(self.module, "set_reshard_after_backward")
+        keep_gathered = not self.options.reshard_after_forward and hasattr(self.module, "set_reshard_after_backward")
         for index, micro in enumerate(micro_batches):
             if keep_gathered:  # FSDP2 re-gathers nothing until the step's last backward (see module doc)
                 self.module.set_reshard_after_backward(index == len(micro_batches) - 1)
-            loss, micro_metrics = loss_fn(micro, counts)
+            loss, micro_metrics = self._loss(micro, counts, ctx)
             # FSDP averages gradients over the dp ranks; the counts are already global, so scale back up.
-            (loss * self.dp_size).backward()
+            (loss * self.dims.dp_size).backward()
             for name, value in micro_metrics.items():
                 value = float(value.detach() if isinstance(value, torch.Tensor) else value)
                 sums[f"{self.role}/{name}"] = sums.get(f"{self.role}/{name}", 0.0) + value
-        step_metrics = dp_sum(sums, self.dp_group)
-        step_metrics.update(micro_batch_metrics(micro_batches, self.settings.update, self.role))
-        step_metrics.update(apply_gradients(self.module, self.optimizer, self.settings.grad_clip, self.role))
+        step_metrics = dp_sum(sums, dp_group)
+        step_metrics.update(micro_batch_metrics(micro_batches, self.batching.update, self.role))
+        step_metrics.update(apply_gradients(self.module, self.optimizer, self.config.optim.clip_grad, self.role))
         return step_metrics
 
 
