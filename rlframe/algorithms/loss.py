@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -37,9 +38,48 @@ LOSS_AGG_MODES = (
 )
 
 
-def register_policy_loss(name: str) -> Callable:
-    """Decorator: make a policy loss available as `actor.policy_loss.loss_mode=name`."""
-    return register(POLICY_LOSSES, "policy loss", name)
+@dataclass(frozen=True)
+class PolicyLossInfo:
+    """What a registered policy loss reads from the actor's config besides its own keyword parameters.
+
+    The config derives from it which actor keys have no effect for the chosen loss, the loss key's help,
+    and which losses take rollout-correction IS weights; a loss's own parameters are its keyword-only
+    parameters, read by the same names from `actor.policy_loss` (or the actor, for sapo's tau_pos/tau_neg).
+    """
+
+    clips_ratio: bool  # reads clip_ratio_low/high (clip_ratio where null); dppo_*: as trust-region thresholds
+    dual_clip: bool  # reads clip_ratio_c: the dual-clip bound, or dppo_*'s truncated-IS bound
+    advantage_homogeneous: bool  # ℓ(w·A) = w·ℓ(A) for w ≥ 0: IS weights apply by scaling the advantages
+    summary: str  # a few words after the name in the key's help ("" = the name says it)
+
+
+POLICY_LOSS_INFO: dict[str, PolicyLossInfo] = {}
+# keyword parameters the actor passes at run time, never config keys
+RUNTIME_PARAMETERS = ("token_selection", "generator")
+
+
+def register_policy_loss(
+    name: str, *, clips_ratio: bool, dual_clip: bool = False, advantage_homogeneous: bool = False, summary: str = ""
+) -> Callable:
+    """Decorator: make a policy loss available as `actor.policy_loss.loss_mode=name`, with what it reads."""
+
+    def decorator(fn: Callable) -> Callable:
+        register(POLICY_LOSSES, "policy loss", name)(fn)
+        POLICY_LOSS_INFO[name] = PolicyLossInfo(clips_ratio, dual_clip, advantage_homogeneous, summary)
+        return fn
+
+    return decorator
+
+
+def config_parameters(name: str) -> tuple[str, ...]:
+    """The config keys (verl's names) policy loss `name` reads as its own keyword parameters."""
+    return tuple(p for p in keyword_parameters(POLICY_LOSSES[name]) if p not in RUNTIME_PARAMETERS)
+
+
+def policy_loss_help() -> str:
+    """The loss_mode key's help: every registered loss, with its summary."""
+    names = (f"{name} ({info.summary})" if info.summary else name for name, info in POLICY_LOSS_INFO.items())
+    return " | ".join(names) + " (docs/algorithms.md)"
 
 
 def get_policy_loss_fn(name: str) -> Callable:
@@ -114,7 +154,9 @@ def _ratio_metrics(log_ratio, loss_unclipped, loss_clipped, response_mask):
     }
 
 
-@register_policy_loss("vanilla")
+@register_policy_loss(
+    "vanilla", clips_ratio=True, dual_clip=True, advantage_homogeneous=True, summary="PPO clip, dual-clip"
+)
 def compute_policy_loss_vanilla(
     old_log_prob,
     log_prob,
@@ -150,7 +192,7 @@ def compute_policy_loss_vanilla(
     return pg_loss, metrics
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", clips_ratio=True, advantage_homogeneous=True)
 def compute_policy_loss_gspo(
     old_log_prob,
     log_prob,
@@ -194,7 +236,7 @@ def _zero(like: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=like.dtype, device=like.device)
 
 
-@register_policy_loss("cispo")
+@register_policy_loss("cispo", clips_ratio=True, advantage_homogeneous=True)
 def compute_policy_loss_cispo(
     old_log_prob,
     log_prob,
@@ -225,7 +267,7 @@ def compute_policy_loss_cispo(
     return pg_loss, metrics
 
 
-@register_policy_loss("gpg")
+@register_policy_loss("gpg", clips_ratio=False, advantage_homogeneous=True)
 def compute_policy_loss_gpg(
     old_log_prob,
     log_prob,
@@ -245,7 +287,7 @@ def compute_policy_loss_gpg(
     return pg_loss, {}
 
 
-@register_policy_loss("dro")
+@register_policy_loss("dro", clips_ratio=False)
 def compute_policy_loss_dro(
     old_log_prob,
     log_prob,
@@ -273,7 +315,7 @@ def compute_policy_loss_dro(
     return pg_loss, metrics
 
 
-@register_policy_loss("sapo")
+@register_policy_loss("sapo", clips_ratio=False)
 def compute_policy_loss_sapo(
     old_log_prob,
     log_prob,
@@ -325,7 +367,7 @@ def _dppo_loss(old_log_prob, log_prob, advantages, response_mask, valid, clip_ra
     return agg_loss(pg_losses, response_mask, loss_agg_mode, *norm), metrics
 
 
-@register_policy_loss("dppo_tv")
+@register_policy_loss("dppo_tv", clips_ratio=True, dual_clip=True)
 def compute_policy_loss_dppo_tv(
     old_log_prob,
     log_prob,
@@ -350,7 +392,7 @@ def compute_policy_loss_dppo_tv(
     return _dppo_loss(old_log_prob, log_prob, advantages, response_mask, valid, clip_ratio_c, loss_agg_mode, norm)
 
 
-@register_policy_loss("dppo_kl")
+@register_policy_loss("dppo_kl", clips_ratio=True, dual_clip=True)
 def compute_policy_loss_dppo_kl(
     old_log_prob,
     log_prob,
@@ -381,7 +423,7 @@ def compute_policy_loss_dppo_kl(
     return _dppo_loss(old_log_prob, log_prob, advantages, response_mask, valid, clip_ratio_c, loss_agg_mode, norm)
 
 
-@register_policy_loss("geo_mean")
+@register_policy_loss("geo_mean", clips_ratio=True, summary="GMPO")
 def compute_policy_loss_geo_mean(
     old_log_prob,
     log_prob,
@@ -490,7 +532,7 @@ def select_kl_cov_tokens(old_log_prob, log_prob, advantages, response_mask, *, k
     return selected.view_as(mask)
 
 
-@register_policy_loss("clip_cov")
+@register_policy_loss("clip_cov", clips_ratio=True)
 def compute_policy_loss_clip_cov(
     old_log_prob,
     log_prob,
@@ -541,7 +583,7 @@ def compute_policy_loss_clip_cov(
     return pg_loss, metrics
 
 
-@register_policy_loss("kl_cov")
+@register_policy_loss("kl_cov", clips_ratio=False)
 def compute_policy_loss_kl_cov(
     old_log_prob,
     log_prob,

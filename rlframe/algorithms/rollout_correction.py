@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from rlframe.algorithms.loss import POLICY_LOSS_INFO
 from rlframe.algorithms.masked import masked_mean, masked_sum
 from rlframe.config.keys import ACTOR_KEYS
 from rlframe.config.schema import Section, key
@@ -56,7 +57,7 @@ PREFIX = "rollout_corr/"
 # Policy losses that are positively homogeneous in the advantage (ℓ(w·A) = w·ℓ(A) for w ≥ 0): for
 # them, verl's token loss × IS weight equals the loss of the weighted advantage, which is how the
 # actor applies the weights.
-IS_WEIGHTED_LOSSES = ("vanilla", "gspo", "gpg", "cispo")
+IS_WEIGHTED_LOSSES = tuple(name for name, info in POLICY_LOSS_INFO.items() if info.advantage_homogeneous)
 
 
 # ───────────────────────────── thresholds ─────────────────────────────

@@ -8,11 +8,17 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from rlframe.algorithms.kl import get_kl_penalty_fn
-from rlframe.algorithms.loss import LOSS_AGG_MODES, get_policy_loss_fn
+from rlframe.algorithms.loss import (
+    LOSS_AGG_MODES,
+    POLICY_LOSS_INFO,
+    config_parameters,
+    get_policy_loss_fn,
+    policy_loss_help,
+)
 from rlframe.algorithms.on_policy import old_log_prob_pass_reason
 from rlframe.config.checks import SAVE_CONTENTS, STRATEGIES, check_fsdp_size, planned_device
 from rlframe.config.keys import ACTOR, ACTOR_KEYS, CRITIC_KEYS, REF_KEYS, get, micro_batch_inactive, ref_enabled
-from rlframe.config.schema import Section, each_of, key, section
+from rlframe.config.schema import Section, each_of, fields_of, key, section
 from rlframe.models.builtin import SHM_ROOT
 from rlframe.reward.dapo import RewardKwargsConfig
 from rlframe.reward.manager import get_reward_manager_cls
@@ -149,25 +155,9 @@ def _check_lora(path: str, model: ModelConfig) -> None:
         )
 
 
-# policy-loss parameter -> the loss mode that reads it
-POLICY_LOSS_PARAM_OWNERS = {
-    "clip_cov_ratio": "clip_cov",
-    "clip_cov_lb": "clip_cov",
-    "clip_cov_ub": "clip_cov",
-    "kl_cov_ratio": "kl_cov",
-    "ppo_kl_coef": "kl_cov",
-    "dro_beta": "dro",
-}
-
-
 @dataclass
 class PolicyLossConfig(Section):
-    loss_mode: str = key(
-        "vanilla",
-        "vanilla (PPO clip, dual-clip) | gspo | cispo | gpg | dro | sapo | dppo_tv | dppo_kl | geo_mean (GMPO) "
-        "| clip_cov | kl_cov (docs/algorithms.md)",
-        check=get_policy_loss_fn,
-    )
+    loss_mode: str = key("vanilla", policy_loss_help(), check=get_policy_loss_fn)
     clip_cov_ratio: float = key(0.0002, "clip_cov: fraction of the mini-batch's tokens whose gradient is detached")
     clip_cov_lb: float = key(1.0, "clip_cov: a candidate token's covariance term lies above this")
     clip_cov_ub: float = key(5.0, "clip_cov: ... and below this")
@@ -180,7 +170,7 @@ class PolicyLossConfig(Section):
         if mode == "dro" and (self.dro_beta is None or self.dro_beta <= 0):
             raise ValueError(f"{path}.loss_mode=dro needs {path}.dro_beta > 0 (got {self.dro_beta})")
         for name in ("clip_cov_ratio", "kl_cov_ratio"):
-            if mode == POLICY_LOSS_PARAM_OWNERS[name] and not 0 < getattr(self, name) <= 1:
+            if name in config_parameters(mode) and not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{path}.{name}={getattr(self, name)} must be in (0, 1] for loss_mode={mode}")
         if mode == "clip_cov" and self.clip_cov_lb >= self.clip_cov_ub:
             raise ValueError(
@@ -189,16 +179,21 @@ class PolicyLossConfig(Section):
             )
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
-        return {
-            f"{path}.{name}": f"{path}.loss_mode={self.loss_mode}: only {owner} reads it"
-            for name, owner in POLICY_LOSS_PARAM_OWNERS.items()
-            if owner != self.loss_mode
-        }
+        return _loss_parameters_inactive(path, self.loss_mode, {f.name for f in fields_of(self)})
 
 
-# the losses that read the PPO clip ratios (dppo_*: as trust-region thresholds) and the dual-clip bound
-CLIP_RATIO_LOSSES = ("vanilla", "gspo", "cispo", "dppo_tv", "dppo_kl", "geo_mean", "clip_cov")
-CLIP_RATIO_C_LOSSES = ("vanilla", "dppo_tv", "dppo_kl")
+def _loss_parameters_inactive(path: str, mode: str, names: set[str]) -> dict[str, str]:
+    """Of `names` (keys of the section at `path`), the loss parameters the chosen policy loss does not read."""
+    readers: dict[str, list[str]] = {}
+    for loss in POLICY_LOSS_INFO:
+        for name in config_parameters(loss):
+            readers.setdefault(name, []).append(loss)
+    return {
+        f"{path}.{name}": f"{path.removesuffix('.policy_loss')}.policy_loss.loss_mode={mode}: only "
+        f"{' and '.join(losses)} {'reads' if len(losses) == 1 else 'read'} it"
+        for name, losses in readers.items()
+        if name in names and mode not in losses
+    }
 
 
 @dataclass
@@ -364,7 +359,7 @@ class ActorConfig(Section):
             )
         if not self.use_kl_loss:
             out.update({f"{path}.{name}": f"{path}.use_kl_loss=false" for name in ("kl_loss_coef", "kl_loss_type")})
-        out.update(_policy_loss_inactive(path, self.policy_loss.loss_mode))
+        out.update(_policy_loss_inactive(path, self))
         reason = old_log_prob_pass_reason(root)
         if self.skip_on_policy_old_log_prob and reason is not None:
             out[f"{path}.skip_on_policy_old_log_prob"] = f"the separate old-log-prob pass runs: {reason}"
@@ -381,21 +376,16 @@ def clip_ratio_bounds(actor: ActorConfig) -> tuple[float, float]:
     return float(actor.clip_ratio if low is None else low), float(actor.clip_ratio if high is None else high)
 
 
-def _policy_loss_inactive(path: str, mode: str) -> dict[str, str]:
-    """The actor keys the chosen policy loss does not read."""
-    out = {}
-    if mode not in CLIP_RATIO_LOSSES:
+def _policy_loss_inactive(path: str, actor: ActorConfig) -> dict[str, str]:
+    """The actor keys the chosen policy loss does not read (from what the loss registered it reads)."""
+    mode = actor.policy_loss.loss_mode
+    info = POLICY_LOSS_INFO[mode]
+    out = _loss_parameters_inactive(path, mode, {f.name for f in fields_of(actor)})
+    if not info.clips_ratio:
         reason = f"{path}.policy_loss.loss_mode={mode} does not clip the ratio"
         out.update({f"{path}.{name}": reason for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high")})
-    if mode not in CLIP_RATIO_C_LOSSES:
+    if not info.dual_clip:
         out[f"{path}.clip_ratio_c"] = f"{path}.policy_loss.loss_mode={mode} has no dual clip or IS truncation"
-    if mode != "sapo":
-        out.update(
-            {
-                f"{path}.{name}": f"{path}.policy_loss.loss_mode={mode}: only sapo reads it"
-                for name in ("tau_pos", "tau_neg")
-            }
-        )
     return out
 
 
