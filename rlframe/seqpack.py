@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TOKEN_LEN_KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+# what errors name when the caller does not pass its config key (the workers always pass their role's)
+DEFAULT_TOKEN_LEN_KEY = "max_token_len"
 
 
 # ───────────────────────────── Karmarkar–Karp (largest differencing) ─────────────────────────────
@@ -593,13 +594,14 @@ class MicroBatchSpec:
     token_len_key: str = DEFAULT_TOKEN_LEN_KEY
 
     def __post_init__(self) -> None:
-        prefix = self.token_len_key.rsplit(".", 1)[0]
+        section, _, _ = self.token_len_key.rpartition(".")
+        packing_key = f"{section}.packing_algorithm" if section else "packing_algorithm"
         if not self.use_dynamic_bsz:
             _check_positive_int(self.micro_batch_size, "micro_batch_size (static micro-batching)")
             return
         if self.packing_algorithm not in ALLOCATE_FNS:
             raise ValueError(
-                f"{prefix}.packing_algorithm={self.packing_algorithm!r} is not a packing "
+                f"{packing_key}={self.packing_algorithm!r} is not a packing "
                 f"algorithm; valid values: {', '.join(ALLOCATE_FNS)}"
             )
         _check_positive_int(self.max_token_len, self.token_len_key)

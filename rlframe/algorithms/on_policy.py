@@ -16,29 +16,32 @@ from __future__ import annotations
 from typing import Any
 
 from rlframe.algorithms.loss import TOKEN_SELECTORS
-from rlframe.config.keys import ACTOR, get
+from rlframe.config.keys import ACTOR
 
 SKIP_KEY = f"{ACTOR}.skip_on_policy_old_log_prob"
 
 
-def old_log_prob_pass_reason(cfg: Any) -> str | None:
-    """Why every step needs the separate old-log-prob pass under `cfg`; None when it can be skipped."""
-    if not get(cfg, SKIP_KEY):
+def old_log_prob_pass_reason(actor: Any, algorithm: Any) -> str | None:
+    """Why every step needs the separate old-log-prob pass; None when it can be skipped.
+
+    `actor` and `algorithm` are the typed sections `actor_rollout_ref.actor` and `algorithm`.
+    """
+    if not actor.skip_on_policy_old_log_prob:
         return f"{SKIP_KEY}=false"
-    if get(cfg, "algorithm.rollout_correction.bypass_mode"):
+    correction = algorithm.rollout_correction
+    if correction.bypass_mode:
         return "algorithm.rollout_correction.bypass_mode=true: the old log-probs are the rollout's, no pass runs"
-    epochs = int(get(cfg, f"{ACTOR}.ppo_epochs"))
-    if epochs != 1:
-        return f"{ACTOR}.ppo_epochs={epochs}: later epochs reuse the old log-probs of every mini-batch"
-    if get(cfg, "algorithm.use_kl_in_reward"):
+    if actor.ppo_epochs != 1:
+        return f"{ACTOR}.ppo_epochs={actor.ppo_epochs}: later epochs reuse the old log-probs of every mini-batch"
+    if algorithm.use_kl_in_reward:
         return "algorithm.use_kl_in_reward=true: the reward's KL penalty reads the old log-probs"
-    if get(cfg, "algorithm.adv_estimator") == "optimal_token_baseline":
+    if algorithm.adv_estimator == "optimal_token_baseline":
         return "algorithm.adv_estimator=optimal_token_baseline: the advantage reads the old log-probs and Σπ²"
-    loss_mode = get(cfg, f"{ACTOR}.policy_loss.loss_mode")
+    loss_mode = actor.policy_loss.loss_mode
     if loss_mode in TOKEN_SELECTORS:
         return f"{ACTOR}.policy_loss.loss_mode={loss_mode}: its token choice reads the old log-probs"
     for name in ("rollout_is", "rollout_rs"):
-        value = get(cfg, f"algorithm.rollout_correction.{name}")
+        value = getattr(correction, name)
         if value is not None:
             return (
                 f"algorithm.rollout_correction.{name}={value}: its weights or rejection, computed before the "

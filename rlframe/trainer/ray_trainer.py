@@ -90,7 +90,8 @@ class RayPPOTrainer:
         self.step_profiler = StepProfiler(config.global_profiler, [self.actor_rollout_wg, self.critic_wg])
         self.use_critic = plan.critic is not None
         self.use_reference = plan.ref is not None
-        self.on_policy = old_log_prob_pass_reason(config) is None  # steps whose update gives the old log-probs
+        # steps whose update gives the old log-probs
+        self.on_policy = old_log_prob_pass_reason(config.actor_rollout_ref.actor, config.algorithm) is None
         self.total_training_steps = run.total_steps
         self.num_devices = groups.num_devices
         self.hidden_size = run.hidden_size

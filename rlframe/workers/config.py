@@ -360,7 +360,7 @@ class ActorConfig(Section):
         if not self.use_kl_loss:
             out.update({f"{path}.{name}": f"{path}.use_kl_loss=false" for name in ("kl_loss_coef", "kl_loss_type")})
         out.update(_policy_loss_inactive(path, self))
-        reason = old_log_prob_pass_reason(root)
+        reason = old_log_prob_pass_reason(self, root.algorithm)
         if self.skip_on_policy_old_log_prob and reason is not None:
             out[f"{path}.skip_on_policy_old_log_prob"] = f"the separate old-log-prob pass runs: {reason}"
         if reason is None:  # only optimal_token_baseline reads Σπ², and it keeps the pass
