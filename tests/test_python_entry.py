@@ -11,6 +11,7 @@ import json
 import os
 import re
 import textwrap
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -127,3 +128,22 @@ def test_the_ray_trainer_docstring_example_runs(tmp_path, monkeypatch):
     assert scope["metrics"]["training/global_step"] == 2
     with open(tmp_path / "checkpoints/rlframe/tiny_trainer/metrics.jsonl") as f:
         assert [json.loads(line)["step"] for line in f] == [1, 2]
+
+
+def test_the_readme_example_is_python_that_composes():
+    from rlframe.trainer.config import compose
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("### From Python") :]
+    code = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    calls = []
+
+    def train(config):  # records the config instead of training
+        calls.append(config)
+        return type("Result", (), {"run_dir": "", "metrics": {"critic/score/mean": 0.0}})
+
+    fake = type("rlframe", (), {"train": staticmethod(train)})
+    scope = {"__builtins__": __builtins__, "print": lambda *args: None}
+    exec(compile(code.replace("import rlframe\n", ""), "README example", "exec"), {**scope, "rlframe": fake})
+    (config,) = calls
+    compose(overrides_from_config(config))  # every key exists and has the right type
