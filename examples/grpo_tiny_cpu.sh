@@ -3,6 +3,7 @@
 # (builtin://tiny-quickstart: 2 layers, a 64-token vocabulary), 2 CPU worker processes: exact-answer
 # accuracy goes from 0 to about 0.95 in 400 steps (README). rlframe's defaults are verl 0.9.1's (GPU sizes):
 # every size of this small run is set here. Extra key=value arguments override the config (as in verl).
+# It ends by printing the reward summary and drawing the curves into $RUN_DIR/curves.png.
 set -euo pipefail
 PYTHON="${PYTHON:-python}"
 RUN_DIR="${RUN_DIR:-checkpoints/rlframe/tiny_grpo}"
@@ -22,3 +23,6 @@ RUN_DIR="${RUN_DIR:-checkpoints/rlframe/tiny_grpo}"
     trainer.logger=[jsonl] trainer.resume_mode=disable \
     trainer.default_local_dir="$RUN_DIR" "$@"
 "$PYTHON" "$(dirname "${BASH_SOURCE[0]}")/../scripts/summarize_run.py" "$RUN_DIR"
+# the curves (reward and validation, lengths, entropy, KL, losses, step time): the line names the PNG
+"$PYTHON" -m rlframe.cli plot "$RUN_DIR" -o "$RUN_DIR/curves.png"
+echo "one page with the curves and the config: rlframe report $RUN_DIR"

@@ -18,7 +18,7 @@ from rlframe.batch_plan import BatchPlan, ModelShape, make_batch_plan, read_mode
 from rlframe.config import trace
 from rlframe.config.checks import check_model_path, resolve_device
 from rlframe.config.key_status import warn_ignored_keys
-from rlframe.config.loader import config_dir
+from rlframe.config.loader import config_dir, overrides_from_config
 from rlframe.data.builtin_tasks import resolve_data_files
 from rlframe.data.dataloader import make_dataloader
 from rlframe.data.dataset import RLHFDataset
@@ -221,9 +221,13 @@ def lost_worker(error: BaseException) -> WorkerGroupError | None:
     return None
 
 
-def run_ppo(overrides: list[str]) -> dict:
-    """Check, launch and train; returns the last step's metrics."""
-    return train(prepare(overrides))
+def run_ppo(overrides) -> dict:
+    """Check, launch and train; returns the last step's metrics.
+
+    `overrides`: `key=value` strings, or a config mapping as `rlframe.train` takes (`rlframe.trainer.entry`,
+    which also returns the run folder).
+    """
+    return train(prepare(overrides_from_config(overrides)))
 
 
 def configure_logging() -> None:

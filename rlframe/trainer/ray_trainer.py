@@ -77,7 +77,44 @@ class PreparedRun:
 
 
 class RayPPOTrainer:
-    """Drives PPO/GRPO: owns the data, the reward function and the worker groups."""
+    """Drives PPO/GRPO: owns the data, the reward function and the worker groups.
+
+    `fit()` runs the loop: per step generate → reward → (old log-probs, reference, values) → advantages →
+    critic and actor updates → validation, checkpoint and one row of metrics (docs/trainer.md lists them);
+    it returns the last step's metrics. The trainer gets everything built and checked before Ray starts
+    (`PreparedRun`, from `main_ppo.prepare`) and the started worker groups (`launch.create_worker_groups`).
+    `rlframe.train(config)` does all of this (with worker restarts) and is the entry to use; build the
+    trainer yourself to subclass it or to drive the worker groups between runs. Two GRPO steps with the
+    built-in tiny model on CPU:
+
+    ```python
+    from rlframe.config.loader import overrides_from_config
+    from rlframe.trainer.launch import create_worker_groups
+    from rlframe.trainer.main_ppo import prepare
+    from rlframe.trainer.ray_trainer import RayPPOTrainer
+
+    overrides = overrides_from_config({
+        "algorithm.adv_estimator": "grpo",
+        "actor_rollout_ref.model.path": "builtin://tiny",
+        "data.max_prompt_length": 64, "data.max_response_length": 16, "data.filter_overlong_prompts": True,
+        "data.train_batch_size": 8, "actor_rollout_ref.rollout.n": 4,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 2,
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 4,
+        "actor_rollout_ref.model.enable_gradient_checkpointing": False,
+        "trainer.device": "cpu", "trainer.n_gpus_per_node": 2, "trainer.total_training_steps": 2,
+        "trainer.val_before_train": False, "trainer.resume_mode": "disable",
+        "trainer.default_local_dir": "checkpoints/rlframe/tiny_trainer",
+    })
+    run = prepare(overrides)  # compose, type and check the config; tokenizer, data, reward functions
+    groups = create_worker_groups(run.cfg, run.plan, run.schedule_steps)  # starts Ray and the workers
+    try:
+        metrics = RayPPOTrainer(run, groups).fit()
+    finally:
+        groups.shutdown()
+    print(metrics["training/global_step"], metrics["critic/score/mean"])  # 2 and the last step's mean score
+    ```
+    """
 
     def __init__(self, run: PreparedRun, groups: WorkerGroups):
         config, plan = run.cfg, run.plan
