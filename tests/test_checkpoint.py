@@ -125,14 +125,10 @@ def rank_main(rank: int, phase: str, layout: Layout, port: int, model_path: str,
                 optimizer,
                 scheduler,
                 ("model", "optimizer", "extra"),
-                rank=rank,
-                world_size=layout.world,
                 generator=generator,
             )
         else:
-            ckpt.load_checkpoint(
-                ckpt_dir, model, optimizer, scheduler, rank=rank, world_size=layout.world, generator=generator
-            )
+            ckpt.load_checkpoint(ckpt_dir, model, optimizer, scheduler, generator=generator)
             record = {"rng": rng_snapshot(generator)}
         record["lr_scheduler"] = scheduler.state_dict()
         record["lr"] = optimizer.param_groups[0]["lr"]

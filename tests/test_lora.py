@@ -373,7 +373,7 @@ def test_vllm_serves_the_adapter_across_updates_and_sleeps(tiny_model_path, adap
     from fsdp_harness import free_port
     from test_rollout import load_tokenizer, make_prompts, rollout_config
 
-    from rlframe.workers.rollout import build_rollout
+    from rlframe.workers.rollout import ServedModel, build_rollout
 
     # vLLM's external launcher reads the torch.distributed env of a (here 1-process) world
     for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
@@ -389,7 +389,9 @@ def test_vllm_serves_the_adapter_across_updates_and_sleeps(tiny_model_path, adap
     )  # load_format stays verl's dummy: the base weights must arrive through the sync
     model = lora.apply_lora(base_model(tiny_model_path), lora.LoraSpec(1, 1, "all-linear", None, adapter))
     base = base_model(tiny_model_path)
-    engine = build_rollout("vllm", cfg, tiny_model_path, load_tokenizer(tiny_model_path), "cuda", lora_rank=RANK)
+    engine = build_rollout(
+        "vllm", cfg, ServedModel(tiny_model_path, lora_rank=RANK), load_tokenizer(tiny_model_path), "cuda"
+    )
     prompts = make_prompts(seed=5, do_sample=False)
     for update in range(3):
         if update == 1:
@@ -418,7 +420,7 @@ def test_vllm_rollout_lora_path_with_a_stand_in_engine(monkeypatch, tiny_model_p
     from test_rollout import load_tokenizer, rollout_config
     from test_vllm_engine import _fake_vllm
 
-    from rlframe.workers.rollout import build_rollout
+    from rlframe.workers.rollout import ServedModel, build_rollout
 
     @dataclass
     class LoRARequest:
@@ -434,7 +436,9 @@ def test_vllm_rollout_lora_path_with_a_stand_in_engine(monkeypatch, tiny_model_p
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
     cfg = rollout_config("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.free_cache_engine=true")
-    rollout = build_rollout("vllm", cfg, tiny_model_path, load_tokenizer(tiny_model_path), "cuda", lora_rank=RANK)
+    rollout = build_rollout(
+        "vllm", cfg, ServedModel(tiny_model_path, lora_rank=RANK), load_tokenizer(tiny_model_path), "cuda"
+    )
     engine = rollout.engine  # the engine inside the agent loops (rollout.mode=async)
     engine.device = torch.device("cpu")  # where update_weights puts tensors: cuda:0 on a GPU
     engine._lora_root = str(tmp_path)

@@ -21,7 +21,7 @@ from rlframe.config.loader import resolved
 from rlframe.config.verl_keys import verl_defaults
 from rlframe.trainer.config import compose, typed
 from rlframe.workers.rollout import sglang_rollout
-from rlframe.workers.rollout.base import RolloutSettings, SamplingParams
+from rlframe.workers.rollout.base import RolloutSettings, SamplingParams, ServedModel
 from rlframe.workers.rollout.sglang_rollout import (
     SGLangRollout,
     check_engine_argument_names,
@@ -62,7 +62,7 @@ def rollout_section(*overrides: str):
 def engine_kwargs(rollout_cfg, dp_rank: int = 0, tp_size: int = 2) -> dict:
     return sglang_engine_kwargs(
         rollout_cfg,
-        model_path="/models/m",
+        model=ServedModel("/models/m"),
         tp_size=tp_size,
         dtype=torch.bfloat16,
         dp_rank=dp_rank,
@@ -116,13 +116,11 @@ def test_chunked_prefill_off_and_free_cache_engine_off():
 def test_override_config_and_trust_remote_code_reach_the_engine():
     kwargs = sglang_engine_kwargs(
         rollout_section(),
-        model_path="/m",
+        model=ServedModel("/m", trust_remote_code=True, override_config={"rope_theta": 5.0}),
         tp_size=1,
         dtype=torch.float16,
         dp_rank=0,
         max_position_embeddings=MAX_POSITIONS,
-        trust_remote_code=True,
-        override_config={"rope_theta": 5.0},
     )
     assert kwargs["json_model_override_args"] == '{"rope_theta": 5.0}'
     assert (kwargs["trust_remote_code"], kwargs["dtype"], kwargs["tp_size"]) == (True, "float16", 1)

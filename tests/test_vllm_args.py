@@ -14,7 +14,7 @@ from rlframe.config.key_status import ignored_key_warnings
 from rlframe.config.loader import resolved
 from rlframe.config.verl_keys import verl_defaults
 from rlframe.trainer.config import compose, typed
-from rlframe.workers.rollout.base import request_seeds
+from rlframe.workers.rollout.base import ServedModel, request_seeds
 from rlframe.workers.rollout.config import VLLM_ONLY_KEYS
 from rlframe.workers.rollout.vllm_rollout import max_tokens_for, model_max_position_embeddings, vllm_engine_kwargs
 
@@ -67,7 +67,7 @@ def rollout_section(*overrides: str):
 def engine_kwargs(rollout_cfg, dp_rank: int = 0) -> dict:
     return vllm_engine_kwargs(
         rollout_cfg,
-        model_path="/models/m",
+        model=ServedModel("/models/m"),
         tp_size=2,
         dtype=torch.bfloat16,
         dp_rank=dp_rank,

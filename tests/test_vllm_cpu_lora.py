@@ -20,7 +20,7 @@ pytestmark = pytest.mark.vllm
 
 
 def test_vllm_cpu_serves_the_adapter_across_updates(world, smollm2_path):  # noqa: F811
-    from rlframe.workers.rollout import build_rollout
+    from rlframe.workers.rollout import ServedModel, build_rollout
 
     torch.manual_seed(0)
     model = lora.apply_lora(
@@ -28,7 +28,9 @@ def test_vllm_cpu_serves_the_adapter_across_updates(world, smollm2_path):  # noq
     )
     randomize_b(model, seed=1)
     base = base_model(smollm2_path)
-    engine = build_rollout("vllm", rollout_cfg(), smollm2_path, load_tokenizer(smollm2_path), "cpu", lora_rank=8)
+    engine = build_rollout(
+        "vllm", rollout_cfg(), ServedModel(smollm2_path, lora_rank=8), load_tokenizer(smollm2_path), "cpu"
+    )
     try:
         assert engine.takes_lora_adapter and engine.needs_base_weights  # load_format=dummy: the base comes by sync
         prompts = make_prompts(seed=5, do_sample=False)

@@ -240,6 +240,11 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _rank_and_world_size() -> tuple[int, int]:
+    """This process's rank and the world size of the default process group ((0, 1) without one)."""
+    return (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+
+
 def _barrier() -> None:
     if _distributed():
         dist.barrier()
@@ -252,13 +257,12 @@ def save_checkpoint(
     lr_scheduler=None,
     save_contents=SAVE_CONTENTS,
     tokenizer=None,
-    rank: int = 0,
-    world_size: int = 1,
     generator: torch.Generator | None = None,
 ) -> None:
     """Write this rank's part of the checkpoint under `path` (a collective: every rank calls it)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
+    rank, world_size = _rank_and_world_size()
     unknown = [c for c in save_contents if c not in SAVE_CONTENTS]
     if unknown:
         raise ValueError(f"checkpoint.save_contents has unknown entries {unknown}; valid: {', '.join(SAVE_CONTENTS)}")
@@ -327,8 +331,6 @@ def load_checkpoint(
     model: nn.Module,
     optimizer=None,
     lr_scheduler=None,
-    rank: int = 0,
-    world_size: int = 1,
     load_contents=("model", "optimizer", "extra"),
     generator: torch.Generator | None = None,
 ) -> None:
@@ -344,6 +346,7 @@ def load_checkpoint(
         set_optimizer_state_dict,
     )
 
+    rank, world_size = _rank_and_world_size()
     model_dir, optim_dir = os.path.join(path, MODEL_DIR), os.path.join(path, OPTIMIZER_DIR)
     _require(os.path.join(model_dir, METADATA), path)
     if os.path.isdir(optim_dir):

@@ -212,7 +212,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         return data
 
     def _init_rollout(self, cfg) -> None:
-        from rlframe.workers.rollout import build_rollout
+        from rlframe.workers.rollout import ServedModel, build_rollout
         from rlframe.workers.rollout.pool import pools_generation
 
         tp = self.plan.rollout.tensor_parallel_size
@@ -220,13 +220,15 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         self.rollout = build_rollout(
             str(cfg.rollout.name),
             cfg.rollout,
-            copy_to_shm(cfg.model.path) if cfg.model.use_shm else cfg.model.path,
+            ServedModel(
+                copy_to_shm(cfg.model.path) if cfg.model.use_shm else cfg.model.path,
+                trust_remote_code=bool(cfg.model.trust_remote_code),
+                override_config=OmegaConf.to_container(cfg.model.override_config),
+                lora_rank=lora.lora_rank_of(self.actor_module),
+            ),
             self.tokenizer,
             self.device_type,
             tp_group,
-            trust_remote_code=bool(cfg.model.trust_remote_code),
-            override_config=OmegaConf.to_container(cfg.model.override_config),
-            lora_rank=lora.lora_rank_of(self.actor_module),
             chat_template_kwargs=OmegaConf.to_container(self.config.data.apply_chat_template_kwargs),
         )
         # rollout.pool_cpu_generation: the ranks of this machine generate on rank 0 (rollout/pool.py)
@@ -327,8 +329,6 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             self.lr_scheduler,
             contents,
             self.tokenizer,
-            self.rank,
-            self.world_size,
             generator=self.actor.generator,
         )
 
@@ -339,8 +339,6 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             self.actor_module,
             self.optimizer,
             self.lr_scheduler,
-            self.rank,
-            self.world_size,
             generator=self.actor.generator,
         )
         self._offload_optimizer()  # loading puts the optimizer state next to the parameters
@@ -405,8 +403,6 @@ class CriticWorker(FSDPWorkerBase):
             self.lr_scheduler,
             contents,
             self.tokenizer,
-            self.rank,
-            self.world_size,
             generator=self.critic.generator,
         )
 
@@ -417,8 +413,6 @@ class CriticWorker(FSDPWorkerBase):
             self.critic_module,
             self.optimizer,
             self.lr_scheduler,
-            self.rank,
-            self.world_size,
             generator=self.critic.generator,
         )
         self._offload_optimizer()  # loading puts the optimizer state next to the parameters

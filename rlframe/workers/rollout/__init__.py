@@ -21,6 +21,7 @@ from rlframe.workers.rollout.base import (
     BaseRollout,
     RolloutSettings,
     SamplingParams,
+    ServedModel,
     build_rollout_output,
     check_prompts,
     response_metrics,
@@ -32,6 +33,7 @@ __all__ = [
     "BaseRollout",
     "RolloutSettings",
     "SamplingParams",
+    "ServedModel",
     "build_rollout",
     "build_rollout_output",
     "check_prompts",
@@ -42,41 +44,29 @@ __all__ = [
 def build_rollout(
     name: str,
     rollout_cfg,
-    model_path: str,
+    model: ServedModel | str,
     tokenizer,
     device_type: str,
     tp_group=None,
     *,
-    trust_remote_code: bool = False,
-    override_config: dict | None = None,
-    lora_rank: int = 0,
     chat_template_kwargs: dict | None = None,
 ) -> BaseRollout:
     """Build the engine `name` from `actor_rollout_ref.rollout` for one worker process.
 
     `tp_group` is this rank's tensor-parallel process group (size `tensor_model_parallel_size`);
-    None means TP=1. Initial weights are read from `model_path`; later ones come through
-    `update_weights`. `lora_rank > 0` (a LoRA actor) sets vLLM up to serve its adapter; the HF engine
-    takes merged weights and needs nothing. `chat_template_kwargs` (`data.apply_chat_template_kwargs`)
+    None means TP=1. Initial weights are read from `model` (a `ServedModel`, or just its path); later ones
+    come through `update_weights`. `model.lora_rank > 0` (a LoRA actor) sets vLLM up to serve its adapter;
+    the HF engine takes merged weights and needs nothing. `chat_template_kwargs` (`data.apply_chat_template_kwargs`)
     renders the turns of multi-turn rollouts.
     """
     check_rollout_name(name)
+    model = ServedModel(model) if isinstance(model, str) else model
     settings = RolloutSettings.from_config(rollout_cfg)
     module_name, class_name = ROLLOUT_ENGINES[name].split(":")
     engine = getattr(importlib.import_module(module_name), class_name)
     # the GPU engines read their settings from the section; vLLM serves a LoRA adapter, SGLang takes merged weights
-    extra = {"vllm": {"rollout_cfg": rollout_cfg, "lora_rank": lora_rank}, "sglang": {"rollout_cfg": rollout_cfg}}
-    extra = extra.get(name, {})
-    rollout = engine(
-        settings,
-        model_path,
-        tokenizer,
-        device_type,
-        tp_group,
-        trust_remote_code=trust_remote_code,
-        override_config=override_config,
-        **extra,
-    )
+    extra = {"rollout_cfg": rollout_cfg} if name in ("vllm", "sglang") else {}
+    rollout = engine(settings, model, tokenizer, device_type, tp_group, **extra)
     multi_turn = None
     if uses_tool_agent(rollout_cfg):  # rows may call tools: the multi-turn logic drives the engine
         multi_turn = build_multi_turn(rollout, tokenizer, rollout_cfg, chat_template_kwargs)

@@ -24,6 +24,16 @@ KEY = "actor_rollout_ref.rollout"
 
 
 @dataclass(frozen=True)
+class ServedModel:
+    """The model an engine serves: where its first weights come from and how to load it."""
+
+    path: str
+    trust_remote_code: bool = False
+    override_config: dict | None = None  # fields merged into the model's HF config
+    lora_rank: int = 0  # > 0: the actor trains a LoRA adapter of this rank, which vLLM serves
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to sample one call's responses; `greedy` when do_sample is off or temperature is 0."""
 

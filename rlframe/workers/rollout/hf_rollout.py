@@ -17,7 +17,7 @@ import torch
 
 from rlframe.protocol import DataProto
 from rlframe.workers.fsdp_utils import resolve_dtype
-from rlframe.workers.rollout.base import BaseRollout, RolloutSettings, SamplingParams, position_seed
+from rlframe.workers.rollout.base import BaseRollout, RolloutSettings, SamplingParams, ServedModel, position_seed
 from rlframe.workers.rollout.tp import apply_tensor_parallel, load_full_tensors, tp_mesh_from_group
 
 
@@ -91,17 +91,15 @@ class HFRollout(BaseRollout):
     def __init__(
         self,
         settings: RolloutSettings,
-        model_path: str,
+        served: ServedModel,
         tokenizer,
         device_type: str,
         tp_group=None,
-        *,
-        trust_remote_code: bool = False,
-        override_config: dict | None = None,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-        super().__init__(settings, tokenizer, model_path, tp_group)
+        super().__init__(settings, tokenizer, served.path, tp_group)
+        model_path, trust_remote_code, override_config = served.path, served.trust_remote_code, served.override_config
         tp_size = self.tp_size
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")

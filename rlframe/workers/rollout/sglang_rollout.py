@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from rlframe.protocol import DataProto
 from rlframe.workers.fsdp_utils import resolve_dtype
-from rlframe.workers.rollout.base import BaseRollout, RolloutSettings, SamplingParams, position_seed
+from rlframe.workers.rollout.base import BaseRollout, RolloutSettings, SamplingParams, ServedModel, position_seed
 from rlframe.workers.rollout.config import ROLLOUT, check_sglang_engine_kwargs
 from rlframe.workers.rollout.tp import group_rank_and_size
 from rlframe.workers.rollout.vllm_rollout import (
@@ -101,13 +101,11 @@ def check_sglang_temperature(value: float, key: str) -> None:
 def sglang_engine_kwargs(
     rollout_cfg,
     *,
-    model_path: str,
+    model: ServedModel,
     tp_size: int,
     dtype: torch.dtype,
     dp_rank: int,
     max_position_embeddings: int,
-    trust_remote_code: bool = False,
-    override_config: dict | None = None,
 ) -> dict:
     """`sglang.Engine(...)`'s keyword arguments from `actor_rollout_ref.rollout`.
 
@@ -127,9 +125,9 @@ def sglang_engine_kwargs(
     budget = int(rollout_cfg.max_num_batched_tokens)
     free_cache = bool(rollout_cfg.free_cache_engine)
     kwargs = dict(
-        model_path=model_path,
+        model_path=model.path,
         skip_tokenizer_init=True,  # token ids in, token ids out
-        trust_remote_code=trust_remote_code,
+        trust_remote_code=model.trust_remote_code,
         tp_size=tp_size,
         base_gpu_id=0,  # rank 0's schedulers see only the TP group's GPUs (module docstring)
         gpu_id_step=1,
@@ -145,7 +143,7 @@ def sglang_engine_kwargs(
         enable_memory_saver=free_cache,
         enable_weights_cpu_backup=free_cache,
         attention_backend="flashinfer",  # verl 0.9.1's default for sglang >= 0.5.12
-        json_model_override_args=json.dumps(dict(override_config or {})),
+        json_model_override_args=json.dumps(dict(model.override_config or {})),
         log_level="error",
     )
     if rollout_cfg.max_model_len is not None:
@@ -276,33 +274,29 @@ class SGLangRollout(BaseRollout):
     def __init__(
         self,
         settings: RolloutSettings,
-        model_path: str,
+        served: ServedModel,
         tokenizer,
         device_type: str,
         tp_group=None,
         *,
         rollout_cfg,
-        trust_remote_code: bool = False,
-        override_config: dict | None = None,
     ):
         check_sglang_usable(device_type)
-        super().__init__(settings, tokenizer, model_path, tp_group)
+        super().__init__(settings, tokenizer, served.path, tp_group)
         self.tp_rank, _ = group_rank_and_size(tp_group)
         self.dtype = resolve_dtype(settings.dtype, device_type)
         self.device = torch.device("cuda", torch.cuda.current_device())
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.dp_rank, self.seed = rank // self.tp_size, int(rollout_cfg.seed)
-        max_positions = model_max_position_embeddings(model_path, trust_remote_code, override_config)
+        max_positions = model_max_position_embeddings(served.path, served.trust_remote_code, served.override_config)
         self.max_model_len = resolve_max_model_len(rollout_cfg.max_model_len, max_positions)
         kwargs = sglang_engine_kwargs(
             rollout_cfg,
-            model_path=model_path,
+            model=served,
             tp_size=self.tp_size,
             dtype=self.dtype,
             dp_rank=self.dp_rank,
             max_position_embeddings=max_positions,
-            trust_remote_code=trust_remote_code,
-            override_config=override_config,
         )
         check_engine_argument_names(kwargs, server_arg_names())
         devices = self._gather((socket.gethostname(), _this_device_id()))

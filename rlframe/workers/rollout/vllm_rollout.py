@@ -60,7 +60,7 @@ from rlframe.models.builtin import SHM_ROOT
 from rlframe.protocol import DataProto
 from rlframe.workers.fsdp_utils import resolve_dtype
 from rlframe.workers.lora import vllm_lora_engine_kwargs
-from rlframe.workers.rollout.base import BaseRollout, RolloutSettings, SamplingParams, position_seed
+from rlframe.workers.rollout.base import BaseRollout, RolloutSettings, SamplingParams, ServedModel, position_seed
 from rlframe.workers.rollout.config import ROLLOUT, check_vllm_engine_kwargs
 from rlframe.workers.rollout.vllm_cpu import (
     CPU_INSTALL_HINT,
@@ -129,20 +129,17 @@ def resolve_max_model_len(max_model_len: int | None, max_position_embeddings: in
 def vllm_engine_kwargs(
     rollout_cfg,
     *,
-    model_path: str,
+    model: ServedModel,
     tp_size: int,
     dtype: torch.dtype,
     dp_rank: int,
     max_position_embeddings: int,
-    trust_remote_code: bool = False,
-    override_config: dict | None = None,
-    lora_rank: int = 0,
     device_type: str = "cuda",
     kv_cache_memory_bytes: int | None = None,
 ) -> dict:
     """`LLM(...)`'s keyword arguments from `actor_rollout_ref.rollout`, as verl 0.9.1 builds vLLM's.
 
-    `lora_rank > 0` (the actor trains a LoRA adapter) makes the engine serve one adapter of that rank.
+    `model.lora_rank > 0` (the actor trains a LoRA adapter) makes the engine serve one adapter of that rank.
     On `device_type="cpu"` (vLLM's CPU build) there is no sleep mode and the KV cache is `kv_cache_memory_bytes`
     (`vllm_cpu.cpu_kv_cache_bytes`; `engine_kwargs.vllm.kv_cache_memory_bytes` or vLLM's VLLM_CPU_KVCACHE_SPACE win).
 
@@ -170,9 +167,9 @@ def vllm_engine_kwargs(
     }  # verl drops null entries
     check_vllm_engine_kwargs(passthrough)
     kwargs = dict(
-        model=model_path,
+        model=model.path,
         skip_tokenizer_init=True,
-        trust_remote_code=trust_remote_code,
+        trust_remote_code=model.trust_remote_code,
         tensor_parallel_size=tp_size,
         distributed_executor_backend="external_launcher",
         dtype=_DTYPE_NAMES[dtype],
@@ -192,8 +189,8 @@ def vllm_engine_kwargs(
         # each process sees one GPU (Ray), so the custom all-reduce's peer checks and IPC buffers
         # cannot work; verl's in-process rollout passed the same
         disable_custom_all_reduce=True,
-        hf_overrides=dict(override_config) if override_config else None,
-        **vllm_lora_engine_kwargs(lora_rank),
+        hf_overrides=dict(model.override_config) if model.override_config else None,
+        **vllm_lora_engine_kwargs(model.lora_rank),
     )
     if kv_cache_memory_bytes is not None:
         kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
@@ -367,39 +364,33 @@ class VLLMRollout(BaseRollout):
     def __init__(
         self,
         settings: RolloutSettings,
-        model_path: str,
+        served: ServedModel,
         tokenizer,
         device_type: str,
         tp_group=None,
         *,
         rollout_cfg,
-        trust_remote_code: bool = False,
-        override_config: dict | None = None,
-        lora_rank: int = 0,
     ):
         check_vllm_usable(device_type)
         from vllm import LLM
 
-        super().__init__(settings, tokenizer, model_path, tp_group)
+        super().__init__(settings, tokenizer, served.path, tp_group)
         tp_size = self.tp_size
         if tp_size > 1:
             _check_consecutive_ranks(tp_group, tp_size)
         self.dtype = resolve_dtype(settings.dtype, device_type)
         self.dp_rank, self.seed = _dp_rank(tp_size), int(rollout_cfg.seed)
         self.on_cpu = device_type == "cpu"
-        max_positions = model_max_position_embeddings(model_path, trust_remote_code, override_config)
+        max_positions = model_max_position_embeddings(served.path, served.trust_remote_code, served.override_config)
         engine_kwargs = vllm_engine_kwargs(
             rollout_cfg,
-            model_path=model_path,
+            model=served,
             tp_size=tp_size,
             dtype=self.dtype,
             dp_rank=self.dp_rank,
             max_position_embeddings=max_positions,
-            trust_remote_code=trust_remote_code,
-            override_config=override_config,
-            lora_rank=lora_rank,
             device_type=device_type,
-            kv_cache_memory_bytes=self._cpu_kv_cache(rollout_cfg, model_path, trust_remote_code, max_positions),
+            kv_cache_memory_bytes=self._cpu_kv_cache(rollout_cfg, served.path, served.trust_remote_code, max_positions),
         )
         engine_kwargs = drop_unsupported_args(
             engine_kwargs, engine_arg_names(), plain_dict(rollout_cfg.engine_kwargs.vllm)
@@ -426,7 +417,7 @@ class VLLMRollout(BaseRollout):
                 ROLLOUT,
                 engine_kwargs.get("kv_cache_memory_bytes", 0) / 2**30,
             )
-        self._init_lora(lora_rank, str(rollout_cfg.load_format))
+        self._init_lora(served.lora_rank, str(rollout_cfg.load_format))
 
     def _cpu_kv_cache(self, rollout_cfg, model_path: str, trust_remote_code: bool, max_positions: int) -> int | None:
         """On CPU, the KV cache rlframe gives the engine (`vllm_cpu.cpu_kv_cache_bytes`); None on a GPU."""
