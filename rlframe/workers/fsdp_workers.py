@@ -44,7 +44,7 @@ from rlframe.workers.fsdp_utils import (
     wrap_fsdp,
 )
 from rlframe.workers.profiler import Profiler, profiled
-from rlframe.workers.updater import ModelOptions, RoleModel
+from rlframe.workers.updater import ModelOptions, PPOUpdater, RoleModel
 from rlframe.workers.weight_sync import iter_full_params_bucketed
 
 
@@ -132,6 +132,16 @@ class FSDPWorkerBase(Worker):
     def _load_optimizer(self) -> None:
         if self._optimizer_offload and self.device_type == "cuda":
             move_optimizer_state(self.optimizer, torch.cuda.current_device())
+
+    def _save_role(self, path: str, role: PPOUpdater, contents) -> None:
+        """Write a role's model, optimizer, scheduler and RNG streams (checkpoint.save_contents) under `path`."""
+        ckpt.save_checkpoint(
+            path, role.module, role.optimizer, role.lr_scheduler, list(contents), self.tokenizer, role.generator
+        )
+
+    def _load_role(self, path: str, role: PPOUpdater) -> None:
+        ckpt.load_checkpoint(path, role.module, role.optimizer, role.lr_scheduler, generator=role.generator)
+        self._offload_optimizer()  # loading puts the optimizer state next to the parameters
 
     def _to_device(self, data: DataProto) -> DataProto:
         return data.to(self.device_type if self.device_type == "cpu" else torch.cuda.current_device())
@@ -321,27 +331,11 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
-        contents = list(self.config.actor_rollout_ref.actor.checkpoint.save_contents)
-        ckpt.save_checkpoint(
-            path,
-            self.actor_module,
-            self.optimizer,
-            self.lr_scheduler,
-            contents,
-            self.tokenizer,
-            generator=self.actor.generator,
-        )
+        self._save_role(path, self.actor, self.config.actor_rollout_ref.actor.checkpoint.save_contents)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
-        ckpt.load_checkpoint(
-            path,
-            self.actor_module,
-            self.optimizer,
-            self.lr_scheduler,
-            generator=self.actor.generator,
-        )
-        self._offload_optimizer()  # loading puts the optimizer state next to the parameters
+        self._load_role(path, self.actor)
         self._weights_dirty = True
 
 
@@ -395,27 +389,11 @@ class CriticWorker(FSDPWorkerBase):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str) -> None:
-        contents = list(self.config.critic.checkpoint.save_contents)
-        ckpt.save_checkpoint(
-            path,
-            self.critic_module,
-            self.optimizer,
-            self.lr_scheduler,
-            contents,
-            self.tokenizer,
-            generator=self.critic.generator,
-        )
+        self._save_role(path, self.critic, self.config.critic.checkpoint.save_contents)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> None:
-        ckpt.load_checkpoint(
-            path,
-            self.critic_module,
-            self.optimizer,
-            self.lr_scheduler,
-            generator=self.critic.generator,
-        )
-        self._offload_optimizer()  # loading puts the optimizer state next to the parameters
+        self._load_role(path, self.critic)
 
 
 def worker_env() -> dict:

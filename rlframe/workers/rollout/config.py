@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
@@ -88,26 +89,24 @@ def _check_memory_fraction(value: float) -> None:
         raise ValueError("must be in (0, 1]: the fraction of GPU memory vLLM may use")
 
 
-def check_vllm_engine_kwargs(engine_kwargs: dict) -> None:
-    """Refuse engine arguments that rlframe sets itself, naming what to use instead."""
-    owned = [name for name in engine_kwargs if name in RLFRAME_OWNED_VLLM_ARGS]
-    if owned:
-        uses = "; ".join(f"{name}: use {RLFRAME_OWNED_VLLM_ARGS[name]}" for name in owned)
-        raise ValueError(
-            f"rlframe sets {', '.join(owned)} itself and cannot take it from engine_kwargs ({uses}); "
-            f"remove it from {ROLLOUT}.engine_kwargs.vllm"
-        )
+def engine_kwargs_check(engine: str) -> Callable[[dict], None]:
+    """The check of `engine_kwargs.<engine>`: refuse arguments rlframe sets itself, naming what to use instead."""
+    rlframe_owned = {"vllm": RLFRAME_OWNED_VLLM_ARGS, "sglang": RLFRAME_OWNED_SGLANG_ARGS}[engine]
+
+    def check(engine_kwargs: dict) -> None:
+        owned = [name for name in engine_kwargs if name in rlframe_owned]
+        if owned:
+            uses = "; ".join(f"{name}: use {rlframe_owned[name]}" for name in owned)
+            raise ValueError(
+                f"rlframe sets {', '.join(owned)} itself and cannot take it from engine_kwargs ({uses}); "
+                f"remove it from {ROLLOUT}.engine_kwargs.{engine}"
+            )
+
+    return check
 
 
-def check_sglang_engine_kwargs(engine_kwargs: dict) -> None:
-    """Refuse SGLang engine arguments that rlframe sets itself, naming what to use instead."""
-    owned = [name for name in engine_kwargs if name in RLFRAME_OWNED_SGLANG_ARGS]
-    if owned:
-        uses = "; ".join(f"{name}: use {RLFRAME_OWNED_SGLANG_ARGS[name]}" for name in owned)
-        raise ValueError(
-            f"rlframe sets {', '.join(owned)} itself and cannot take it from engine_kwargs ({uses}); "
-            f"remove it from {ROLLOUT}.engine_kwargs.sglang"
-        )
+check_vllm_engine_kwargs = engine_kwargs_check("vllm")
+check_sglang_engine_kwargs = engine_kwargs_check("sglang")
 
 
 def _no_engine(name: str):
