@@ -42,7 +42,7 @@ from rlframe.workers.batching import (
     split_micro_batches,
     update_inputs,
 )
-from rlframe.workers.model_forward import forward_micro_batch
+from rlframe.workers.model_forward import ScoringSpec, forward_micro_batch, layout_for
 from rlframe.workers.updater import PPOUpdater
 
 
@@ -100,18 +100,15 @@ class PPOActor(PPOUpdater):
         self.selection_generator = torch.Generator().manual_seed(seed)
 
     def _forward(self, micro: dict, temperature: float, calculate_entropy: bool, calculate_sum_pi_squared=False):
-        return forward_micro_batch(
-            self.module,
-            micro,
-            response_length=micro["responses"].shape[-1],
+        spec = ScoringSpec(
             temperature=temperature,
-            use_remove_padding=self.settings.use_remove_padding,
-            sp_group=self.sp_group,
             calculate_entropy=calculate_entropy,
-            use_torch_compile=self.settings.use_torch_compile,
             calculate_sum_pi_squared=calculate_sum_pi_squared,
+            use_torch_compile=self.settings.use_torch_compile,
             use_fused_kernels=self.settings.use_fused_kernels,
         )
+        layout = layout_for(self.settings.use_remove_padding, self.sp_group)
+        return forward_micro_batch(self.module, micro, micro["responses"].shape[-1], spec, layout)
 
     def compute_log_prob(
         self, data: DataProto, calculate_entropy: bool = False

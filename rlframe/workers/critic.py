@@ -18,7 +18,7 @@ from rlframe.workers.batching import (
     split_micro_batches,
     update_inputs,
 )
-from rlframe.workers.model_forward import forward_micro_batch
+from rlframe.workers.model_forward import VALUES, forward_micro_batch, layout_for
 from rlframe.workers.updater import PPOUpdater
 
 
@@ -44,15 +44,8 @@ class PPOCritic(PPOUpdater):
     role = "critic"
 
     def _values(self, micro) -> torch.Tensor:
-        out = forward_micro_batch(
-            self.module,
-            micro,
-            response_length=micro["responses"].shape[-1],
-            use_remove_padding=self.settings.use_remove_padding,
-            sp_group=self.sp_group,
-            value_head=True,
-        )
-        return out["values"]
+        layout = layout_for(self.settings.use_remove_padding, self.sp_group)
+        return forward_micro_batch(self.module, micro, micro["responses"].shape[-1], VALUES, layout)["values"]
 
     @torch.no_grad()
     def compute_values(self, data: DataProto) -> torch.Tensor:
