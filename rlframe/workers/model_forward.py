@@ -218,15 +218,9 @@ class PackedLayout:
             keep = scored[0].nonzero().flatten()  # this rank's scored positions in its share of the row
             extra["logits_to_keep"] = keep
             labels = labels[:, keep]
-        inputs = dict(
-            input_ids=ids,
-            position_ids=pos,
-            cu_seq_lens_q=cu_seqlens,
-            cu_seq_lens_k=cu_seqlens,
-            max_length_q=max_seqlen,
-            max_length_k=max_seqlen,
-            **extra,
-        )
+        # the sequences' bounds travel under transformers' names for its varlen attention
+        inputs = {"input_ids": ids, "position_ids": pos, "cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens}
+        inputs.update(max_length_q=max_seqlen, max_length_k=max_seqlen, **extra)
         unpack = _Unpack(keep, ids.shape[1], group, pad_size, indices, tuple(input_ids.shape), columns)
         return PackedRow(inputs, labels, labels[0], unpack)
 
