@@ -27,7 +27,7 @@ from rlframe.protocol import DataProto
 from rlframe.single_controller import Dispatch, register
 from rlframe.workers.fsdp_utils import FSDPSpec, resolve_dtype, wrap_fsdp
 from rlframe.workers.fsdp_workers import FSDPWorkerBase
-from rlframe.workers.model_forward import VALUES, PackedLayout, PaddedLayout, score_positions
+from rlframe.workers.model_forward import VALUES, layout_for, score_positions
 
 
 def last_token_scores(
@@ -43,7 +43,7 @@ def last_token_scores(
         "attention_mask": attention_mask,
         "position_ids": position_ids_from_mask(attention_mask),
     }
-    layout = PackedLayout() if use_remove_padding else PaddedLayout()
+    layout = layout_for(use_remove_padding)
     values = score_positions(model, micro_batch, VALUES, layout, slice(0, input_ids.shape[1]))["values"]
     last = attention_mask.shape[1] - 1 - attention_mask.flip(-1).long().argmax(-1)
     return values[torch.arange(values.shape[0], device=values.device), last].float()
