@@ -30,7 +30,7 @@ def measure(fused: bool, args) -> dict:
     lens = torch.full((seqs,), args.tokens // 2)
     batch = make_rl_batch(lens, lens, args.tokens // 2, args.tokens // 2, args.vocab, seed=0)
     micro = {k: batch.batch[k].to(args.device) for k in ("input_ids", "attention_mask", "position_ids", "responses")}
-    from rlframe.workers.model_forward import forward_micro_batch
+    from rlframe.workers.model_forward import ScoringSpec, forward_micro_batch
 
     if args.device == "cuda":
         torch.cuda.synchronize()
@@ -39,7 +39,7 @@ def measure(fused: bool, args) -> dict:
     else:
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out = forward_micro_batch(
-        model, micro, args.tokens // 2, calculate_entropy=True, use_remove_padding=True, use_fused_kernels=fused
+        model, micro, args.tokens // 2, ScoringSpec(calculate_entropy=True, use_fused_kernels=fused)
     )
     (out["log_probs"].sum() + 0.01 * out["entropy"].sum()).backward()
     if args.device == "cuda":

@@ -30,7 +30,7 @@ from _common import (
     tiny_causal_lm,
 )
 
-from rlframe.workers.model_forward import forward_micro_batch
+from rlframe.workers.model_forward import LOG_PROBS, forward_micro_batch, layout_for
 
 MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=512)
 
@@ -39,7 +39,7 @@ def forward_backward(model, micro_batches, response_width: int, use_remove_paddi
     """One pass over all micro-batches: log-probs, then backward of their masked sum."""
     model.zero_grad(set_to_none=True)
     for micro in micro_batches:
-        out = forward_micro_batch(model, micro, response_length=response_width, use_remove_padding=use_remove_padding)
+        out = forward_micro_batch(model, micro, response_width, LOG_PROBS, layout_for(use_remove_padding))
         out["log_probs"].sum().backward()
 
 

@@ -74,7 +74,7 @@ def make_sequence(num_tokens: int, vocab_size: int) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, world: int, port: int, num_tokens: int, threads: int, out_dir: str) -> None:
-    from rlframe.workers.model_forward import forward_micro_batch
+    from rlframe.workers.model_forward import LOG_PROBS, PackedLayout, forward_micro_batch
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(threads)
@@ -86,7 +86,7 @@ def _worker(rank: int, world: int, port: int, num_tokens: int, threads: int, out
         def step(micro, counter=None):
             pack = counter.pack if counter is not None else (lambda t: t)
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                out = forward_micro_batch(model, micro, micro["responses"].shape[-1], sp_group=group)
+                out = forward_micro_batch(model, micro, micro["responses"].shape[-1], LOG_PROBS, PackedLayout(group))
             out["log_probs"].sum().backward()
 
         step(make_sequence(4 * PROMPT_LEN, MODEL["vocab_size"]))  # warm-up; allocates the gradient buffers

@@ -16,7 +16,7 @@ from transformers import AutoConfig
 from rlframe.distributed.attention import ATTN_IMPLEMENTATION
 from rlframe.trainer.config import compose, typed
 from rlframe.workers import fused_head
-from rlframe.workers.model_forward import forward_micro_batch
+from rlframe.workers.model_forward import ScoringSpec, forward_micro_batch
 
 RTOL = 1e-5
 
@@ -60,7 +60,7 @@ def test_the_head_never_projects_more_than_one_chunk(tiny_model_path, rl_batch, 
 
     monkeypatch.setattr(fused_head, "_project_and_score", recording)
     model.lm_head.register_forward_hook(lambda module, args, out: head_outputs.append(out.shape))
-    forward_micro_batch(model, rl_batch, RESPONSE_LEN, calculate_entropy=True, use_fused_kernels=True)
+    forward_micro_batch(model, rl_batch, RESPONSE_LEN, ScoringSpec(calculate_entropy=True, use_fused_kernels=True))
     tokens = int(rl_batch["attention_mask"].sum())
     assert max(projected) == 7 and sum(projected) == tokens  # every token once, 7 at a time
     assert head_outputs == [torch.Size([1, tokens, 2])]  # per token: log-prob and entropy, no vocab dimension
@@ -72,10 +72,10 @@ def test_the_head_never_projects_more_than_one_chunk(tiny_model_path, rl_batch, 
 def test_the_fused_head_refuses_what_it_cannot_compute_exactly(tiny_model_path, rl_batch):
     model = load(tiny_model_path, ATTN_IMPLEMENTATION)
     with pytest.raises(ValueError, match="Σπ²"):
-        forward_micro_batch(model, rl_batch, RESPONSE_LEN, calculate_sum_pi_squared=True, use_fused_kernels=True)
+        ScoringSpec(calculate_sum_pi_squared=True, use_fused_kernels=True)
     model.config.final_logit_softcapping = 30.0
     with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
-        forward_micro_batch(model, rl_batch, RESPONSE_LEN, use_fused_kernels=True)
+        forward_micro_batch(model, rl_batch, RESPONSE_LEN, ScoringSpec(use_fused_kernels=True))
     model.config.final_logit_softcapping = None
 
     class ScaledHead(torch.nn.Linear):
@@ -84,7 +84,7 @@ def test_the_fused_head_refuses_what_it_cannot_compute_exactly(tiny_model_path, 
     head = ScaledHead(model.config.hidden_size, model.config.vocab_size, bias=False)
     model.set_output_embeddings(head)
     with pytest.raises(ValueError, match="plain nn.Linear output head; this model's is ScaledHead"):
-        forward_micro_batch(model, rl_batch, RESPONSE_LEN, use_fused_kernels=True)
+        forward_micro_batch(model, rl_batch, RESPONSE_LEN, ScoringSpec(use_fused_kernels=True))
 
 
 @pytest.fixture(scope="module")

@@ -116,7 +116,7 @@ def test_bf16_packed_log_probs_within_bf16_error(smollm2):
     from transformers import AutoModelForCausalLM
 
     from rlframe.distributed.attention import register_varlen_attention, varlen_kernel
-    from rlframe.workers.model_forward import forward_micro_batch
+    from rlframe.workers.model_forward import LOG_PROBS, forward_micro_batch, layout_for
 
     batch = {k: v.cuda() for k, v in _batch(49152).items()}
     mask = batch["attention_mask"][:, -16:]
@@ -130,7 +130,7 @@ def test_bf16_packed_log_probs_within_bf16_error(smollm2):
             smollm2, dtype=dtype, attn_implementation=register_varlen_attention() if packed else "sdpa"
         ).cuda()
         with torch.no_grad():
-            out[name] = forward_micro_batch(model, batch, 16, use_remove_padding=packed)["log_probs"]
+            out[name] = forward_micro_batch(model, batch, 16, LOG_PROBS, layout_for(packed))["log_probs"]
         del model
     reference_error = _mean_abs(out["hf_bf16"], out["fp32"], mask)
     packed_error = _mean_abs(out["packed_bf16"], out["fp32"], mask)
@@ -177,7 +177,7 @@ def test_flash_attn_varlen_matches_sdpa_on_smollm2_heads(monkeypatch):
 def _hf_log_probs(path: str, state: dict | None, batch: dict, dtype: torch.dtype) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    from rlframe.workers.model_forward import forward_micro_batch
+    from rlframe.workers.model_forward import LOG_PROBS, PaddedLayout, forward_micro_batch
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     if state is not None:
@@ -185,7 +185,7 @@ def _hf_log_probs(path: str, state: dict | None, batch: dict, dtype: torch.dtype
     model = model.to("cuda", dtype)
     width = batch["responses"].shape[1]
     with torch.no_grad():
-        out = forward_micro_batch(model, {k: v.cuda() for k, v in batch.items()}, width, use_remove_padding=False)
+        out = forward_micro_batch(model, {k: v.cuda() for k, v in batch.items()}, width, LOG_PROBS, PaddedLayout())
     return out["log_probs"].float().cpu()
 
 

@@ -355,11 +355,11 @@ def test_lora_grpo_run_learns_and_exports_adapter_and_merged_model(tmp_path, cac
 # ---------------------------------------------------------------- GPU: vLLM serves the adapter
 def _scores(model, out) -> torch.Tensor:
     """log p(response tokens) under `model` (fp32, padded forward), zero outside the response mask."""
-    from rlframe.workers.model_forward import forward_micro_batch
+    from rlframe.workers.model_forward import LOG_PROBS, PaddedLayout, forward_micro_batch
 
     batch = {k: out.batch[k].cpu() for k in ("input_ids", "attention_mask", "position_ids", "responses")}
     with torch.no_grad():
-        return forward_micro_batch(model, batch, out.batch["responses"].shape[-1], use_remove_padding=False)[
+        return forward_micro_batch(model, batch, out.batch["responses"].shape[-1], LOG_PROBS, PaddedLayout())[
             "log_probs"
         ]
 

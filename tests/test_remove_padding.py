@@ -12,7 +12,7 @@ from rlframe.distributed.padding import (
     position_ids_from_mask,
     unpad_input,
 )
-from rlframe.workers.model_forward import forward_micro_batch
+from rlframe.workers.model_forward import ScoringSpec, forward_micro_batch, layout_for
 
 PROMPT_LEN, RESPONSE_LEN = 6, 5
 
@@ -51,10 +51,10 @@ def load(path, attn, value_head=False):
     return model.float()
 
 
-def run(model, batch, **kwargs):
+def run(model, batch, use_remove_padding=True, **scoring):
     """Forward + backward of a masked sum; returns the outputs and the parameter gradients."""
     model.zero_grad()
-    out = forward_micro_batch(model, batch, RESPONSE_LEN, **kwargs)
+    out = forward_micro_batch(model, batch, RESPONSE_LEN, ScoringSpec(**scoring), layout_for(use_remove_padding))
     mask = batch["attention_mask"][:, -RESPONSE_LEN:]
     loss = sum((x * mask * (i + 1)).sum() for i, x in enumerate(out.values()))
     loss.backward()
@@ -142,7 +142,7 @@ def test_only_positions_scoring_the_response_reach_the_output_head(
 def test_temperature_divides_logits_before_log_softmax(tiny_model_path, batch):
     model = load(tiny_model_path, ATTN_IMPLEMENTATION)
     with torch.no_grad():
-        hot = forward_micro_batch(model, batch, RESPONSE_LEN, temperature=2.0)["log_probs"]
+        hot = forward_micro_batch(model, batch, RESPONSE_LEN, ScoringSpec(temperature=2.0))["log_probs"]
         logits = model(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
@@ -157,7 +157,7 @@ def test_temperature_divides_logits_before_log_softmax(tiny_model_path, batch):
 def test_outputs_are_zero_outside_response_mask(tiny_model_path, batch):
     with torch.no_grad():
         out = forward_micro_batch(
-            load(tiny_model_path, ATTN_IMPLEMENTATION), batch, RESPONSE_LEN, calculate_entropy=True
+            load(tiny_model_path, ATTN_IMPLEMENTATION), batch, RESPONSE_LEN, ScoringSpec(calculate_entropy=True)
         )
     outside = batch["attention_mask"][:, -RESPONSE_LEN:] == 0
     for x in out.values():

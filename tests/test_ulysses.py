@@ -23,7 +23,7 @@ from rlframe.distributed.ulysses import (
     kv_repeat_factor,
     seq_to_head_shard,
 )
-from rlframe.workers.model_forward import forward_micro_batch
+from rlframe.workers.model_forward import PackedLayout, ScoringSpec, forward_micro_batch
 
 JOB_TIMEOUT_S = 240
 # total valid tokens 24 (a multiple of 2 and 4) and 17 (neither), with 4 and 3 sequences
@@ -69,9 +69,8 @@ def score(model_path, batch, mode, sp_group=None):
     if mode == "checkpointed":  # recomputation in backward must find the SP group again
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.train()
-    out = forward_micro_batch(
-        model, batch, RESPONSE_LEN, sp_group=sp_group, calculate_entropy=mode != "values", value_head=mode == "values"
-    )
+    spec = ScoringSpec(calculate_entropy=mode != "values", value_head=mode == "values")
+    out = forward_micro_batch(model, batch, RESPONSE_LEN, spec, PackedLayout(sp_group))
     mask = batch["attention_mask"][:, -RESPONSE_LEN:]
     sum(((x * mask) * (i + 1)).sum() for i, x in enumerate(out.values())).backward()
     grads = {}

@@ -86,11 +86,11 @@ def updated(model, step: int, scale: float = 0.05) -> None:
 
 def hf_token_log_probs(model, out) -> torch.Tensor:
     """The actor's log-probs of the generated tokens (temperature 1), by the rollout contract's layout."""
-    from rlframe.workers.model_forward import forward_micro_batch
+    from rlframe.workers.model_forward import LOG_PROBS, PaddedLayout, forward_micro_batch
 
     batch = {k: out.batch[k] for k in ("input_ids", "attention_mask", "position_ids", "responses")}
     with torch.no_grad():
-        result = forward_micro_batch(model, batch, batch["responses"].shape[1], use_remove_padding=False)
+        result = forward_micro_batch(model, batch, batch["responses"].shape[1], LOG_PROBS, PaddedLayout())
     return result["log_probs"].float()
 
 

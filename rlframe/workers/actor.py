@@ -44,7 +44,7 @@ from rlframe.workers.batching import (
     update_inputs,
 )
 from rlframe.workers.config import clip_ratio_bounds
-from rlframe.workers.model_forward import forward_micro_batch
+from rlframe.workers.model_forward import ScoringSpec, forward_micro_batch, layout_for
 from rlframe.workers.updater import Batching, PPOUpdater, RoleModel, UpdateContext
 
 
@@ -74,19 +74,15 @@ class PPOActor(PPOUpdater):
         self.selection_generator = torch.Generator().manual_seed(seed)
 
     def _forward(self, micro: dict, temperature: float, calculate_entropy: bool, calculate_sum_pi_squared=False):
-        o = self.options
-        return forward_micro_batch(
-            self.module,
-            micro,
-            response_length=micro["responses"].shape[-1],
+        spec = ScoringSpec(
             temperature=temperature,
-            use_remove_padding=o.use_remove_padding,
-            sp_group=self.dims.sp_group,
             calculate_entropy=calculate_entropy,
-            use_torch_compile=o.use_torch_compile,
             calculate_sum_pi_squared=calculate_sum_pi_squared,
-            use_fused_kernels=o.use_fused_kernels,
+            use_torch_compile=self.options.use_torch_compile,
+            use_fused_kernels=self.options.use_fused_kernels,
         )
+        layout = layout_for(self.options.use_remove_padding, self.dims.sp_group)
+        return forward_micro_batch(self.module, micro, micro["responses"].shape[-1], spec, layout)
 
     def _score(self, batch: TensorDict, spec: MicroBatchSpec, temperature: float, **wanted) -> dict:
         """The per-token outputs of one forward without gradients over `batch`, cut as `spec`, in its order."""

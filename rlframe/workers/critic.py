@@ -18,7 +18,7 @@ from rlframe.workers.batching import (
     split_micro_batches,
     update_inputs,
 )
-from rlframe.workers.model_forward import forward_micro_batch
+from rlframe.workers.model_forward import VALUES, forward_micro_batch, layout_for
 from rlframe.workers.updater import Batching, PPOUpdater, RoleModel, UpdateContext
 
 
@@ -32,15 +32,8 @@ class PPOCritic(PPOUpdater):
         super().__init__(model, config, Batching.of(plan, CRITIC_KEYS), dims or ParallelDims.single(), seed)
 
     def _values(self, micro) -> torch.Tensor:
-        out = forward_micro_batch(
-            self.module,
-            micro,
-            response_length=micro["responses"].shape[-1],
-            use_remove_padding=self.options.use_remove_padding,
-            sp_group=self.dims.sp_group,
-            value_head=True,
-        )
-        return out["values"]
+        layout = layout_for(self.options.use_remove_padding, self.dims.sp_group)
+        return forward_micro_batch(self.module, micro, micro["responses"].shape[-1], VALUES, layout)["values"]
 
     @torch.no_grad()
     def compute_values(self, data: DataProto) -> torch.Tensor:

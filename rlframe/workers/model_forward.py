@@ -1,27 +1,37 @@
-"""The one model forward shared by actor, reference and critic: log-probs, entropy or values per response token.
+"""The one model forward shared by actor, reference, critic and reward model: per-token results of a micro-batch.
 
 Layout of a micro-batch (an RL batch): `input_ids = [prompt (left-padded) | response (right-padded)]`,
 `attention_mask` marks valid tokens, `position_ids = clip(cumsum(mask) - 1, 0)`, `responses` is the
 last `response_length` columns. Token t's logits predict token t + 1, so response token j is scored
 by the logits at column `seqlen - response_length - 1 + j`.
 
-With `use_remove_padding` the valid tokens are packed into one row (see `rlframe.distributed.padding`)
-and the model must use an attention that honours `cu_seq_lens_q` (`rlframe_varlen`, or transformers'
-`flash_attention_2`). With a Ulysses group of size > 1 each rank runs 1/sp of the row and the per-token
-results are gathered before padding back.
+One forward, two independent choices:
+- what is scored, a frozen `ScoringSpec`: log-probs at a temperature, plus entropy and Σπ² when asked,
+  through plain or `torch.compile`d kernels, from the logits or from the fused head
+  (`rlframe.workers.fused_head`); or values, for a value head;
+- how the micro-batch is laid out for the model, a layout: `PaddedLayout` ([batch, seqlen] under the
+  attention mask) or `PackedLayout` (`use_remove_padding`: the valid tokens packed into one row, see
+  `rlframe.distributed.padding`; the model must use an attention that honours `cu_seq_lens_q`,
+  `rlframe_varlen` or transformers' `flash_attention_2`). With a Ulysses group of size > 1 each rank
+  runs 1/sp of the packed row and the per-token results are gathered. `layout.prepare` gives the
+  model's inputs and each scored position's label; its `restore` brings the per-token results back to
+  padded columns.
+`score_positions` runs the model once and scores the head's output: the results at chosen padded
+columns. `forward_micro_batch` reads the response tokens' (actor, reference, critic); the reward model
+reads each row's last valid token (`rlframe.workers.reward_model.last_token_scores`).
 
-Only the positions that score a response token go through the output head: the prompt's positions
-(most of a row in RL) are cut from the last hidden states with transformers' `logits_to_keep`, so the
+Only the positions whose results are read go through the output head: the prompt's positions (most
+of a row in RL) are cut from the last hidden states with transformers' `logits_to_keep`, so the
 [tokens, vocab] projection, log-softmax and entropy run on the response alone, in both layouts. The
-other positions' per-token results are 0 and never read. Models whose forward has no `logits_to_keep`
-(some remote code) and the fused head project every position, as before.
+other positions' per-token results are 0 and never read. Models whose forward has no
+`logits_to_keep` (some remote code), value heads and the fused head project every position.
 
 Value models are `AutoModelForTokenClassification` with `num_labels=1` (a causal LM backbone plus a
 scalar `score` head; set `classifier_dropout=0.0` so training-mode values are deterministic). The
 value of response token j is read at the same column as its log-prob: the state before emitting it.
 
-Outputs are zero outside the response mask (`attention_mask[:, -response_length:]`), in every mode,
-so results from any parallel configuration compare as whole tensors.
+`forward_micro_batch`'s outputs are zero outside the response mask (`attention_mask[:, -response_length:]`),
+in every mode, so results from any parallel configuration compare as whole tensors.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -59,162 +70,258 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(shifted, dim=-1) - (probs * shifted).sum(dim=-1)
 
 
+# ------------------------------------------------------------------------------------------- what is scored
+@dataclass(frozen=True)
+class ScoringSpec:
+    """What the forward computes at each scored position.
+
+    A causal LM gives `"log_probs"` (plus `"entropy"` if `calculate_entropy`, `"sum_pi_squared"`,
+    Σ_v π(v)² of each token's distribution (the optimal token baseline's input), if
+    `calculate_sum_pi_squared`) of the logits divided by `temperature`; a value model (`value_head`)
+    gives `"values"`. `use_torch_compile` scores with `torch.compile`d log-prob and entropy kernels
+    (verl's `use_torch_compile`); `use_fused_kernels` scores from the hidden states a chunk at a time
+    (`rlframe.workers.fused_head`), never holding the whole logits.
+    """
+
+    temperature: float = 1.0
+    calculate_entropy: bool = False
+    calculate_sum_pi_squared: bool = False
+    use_torch_compile: bool = False
+    use_fused_kernels: bool = False
+    value_head: bool = False
+
+    def __post_init__(self):
+        if self.use_fused_kernels and (self.value_head or self.calculate_sum_pi_squared):
+            raise ValueError("use_fused_kernels scores log-probs and entropy only (no values, no Σπ²: no full logits)")
+
+    def output_head(self, model, labels: torch.Tensor):
+        """The context the model runs in: with the fused head, its output head scores `labels` instead of projecting."""
+        if not self.use_fused_kernels:
+            return contextlib.nullcontext()
+        from rlframe.workers.fused_head import scoring_head
+
+        return scoring_head(model, labels, self._chunk_stats)
+
+    def score(self, head_output: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-token results from the head's output at the scored positions and their `labels` (next tokens).
+
+        The head's output is logits [..., vocab] (values [..., 1]), or the fused head's statistics [..., 1 or 2].
+        Computed in fp32 whatever the model's compute dtype (fp64 for an fp64 model): bf16 log-softmax
+        and ratios are too coarse for PPO's importance weights and for the value loss.
+        """
+        if self.use_fused_kernels:
+            out = {"log_probs": head_output[..., 0]}
+            if self.calculate_entropy:
+                out["entropy"] = head_output[..., 1]
+            return out
+        logits = _at_least_fp32(head_output)
+        if self.value_head:
+            return {"values": logits[..., 0]}
+        logits = self._tempered(logits)
+        logprobs, entropy = self._kernels()
+        out = {"log_probs": logprobs(logits, labels)}
+        if self.calculate_entropy:
+            out["entropy"] = _entropy_from_logits_chunked(logits, entropy_fn=entropy)
+        if self.calculate_sum_pi_squared:
+            out["sum_pi_squared"] = sum_pi_squared_from_logits(logits)
+        return out
+
+    def _chunk_stats(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The fused head's [tokens, 1 or 2] log-probs (and entropy) of one chunk: `score`'s upcast, temperature
+        and kernels."""
+        logits = self._tempered(_at_least_fp32(logits))
+        logprobs, entropy = self._kernels()
+        columns = [logprobs(logits, labels)] + ([entropy(logits)] if self.calculate_entropy else [])
+        return torch.stack(columns, dim=-1)
+
+    def _tempered(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits / self.temperature if self.temperature != 1.0 else logits
+
+    def _kernels(self):
+        return _compiled_kernels() if self.use_torch_compile else (logprobs_from_logits, entropy_from_logits)
+
+
+LOG_PROBS = ScoringSpec()
+VALUES = ScoringSpec(value_head=True)
+
+
+def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+# ------------------------------------------------------------------------------------------- layouts
+@dataclass(frozen=True)
+class PaddedLayout:
+    """The micro-batch as it comes, [batch, seqlen]: the model runs the padding too, under the attention mask."""
+
+    def prepare(self, model, micro_batch: dict[str, torch.Tensor], columns: slice, keep_logits: bool) -> PaddedBatch:
+        """The model's inputs; with `keep_logits` only the scored `columns` go through the output head."""
+        input_ids = micro_batch["input_ids"]
+        inputs = {name: micro_batch[name] for name in ("input_ids", "attention_mask", "position_ids")}
+        if keep_logits:
+            inputs["logits_to_keep"] = torch.arange(columns.start, columns.stop, device=input_ids.device)
+        labels = torch.roll(input_ids, shifts=-1, dims=1)  # the fused head scores every position
+        return PaddedBatch(inputs, labels, labels[:, columns], None if keep_logits else columns)
+
+
+@dataclass(frozen=True)
+class PaddedBatch:
+    """A padded micro-batch laid out for the model (`PaddedLayout.prepare`)."""
+
+    inputs: dict  # the model's keyword arguments
+    head_labels: torch.Tensor  # [batch, seqlen] the next token of every position (the fused head sees them all)
+    labels: torch.Tensor  # [batch, len(columns)] the next token of each scored position
+    columns: slice | None  # the scored columns to cut from the head's output (None: it has only those)
+
+    def select(self, head_output: torch.Tensor) -> torch.Tensor:
+        """The head's output at the scored positions."""
+        return head_output if self.columns is None else head_output[:, self.columns]
+
+    def restore(self, per_token: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-token results [batch, len(columns)], already in place."""
+        return per_token
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """The valid tokens packed into one row [1, total_nnz], each sequence attending only to itself.
+
+    With a Ulysses group (`sp_group`) of size > 1, each rank runs its 1/sp of the row (padded to a
+    multiple of sp) and the per-token results are gathered before padding back.
+    """
+
+    sp_group: dist.ProcessGroup | None = None
+
+    def prepare(self, model, micro_batch: dict[str, torch.Tensor], columns: slice, keep_logits: bool) -> PackedRow:
+        """The packed row's inputs; with `keep_logits` only the positions of the scored `columns` go through
+        the output head."""
+        input_ids, attention_mask = micro_batch["input_ids"], micro_batch["attention_mask"]
+        ids, indices, cu_seqlens, max_seqlen = unpad_input(input_ids, attention_mask)
+        pos = pack_tensor(micro_batch["position_ids"], indices).unsqueeze(0)
+        labels = torch.roll(ids, shifts=-1, dims=1)  # next token in the row; wrong only at sequence ends, never scored
+        scored = None  # the packed positions whose results are read, when only they go through the head
+        if keep_logits:
+            column = indices % input_ids.shape[1]
+            scored = ((column >= columns.start) & (column < columns.stop))[None]
+        group, pad_size, extra = self.sp_group, 0, {}
+        sp_size = sp_size_of(group)
+        if sp_size > 1:
+            _check_ulysses_attention(model)
+            ids, pos, cu_seqlens, max_seqlen, pad_size = pad_packed_for_sp(ids, pos, cu_seqlens, max_seqlen, sp_size)
+            labels = torch.nn.functional.pad(labels, (0, pad_size))
+            ids, pos, labels = (slice_for_rank(x, group, dim=1) for x in (ids, pos, labels))
+            if scored is not None:
+                scored = slice_for_rank(torch.nn.functional.pad(scored, (0, pad_size)), group, dim=1)
+            extra["ulysses_group"] = group
+        keep = None
+        if scored is not None:
+            keep = scored[0].nonzero().flatten()  # this rank's scored positions in its share of the row
+            extra["logits_to_keep"] = keep
+            labels = labels[:, keep]
+        # the sequences' bounds travel under transformers' names for its varlen attention
+        inputs = {"input_ids": ids, "position_ids": pos, "cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens}
+        inputs.update(max_length_q=max_seqlen, max_length_k=max_seqlen, **extra)
+        unpack = _Unpack(keep, ids.shape[1], group, pad_size, indices, tuple(input_ids.shape), columns)
+        return PackedRow(inputs, labels, labels[0], unpack)
+
+
+@dataclass(frozen=True)
+class _Unpack:
+    """How a packed row's per-token results go back to padded columns."""
+
+    keep: torch.Tensor | None  # the positions of this rank's share that went through the head (None: all)
+    length: int  # this rank's share of the row
+    group: dist.ProcessGroup | None  # the Ulysses group the row is split over
+    pad_size: int  # the row's padding to a multiple of the group's size
+    indices: torch.Tensor  # each packed token's place in the flattened [batch * seqlen] micro-batch
+    shape: tuple[int, int]  # [batch, seqlen]
+    columns: slice  # the padded columns read
+
+
+@dataclass(frozen=True)
+class PackedRow:
+    """A packed micro-batch laid out for the model (`PackedLayout.prepare`)."""
+
+    inputs: dict  # the model's keyword arguments
+    head_labels: torch.Tensor  # [1, positions] the next token of each position through the head (fused head's)
+    labels: torch.Tensor  # [positions] the same, for scoring the head's output
+    unpack: _Unpack
+
+    def select(self, head_output: torch.Tensor) -> torch.Tensor:
+        """The head's output [positions, ...]: every position it sees is scored."""
+        return head_output[0]
+
+    def restore(self, per_token: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-token results [positions] -> this rank's share -> the whole row -> [batch, len(columns)].
+
+        Positions that did not go through the head are 0.
+        """
+        u = self.unpack
+        if u.keep is not None:
+            per_token = {name: x.new_zeros(u.length).index_copy(0, u.keep, x) for name, x in per_token.items()}
+        per_token = {name: gather_outputs(x, u.group, dim=0, pad_size=u.pad_size) for name, x in per_token.items()}
+        return {name: pad_output(x, u.indices, *u.shape)[:, u.columns] for name, x in per_token.items()}
+
+
+def layout_for(use_remove_padding: bool, sp_group: dist.ProcessGroup | None = None) -> PaddedLayout | PackedLayout:
+    """The layout the config's `use_remove_padding` and Ulysses group ask for."""
+    if use_remove_padding:
+        return PackedLayout(sp_group)
+    if sp_size_of(sp_group) > 1:
+        raise ValueError(
+            "ulysses_sequence_parallel_size > 1 (actor_rollout_ref.actor./critic.) needs "
+            "use_remove_padding=True (actor_rollout_ref.model./critic.model.)"
+        )
+    return PaddedLayout()
+
+
+def _check_ulysses_attention(model) -> None:
+    attn = getattr(getattr(model, "config", None), "_attn_implementation", ATTN_IMPLEMENTATION)
+    if attn != ATTN_IMPLEMENTATION:  # any other attention would silently ignore the SP group
+        raise ValueError(
+            f"Ulysses sequence parallelism needs attn_implementation={ATTN_IMPLEMENTATION!r}, the model uses {attn!r}"
+        )
+
+
+PACKED = PackedLayout()  # no sequence parallelism
+
+
+# ------------------------------------------------------------------------------------------- the forward
 def forward_micro_batch(
     model: torch.nn.Module,
     micro_batch: dict[str, torch.Tensor],
     response_length: int,
-    temperature: float = 1.0,
-    use_remove_padding: bool = True,
-    sp_group: dist.ProcessGroup | None = None,
-    calculate_entropy: bool = False,
-    value_head: bool = False,
-    use_torch_compile: bool = False,
-    calculate_sum_pi_squared: bool = False,
-    use_fused_kernels: bool = False,
+    spec: ScoringSpec = LOG_PROBS,
+    layout: PaddedLayout | PackedLayout = PACKED,
 ) -> dict[str, torch.Tensor]:
-    """Run `model` on one micro-batch and score its responses.
+    """Run `model` on one micro-batch and score its responses: `spec`'s results, each [batch, response_length].
 
     `micro_batch` holds `input_ids`, `attention_mask`, `position_ids` [batch, seqlen] and `responses`
-    [batch, response_length]. Returns `{"log_probs"}` (plus `"entropy"` if `calculate_entropy`) for a
-    causal LM, or `{"values"}` when `value_head`; each [batch, response_length]. `sp_group` is the
-    Ulysses group (None: no sequence parallelism). `use_torch_compile` scores with `torch.compile`d
-    log-prob and entropy kernels (verl's `use_torch_compile`). `calculate_sum_pi_squared` adds
-    `"sum_pi_squared"`, Σ_v π(v)² of each token's distribution (the optimal token baseline's input).
-    `use_fused_kernels` scores from the hidden states a chunk at a time (`rlframe.workers.fused_head`).
+    [batch, response_length]. `layout` defaults to the packed row without sequence parallelism
+    (`layout_for(use_remove_padding, sp_group)` builds one from the config's two knobs).
     """
-    if use_fused_kernels and (value_head or calculate_sum_pi_squared):
-        raise ValueError("use_fused_kernels scores log-probs and entropy only (no values, no Σπ²: no full logits)")
-    fused = (temperature, calculate_entropy, use_torch_compile) if use_fused_kernels else None
-    input_ids, attention_mask = micro_batch["input_ids"], micro_batch["attention_mask"]
-    position_ids = micro_batch["position_ids"]
-    responses = micro_batch["responses"]
-    batch_size, seqlen = input_ids.shape
-
-    if use_remove_padding:
-        per_token, indices = _forward_packed(
-            model,
-            input_ids,
-            attention_mask,
-            position_ids,
-            response_length,
-            temperature,
-            sp_group,
-            calculate_entropy,
-            value_head,
-            use_torch_compile,
-            calculate_sum_pi_squared,
-            fused,
-        )
-        # [total_nnz] per token -> [batch, seqlen] -> the columns scoring the response tokens
-        outputs = {
-            name: pad_output(x, indices, batch_size, seqlen)[:, -response_length - 1 : -1]
-            for name, x in per_token.items()
-        }
-    else:
-        if sp_size_of(sp_group) > 1:
-            raise ValueError(
-                "ulysses_sequence_parallel_size > 1 (actor_rollout_ref.actor./critic.) needs "
-                "use_remove_padding=True (actor_rollout_ref.model./critic.model.)"
-            )
-        labels = torch.roll(input_ids, shifts=-1, dims=1)  # the fused head scores every position
-        scoring = slice(seqlen - response_length - 1, seqlen - 1)  # the columns whose logits score the response
-        keep = {}
-        if fused is None and _keeps_logits(model, value_head):
-            keep["logits_to_keep"] = torch.arange(scoring.start, scoring.stop, device=input_ids.device)
-        with _fused_scoring(model, labels, fused):
-            output = model(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **keep
-            )
-        logits = output.logits if keep else output.logits[:, scoring]
-        if fused is not None:
-            outputs = _fused_outputs(logits, calculate_entropy)
-        else:
-            outputs = _score(
-                logits,
-                responses,
-                temperature,
-                calculate_entropy,
-                value_head,
-                use_torch_compile,
-                calculate_sum_pi_squared,
-            )
-
-    response_mask = attention_mask[:, -response_length:].bool()
+    seqlen = micro_batch["input_ids"].shape[1]
+    scoring_columns = slice(seqlen - response_length - 1, seqlen - 1)  # the logits of column t score token t + 1
+    outputs = score_positions(model, micro_batch, spec, layout, scoring_columns)
+    response_mask = micro_batch["attention_mask"][:, -response_length:].bool()
     return {name: torch.where(response_mask, x, torch.zeros_like(x)) for name, x in outputs.items()}
 
 
-def _forward_packed(
-    model,
-    input_ids,
-    attention_mask,
-    position_ids,
-    response_length,
-    temperature,
-    group,
-    calculate_entropy,
-    value_head,
-    use_torch_compile=False,
-    calculate_sum_pi_squared=False,
-    fused=None,
-) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """Forward the packed row; returns per-token results [total_nnz] and the packing `indices`."""
-    ids, indices, cu_seqlens, max_seqlen = unpad_input(input_ids, attention_mask)
-    pos = pack_tensor(position_ids, indices).unsqueeze(0)
-    labels = torch.roll(ids, shifts=-1, dims=1)  # next token in the row; wrong only at sequence ends, never scored
-    scored = None  # the packed positions whose results are read, when only they go through the head
-    if fused is None and _keeps_logits(model, value_head):
-        column = indices % input_ids.shape[1]  # padded columns seqlen - response_length - 1 .. seqlen - 2
-        scored = ((column >= input_ids.shape[1] - response_length - 1) & (column < input_ids.shape[1] - 1))[None]
-    sp_size = sp_size_of(group)
-    pad_size = 0
-    extra = {}
-    if sp_size > 1:
-        attn = getattr(getattr(model, "config", None), "_attn_implementation", ATTN_IMPLEMENTATION)
-        if attn != ATTN_IMPLEMENTATION:  # any other attention would silently ignore the SP group
-            raise ValueError(
-                f"Ulysses sequence parallelism needs attn_implementation={ATTN_IMPLEMENTATION!r}, "
-                f"the model uses {attn!r}"
-            )
-        ids, pos, cu_seqlens, max_seqlen, pad_size = pad_packed_for_sp(ids, pos, cu_seqlens, max_seqlen, sp_size)
-        labels = torch.nn.functional.pad(labels, (0, pad_size))
-        ids, pos, labels = (slice_for_rank(x, group, dim=1) for x in (ids, pos, labels))
-        if scored is not None:
-            scored = slice_for_rank(torch.nn.functional.pad(scored, (0, pad_size)), group, dim=1)
-        extra["ulysses_group"] = group
-    keep = None
-    if scored is not None:
-        keep = scored[0].nonzero().flatten()  # this rank's scored positions in its share of the row
-        extra["logits_to_keep"] = keep
-        labels = labels[:, keep]
-
-    with _fused_scoring(model, labels, fused):
-        output = model(
-            input_ids=ids,
-            position_ids=pos,
-            use_cache=False,
-            cu_seq_lens_q=cu_seqlens,
-            cu_seq_lens_k=cu_seqlens,
-            max_length_q=max_seqlen,
-            max_length_k=max_seqlen,
-            **extra,
-        )
-    if fused is not None:
-        per_token = _fused_outputs(output.logits[0], calculate_entropy)
-    else:
-        per_token = _score(
-            output.logits[0],
-            labels[0],
-            temperature,
-            calculate_entropy,
-            value_head,
-            use_torch_compile,
-            calculate_sum_pi_squared,
-        )
-    if keep is not None:  # back to one entry per position of this rank's share; unscored positions are 0
-        length = ids.shape[1]
-        per_token = {name: x.new_zeros(length).index_copy(0, keep, x) for name, x in per_token.items()}
-    per_token = {name: gather_outputs(x, group, dim=0, pad_size=pad_size) for name, x in per_token.items()}
-    return per_token, indices
+def score_positions(
+    model: torch.nn.Module,
+    micro_batch: dict[str, torch.Tensor],
+    spec: ScoringSpec,
+    layout: PaddedLayout | PackedLayout,
+    columns: slice,
+) -> dict[str, torch.Tensor]:
+    """The model's forward on `micro_batch` ([batch, seqlen] `input_ids`, `attention_mask`, `position_ids`),
+    scored by `spec` at the padded `columns` (the results of column t are from its logits, which predict
+    token t + 1): each result [batch, len(columns)]."""
+    keep_logits = not spec.use_fused_kernels and _keeps_logits(model, spec.value_head)
+    laid_out = layout.prepare(model, micro_batch, columns, keep_logits)
+    with spec.output_head(model, laid_out.head_labels):
+        output = model(**laid_out.inputs, use_cache=False)
+    return laid_out.restore(spec.score(laid_out.select(output.logits), laid_out.labels))
 
 
 def _keeps_logits(model, value_head: bool) -> bool:
@@ -236,61 +343,7 @@ def _forward_takes_logits_to_keep(model_class: type) -> bool:
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
-def _score(
-    logits: torch.Tensor,
-    labels: torch.Tensor,
-    temperature: float,
-    calculate_entropy: bool,
-    value_head: bool,
-    use_torch_compile: bool = False,
-    calculate_sum_pi_squared: bool = False,
-) -> dict[str, torch.Tensor]:
-    """Per-token log-probs of `labels` (and entropy) from `logits` [..., vocab], or values from [..., 1].
-
-    Computed in fp32 whatever the model's compute dtype (fp64 for an fp64 model): bf16 log-softmax
-    and ratios are too coarse for PPO's importance weights and for the value loss.
-    """
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if value_head:
-        return {"values": logits[..., 0]}
-    if temperature != 1.0:
-        logits = logits / temperature
-    logprobs, entropy = _compiled_kernels() if use_torch_compile else (logprobs_from_logits, entropy_from_logits)
-    out = {"log_probs": logprobs(logits, labels)}
-    if calculate_entropy:
-        out["entropy"] = _entropy_from_logits_chunked(logits, entropy_fn=entropy)
-    if calculate_sum_pi_squared:
-        out["sum_pi_squared"] = sum_pi_squared_from_logits(logits)
-    return out
-
-
-def _fused_scoring(model, labels: torch.Tensor, fused: tuple | None):
-    """With `fused` = (temperature, calculate_entropy, use_torch_compile): the head scores instead of projecting."""
-    if fused is None:
-        return contextlib.nullcontext()
-    from rlframe.workers.fused_head import scoring_head
-
-    return scoring_head(model, labels, functools.partial(_fused_chunk_stats, fused=fused))
-
-
-def _fused_chunk_stats(logits: torch.Tensor, labels: torch.Tensor, fused: tuple) -> torch.Tensor:
-    """One chunk's [tokens, 1 or 2] log-probs (and entropy): `_score`'s upcast, temperature and kernels."""
-    temperature, calculate_entropy, use_torch_compile = fused
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if temperature != 1.0:
-        logits = logits / temperature
-    logprobs, entropy = _compiled_kernels() if use_torch_compile else (logprobs_from_logits, entropy_from_logits)
-    columns = [logprobs(logits, labels)] + ([entropy(logits)] if calculate_entropy else [])
-    return torch.stack(columns, dim=-1)
-
-
-def _fused_outputs(stats: torch.Tensor, calculate_entropy: bool) -> dict[str, torch.Tensor]:
-    out = {"log_probs": stats[..., 0]}
-    if calculate_entropy:
-        out["entropy"] = stats[..., 1]
-    return out
-
-
+# ------------------------------------------------------------------------------------------- kernels
 def sum_pi_squared_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Σ_v softmax(logits)_v² = exp(logsumexp(2z) − 2·logsumexp(z)), without materializing the softmax.
 

@@ -5,8 +5,8 @@ The model is loaded as token classification with one label: a sequence-classific
 last valid token whatever the padding side. The score goes on the last valid response token
 (`rm_scores` [bs, response_length]), the same place rule-based rewards go. With
 `reward_model.model.use_remove_padding` the valid tokens of a micro-batch are packed into one row
-(each sequence attending only to itself through `cu_seqlens`) and each score is read at its
-sequence's last packed token: the same scores without computing the padding.
+(each sequence attending only to itself through `cu_seqlens`): the same scores without computing the
+padding. Both run the actor's and critic's forward (`rlframe.workers.model_forward`) with a value head.
 
 What is scored (`reward_model.use_reward_loop`):
 - true (verl 0.9.1's only way, verl 0.8's default): the text verl's reward loop sends to its reward-model
@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import torch
 
-from rlframe.distributed.padding import pack_tensor, position_ids_from_mask, unpad_input
+from rlframe.distributed.padding import position_ids_from_mask
 from rlframe.protocol import DataProto
 from rlframe.single_controller import Dispatch, register
 from rlframe.workers.fsdp_utils import FSDPSpec, resolve_dtype, wrap_fsdp
 from rlframe.workers.fsdp_workers import FSDPWorkerBase
+from rlframe.workers.model_forward import VALUES, layout_for, score_positions
 
 
 def last_token_scores(
@@ -34,33 +35,18 @@ def last_token_scores(
 ) -> torch.Tensor:
     """Score [bs] read at each row's last valid token (rows may be left- and right-padded).
 
-    `use_remove_padding` runs the packed row instead (the model must use rlframe's varlen attention).
+    The actor's and critic's forward (`rlframe.workers.model_forward`) with a value head, read at every
+    column; `use_remove_padding` runs the packed row instead (the model must use rlframe's varlen attention).
     """
-    if use_remove_padding:
-        return _packed_last_token_scores(model, input_ids, attention_mask)
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask),
-        use_cache=False,
-    ).logits[..., 0]
+    micro_batch = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids_from_mask(attention_mask),
+    }
+    layout = layout_for(use_remove_padding)
+    values = score_positions(model, micro_batch, VALUES, layout, slice(0, input_ids.shape[1]))["values"]
     last = attention_mask.shape[1] - 1 - attention_mask.flip(-1).long().argmax(-1)
-    return logits[torch.arange(logits.shape[0], device=logits.device), last].float()
-
-
-def _packed_last_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    ids, indices, cu_seqlens, max_seqlen = unpad_input(input_ids, attention_mask)
-    position_ids = pack_tensor(position_ids_from_mask(attention_mask), indices).unsqueeze(0)
-    logits = model(
-        input_ids=ids,
-        position_ids=position_ids,
-        use_cache=False,
-        cu_seq_lens_q=cu_seqlens,
-        cu_seq_lens_k=cu_seqlens,
-        max_length_q=max_seqlen,
-        max_length_k=max_seqlen,
-    ).logits[0, :, 0]
-    return logits[cu_seqlens[1:].long() - 1].float()  # each sequence's last token in the packed row
+    return values[torch.arange(values.shape[0], device=values.device), last].float()
 
 
 def load_reward_model(path: str, use_remove_padding: bool):
