@@ -84,3 +84,22 @@ def test_no_reference_to_documents_outside_the_repository():
         if p.suffix in (".py", ".md", ".sh") and "DESIGN" + " §" in p.read_text()
     ]
     assert not cited
+
+
+# An argument list longer than this wants an object (a spec, a plan, the role's config section).
+MAX_WORKER_PARAMETERS = 8
+
+
+def test_no_function_in_the_workers_takes_more_than_eight_parameters():
+    too_long = []
+    for path in sorted((ROOT / "rlframe" / "workers").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            args = node.args
+            names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
+            names += [a.arg for a in (args.vararg, args.kwarg) if a is not None]
+            count = len(names) - (names[:1] in (["self"], ["cls"]))
+            if count > MAX_WORKER_PARAMETERS:
+                too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({count})")
+    assert not too_long, too_long
