@@ -8,8 +8,11 @@ from datetime import timedelta
 
 import torch
 
+from rlframe.config import trace
+from rlframe.distributed.shm_gather import SharedMemoryGroups
 from rlframe.single_controller.errors import WorkerError
 from rlframe.single_controller.transport import pack_value, unpack_value
+from rlframe.utils.faults import KillPoints
 
 # Environment a worker group sets on each worker process before its class is constructed.
 # Set for a group whose ranks all run on one node: torch.distributed rendezvouses through this file
@@ -89,6 +92,29 @@ class Worker:
             timeout=timedelta(seconds=timeout_s),
         )
 
+    # ------------------------------------------------------------------ what the process's roles share
+    # Owned by the worker (a ColocatedWorker's roles use their host's), created on first use, gone with it.
+    @property
+    def kill_points(self) -> KillPoints:
+        """This process's kill points (`rlframe.utils.faults`)."""
+        return self._owned("_kill_points", KillPoints)
+
+    @property
+    def shared_memory(self) -> SharedMemoryGroups:
+        """What this process's groups agreed on and their /dev/shm buffers (`rlframe.distributed.shm_gather`)."""
+        return self._owned("_shared_memory", SharedMemoryGroups)
+
+    @property
+    def config_trace(self):
+        """The config-read trace of this process (`rlframe.config.trace`): a context, a no-op unless asked for."""
+        return self._owned("_config_trace", trace.from_env)
+
+    def _owned(self, name: str, make):
+        owner = self.__dict__.get("_rlframe_host", self)
+        if name not in owner.__dict__:
+            owner.__dict__[name] = make()
+        return owner.__dict__[name]
+
     # ------------------------------------------------------------------ called by the worker group
     def _rlframe_target(self, role: str | None):
         """The object whose methods the group calls: the worker itself (roles: see ColocatedWorker)."""
@@ -102,7 +128,8 @@ class Worker:
         try:
             args = tuple(unpack_value(a) for a in args)
             kwargs = {k: unpack_value(v) for k, v in kwargs.items()}
-            return pack_value(getattr(target, method)(*args, **kwargs))
+            with self.config_trace:
+                return pack_value(getattr(target, method)(*args, **kwargs))
         except Exception:  # noqa: BLE001 - every failure must reach the driver with its rank
             raise WorkerError(self.rank, f"{type(target).__name__}.{method}", traceback.format_exc()) from None
 

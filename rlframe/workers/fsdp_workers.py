@@ -25,7 +25,6 @@ from rlframe.config.keys import ACTOR_KEYS, CRITIC_KEYS, REF_KEYS
 from rlframe.models.builtin import copy_to_shm
 from rlframe.protocol import DataProto, all_gather_data_proto
 from rlframe.single_controller import Dispatch, Execute, Worker, register
-from rlframe.utils.faults import kill_point
 from rlframe.utils.flops import model_flops_info
 from rlframe.workers import checkpoint as ckpt
 from rlframe.workers import lora
@@ -123,7 +122,6 @@ class FSDPWorkerBase(Worker):
 
     def __init__(self, config: dict, plan: BatchPlan):
         super().__init__()
-        trace.enable_from_env()
         self.config = OmegaConf.create(config)
         OmegaConf.set_readonly(self.config, True)
         self.plan = plan
@@ -181,7 +179,11 @@ class FSDPWorkerBase(Worker):
 
     def _wrap(self, model, fsdp_cfg, activation_offload: bool = False):
         module = wrap_fsdp(
-            model, fsdp_spec(fsdp_cfg, self._strategy, self.device_type), self.fsdp_mesh, self.device_type
+            model,
+            fsdp_spec(fsdp_cfg, self._strategy, self.device_type),
+            self.fsdp_mesh,
+            self.device_type,
+            self.shared_memory,  # the process's (Worker.shared_memory): one buffer for its models and weight sync
         )
         if activation_offload and self.device_type == "cuda":  # on CPU activations already are in host memory
             enable_activation_offload(module)
@@ -267,7 +269,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
                 use_torch_compile=bool(cfg.ref.use_torch_compile) and self.device_type == "cuda",
             )
             self.ref = PPOActor(ref_module, None, ref_settings, self.dp_group, self.sp_group, self.dp_size)
-        kill_point("worker.init")  # crash-consistency tests (docs/reliability.md)
+        self.kill_points.hit("worker.init")  # crash-consistency tests (docs/reliability.md)
         self._init_rollout(cfg)
 
     def _with_rollout_temperature(self, data: DataProto) -> DataProto:
@@ -303,7 +305,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         self.generation_pool = None
         if cfg.rollout.name == "hf" and tp == 1 and self.device_type == "cpu" and self.world_size > 1:
             weight_bytes = sum(p.numel() * p.element_size() for p in self.actor_module.parameters())
-            if pools_generation(cfg.rollout.pool_cpu_generation, weight_bytes, dist.group.WORLD):
+            if pools_generation(cfg.rollout.pool_cpu_generation, weight_bytes, dist.group.WORLD, self.shared_memory):
                 self.generation_pool = dist.group.WORLD
 
     @register(dispatch_mode=Dispatch.RANK_ZERO, execute_mode=Execute.RANK_ZERO)
@@ -333,7 +335,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
                 self.rollout.update_weights(iter_full_params_bucketed(self.actor_module))
             self._weights_dirty = False
         sync_s = time.perf_counter() - start
-        kill_point("worker.generate")  # crash-consistency tests (docs/reliability.md)
+        self.kill_points.hit("worker.generate")  # crash-consistency tests (docs/reliability.md)
         # validation must not advance the training RNG stream, or resuming would diverge
         devices = [torch.cuda.current_device()] if self.device_type == "cuda" else []
         rng = torch.random.fork_rng(devices=devices) if prompts.meta_info.get("validate", False) else nullcontext()
@@ -379,7 +381,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             metrics, stats = self.actor.update_policy_on_policy(data)
         else:
             metrics = self.actor.update_policy(data)
-        kill_point("worker.update")
+        self.kill_points.hit("worker.update")
         metrics["timing_s/update_actor_worker"] = [time.perf_counter() - start]
         self._offload_optimizer()
         self._weights_dirty = True
@@ -400,6 +402,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             self.rank,
             self.world_size,
             generator=self.actor.generator,
+            kill_points=self.kill_points,
         )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -482,6 +485,7 @@ class CriticWorker(FSDPWorkerBase):
             self.rank,
             self.world_size,
             generator=self.critic.generator,
+            kill_points=self.kill_points,
         )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -16,7 +16,11 @@ class ColocatedWorker(Worker):
     def __init__(self, role_specs: dict[str, tuple[type[Worker], tuple, dict]]):
         # Roles are built in the given order, in this process, sharing its environment (rank,
         # rendezvous): the first to call init_process_group creates the group for all of them.
-        self.roles = {role: cls(*args, **kwargs) for role, (cls, args, kwargs) in role_specs.items()}
+        # Its kill points, shared memory and config-read trace are the roles' (Worker.kill_points, ...).
+        with self.config_trace:
+            self.roles = {role: cls(*args, **kwargs) for role, (cls, args, kwargs) in role_specs.items()}
+        for worker in self.roles.values():
+            worker._rlframe_host = self
 
     def _rlframe_target(self, role: str | None):
         if role is None:
