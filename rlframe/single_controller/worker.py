@@ -97,23 +97,26 @@ class Worker:
     @property
     def kill_points(self) -> KillPoints:
         """This process's kill points (`rlframe.utils.faults`)."""
-        return self._owned("_kill_points", KillPoints)
+        return self.process_state("kill_points", KillPoints)
 
     @property
     def shared_memory(self) -> SharedMemoryGroups:
         """What this process's groups agreed on and their /dev/shm buffers (`rlframe.distributed.shm_gather`)."""
-        return self._owned("_shared_memory", SharedMemoryGroups)
+        return self.process_state("shared_memory", SharedMemoryGroups)
 
     @property
     def config_trace(self):
         """The config-read trace of this process (`rlframe.config.trace`): a context, a no-op unless asked for."""
-        return self._owned("_config_trace", trace.from_env)
+        return self.process_state("config_trace", trace.from_env)
 
-    def _owned(self, name: str, make):
+    def process_state(self, name: str, make):
+        """The object `name` of this process, made by `make()` on first use: the worker's, or its host's for a
+        role of a ColocatedWorker, so that the roles of one process share it (instead of a module global)."""
         owner = self.__dict__.get("_rlframe_host", self)
-        if name not in owner.__dict__:
-            owner.__dict__[name] = make()
-        return owner.__dict__[name]
+        states = owner.__dict__.setdefault("_rlframe_process_state", {})
+        if name not in states:
+            states[name] = make()
+        return states[name]
 
     # ------------------------------------------------------------------ called by the worker group
     def _rlframe_target(self, role: str | None):

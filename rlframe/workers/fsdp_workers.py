@@ -44,7 +44,7 @@ from rlframe.workers.fsdp_utils import (
     resolve_dtype,
     wrap_fsdp,
 )
-from rlframe.workers.profiler import Profiler, profiled
+from rlframe.workers.profiler import Profiler, ProfileSession, profiled
 from rlframe.workers.weight_sync import iter_full_params_bucketed
 
 
@@ -132,7 +132,10 @@ class FSDPWorkerBase(Worker):
 
     def _profiler(self, role_cfg, role: str, stages_only: bool = False) -> Profiler:
         global_cfg = self.config.global_profiler
-        profiler = Profiler(global_cfg, role_cfg, role, self.rank, self.world_size, self.device_type, stages_only)
+        session = self.process_state("profile_session", ProfileSession)  # the roles of this process share it
+        profiler = Profiler(
+            global_cfg, role_cfg, role, self.rank, self.world_size, self.device_type, stages_only, session
+        )
         self.profilers.append(profiler)
         return profiler
 
