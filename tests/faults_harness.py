@@ -19,6 +19,7 @@ import torch
 
 from rlframe.data.dataloader import make_dataloader
 from rlframe.trainer.checkpointing import TrainerCheckpointer
+from rlframe.utils.faults import KillPoints
 from rlframe.workers import checkpoint as ckpt
 from rlframe.workers.fsdp_utils import ModelSpec, load_hf_model
 
@@ -28,7 +29,8 @@ NUM_SAMPLES, BATCH_SIZE = 12, 2
 class LocalRole:
     """One role (actor or critic) in this process, with a worker group's save/load methods."""
 
-    def __init__(self, model_path: str, seed: int):
+    def __init__(self, model_path: str, seed: int, kill_points: KillPoints):
+        self.kill_points = kill_points  # the process's, as a worker's roles share their process's
         torch.manual_seed(seed)
         self.model = load_hf_model(
             ModelSpec(path=model_path, role="actor", dtype=torch.float32, use_remove_padding=False)
@@ -39,7 +41,13 @@ class LocalRole:
 
     def save_checkpoint(self, path: str) -> None:
         ckpt.save_checkpoint(
-            path, self.model, self.optimizer, self.scheduler, ("model", "optimizer", "extra"), generator=self.generator
+            path,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            ("model", "optimizer", "extra"),
+            generator=self.generator,
+            kill_points=self.kill_points,
         )
 
     def load_checkpoint(self, path: str) -> None:
@@ -93,7 +101,8 @@ def run_steps(
     moments are the ones recorded for that step, "final": the digests at `last_step`}. Records
     `record_dir/step_N.json` before saving step N; `on_resume(found)` is called right after resuming.
     """
-    actor, critic = LocalRole(model_path, seed=0), LocalRole(model_path, seed=1)
+    kill_points = KillPoints()
+    actor, critic = LocalRole(model_path, 0, kill_points), LocalRole(model_path, 1, kill_points)
     loader = make_loader()
     saver = checkpointer(root, keep)
     driver = saver.maybe_resume(actor, critic, loader)

@@ -16,7 +16,7 @@ from small_config import SMALL
 
 from rlframe.trainer.config import compose, typed
 from rlframe.trainer.profiling import StepProfiler, nsight_runtime_env
-from rlframe.workers.profiler import Profiler, profiled
+from rlframe.workers.profiler import Profiler, ProfileSession, profiled
 
 
 def _config(tmp_path, *overrides):
@@ -87,8 +87,9 @@ def test_two_roles_of_one_process_share_one_trace(tmp_path):
         "actor_rollout_ref.actor.profiler.enable=true",
         "critic.profiler.enable=true",
     )
-    actor = Profiler(cfg.global_profiler, cfg.actor_rollout_ref.actor.profiler, "actor", 0, 1, "cpu")
-    critic = Profiler(cfg.global_profiler, cfg.critic.profiler, "critic", 0, 1, "cpu")
+    session = ProfileSession()  # the process's (a worker's Worker.process_state)
+    actor = Profiler(cfg.global_profiler, cfg.actor_rollout_ref.actor.profiler, "actor", 0, 1, "cpu", session=session)
+    critic = Profiler(cfg.global_profiler, cfg.critic.profiler, "critic", 0, 1, "cpu", session=session)
     actor.start(1)
     critic.start(1)
     with critic.stage("critic_update"):

@@ -97,11 +97,11 @@ def test_an_engine_error_on_rank_0_reaches_every_rank(tiny_model_path, tmp_path)
 
 
 def test_pooling_follows_the_key_and_by_default_the_l2_cache(monkeypatch):
-    monkeypatch.setattr(pool, "ranks_share_a_machine", lambda group: True)
+    monkeypatch.setattr(pool, "ranks_share_a_machine", lambda group, memory=None: True)
     l2 = pool.l2_cache_bytes()
     assert l2 > 0
     assert not pool.pools_generation(None, l2 // 2, group=None)  # fits in a core's cache: per-rank decoding
     assert pool.pools_generation(None, 2 * l2, group=None)
     assert pool.pools_generation(True, 1, group=None) and not pool.pools_generation(False, 1 << 40, group=None)
-    monkeypatch.setattr(pool, "ranks_share_a_machine", lambda group: False)
+    monkeypatch.setattr(pool, "ranks_share_a_machine", lambda group, memory=None: False)
     assert not pool.pools_generation(True, 1 << 40, group=None)  # ranks on several machines never pool

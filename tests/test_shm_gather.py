@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 from fsdp_harness import free_port
 
-from rlframe.distributed import shm_gather
-from rlframe.distributed.shm_gather import shared_half
+from rlframe.distributed.shm_gather import SharedMemoryGroups
 
 SIZES = [12, 1 << 20, 3 << 20, 40]  # floats per rank; the second outgrows the first buffer
 
@@ -30,6 +29,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         group, result = dist.group.WORLD, {"calls": []}
+        memory = SharedMemoryGroups()
+        shared_half = memory.shared_half
         for call, size in enumerate(SIZES):
             half = shared_half(group, world * size * 4).view(torch.float32).view(world, size)
             half[rank] = 1000.0 * call + rank
@@ -40,8 +41,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                 other[rank] = -1.0
                 dist.barrier(group=group)
                 result["kept"] = half[:, [0, -1]].clone()
-        result["buffer_halves"] = shm_gather._groups[group].buffer.half_bytes
-        shm_gather._groups[group].capacity = 0  # no room
+        result["buffer_halves"] = memory.memory(group).buffer.half_bytes
+        memory.memory(group).capacity = 0  # no room
         result["no_room"] = shared_half(group, 16) is None
         torch.save(result, f"{out}.{rank}")
     finally:

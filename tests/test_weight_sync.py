@@ -16,15 +16,13 @@ import torch
 import torch.distributed as dist
 from fsdp_harness import free_port
 
-from rlframe.distributed import shm_gather
 from rlframe.distributed.parallel_dims import build_fsdp_mesh
-from rlframe.workers import weight_sync
 from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, iter_full_params, load_hf_model, wrap_fsdp
 from rlframe.workers.weight_sync import _rows_per_rank, iter_full_params_bucketed
 
 
 def _counting(real, counter: list):
-    """`real` (`weight_sync.shared_half`, asked once per bucket on CPU), counting its calls in `counter`."""
+    """`real` (`SharedMemoryGroups.shared_half`, asked once per bucket on CPU), counting its calls in `counter`."""
 
     def all_gather(*args, **kwargs):
         counter.append(1)
@@ -50,19 +48,20 @@ def _worker(rank: int, world: int, port: int, model_path: str, out_dir: str) -> 
         optimizer.step()
         reference = [(name, tensor.clone()) for name, tensor in iter_full_params(model)]
         result = {"reference": reference}
-        real = weight_sync.shared_half
+        memory = model._rlframe_shared_memory  # what wrap_fsdp gave the model (a worker passes its own)
+        real = memory.shared_half
         for label, bucket_bytes in (("small", 4096), ("default", None), ("gloo", None)):
             calls: list = []
-            weight_sync.shared_half = _counting(real, calls)
+            memory.shared_half = _counting(real, calls)
             if label == "gloo":  # no room in /dev/shm: the flat all_gather through gloo
-                weight_sync.shared_half = _counting(lambda group, nbytes: None, calls)
+                memory.shared_half = _counting(lambda group, nbytes: None, calls)
             try:
                 kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
                 result[label] = [(name, tensor.clone()) for name, tensor in iter_full_params_bucketed(model, **kwargs)]
             finally:
-                weight_sync.shared_half = real
+                memory.shared_half = real
             result[f"{label}_calls"] = len(calls)
-        result["through_shared_memory"] = any(memory.buffer is not None for memory in shm_gather._groups.values())
+        result["through_shared_memory"] = any(group.buffer is not None for group in memory._groups.values())
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -7,11 +7,11 @@ the whole belongs, one barrier, and every rank reads the whole in place. The wei
 workers each rank writes its 270 MB of shards and the full tensors are read where they lie, instead of
 gloo sending 270 MB each way and copying 540 MB out (docs/benchmarks.md §5).
 
-The protocol of `shared_half(group, nbytes)`: every rank of the group calls it with the same `nbytes`, writes
-its own bytes of the half it returns, calls `dist.barrier(group)`, and may then read any byte of it. The
-buffer has two halves used in turn, so that one barrier per call is enough: a rank writes call k + 1 into
-the other half while its peers may still read call k, and cannot come back to call k's half before every
-peer has passed call k + 1's barrier, which each reaches only after it has read call k. So what a rank
+The protocol of `SharedMemoryGroups.shared_half(group, nbytes)`: every rank of the group calls it with the
+same `nbytes`, writes its own bytes of the half it returns, calls `dist.barrier(group)`, and may then read any
+byte of it. The buffer has two halves used in turn, so that one barrier per call is enough: a rank writes call
+k + 1 into the other half while its peers may still read call k, and cannot come back to call k's half before
+every peer has passed call k + 1's barrier, which each reaches only after it has read call k. So what a rank
 reads stays intact until its next call but one. The file is unlinked as soon as every rank has mapped it:
 nothing is left in /dev/shm even when a process is killed.
 """
@@ -63,26 +63,57 @@ class _GroupMemory:
     buffer: _SharedBuffer | None = None
 
 
-_groups: dict = {}
+class SharedMemoryGroups:
+    """What each process group agreed on, and its shared buffer: owned by the worker process that uses them.
 
+    A worker creates one (`rlframe.single_controller.Worker.shared_memory`, shared by the roles of its
+    process, so FSDP's collectives and the weight sync of a group use one buffer) and passes it where
+    groups gather; its buffers are unmapped when it is closed or collected with the worker.
+    """
 
-def _group_memory(group) -> _GroupMemory:
-    """Asked once per group (a collective the first time): host, boot and free /dev/shm of every rank."""
-    if group not in _groups:
-        free = 0
-        if os.path.isdir(SHM_DIR):
-            stat = os.statvfs(SHM_DIR)
-            free = stat.f_bavail * stat.f_frsize
-        here = (socket.gethostname(), _boot_id())
-        everyone = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, (here, free), group=group)
-        _groups[group] = _GroupMemory(all(host == here for host, _ in everyone), min(room for _, room in everyone))
-    return _groups[group]
+    def __init__(self):
+        self._groups: dict = {}
 
+    def memory(self, group) -> _GroupMemory:
+        """Asked once per group (a collective the first time): host, boot and free /dev/shm of every rank."""
+        if group not in self._groups:
+            free = 0
+            if os.path.isdir(SHM_DIR):
+                stat = os.statvfs(SHM_DIR)
+                free = stat.f_bavail * stat.f_frsize
+            here = (socket.gethostname(), _boot_id())
+            everyone = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everyone, (here, free), group=group)
+            one_machine = all(host == here for host, _ in everyone)
+            self._groups[group] = _GroupMemory(one_machine, min(room for _, room in everyone))
+        return self._groups[group]
 
-def ranks_share_a_machine(group) -> bool:
-    """Every rank of `group` runs on this machine (a collective the first time a group is asked)."""
-    return _group_memory(group).one_machine
+    def ranks_share_a_machine(self, group) -> bool:
+        """Every rank of `group` runs on this machine (a collective the first time a group is asked)."""
+        return self.memory(group).one_machine
+
+    def shared_half(self, group, nbytes: int) -> torch.Tensor | None:
+        """`nbytes` of the group's shared buffer (uint8, see the module for the protocol), or None.
+
+        None when the ranks are not all on this machine or the buffer (two halves) would take more than a
+        quarter of the free /dev/shm they reported: then gather through the group's backend. Every rank
+        decides alike, from numbers the ranks agreed on and the `nbytes` they all pass.
+        """
+        if dist.get_world_size(group) == 1:
+            return None
+        memory = self.memory(group)
+        half = max(nbytes, 1 << 20)
+        if not memory.one_machine or 2 * half > memory.capacity // 4:
+            return None
+        if memory.buffer is None or memory.buffer.half_bytes < nbytes:
+            if memory.buffer is not None:  # every rank grows it at the same call; nobody still reads the old one
+                dist.barrier(group=group)
+            memory.buffer = _SharedBuffer(group, half)
+        return memory.buffer.next_half(nbytes)
+
+    def close(self) -> None:
+        """Forget every group and drop the buffers (their mappings close once no tensor views them)."""
+        self._groups.clear()
 
 
 def _boot_id() -> str:
@@ -91,26 +122,6 @@ def _boot_id() -> str:
             return f.read().strip()
     except OSError:
         return ""
-
-
-def shared_half(group, nbytes: int) -> torch.Tensor | None:
-    """`nbytes` of the group's shared buffer (uint8, see the module for the protocol), or None.
-
-    None when the ranks are not all on this machine or the buffer (two halves) would take more than a
-    quarter of the free /dev/shm they reported: then gather through the group's backend. Every rank
-    decides alike, from numbers the ranks agreed on and the `nbytes` they all pass.
-    """
-    if dist.get_world_size(group) == 1:
-        return None
-    memory = _group_memory(group)
-    half = max(nbytes, 1 << 20)
-    if not memory.one_machine or 2 * half > memory.capacity // 4:
-        return None
-    if memory.buffer is None or memory.buffer.half_bytes < nbytes:
-        if memory.buffer is not None:  # every rank grows it at the same call; nobody still reads the old one
-            dist.barrier(group=group)
-        memory.buffer = _SharedBuffer(group, half)
-    return memory.buffer.next_half(nbytes)
 
 
 # ------------------------------------------------------------------ FSDP2's collectives through the buffer
@@ -135,10 +146,13 @@ if AllGather is not None:
 
         allocate = staticmethod(_empty)
 
+        def __init__(self, memory: SharedMemoryGroups):
+            self.memory = memory
+
         def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
             world, rank = dist.get_world_size(group), dist.get_rank(group)
             nbytes = input_tensor.numel() * input_tensor.element_size()
-            half = shared_half(group, world * nbytes)
+            half = self.memory.shared_half(group, world * nbytes)
             if half is None:
                 return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
             slots = half.view(input_tensor.dtype).view(world, input_tensor.numel())
@@ -157,11 +171,14 @@ if AllGather is not None:
 
         allocate = staticmethod(_empty)
 
+        def __init__(self, memory: SharedMemoryGroups):
+            self.memory = memory
+
         def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
             world, rank = dist.get_world_size(group), dist.get_rank(group)
             half = None
             if op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-                half = shared_half(group, world * input_tensor.numel() * input_tensor.element_size())
+                half = self.memory.shared_half(group, world * input_tensor.numel() * input_tensor.element_size())
             if half is None:
                 return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
             slots = half.view(input_tensor.dtype).view(world, world, output_tensor.numel())
@@ -173,13 +190,14 @@ if AllGather is not None:
             return None
 
 
-def use_shared_memory_comms(model: torch.nn.Module, group) -> bool:
-    """FSDP2 modules of `model` gather parameters and reduce gradients through /dev/shm when every rank of
-    `group` (their shard group) is on this machine; returns whether they do. A collective (all ranks call)."""
-    if AllGather is None or dist.get_world_size(group) == 1 or not ranks_share_a_machine(group):
+def use_shared_memory_comms(model: torch.nn.Module, group, memory: SharedMemoryGroups) -> bool:
+    """FSDP2 modules of `model` gather parameters and reduce gradients through `memory`'s buffer of `group`
+    (their shard group) when every rank of it is on this machine; returns whether they do. A collective (all
+    ranks call)."""
+    if AllGather is None or dist.get_world_size(group) == 1 or not memory.ranks_share_a_machine(group):
         return False
     modules = [m for m in model.modules() if hasattr(m, "set_custom_all_gather")]
     for module in modules:
-        module.set_custom_all_gather(SharedMemoryAllGather())
-        module.set_custom_reduce_scatter(SharedMemoryReduceScatter())
+        module.set_custom_all_gather(SharedMemoryAllGather(memory))
+        module.set_custom_reduce_scatter(SharedMemoryReduceScatter(memory))
     return bool(modules)

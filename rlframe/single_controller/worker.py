@@ -8,8 +8,11 @@ from datetime import timedelta
 
 import torch
 
+from rlframe.config import trace
+from rlframe.distributed.shm_gather import SharedMemoryGroups
 from rlframe.single_controller.errors import WorkerError
 from rlframe.single_controller.transport import pack_value, unpack_value
+from rlframe.utils.faults import KillPoints
 
 # Environment a worker group sets on each worker process before its class is constructed.
 # Set for a group whose ranks all run on one node: torch.distributed rendezvouses through this file
@@ -89,6 +92,32 @@ class Worker:
             timeout=timedelta(seconds=timeout_s),
         )
 
+    # ------------------------------------------------------------------ what the process's roles share
+    # Owned by the worker (a ColocatedWorker's roles use their host's), created on first use, gone with it.
+    @property
+    def kill_points(self) -> KillPoints:
+        """This process's kill points (`rlframe.utils.faults`)."""
+        return self.process_state("kill_points", KillPoints)
+
+    @property
+    def shared_memory(self) -> SharedMemoryGroups:
+        """What this process's groups agreed on and their /dev/shm buffers (`rlframe.distributed.shm_gather`)."""
+        return self.process_state("shared_memory", SharedMemoryGroups)
+
+    @property
+    def config_trace(self):
+        """The config-read trace of this process (`rlframe.config.trace`): a context, a no-op unless asked for."""
+        return self.process_state("config_trace", trace.from_env)
+
+    def process_state(self, name: str, make):
+        """The object `name` of this process, made by `make()` on first use: the worker's, or its host's for a
+        role of a ColocatedWorker, so that the roles of one process share it (instead of a module global)."""
+        owner = self.__dict__.get("_rlframe_host", self)
+        states = owner.__dict__.setdefault("_rlframe_process_state", {})
+        if name not in states:
+            states[name] = make()
+        return states[name]
+
     # ------------------------------------------------------------------ called by the worker group
     def _rlframe_target(self, role: str | None):
         """The object whose methods the group calls: the worker itself (roles: see ColocatedWorker)."""
@@ -102,7 +131,8 @@ class Worker:
         try:
             args = tuple(unpack_value(a) for a in args)
             kwargs = {k: unpack_value(v) for k, v in kwargs.items()}
-            return pack_value(getattr(target, method)(*args, **kwargs))
+            with self.config_trace:
+                return pack_value(getattr(target, method)(*args, **kwargs))
         except Exception:  # noqa: BLE001 - every failure must reach the driver with its rank
             raise WorkerError(self.rank, f"{type(target).__name__}.{method}", traceback.format_exc()) from None
 

@@ -23,7 +23,7 @@ import shutil
 import torch
 
 from rlframe.protocol import plain_data
-from rlframe.utils.faults import kill_point
+from rlframe.utils.faults import KillPoints
 from rlframe.utils.manifest import CorruptCheckpointError, verify_manifest, write_manifest
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class CheckpointSaveError(RuntimeError):
 
 
 class TrainerCheckpointer:
-    def __init__(self, trainer_cfg):
+    def __init__(self, trainer_cfg, kill_points: KillPoints | None = None):
         self.root = str(trainer_cfg.default_local_dir)
         self.resume_mode = str(trainer_cfg.resume_mode)
         self.resume_from_path = trainer_cfg.resume_from_path
@@ -55,6 +55,7 @@ class TrainerCheckpointer:
         if self.resume_mode == "resume_path" and not self.resume_from_path:
             raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<dir>/global_step_N")
         self.last_complete: str | None = None  # the newest checkpoint this run saved or resumed from
+        self.kill_points = kill_points if kill_points is not None else KillPoints()  # the run's: PreparedRun
 
     def restart_from(self, folder: str) -> None:
         """After a restart (trainer.max_restarts): resume from `folder`, this run's latest complete checkpoint."""
@@ -74,9 +75,9 @@ class TrainerCheckpointer:
             raise CheckpointSaveError(self._save_failure(step, tmp, error)) from error
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        kill_point("save.renamed")
+        self.kill_points.hit("save.renamed")
         self._write_latest(step)
-        kill_point("save.latest")
+        self.kill_points.hit("save.latest")
         self.last_complete = final
         self._prune()
         return final
@@ -84,16 +85,16 @@ class TrainerCheckpointer:
     def _write_step(self, tmp: str, actor_wg, critic_wg, data: dict) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        kill_point("save.begin")
+        self.kill_points.hit("save.begin")
         actor_wg.save_checkpoint(os.path.join(tmp, "actor"))
-        kill_point("save.actor")
+        self.kill_points.hit("save.actor")
         if critic_wg is not None:
             critic_wg.save_checkpoint(os.path.join(tmp, "critic"))
-            kill_point("save.critic")
+            self.kill_points.hit("save.critic")
         torch.save(data, os.path.join(tmp, DATA_FILE))
-        kill_point("save.data")
+        self.kill_points.hit("save.data")
         write_manifest(tmp)  # last: a folder with a manifest was complete
-        kill_point("save.manifest")
+        self.kill_points.hit("save.manifest")
 
     def _save_failure(self, step: int, tmp: str, error: BaseException) -> str:
         """The message of a failed save: the cause (disk full named as such) and which checkpoint is still latest."""

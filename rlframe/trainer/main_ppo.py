@@ -263,13 +263,13 @@ def main(argv: list[str] | None = None) -> None:
         )
         sys.exit(2)
     configure_logging()
-    trace.enable_from_env()
-    try:
-        run = prepare(overrides)
-    except ValueError as err:  # config and data errors: one clear message, before any work starts
-        print(f"rlframe: error: {err}", file=sys.stderr)
-        sys.exit(2)
-    train(run, verbose="--verbose" in args, print_config="--print-config" in args)
+    with trace.from_env():  # the config keys this run reads, when RLFRAME_TRACE_CONFIG_READS asks
+        try:
+            run = prepare(overrides)
+        except ValueError as err:  # config and data errors: one clear message, before any work starts
+            print(f"rlframe: error: {err}", file=sys.stderr)
+            sys.exit(2)
+        train(run, verbose="--verbose" in args, print_config="--print-config" in args)
 
 
 if __name__ == "__main__":

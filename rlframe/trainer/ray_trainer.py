@@ -12,7 +12,7 @@ import os
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -41,6 +41,7 @@ from rlframe.trainer.metrics import (
 from rlframe.trainer.profiling import StepProfiler
 from rlframe.trainer.redact import redact
 from rlframe.trainer.tracking import ProgressBar, Tracking
+from rlframe.utils.faults import KillPoints
 from rlframe.utils.flops import device_peak_tflops, train_flops
 from rlframe.workers.rollout.multi_turn import AGENT_INPUT_KEYS, check_agent_rows, uses_tool_agent
 
@@ -74,6 +75,7 @@ class PreparedRun:
     hidden_size: int  # the model's, for the DP balancing workload
     reward_fn: RewardManager
     val_reward_fn: RewardManager
+    kill_points: KillPoints = field(default_factory=KillPoints)  # the driver's, over every restart of the run
 
 
 class RayPPOTrainer:
@@ -136,7 +138,7 @@ class RayPPOTrainer:
         self.kl_ctrl = make_kl_controller(
             algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon
         )
-        self.checkpointer = TrainerCheckpointer(config.trainer)
+        self.checkpointer = TrainerCheckpointer(config.trainer, run.kill_points)
         self.sampler = None  # DAPO's dynamic sampling: collects informative groups over generation rounds
         if plan.filter_groups:
             metric = algo.filter_groups.metric

@@ -16,7 +16,6 @@ import signal
 
 ENV = "RLFRAME_KILL_AT"
 ONCE_ENV = "RLFRAME_KILL_ONCE"
-_hits: dict[str, int] = {}
 
 
 def _targets(spec: str) -> list[tuple[str, int, str | None]]:
@@ -29,18 +28,33 @@ def _targets(spec: str) -> list[tuple[str, int, str | None]]:
     return targets
 
 
-def kill_point(name: str) -> None:
-    """SIGKILL this process if `RLFRAME_KILL_AT` names `name` and this is its N-th hit here."""
-    spec = os.environ.get(ENV)
-    if not spec:
-        return
-    targets = [(wanted, rank) for target, wanted, rank in _targets(spec) if target == name]
-    if not targets:
-        return
-    _hits[name] = _hits.get(name, 0) + 1
-    for wanted, rank in targets:
-        if _hits[name] == wanted and (rank is None or os.environ.get("RANK") == rank) and _first_time(name, wanted):
-            os.kill(os.getpid(), signal.SIGKILL)
+class KillPoints:
+    """The kill points of one process: how often each point was reached, counted from this object's creation.
+
+    The process's long-lived object owns it and hands it to the code with points: a worker process
+    (`rlframe.single_controller.Worker.kill_points`, one for all the roles it hosts) and the driver's
+    `TrainerCheckpointer`. Only the counts live here; `RLFRAME_KILL_AT` is read at each point.
+    """
+
+    def __init__(self):
+        self.hits: dict[str, int] = {}
+
+    def hit(self, name: str) -> None:
+        """SIGKILL this process if `RLFRAME_KILL_AT` names `name` and this is its N-th hit here."""
+        spec = os.environ.get(ENV)
+        if not spec:
+            return
+        targets = [(wanted, rank) for target, wanted, rank in _targets(spec) if target == name]
+        if not targets:
+            return
+        self.hits[name] = self.hits.get(name, 0) + 1
+        for wanted, rank in targets:
+            if (
+                self.hits[name] == wanted
+                and (rank is None or os.environ.get("RANK") == rank)
+                and _first_time(name, wanted)
+            ):
+                os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _first_time(name: str, hit: int) -> bool:

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, F
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from rlframe.config.checks import SAVE_CONTENTS
-from rlframe.utils.faults import kill_point
+from rlframe.utils.faults import KillPoints
 from rlframe.workers.fsdp_utils import full_state_dict
 from rlframe.workers.lora import checkpoint_options, export_lora_hf, is_lora, save_adapter_config
 
@@ -137,6 +137,10 @@ class _MetadataUnpickler(pickle.Unpickler):
 class _NamedFiles(FileSystem):
     """DCP's local file system; a failed read names its file, and each written file is a kill point."""
 
+    def __init__(self, kill_points: KillPoints | None = None):
+        super().__init__()
+        self.kill_points = kill_points
+
     @contextmanager
     def create_stream(self, path, mode: str):
         try:
@@ -148,8 +152,8 @@ class _NamedFiles(FileSystem):
             if "r" not in mode:
                 raise
             raise RuntimeError(f"cannot read {path}: {type(e).__name__}: {e}") from e
-        if "w" in mode:
-            kill_point("checkpoint.file")
+        if "w" in mode and self.kill_points is not None:
+            self.kill_points.hit("checkpoint.file")
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -205,9 +209,9 @@ def _dcp_errors(action: str, folder: str):
             raise RuntimeError(f"cannot {action} checkpoint folder {folder}: {causes}") from e
 
 
-def _dcp_save(state: dict, folder: str, no_dist: bool) -> None:
+def _dcp_save(state: dict, folder: str, no_dist: bool, kill_points: KillPoints | None = None) -> None:
     writer = FileSystemWriter(folder)
-    writer.fs = _NamedFiles()
+    writer.fs = _NamedFiles(kill_points)
     with _dcp_errors("save", folder):
         dcp.save(state, storage_writer=writer, no_dist=no_dist)
 
@@ -258,8 +262,11 @@ def save_checkpoint(
     save_contents=SAVE_CONTENTS,
     tokenizer=None,
     generator: torch.Generator | None = None,
+    kill_points: KillPoints | None = None,
 ) -> None:
-    """Write this rank's part of the checkpoint under `path` (a collective: every rank calls it)."""
+    """Write this rank's part of the checkpoint under `path` (a collective: every rank calls it).
+
+    Each file written is the kill point `checkpoint.file` of `kill_points` (the worker's, docs/reliability.md)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     rank, world_size = _rank_and_world_size()
@@ -274,19 +281,19 @@ def save_checkpoint(
     no_dist = not _distributed()
     if "model" in save_contents:
         state = get_model_state_dict(model, options=checkpoint_options(model))  # with LoRA: the adapter only
-        _dcp_save(state, os.path.join(path, MODEL_DIR), no_dist)
+        _dcp_save(state, os.path.join(path, MODEL_DIR), no_dist, kill_points)
         if rank == 0 and is_lora(model):  # the adapter's rank, alpha and targets, for an offline merge
             save_adapter_config(path, model)
     if "optimizer" in save_contents and optimizer is not None:
-        _dcp_save(get_optimizer_state_dict(model, optimizer), os.path.join(path, OPTIMIZER_DIR), no_dist)
+        _dcp_save(get_optimizer_state_dict(model, optimizer), os.path.join(path, OPTIMIZER_DIR), no_dist, kill_points)
     if "extra" in save_contents:
-        _save_extra(path, rank, world_size, lr_scheduler, generator)
+        _save_extra(path, rank, world_size, lr_scheduler, generator, kill_points)
     if "hf_model" in save_contents:
         export_hf(os.path.join(path, HF_DIR), model, tokenizer, rank)
     _barrier()
 
 
-def _save_extra(path: str, rank: int, world_size: int, lr_scheduler, generator) -> None:
+def _save_extra(path: str, rank: int, world_size: int, lr_scheduler, generator, kill_points) -> None:
     folder = os.path.join(path, EXTRA_DIR)
     os.makedirs(folder, exist_ok=True)
     extra = {
@@ -299,7 +306,8 @@ def _save_extra(path: str, rank: int, world_size: int, lr_scheduler, generator) 
     tmp = f"{file}.tmp.{os.getpid()}"
     torch.save(extra, tmp)
     os.replace(tmp, file)
-    kill_point("checkpoint.file")
+    if kill_points is not None:
+        kill_points.hit("checkpoint.file")
 
 
 # ---------------------------------------------------------------- load

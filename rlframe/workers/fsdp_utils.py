@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlframe.config.checks import STRATEGIES
-from rlframe.distributed.shm_gather import use_shared_memory_comms
+from rlframe.distributed.shm_gather import SharedMemoryGroups, use_shared_memory_comms
 from rlframe.workers.lora import trainable_parameters, trains_leaf_weight
 
 DTYPES = {
@@ -103,19 +103,25 @@ class FSDPSpec:
         return dtypes != {model_dtype}
 
 
-def wrap_fsdp(model: nn.Module, spec: FSDPSpec, mesh, device_type: str) -> nn.Module:
-    """Shard `model` over the 1-D `mesh` with FSDP2 (`fully_shard`) or FSDP1."""
+def wrap_fsdp(
+    model: nn.Module, spec: FSDPSpec, mesh, device_type: str, shared_memory: SharedMemoryGroups | None = None
+) -> nn.Module:
+    """Shard `model` over the 1-D `mesh` with FSDP2 (`fully_shard`) or FSDP1.
+
+    FSDP2 on CPU ranks of one machine gathers through `shared_memory` (the worker's: one buffer per group
+    for all its models and the weight sync; without it, one of the model's own), kept as
+    `model._rlframe_shared_memory` for the weight sync (`rlframe.workers.weight_sync`)."""
     if spec.strategy not in STRATEGIES:
         raise ValueError(
             f"strategy={spec.strategy!r} is not one of {', '.join(STRATEGIES)} "
             "(actor_rollout_ref.actor.strategy / critic.strategy)"
         )
     if spec.strategy == "fsdp2":
-        return _wrap_fsdp2(model, spec, mesh, device_type)
+        return _wrap_fsdp2(model, spec, mesh, device_type, shared_memory)
     return _wrap_fsdp1(model, spec, mesh, device_type)
 
 
-def _wrap_fsdp2(model, spec, mesh, device_type):
+def _wrap_fsdp2(model, spec, mesh, device_type, shared_memory):
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     # HF heads return views (e.g. token-classification logits); rlframe only reads model outputs
@@ -140,9 +146,10 @@ def _wrap_fsdp2(model, spec, mesh, device_type):
     if spec.forward_prefetch:  # one layer ahead, as FSDP1's forward_prefetch (its limit is 1)
         for layer, following in zip(layers, layers[1:]):
             layer.set_modules_to_forward_prefetch([following])
+    model._rlframe_shared_memory = shared_memory if shared_memory is not None else SharedMemoryGroups()
     if device_type == "cpu" and dist.is_initialized():
         # every rank on this machine: parameters and gradients cross through /dev/shm, not gloo's sockets
-        use_shared_memory_comms(model, dist.group.WORLD)
+        use_shared_memory_comms(model, dist.group.WORLD, model._rlframe_shared_memory)
     return model
 
 

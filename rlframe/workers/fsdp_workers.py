@@ -25,7 +25,6 @@ from rlframe.distributed.parallel_dims import ParallelDims, tensor_parallel_grou
 from rlframe.models.builtin import copy_to_shm
 from rlframe.protocol import DataProto, all_gather_data_proto
 from rlframe.single_controller import Dispatch, Execute, Worker, register
-from rlframe.utils.faults import kill_point
 from rlframe.utils.flops import model_flops_info
 from rlframe.workers import checkpoint as ckpt
 from rlframe.workers import lora
@@ -43,7 +42,7 @@ from rlframe.workers.fsdp_utils import (
     resolve_dtype,
     wrap_fsdp,
 )
-from rlframe.workers.profiler import Profiler, profiled
+from rlframe.workers.profiler import Profiler, ProfileSession, profiled
 from rlframe.workers.updater import ModelOptions, PPOUpdater, RoleModel
 from rlframe.workers.weight_sync import iter_full_params_bucketed
 
@@ -68,7 +67,6 @@ class FSDPWorkerBase(Worker):
     def __init__(self, config, plan: BatchPlan):
         """`config`: the whole typed config (the driver's `PPOTrainerConfig`, interpolations resolved)."""
         super().__init__()
-        trace.enable_from_env()
         self.config = OmegaConf.structured(config)  # typed sections: each role receives its own
         OmegaConf.set_readonly(self.config, True)
         self.plan = plan
@@ -78,7 +76,10 @@ class FSDPWorkerBase(Worker):
 
     def _profiler(self, role_cfg, role: str, stages_only: bool = False) -> Profiler:
         global_cfg = self.config.global_profiler
-        profiler = Profiler(global_cfg, role_cfg, role, self.rank, self.world_size, self.device_type, stages_only)
+        session = self.process_state("profile_session", ProfileSession)  # the roles of this process share it
+        profiler = Profiler(
+            global_cfg, role_cfg, role, self.rank, self.world_size, self.device_type, stages_only, session
+        )
         self.profilers.append(profiler)
         return profiler
 
@@ -118,7 +119,11 @@ class FSDPWorkerBase(Worker):
 
     def _wrap(self, model, fsdp_cfg, activation_offload: bool = False):
         module = wrap_fsdp(
-            model, fsdp_spec(fsdp_cfg, self._strategy, self.device_type), self.dims.fsdp_mesh, self.device_type
+            model,
+            fsdp_spec(fsdp_cfg, self._strategy, self.device_type),
+            self.dims.fsdp_mesh,
+            self.device_type,
+            self.shared_memory,  # the process's (Worker.shared_memory): one buffer for its models and weight sync
         )
         if activation_offload and self.device_type == "cuda":  # on CPU activations already are in host memory
             enable_activation_offload(module)
@@ -136,7 +141,14 @@ class FSDPWorkerBase(Worker):
     def _save_role(self, path: str, role: PPOUpdater, contents) -> None:
         """Write a role's model, optimizer, scheduler and RNG streams (checkpoint.save_contents) under `path`."""
         ckpt.save_checkpoint(
-            path, role.module, role.optimizer, role.lr_scheduler, list(contents), self.tokenizer, role.generator
+            path,
+            role.module,
+            role.optimizer,
+            role.lr_scheduler,
+            list(contents),
+            self.tokenizer,
+            role.generator,
+            kill_points=self.kill_points,  # each file written is the kill point checkpoint.file
         )
 
     def _load_role(self, path: str, role: PPOUpdater) -> None:
@@ -203,7 +215,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             ref_model = RoleModel(ref_module, self._model_options(cfg.ref.use_torch_compile, cfg.actor.fsdp_config))
             log_prob = micro_batch_spec(self.plan.ref, REF_KEYS.max_token_len)
             self.ref = PPOActor(ref_model, cfg.actor, self.plan.actor, self.dims, log_prob=log_prob)
-        kill_point("worker.init")  # crash-consistency tests (docs/reliability.md)
+        self.kill_points.hit("worker.init")  # crash-consistency tests (docs/reliability.md)
         self._init_rollout(cfg)
 
     def _model_options(self, use_torch_compile: bool, fsdp_cfg) -> ModelOptions:
@@ -245,7 +257,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         self.generation_pool = None
         if cfg.rollout.name == "hf" and tp == 1 and self.device_type == "cpu" and self.world_size > 1:
             weight_bytes = sum(p.numel() * p.element_size() for p in self.actor_module.parameters())
-            if pools_generation(cfg.rollout.pool_cpu_generation, weight_bytes, dist.group.WORLD):
+            if pools_generation(cfg.rollout.pool_cpu_generation, weight_bytes, dist.group.WORLD, self.shared_memory):
                 self.generation_pool = dist.group.WORLD
 
     @register(dispatch_mode=Dispatch.RANK_ZERO, execute_mode=Execute.RANK_ZERO)
@@ -275,7 +287,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
                 self.rollout.update_weights(iter_full_params_bucketed(self.actor_module))
             self._weights_dirty = False
         sync_s = time.perf_counter() - start
-        kill_point("worker.generate")  # crash-consistency tests (docs/reliability.md)
+        self.kill_points.hit("worker.generate")  # crash-consistency tests (docs/reliability.md)
         # validation must not advance the training RNG stream, or resuming would diverge
         devices = [torch.cuda.current_device()] if self.device_type == "cuda" else []
         rng = torch.random.fork_rng(devices=devices) if prompts.meta_info.get("validate", False) else nullcontext()
@@ -321,7 +333,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             metrics, stats = self.actor.update_policy_on_policy(data)
         else:
             metrics = self.actor.update_policy(data)
-        kill_point("worker.update")
+        self.kill_points.hit("worker.update")
         metrics["timing_s/update_actor_worker"] = [time.perf_counter() - start]
         self._offload_optimizer()
         self._weights_dirty = True

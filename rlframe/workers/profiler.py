@@ -164,19 +164,64 @@ class RolloutProfilerConfig(RoleProfilerConfig):
 
 # ───────────────────────────── in the worker processes ─────────────────────────────
 
-# The process's running trace or capture range, shared by its roles: {"roles": joined, "open": still in it,
-# "step": first step, "trace": torch.profiler.profile or None}
-_SESSION: dict = {}
+
+class ProfileSession:
+    """The running step-long trace (torch) or capture range (nsys) of one worker process, shared by its roles.
+
+    Owned by the worker process (`Worker.process_state`, one for the roles a ColocatedWorker hosts); the
+    first role to start a profiled step opens it, the last one out writes it, named after every role in it.
+    """
+
+    def __init__(self):
+        self.state: dict = {}  # {"roles": joined, "open": still in it, "step": first step, "trace": profile or None}
+
+    def join(self, role: str, step: int, make_trace) -> None:
+        """Start the process's trace (torch) or capture range (nsys), or join the one another role started."""
+        if self.state:
+            self.state["roles"].append(role)
+            self.state["open"].add(role)
+            return
+        trace = make_trace() if make_trace is not None else None
+        self.state.update(roles=[role], open={role}, step=step, trace=trace)
+        if trace is not None:
+            trace.start()
+        else:
+            torch.cuda.profiler.start()
+
+    def leave(self, role: str, trace_path) -> None:
+        """Leave the process's session; the last role out writes the trace (named after every role in it)."""
+        if not self.state or role not in self.state["open"]:
+            return
+        self.state["open"].discard(role)
+        if self.state["open"]:
+            return
+        session = dict(self.state)
+        self.state.clear()
+        if session["trace"] is not None:
+            session["trace"].stop()
+            session["trace"].export_chrome_trace(trace_path("+".join(session["roles"]), session["step"]))
+        else:
+            torch.cuda.profiler.stop()
 
 
 class Profiler:
     """One role's profiler in one worker process (verl's DistProfiler): `start(step)`, `stage(name)`, `stop()`."""
 
     def __init__(
-        self, global_cfg, role_cfg, role: str, rank: int, world_size: int, device_type: str, stages_only=False
+        self,
+        global_cfg,
+        role_cfg,
+        role: str,
+        rank: int,
+        world_size: int,
+        device_type: str,
+        stages_only=False,
+        session: ProfileSession | None = None,
     ):
-        """`stages_only`: the role never opens the process's step-long trace, only its stages' own (discrete)."""
+        """`stages_only`: the role never opens the process's step-long trace, only its stages' own (discrete).
+        `session`: the process's, shared by its roles (without it, the profiler's own)."""
         self.stages_only = stages_only
+        self.session = session if session is not None else ProfileSession()
         selected = role_cfg is not None and role_cfg.enable
         selected = selected and (role_cfg.all_ranks or rank in (list(role_cfg.ranks) or [0]))
         self.tool = global_cfg.tool if selected else None
@@ -201,7 +246,7 @@ class Profiler:
         if self.tool == "torch_memory":
             self._start_memory_window(step)
         elif not self.discrete:
-            _join_session(self.role, step, self._torch_profile if self.tool == "torch" else None)
+            self.session.join(self.role, step, self._torch_profile if self.tool == "torch" else None)
 
     def stop(self) -> None:
         """The trainer ends the profiled step (or window): write what was recorded."""
@@ -210,7 +255,7 @@ class Profiler:
         if self.tool == "torch_memory" and not self.stages_only:
             self._end_memory_window()
         elif not self.discrete and not self.stages_only:
-            _leave_session(self.role, self._trace_path)
+            self.session.leave(self.role, self._trace_path)
         self.step = None
 
     @contextlib.contextmanager
@@ -218,7 +263,7 @@ class Profiler:
         """One worker call: a named range in the step's trace, or its own trace / capture range (discrete)."""
         active = self.tool is not None and self.step is not None
         # a trace (torch) or capture range (nsys) of its own, unless another role's step-long one is running
-        own = active and self.discrete and not _SESSION
+        own = active and self.discrete and not self.session.state
         if own and self.tool == "torch":
             trace = self._torch_profile()
             trace.start()
@@ -292,36 +337,6 @@ class Profiler:
             with open(os.path.join(folder, name + ".json"), "w") as f:
                 json.dump(record, f, indent=1)
         self.window = []
-
-
-def _join_session(role: str, step: int, make_trace) -> None:
-    """Start the process's trace (torch) or capture range (nsys), or join the one another role started."""
-    if _SESSION:
-        _SESSION["roles"].append(role)
-        _SESSION["open"].add(role)
-        return
-    trace = make_trace() if make_trace is not None else None
-    _SESSION.update(roles=[role], open={role}, step=step, trace=trace)
-    if trace is not None:
-        trace.start()
-    else:
-        torch.cuda.profiler.start()
-
-
-def _leave_session(role: str, trace_path) -> None:
-    """Leave the process's session; the last role out writes the trace (named after every role in it)."""
-    if not _SESSION or role not in _SESSION["open"]:
-        return
-    _SESSION["open"].discard(role)
-    if _SESSION["open"]:
-        return
-    session = dict(_SESSION)
-    _SESSION.clear()
-    if session["trace"] is not None:
-        session["trace"].stop()
-        session["trace"].export_chrome_trace(trace_path("+".join(session["roles"]), session["step"]))
-    else:
-        torch.cuda.profiler.stop()
 
 
 def _proc_status_bytes(field: str) -> int:

@@ -131,7 +131,7 @@ class RewardModelWorker(FSDPWorkerBase):
             reshard_after_forward=bool(fsdp_cfg.reshard_after_forward),
             forward_prefetch=bool(fsdp_cfg.forward_prefetch),
         )
-        self.module = wrap_fsdp(model, spec, self.dims.fsdp_mesh, self.device_type)
+        self.module = wrap_fsdp(model, spec, self.dims.fsdp_mesh, self.device_type, self.shared_memory)
         self.micro_batch_size = int(rm_cfg.micro_batch_size_per_gpu)
 
     def _rm_inputs(self, data: DataProto) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rlframe.distributed.shm_gather import shared_half
+from rlframe.distributed.shm_gather import SharedMemoryGroups
 from rlframe.workers.fsdp_utils import iter_full_params, on_mesh_device
 
 BUCKET_BYTES = 64 * 2**20
@@ -57,7 +57,9 @@ def _rows_per_rank(rows: int, world: int) -> list[int]:
     return [max(0, min(chunk, rows - rank * chunk)) for rank in range(world)]
 
 
-def _gather_bucket(bucket: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _gather_bucket(
+    bucket: list[tuple[str, torch.Tensor]], memory: SharedMemoryGroups
+) -> Iterator[tuple[str, torch.Tensor]]:
     """One gather of the shards of `bucket` (same mesh and dtype); yields the full tensors in order.
 
     On one machine (CPU) each rank writes its rows of every tensor where they belong in the shared buffer
@@ -76,7 +78,7 @@ def _gather_bucket(bucket: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str
         sizes.append([r * row_numel for r in rows])
     dtype = locals_[0].dtype
     total = sum(tensor.numel() for _, tensor in bucket)
-    shared = shared_half(group, total * dtype.itemsize) if locals_[0].device.type == "cpu" else None
+    shared = memory.shared_half(group, total * dtype.itemsize) if locals_[0].device.type == "cpu" else None
     if shared is not None:
         full, offset = shared.view(dtype), 0
         for (_, tensor), local, size in zip(bucket, locals_, sizes):
@@ -106,18 +108,23 @@ def _gather_bucket(bucket: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str
 
 
 def iter_full_params_bucketed(model: nn.Module, bucket_bytes: int = BUCKET_BYTES):
-    """(name, full tensor) of `model`'s state dict in order, FSDP2 shards gathered a bucket at a time."""
+    """(name, full tensor) of `model`'s state dict in order, FSDP2 shards gathered a bucket at a time.
+
+    On CPU the buckets go through the shared memory `wrap_fsdp` gave the model (the worker's)."""
     state = model.state_dict()
     if not any(_dim0_sharded(t) for t in state.values()):
         yield from iter_full_params(model)
         return
+    memory = getattr(model, "_rlframe_shared_memory", None)
+    if memory is None:  # sharded without wrap_fsdp: the model keeps its own
+        memory = model._rlframe_shared_memory = SharedMemoryGroups()
     bucket: list[tuple[str, torch.Tensor]] = []
     nbytes, mesh_ranks = 0, {}
     for name, tensor in state.items():
         tensor, sharded = tensor.detach(), _dim0_sharded(tensor)
         same_kind = sharded and bucket and _kind(tensor, mesh_ranks) == _kind(bucket[0][1], mesh_ranks)
         if bucket and (not same_kind or nbytes >= bucket_bytes):
-            yield from _gather_bucket(bucket)
+            yield from _gather_bucket(bucket, memory)
             bucket, nbytes = [], 0
         if not sharded:
             yield name, (on_mesh_device(tensor).full_tensor() if hasattr(tensor, "full_tensor") else tensor)
@@ -125,4 +132,4 @@ def iter_full_params_bucketed(model: nn.Module, bucket_bytes: int = BUCKET_BYTES
         bucket.append((name, tensor))
         nbytes += tensor.numel() * tensor.element_size()
     if bucket:
-        yield from _gather_bucket(bucket)
+        yield from _gather_bucket(bucket, memory)

@@ -16,7 +16,16 @@ class ColocatedWorker(Worker):
     def __init__(self, role_specs: dict[str, tuple[type[Worker], tuple, dict]]):
         # Roles are built in the given order, in this process, sharing its environment (rank,
         # rendezvous): the first to call init_process_group creates the group for all of them.
-        self.roles = {role: cls(*args, **kwargs) for role, (cls, args, kwargs) in role_specs.items()}
+        # What the process owns (Worker.process_state: kill points, shared memory, profiler session) is the
+        # host's: set before each role's __init__, which may already use it. Built inside the config-read trace.
+        with self.config_trace:
+            self.roles = {role: self._build(cls, args, kwargs) for role, (cls, args, kwargs) in role_specs.items()}
+
+    def _build(self, cls: type[Worker], args: tuple, kwargs: dict) -> Worker:
+        worker = cls.__new__(cls)
+        worker._rlframe_host = self
+        worker.__init__(*args, **kwargs)
+        return worker
 
     def _rlframe_target(self, role: str | None):
         if role is None:

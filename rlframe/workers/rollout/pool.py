@@ -28,22 +28,30 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rlframe.distributed.shm_gather import ranks_share_a_machine
+from rlframe.distributed.shm_gather import SharedMemoryGroups
 from rlframe.protocol import DataProto, all_gather_data_proto
 from rlframe.workers.rollout.base import SEED_KEY, BaseRollout, response_metrics
 
 
-def pools_generation(setting: bool | None, weight_bytes: int, group) -> bool:
+def pools_generation(
+    setting: bool | None, weight_bytes: int, group, shared_memory: SharedMemoryGroups | None = None
+) -> bool:
     """Whether the ranks of `group` pool their generation (`rollout.pool_cpu_generation`, on CPU without TP).
 
     Only when every rank runs on this machine. `None` (the default) pools when the weights do not fit in a
     core's L2 cache: then every decoding step streams them from memory, and one stream for all the rows
     beats one per rank; a model that fits (the tiny built-ins) decodes at the speed of Python's per-step
     overhead, and pooling would only add its collectives. A collective: every rank calls it alike.
+    `shared_memory` is the worker's (what its groups agreed on); without it the group is asked afresh.
     """
-    if setting is False or not ranks_share_a_machine(group):
+    if setting is False or not ranks_share_a_machine(group, shared_memory):
         return False
     return setting is True or weight_bytes > l2_cache_bytes()
+
+
+def ranks_share_a_machine(group, shared_memory: SharedMemoryGroups | None = None) -> bool:
+    """Every rank of `group` runs on this machine (`SharedMemoryGroups.ranks_share_a_machine`)."""
+    return (shared_memory if shared_memory is not None else SharedMemoryGroups()).ranks_share_a_machine(group)
 
 
 def l2_cache_bytes() -> int:
