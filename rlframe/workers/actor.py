@@ -37,10 +37,7 @@ from rlframe.protocol import DataProto
 from rlframe.seqpack import MicroBatchSpec
 from rlframe.workers.batching import (
     GlobalCounts,
-    forward_inputs,
     response_mask_of,
-    restore_order,
-    split_micro_batches,
     update_inputs,
 )
 from rlframe.workers.config import clip_ratio_bounds
@@ -86,10 +83,7 @@ class PPOActor(PPOUpdater):
 
     def _score(self, batch: TensorDict, spec: MicroBatchSpec, temperature: float, **wanted) -> dict:
         """The per-token outputs of one forward without gradients over `batch`, cut as `spec`, in its order."""
-        with torch.no_grad():
-            micro_batches, reverse_idx = split_micro_batches(forward_inputs(batch), spec, self.dims.dp_group)
-            outputs = [self._forward(m, temperature, **wanted) for m in micro_batches]
-        return {name: restore_order([out[name] for out in outputs], reverse_idx) for name in outputs[0]}
+        return self._no_grad_outputs(batch, spec, lambda micro: self._forward(micro, temperature, **wanted))
 
     def compute_log_prob(
         self, data: DataProto, calculate_entropy: bool = False

@@ -12,10 +12,7 @@ from rlframe.distributed.parallel_dims import ParallelDims
 from rlframe.protocol import DataProto
 from rlframe.workers.batching import (
     GlobalCounts,
-    forward_inputs,
     response_mask_of,
-    restore_order,
-    split_micro_batches,
     update_inputs,
 )
 from rlframe.workers.model_forward import VALUES, forward_micro_batch, layout_for
@@ -35,14 +32,11 @@ class PPOCritic(PPOUpdater):
         layout = layout_for(self.options.use_remove_padding, self.dims.sp_group)
         return forward_micro_batch(self.module, micro, micro["responses"].shape[-1], VALUES, layout)["values"]
 
-    @torch.no_grad()
     def compute_values(self, data: DataProto) -> torch.Tensor:
         """Per-response-token values [bs, resp_len] in the input order."""
         self.module.eval()
-        micro_batches, reverse_idx = split_micro_batches(
-            forward_inputs(data.batch), self.batching.forward, self.dims.dp_group
-        )
-        return restore_order([self._values(micro) for micro in micro_batches], reverse_idx)
+        values = self._no_grad_outputs(data.batch, self.batching.forward, lambda micro: {"values": self._values(micro)})
+        return values["values"]
 
     def update_critic(self, data: DataProto) -> dict[str, list[float]]:
         """`ppo_epochs` passes of mini-batch optimizer steps; returns metric lists (one value per step)."""

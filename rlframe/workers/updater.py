@@ -34,9 +34,11 @@ from rlframe.seqpack import MicroBatchSpec
 from rlframe.workers.batching import (
     GlobalCounts,
     dp_sum,
+    forward_inputs,
     global_counts,
     micro_batch_metrics,
     micro_batch_spec,
+    restore_order,
     split_micro_batches,
 )
 from rlframe.workers.fsdp_utils import clip_grad_norm
@@ -128,6 +130,13 @@ class PPOUpdater(ABC):
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         return metrics
+
+    def _no_grad_outputs(self, batch: TensorDict, spec: MicroBatchSpec, forward) -> dict[str, torch.Tensor]:
+        """`forward(micro) -> {name: per-token tensor}` over `batch` cut as `spec`, without gradients, in its order."""
+        with torch.no_grad():
+            micro_batches, reverse_idx = split_micro_batches(forward_inputs(batch), spec, self.dims.dp_group)
+            outputs = [forward(micro) for micro in micro_batches]
+        return {name: restore_order([out[name] for out in outputs], reverse_idx) for name in outputs[0]}
 
     def _before_first_step(self, batch: TensorDict, ctx: UpdateContext) -> TensorDict:
         """The batch in the order its mini-batches are cut (after the first epoch's shuffle), before any step."""
