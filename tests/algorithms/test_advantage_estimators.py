@@ -1,5 +1,5 @@
 """The newer advantage estimators and the straight-through KL types against references written from
-the papers' formulas and against verl 0.9.1's own functions (tests/verl_reference.py).
+the papers' formulas and against verl 0.9.1's own functions (tests/helpers/verl_reference.py).
 
 Inputs: several seeds, groups of sizes 1–4 (grpo_passk: ≥ 2), a group whose samples all scored the
 same, scores of 0 (GPG's α), length-1 responses, holes inside responses and an empty response.

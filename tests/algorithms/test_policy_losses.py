@@ -1,5 +1,5 @@
 """The policy losses and `token-sum` against references written from the papers' formulas and
-against verl 0.9.1's own functions (tests/verl_reference.py), on random inputs.
+against verl 0.9.1's own functions (tests/helpers/verl_reference.py), on random inputs.
 
 Inputs: several seeds, fp64, masks with a length-1 response, holes inside responses and an empty
 response, advantages constant per sequence or per token. Compared: the loss, its gradient with

@@ -96,7 +96,7 @@ GRID = [
         ),
     ),
     (
-        dict(nodes=1, gpus=2, sp=1, n=4, batch=8, mini=4, micro=2),  # the small CPU config (tests/small_config.py)
+        dict(nodes=1, gpus=2, sp=1, n=4, batch=8, mini=4, micro=2),  # the small CPU config (helpers/small_config.py)
         dict(
             world=2,
             seqs=32,

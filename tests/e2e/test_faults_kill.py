@@ -1,6 +1,6 @@
 """Crash consistency: SIGKILL at every point of a checkpoint save, then resume, again and again.
 
-A miniature training run (`tests/faults_harness.py`: the real `TrainerCheckpointer` and the real
+A miniature training run (`tests/helpers/faults_harness.py`: the real `TrainerCheckpointer` and the real
 worker checkpoint code, actor and critic, in one process) is killed by `RLFRAME_KILL_AT` at each
 named point of the save — before and after each role, between every file the workers write (each
 DCP shard and index, each rank file), after `data.pt`, after the manifest, after the rename, after
@@ -11,7 +11,7 @@ last run goes to the end without a kill and must end bitwise where an uninterrup
 
 The processes are forked from a server that has imported torch once, so a kill costs well under a
 second. The same points in a real run (Ray workers killed while generating, updating and saving)
-are in tests/test_faults_restart.py.
+are in tests/e2e/test_faults_restart.py.
 """
 
 from __future__ import annotations

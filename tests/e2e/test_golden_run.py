@@ -7,7 +7,7 @@ rollout correction, a reference model and a reward-model worker is elsewhere). E
 clocks and throughput must equal the recording exactly: a change that moves any of them changed the math.
 
 The recordings are of this machine (2 CPU threads per worker, torch 2.13.0 CPU); after a deliberate change
-of the numbers, record again with `RLFRAME_RECORD_GOLDEN=1 pytest tests/test_golden_run.py` and say why in
+of the numbers, record again with `RLFRAME_RECORD_GOLDEN=1 pytest tests/e2e/test_golden_run.py` and say why in
 the commit.
 """
 

@@ -2,7 +2,7 @@
 
 What the CPU tests cannot check: that sglang 0.5.23 builds the engine from `sglang_engine_kwargs`, that
 the weights synced through CUDA IPC reach every TP scheduler, that release/resume frees and restores the
-memory, and that the engine's log-probs are the model's. Log-probs are compared as in tests/test_gpu.py:
+memory, and that the engine's log-probs are the model's. Log-probs are compared as in tests/gpu/test_gpu.py:
 within `BF16_SLACK` times the plain HF bf16 forward's own distance to fp32, never bit for bit.
 Skipped with "sglang not installed" where the `sglang` extra is not installed.
 """

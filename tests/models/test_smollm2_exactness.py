@@ -99,7 +99,7 @@ def assert_exact(result: dict, references: dict, dtype_name: str) -> None:
     fp32 gradients are printed, not held to RTOL: on this model the plain fp32 gradient is itself up to
     5e-5 per tensor (1.1e-5 as a whole) away from the fp64 one, so no fp32 implementation can meet it
     (docs/models.md). The fp32-only code paths are held to RTOL per tensor on the tiny model
-    (tests/test_fsdp_equivalence.py); the architecture is held to it here in fp64.
+    (tests/workers/test_fsdp_equivalence.py); the architecture is held to it here in fp64.
     """
     found = {
         group: max(e.items(), key=lambda item: item[1]) for group, e in errors(result, references[dtype_name]).items()

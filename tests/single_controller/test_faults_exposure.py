@@ -1,7 +1,7 @@
 """Exposure: no secret in what a run prints or saves; a local Ray's dashboard off or on localhost only.
 
 A real run's config dump, console and metrics are checked with a wandb key in the environment in
-tests/test_faults_restart.py; here the rules themselves, the listening sockets of a local Ray, and
+tests/e2e/test_faults_restart.py; here the rules themselves, the listening sockets of a local Ray, and
 the rendezvous address of a single-node worker group (the loopback interface).
 """
 

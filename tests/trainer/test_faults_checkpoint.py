@@ -1,7 +1,7 @@
 """Checkpoints against crafted files, corruption and a full disk: the real save/resume code, in one process.
 
 The checkpoints are the trainer's (`global_step_N/` with actor and critic shards, `data.pt` and the
-manifest), written by `tests/faults_harness.py`'s miniature run: two steps, a checkpoint after each.
+manifest), written by `tests/helpers/faults_harness.py`'s miniature run: two steps, a checkpoint after each.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 On a GPU, `param_offload` keeps FSDP2's shards on the CPU while the mesh and its nccl group are CUDA,
 and `optimizer_offload` moves Adam's state between steps. The decisions are plain functions tested
-here; the same code on CUDA runs in scripts/gpu_check.sh (tests/test_gpu.py).
+here; the same code on CUDA runs in scripts/gpu_check.sh (tests/gpu/test_gpu.py).
 """
 
 from __future__ import annotations

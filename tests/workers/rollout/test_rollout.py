@@ -317,7 +317,7 @@ def test_tp_size_must_match_group_and_divide_heads(tiny_model_path):
 
 
 # ---------------------------------------------------------------------------------------- GPU (vLLM)
-# The vLLM engine's GPU tests are in tests/test_gpu.py: log-probs within bf16 error on SmolLM2's shape
+# The vLLM engine's GPU tests are in tests/gpu/test_gpu.py: log-probs within bf16 error on SmolLM2's shape
 # (head size 64, the kernels production runs), not bit-exact greedy text on the tiny model, whose head
 # size 16 sends vLLM to another attention backend than the one it would use for real models.
 

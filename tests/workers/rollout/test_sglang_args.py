@@ -3,7 +3,7 @@
 `sglang_engine_kwargs`, the sampling parameters, the reading of SGLang's results and the TP-group
 helpers are pure, so they are checked here without sglang. The engine itself (sglang 0.5.23 building
 on a GPU, loading the synced weights, sleeping and waking) is checked by the `gpu`-marked test in
-tests/test_sglang_engine.py and the `sglang rollout` step of scripts/gpu_check.sh.
+tests/gpu/test_sglang_engine.py and the `sglang rollout` step of scripts/gpu_check.sh.
 """
 
 from __future__ import annotations

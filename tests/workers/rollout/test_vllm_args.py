@@ -157,7 +157,7 @@ def test_engine_arguments_rlframe_owns_are_refused(argument, instead):
         engine_kwargs(cfg)  # and again where the engine is built
 
 
-@pytest.mark.parametrize("engine", ["trtllm"])  # sglang's: tests/test_sglang_args.py
+@pytest.mark.parametrize("engine", ["trtllm"])  # sglang's: tests/workers/rollout/test_sglang_args.py
 def test_arguments_for_engines_rlframe_lacks_are_refused(engine):
     with pytest.raises(
         ValueError,

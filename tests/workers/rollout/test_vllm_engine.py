@@ -3,7 +3,7 @@
 The stand-in records what the real engine reads while it is built (LOCAL_RANK, the all-reduce
 switches, the engine arguments) and does what the real one does to the process (vLLM's
 set_random_seed reseeds random, numpy and torch). What it cannot check — that vLLM 0.33 accepts
-these arguments, builds on a GPU and loads the weights — is in tests/test_gpu.py and
+these arguments, builds on a GPU and loads the weights — is in tests/gpu/test_gpu.py and
 scripts/gpu_check.sh.
 """
 
