@@ -114,7 +114,7 @@ def grpo_overrides(model: str, run_dir: str) -> list[str]:
 def plan(work: str) -> list[Step]:
     """The steps in priority order (the end-to-end GRPO step first); `work` is the folder for models and runs."""
     model = os.path.join(work, "smollm2")
-    test = "tests/test_gpu.py::"
+    test = "tests/gpu/test_gpu.py::"
     return [
         Step(
             "grpo vllm",
@@ -162,7 +162,7 @@ def plan(work: str) -> list[Step]:
             "vllm lora",
             "LoRA (issue 13): vLLM serves the adapter after syncs, a new adapter and a sleep",
             "pytest",
-            "tests/test_lora.py::test_vllm_serves_the_adapter_across_updates_and_sleeps",
+            "tests/models/test_lora.py::test_vllm_serves_the_adapter_across_updates_and_sleeps",
             requires=("vllm",),
             timeout_s=120,
             figure=r"(\d+ passed|\d+ failed)",
@@ -188,7 +188,7 @@ def plan(work: str) -> list[Step]:
             "sglang rollout",
             "SGLang engine (extra 'sglang'): built from the rollout settings, release frees memory, CUDA IPC sync",
             "pytest",
-            "tests/test_sglang_engine.py::test_sglang_rollout_weight_sync_release_and_log_probs",
+            "tests/gpu/test_sglang_engine.py::test_sglang_rollout_weight_sync_release_and_log_probs",
             requires=("sglang",),
             timeout_s=180,
             figure=r"SGLang log-prob error (\S+), HF bf16 error (\S+)",
@@ -207,7 +207,7 @@ def plan(work: str) -> list[Step]:
             "sglang tp2",
             "SGLang TP=2 with one visible GPU per process: schedulers on the group's GPUs, per-rank IPC handles",
             "pytest",
-            "tests/test_sglang_engine.py::test_sglang_tp2_engine_on_the_groups_gpus",
+            "tests/gpu/test_sglang_engine.py::test_sglang_tp2_engine_on_the_groups_gpus",
             requires=("sglang",),
             min_gpus=2,
             timeout_s=180,

@@ -5,7 +5,7 @@
 # omegaconf, hydra-core, tensordict or torchdata, and no network: these wheels (about 1.3 MB) travel with
 # the command (`carry`) and `scripts/gpu_check.sh --wheelhouse DIR` installs them without an index, into a
 # folder of its work dir (the machine's environment untouched). The pins are gpu_check.py's CORE_PINS, which
-# it installs from the registry where one answers (tests/test_gpu_check_script.py keeps the two equal).
+# it installs from the registry where one answers (tests/project/test_gpu_check_script.py keeps the two equal).
 # vllm (336 MB), ray (79 MB) and a flash-attn build do not fit the 64 MiB that can be carried, so the check
 # reports their steps "skipped: vllm not installed (no registry access, too large to carry)"; nor does
 # sglang (the `sglang` extra: a 39 MB wheel that needs sglang-kernel, flashinfer and torch 2.14.1 besides).

@@ -5,7 +5,7 @@
     python scripts/record_learning_baseline.py --quickstart-run checkpoints/rlframe/tiny_grpo   # the README's run
 
 Runs the baseline config once per seed (`data.seed`; the first seed is the reference run that
-tests/test_learning_baseline.py repeats, the others measure how far an equally valid run can
+tests/e2e/test_learning_baseline.py repeats, the others measure how far an equally valid run can
 land from it) and writes every run's per-step curves, the config and the library versions.
 Every key that shapes learning is set below explicitly instead of being taken from
 configs/ppo_trainer.yaml, so a changed default does not silently change the baseline run.
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     record = {
         "description": "GRPO on builtin://add_digits with builtin://tiny-quickstart, 2 CPU workers: per-step "
         "curves of one run per data.seed; written by scripts/record_learning_baseline.py, "
-        "checked by tests/test_learning_baseline.py (see docs/learning_baseline.md)",
+        "checked by tests/e2e/test_learning_baseline.py (see docs/learning_baseline.md)",
         "overrides": OVERRIDES + list(args.overrides),
         "reference_seed": args.seeds[0],
         "window": WINDOW,

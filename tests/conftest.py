@@ -9,8 +9,10 @@ the summary says where they run.
 import os
 
 import pytest
+import torch
 
 from rlframe.utils.cache import cache_dir as rlframe_cache_dir
+from rlframe.workers.rollout import vllm_rollout
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -74,3 +76,21 @@ def smollm2_path():
 def cache_dir(tmp_path_factory):
     """One RLFRAME_CACHE (built-in model and task data) for every end-to-end run of the session."""
     return tmp_path_factory.mktemp("rlframe_cache")
+
+
+@pytest.fixture
+def cuda_less_gpu(monkeypatch):
+    """Let the rollout believe it runs on cuda:0 while every tensor stays on the CPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    cuda_rng = {"state": torch.ByteTensor([1, 2, 3])}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device=0: cuda_rng["state"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device=0: cuda_rng.update(state=state))
+    monkeypatch.setattr(vllm_rollout, "installed_vllm_build", lambda: "cuda")  # the stand-in is a CUDA vLLM
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")  # the second worker on its node, which sees one GPU: cuda:0
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLREDUCE_USE_SYMM_MEM", "VLLM_ALLREDUCE_USE_FLASHINFER"):
+        monkeypatch.delenv(name, raising=False)

@@ -2,7 +2,7 @@
 
 With `RLFRAME_TRACE_CONFIG_READS=DIR` in the environment, the driver and every worker record each
 config key the first time it is read (attribute or item access, `OmegaConf.select`) by appending it
-to `DIR/<pid>.keys`. `tests/test_config_reads.py` runs real trainings this way and checks that every
+to `DIR/<pid>.keys`. `tests/e2e/test_config_reads.py` runs real trainings this way and checks that every
 key of the config is read by some process or reported as having no effect in that config.
 
 The trace is a `ReadTrace` object owned by whoever runs the code to trace: the driver's `main` holds

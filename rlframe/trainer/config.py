@@ -1,7 +1,7 @@
 """The trainer's sections (`algorithm`, `trainer`) and the root config that assembles every section.
 
 `configs/ppo_trainer.yaml` is generated from `PPOTrainerConfig` (`python -m rlframe.trainer.config`);
-`tests/test_config_schema.py` keeps the two equal.
+`tests/config/test_config_schema.py` keeps the two equal.
 """
 
 from __future__ import annotations

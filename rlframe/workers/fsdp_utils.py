@@ -291,7 +291,7 @@ def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
     """AdamW over the parameters that train (with LoRA: the adapter only, so state is kept for it alone).
 
     `foreach=True` on every device (torch picks it by default on CUDA only): one multi-tensor op per
-    update term instead of one op per parameter, the same numbers bitwise (tests/test_optimizer.py).
+    update term instead of one op per parameter, the same numbers bitwise (tests/workers/test_optimizer.py).
     Under FSDP2 every parameter is a DTensor and each op pays DTensor's dispatch, so the per-parameter loop
     cost the tiny model's update a quarter of its time on CPU (docs/benchmarks.md).
     """

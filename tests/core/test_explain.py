@@ -1,0 +1,201 @@
+"""`rlframe explain`: the design's worked example, balancing across DP ranks, lengths from files,
+and the command's output and errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers.small_config import SMALL
+
+from rlframe.batch_plan import make_batch_plan
+from rlframe.explain import balance_ranks, dynamic_micro_batches, main, sequence_lengths, simulate, static_micro_batches
+from rlframe.trainer.config import compose
+
+WORKED_EXAMPLE = [800, 6500, 1200, 4000, 9000, 2500, 1500, 7500]
+
+
+def loads(seqlens, groups):
+    return [sum(seqlens[i] for i in group) for group in groups]
+
+
+def test_worked_example_static_micro_size_2_gives_four_micro_batches():
+    groups = static_micro_batches(WORKED_EXAMPLE, 2)
+    assert loads(WORKED_EXAMPLE, groups) == [7300, 5200, 11500, 9000]
+
+
+def test_worked_example_dynamic_13312_budget_gives_three_balanced_micro_batches():
+    local_counts, (groups,) = dynamic_micro_batches([WORKED_EXAMPLE], max_token_len=13312)
+    assert local_counts == [3] and len(groups) == 3  # ceil(33000 / 13312) = 3
+    group_loads = loads(WORKED_EXAMPLE, groups)
+    assert sorted(i for g in groups for i in g) == list(range(8))
+    assert max(group_loads) <= 13312
+    assert max(group_loads) <= 1.1 * min(group_loads)
+
+
+def test_dynamic_micro_batch_count_is_the_max_over_ranks():
+    short, long = [100] * 8, [900] * 8
+    local_counts, groups = dynamic_micro_batches([short, long], max_token_len=1000)
+    assert local_counts[0] < local_counts[1]
+    assert [len(g) for g in groups] == [local_counts[1]] * 2
+    assert all(g for rank in groups for g in rank)  # every micro-batch non-empty
+
+
+def test_balancing_16_mixed_lengths_over_4_ranks_narrows_max_min_ratio():
+    seqlens = sorted([120, 3000, 450, 8000, 60, 2200, 5100, 700, 90, 6400, 1500, 300, 7200, 40, 2600, 980])
+
+    def ratio(ranks):
+        totals = [sum(seqlens[i] for i in r) for r in ranks]
+        return max(totals) / min(totals)
+
+    before = balance_ranks(seqlens, 4, balance=False)
+    after = balance_ranks(seqlens, 4, hidden_size=64, balance=True)
+    assert sorted(i for r in after for i in r) == list(range(16)) and all(len(r) == 4 for r in after)
+    assert ratio(after) < ratio(before)
+    assert ratio(after) < 1.5 < ratio(before)
+
+
+@pytest.fixture(scope="module")
+def dynamic_plan():
+    return make_batch_plan(
+        compose(
+            [
+                *SMALL,
+                "trainer.n_gpus_per_node=4",
+                "data.train_batch_size=16",
+                "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=160",
+            ]
+        )
+    )
+
+
+def test_simulation_reports_balance_and_micro_batches_within_budget(dynamic_plan):
+    seqlens, _ = sequence_lengths("bimodal", dynamic_plan, seed=3)
+    assert len(seqlens) == 64 and seqlens.max() <= 80
+    sim = simulate(dynamic_plan, seqlens, hidden_size=64)
+    b = sim["balance"]
+    assert len(b["after"]["rank_tokens"]) == 4 and sum(b["after"]["rank_tokens"]) == sum(seqlens)
+    assert b["after"]["max_min_ratio"] <= b["before"]["max_min_ratio"]
+    assert len(sim["actor_update"]) == dynamic_plan.actor.num_mini_batches
+    for p in sim["actor_update"] + [sim["old_log_prob"]]:
+        assert p["micro_batches"] == max(p["local_micro_batches"])
+        assert p["largest_micro_batch_tokens"] <= p["max_token_len"] and p["over_budget"] == 0
+
+
+def test_lengths_from_jsonl_parquet_and_metrics_folder(tmp_path, dynamic_plan):
+    import pandas as pd
+
+    (tmp_path / "lengths.jsonl").write_text("\n".join(json.dumps({"response_length": i % 16}) for i in range(100)))
+    seqlens, source = sequence_lengths(str(tmp_path / "lengths.jsonl"), dynamic_plan)
+    assert len(seqlens) == 64 and "last 64 of 100" in source
+    pd.DataFrame({"response_length": [5, 10], "prompt_length": [30, 40]}).to_parquet(tmp_path / "l.parquet")
+    seqlens, _ = sequence_lengths(str(tmp_path / "l.parquet"), dynamic_plan)
+    assert list(seqlens[:4]) == [35, 50, 35, 50]  # fewer recorded than needed: cycled
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(
+        json.dumps(
+            {
+                "step": 7,
+                "response_length/mean": 9.0,
+                "response_length/min": 2.0,
+                "response_length/max": 16.0,
+                "response_length/clip_ratio": 0.25,
+                "prompt_length/mean": 40.0,
+                "prompt_length/min": 30.0,
+                "prompt_length/max": 60.0,
+            }
+        )
+        + "\n"
+    )
+    seqlens, source = sequence_lengths(str(run), dynamic_plan)
+    assert len(seqlens) == 64 and "step 7" in source and 32 <= seqlens.min() and seqlens.max() <= 76
+    (tmp_path / "empty.jsonl").write_text(json.dumps({"other": 1}) + "\n")
+    with pytest.raises(ValueError, match="response_length"):
+        sequence_lengths(str(tmp_path / "empty.jsonl"), dynamic_plan)
+
+
+def test_explain_small_config_prints_flow_and_keys(capsys):
+    assert main([*SMALL, "--lengths", "uniform"]) == 0
+    out = capsys.readouterr().out
+    for fragment in (
+        "world_size = nnodes 1 × n_gpus_per_node 2 = 2 workers",
+        "train_batch_size 8 prompts × n 4 = 32 sequences",
+        "ppo_mini_batch_size 4 prompts × n 4 = 16 sequences / dp 2 = 8 per DP rank",
+        "8 / ppo_micro_batch_size_per_gpu 2 = 4 gradient-accumulation steps",
+        "critic.*",
+        "IGNORED",
+        "before (dispatch order)",
+        "after (Karmarkar–Karp)",
+    ):
+        assert fragment in out
+
+
+def test_explain_explains_a_multi_turn_config(capsys):
+    tools = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "tools", "calculator.yaml")
+    overrides = [
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
+        "actor_rollout_ref.rollout.agent.num_workers=4",
+    ]
+    assert main([*SMALL, *overrides]) == 0
+    out = capsys.readouterr().out
+    for fragment in (
+        "── agent loop",
+        "each of the 2 generation groups runs 4 agent-loop threads over its 16 trajectories (≤ 4 each)",
+        "tool_agent for rows without agent_name; tools: calculator",
+        "assistant turns ≤ 3, tool turns no limit",
+        "tool turns and template tokens are attended to but get response_mask 0",
+    ):
+        assert fragment in out, fragment
+    assert main([*SMALL, *overrides, "actor_rollout_ref.rollout.mode=sync"]) == 0
+    out = capsys.readouterr().out
+    assert "mode      sync: the whole batch is generated at once, tool rows turn by turn" in out
+    assert "agent-loop threads" not in out
+
+
+def test_explain_json_and_warnings(capsys):
+    assert (
+        main(
+            [
+                "--format",
+                "json",
+                "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                "--lengths",
+                "bimodal",
+            ]
+        )
+        == 0
+    )
+    report = json.loads(capsys.readouterr().out)
+    assert report["plan"]["actor"]["max_token_len"] == 16384  # verl's default budget
+    assert report["warnings"] == [
+        "rlframe: warning: actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2 has "
+        "no effect: actor_rollout_ref.actor.use_dynamic_bsz=true: actor update "
+        "micro-batches are cut by actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+    ]
+    assert report["simulation"]["balance"]["dp_size"] == 2
+    assert report["model"]["hidden_size"] == 64
+
+
+def test_explain_bad_config_exits_nonzero_with_the_trainers_message():
+    overrides = ["trainer.n_gpus_per_node=8", "actor_rollout_ref.actor.ppo_mini_batch_size=1"]
+    with pytest.raises(ValueError) as trainer_error:
+        make_batch_plan(compose(overrides))
+    out = subprocess.run(
+        [sys.executable, "-m", "rlframe.cli", "explain", *overrides], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode != 0
+    assert str(trainer_error.value) in out.stderr
+    assert "actor_rollout_ref.actor.ppo_mini_batch_size" in out.stderr
+
+
+def test_cli_help_and_unknown_command(capsys):
+    from rlframe.cli import main as cli_main
+
+    assert cli_main(["--help"]) == 0 and "explain" in capsys.readouterr().out
+    assert cli_main(["bogus"]) == 2

@@ -1,0 +1,53 @@
+"""Rollout builders: the tokenizer, a rollout config, prompts, a free port."""
+
+from __future__ import annotations
+
+import torch
+
+from rlframe.config.loader import load_config, resolved
+from rlframe.protocol import DataProto
+
+PROMPT_LEN, RESPONSE_LEN = 8, 6
+
+PROMPT_LENGTHS = (8, 3, 5, 1, 7)
+
+
+def rollout_config(*overrides: str):
+    cfg = load_config(
+        [
+            f"data.max_prompt_length={PROMPT_LEN}",
+            f"data.max_response_length={RESPONSE_LEN}",
+            "actor_rollout_ref.rollout.micro_batch_size=2",
+            *overrides,
+        ]
+    )
+    return resolved(cfg).actor_rollout_ref.rollout
+
+
+def make_prompts(lengths=PROMPT_LENGTHS, width: int = PROMPT_LEN, seed: int = 0, **meta) -> DataProto:
+    """Left-padded prompts (pad id 0) of the given real lengths, with a uid per row."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 300, (len(lengths), width), generator=gen)
+    mask = torch.zeros_like(ids)
+    for i, length in enumerate(lengths):
+        mask[i, width - length :] = 1
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    return DataProto.from_dict(
+        {"input_ids": ids * mask, "attention_mask": mask, "position_ids": position_ids},
+        {"uid": [f"p{i}" for i in range(len(lengths))]},
+        meta,
+    )
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,105 @@
+"""The import graph has one direction (docs/architecture.md): a package imports only earlier ones."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# Lowest first. A package may import itself and any package listed before it, never one after it.
+LAYERS = [
+    "protocol",
+    "seqpack",
+    "utils",
+    "config",
+    "distributed",
+    "models",
+    "algorithms",
+    "batch_plan",
+    "data",
+    "single_controller",
+    "reward",
+    "workers",
+    "trainer",
+    "explain",
+    "viz",
+    "cli",
+]
+
+
+def rlframe_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, imported rlframe package) for every import in a file, including those inside functions."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        else:
+            continue
+        found += [
+            (node.lineno, name.split(".")[1]) for name in names if name.startswith("rlframe.") and name.count(".") >= 1
+        ]
+    return found
+
+
+def package_of(path: Path) -> str:
+    """`rlframe/workers/actor.py` → "workers"; `rlframe/seqpack.py` → "seqpack"."""
+    parts = path.relative_to(ROOT / "rlframe").with_suffix("").parts
+    return parts[0]
+
+
+def test_every_rlframe_package_has_a_layer():
+    packages = {package_of(p) for p in (ROOT / "rlframe").rglob("*.py")} - {"__init__"}
+    assert packages <= set(LAYERS), f"add {sorted(packages - set(LAYERS))} to LAYERS and to docs/architecture.md"
+
+
+def test_imports_point_only_to_lower_layers():
+    wrong = []
+    for path in sorted((ROOT / "rlframe").rglob("*.py")):
+        importer = package_of(path)
+        if importer == "__init__":
+            continue
+        for line, imported in rlframe_imports(path):
+            if LAYERS.index(imported) > LAYERS.index(importer):
+                wrong.append(f"{path.relative_to(ROOT)}:{line} ({importer}) imports rlframe.{imported}")
+    assert not wrong, "imports against the layer order:\n" + "\n".join(wrong)
+
+
+def test_workers_never_import_the_trainer():
+    # the sharpest case of the rule above, named so that a failure explains itself
+    offenders = [
+        f"{p.relative_to(ROOT)}:{line}"
+        for p in (ROOT / "rlframe" / "workers").rglob("*.py")
+        for line, imported in rlframe_imports(p)
+        if imported == "trainer"
+    ]
+    assert not offenders
+
+
+def test_no_reference_to_documents_outside_the_repository():
+    # Design notes that live outside the repository must be brought into docs/, not cited.
+    cited = [
+        f"{p.relative_to(ROOT)}"
+        for folder in ("rlframe", "tests", "docs", "bench", "scripts")
+        for p in (ROOT / folder).rglob("*")
+        if p.suffix in (".py", ".md", ".sh") and "DESIGN" + " §" in p.read_text()
+    ]
+    assert not cited
+
+
+# An argument list longer than this wants an object (a spec, a plan, the role's config section).
+MAX_WORKER_PARAMETERS = 8
+
+
+def test_no_function_in_the_workers_takes_more_than_eight_parameters():
+    too_long = []
+    for path in sorted((ROOT / "rlframe" / "workers").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            args = node.args
+            names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
+            names += [a.arg for a in (args.vararg, args.kwarg) if a is not None]
+            count = len(names) - (names[:1] in (["self"], ["cls"]))
+            if count > MAX_WORKER_PARAMETERS:
+                too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({count})")
+    assert not too_long, too_long

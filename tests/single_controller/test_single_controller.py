@@ -1,0 +1,303 @@
+"""Single controller on a small local Ray cluster: dispatch modes, order, errors, colocation."""
+
+import inspect
+import os
+import sys
+import time
+
+import pytest
+import torch
+from helpers.ray_workers import EchoWorker
+
+from rlframe.protocol import DataProto
+from rlframe.single_controller import (
+    Dispatch,
+    Execute,
+    Worker,
+    WorkerDiedError,
+    WorkerError,
+    WorkerGroupError,
+    WorkerTimeoutError,
+    register,
+)
+from rlframe.single_controller.decorator import RegisterSpec, plan_call
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+# Ray workers cannot import this test module (tests/ is not on their path): ship its classes by value.
+ray_cloudpickle = pytest.importorskip("ray.cloudpickle")
+ray_cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+WORLD_SIZE = 4
+
+
+def make_data(n: int) -> DataProto:
+    return DataProto.from_dict(
+        {"x": torch.arange(n, dtype=torch.float32).unsqueeze(1).repeat(1, 3)},
+        {"uid": [f"s{i}" for i in range(n)]},
+        {"temperature": 0.7},
+    )
+
+
+class CrashWorker(Worker):
+    def __init__(self):
+        self.init_process_group(timeout_s=60)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def crash_one_while_peers_wait(self, crash_rank):
+        import torch.distributed as dist
+
+        if self.rank == crash_rank:
+            os._exit(1)
+        dist.barrier()  # never completes: the peer is gone
+        return "unreachable"
+
+
+class ActorRole(Worker):
+    def __init__(self, scale):
+        self.scale = scale
+
+    @register(Dispatch.ONE_TO_ALL)
+    def name(self):
+        return ("actor", self.scale, os.getpid())
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        return DataProto.from_dict({"log_prob": data.batch["x"][:, 0] * self.scale})
+
+
+class CriticRole(Worker):
+    def __init__(self, scale):
+        self.scale = scale
+
+    @register(Dispatch.ONE_TO_ALL)
+    def name(self):
+        return ("critic", self.scale, os.getpid())
+
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def compute_values(self, data: DataProto) -> DataProto:
+        return DataProto.from_dict({"values": data.batch["x"][:, 0] + self.scale})
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    from rlframe.single_controller.ray import init_ray
+
+    init_ray(num_cpus=4, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+def small_pool(n: int):
+    from rlframe.single_controller.ray import RayResourcePool
+
+    return RayResourcePool([n], num_cpus_per_process=0.25)
+
+
+@pytest.fixture(scope="module")
+def group(ray_cluster):
+    from rlframe.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
+
+    pool = small_pool(WORLD_SIZE)
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(EchoWorker, offset=0.0), call_timeout_s=120)
+    yield wg
+    wg.shutdown()
+    pool.remove()
+
+
+# ---------------------------------------------------------------------------------- no Ray needed
+@pytest.mark.parametrize("n", [1, 3, 5, 7, 8, 13])
+def test_plan_pads_splits_and_restores_order(n):
+    data = make_data(n)
+    spec = RegisterSpec(Dispatch.DP_COMPUTE_PROTO, Execute.ALL)
+    plan = plan_call(spec, "f", (data,), {}, WORLD_SIZE)
+    shard_sizes = {len(args[0]) for args in plan.args}
+    assert len(shard_sizes) == 1  # equal shards keep every rank in lock-step
+    out = plan.collect([args[0] for args in plan.args])
+    assert out.non_tensor_batch["uid"].tolist() == data.non_tensor_batch["uid"].tolist()
+    assert torch.equal(out.batch["x"], data.batch["x"])
+
+
+def test_register_rejects_rank_zero_execution_of_sharded_modes():
+    with pytest.raises(ValueError, match="DP_COMPUTE_PROTO"):
+        register(Dispatch.DP_COMPUTE_PROTO, execute_mode=Execute.RANK_ZERO)
+    with pytest.raises(ValueError, match="Dispatch member"):
+        register("dp_compute_proto")
+
+
+# ---------------------------------------------------------------------------------- dispatch modes
+def test_workers_know_rank_world_size_and_rendezvous(group):
+    infos = group.whoami("hi")
+    assert [i["rank"] for i in infos] == list(range(WORLD_SIZE))
+    assert {i["world_size"] for i in infos} == {WORLD_SIZE}
+    assert [i["local_rank"] for i in infos] == list(range(WORLD_SIZE))
+    assert len({i["master"] for i in infos}) == 1
+    assert {i["tag"] for i in infos} == {"hi"}
+
+
+def test_one_gloo_group_spans_the_workers(group):
+    assert group.all_reduce_rank() == [float(sum(range(WORLD_SIZE)))] * WORLD_SIZE
+
+
+@pytest.mark.parametrize("n", [5, 7, 8, 9])
+def test_dp_compute_proto_preserves_order_through_padding(group, n):
+    data = make_data(n)
+    out = group.add_offset(data)
+    assert len(out) == n
+    assert out.non_tensor_batch["uid"].tolist() == [f"s{i}" for i in range(n)]
+    assert torch.equal(out.batch["x"], data.batch["x"] + 1.0)  # the driver's copy is untouched
+    per_rank = -(-n // WORLD_SIZE)  # padded shard size
+    assert out.batch["rank"].tolist() == [i // per_rank for i in range(n)]
+    assert out.meta_info["temperature"] == 0.7
+
+
+def test_rank_zero_modes(group):
+    assert group.rank_zero_answer() == 0
+    assert group.only_rank_zero_runs() == [0]
+
+
+def test_ranks_that_do_not_answer_in_time_are_named(group, monkeypatch):
+    monkeypatch.setattr(group, "call_timeout_s", 0.2)  # production sets it from trainer.worker_timeout_s
+    with pytest.raises(WorkerTimeoutError, match=r"ranks \[0, 1, 2, 3\] did not answer within 0.2s"):
+        group.sleepy(1.5)
+
+
+def test_each_rank_gets_its_own_contiguous_chunk_padded_with_leading_samples(group):
+    group.add_offset(make_data(5))  # 5 samples, padded to 8: two per rank
+    assert group.get_last_seen() == [["s0", "s1"], ["s2", "s3"], ["s4", "s0"], ["s1", "s2"]]
+
+
+def test_one_to_all_data_is_put_once_and_each_rank_writes_its_own_copy(group, monkeypatch):
+    import ray
+
+    puts = []
+    real_put = ray.put
+    monkeypatch.setattr(ray, "put", lambda value, **kw: puts.append(value) or real_put(value, **kw))
+    data = make_data(3)
+    outs = group.add_one_in_place(data)
+    monkeypatch.undo()
+    assert len(puts) == 1  # one object, though four workers read it
+    # Every rank wrote into its input in place; each must have had its own copy (x + 1, not + 4).
+    assert all(torch.equal(out.batch["x"], make_data(3).batch["x"] + 1.0) for out in outs)
+    assert torch.equal(data.batch["x"], make_data(3).batch["x"])  # the driver's copy is untouched
+
+
+@pytest.mark.parametrize("n", [8, 40_000])  # a few bytes per rank (sent inline), ~80 kB (Ray stores it itself)
+def test_dp_shards_travel_with_their_call_not_put_by_the_driver(group, monkeypatch, n):
+    import ray
+
+    puts = []
+    real_put = ray.put
+    monkeypatch.setattr(ray, "put", lambda value, **kw: puts.append(value) or real_put(value, **kw))
+    data = make_data(n)
+    out = group.add_offset(data)
+    monkeypatch.undo()
+    assert puts == []  # each shard has one reader: it goes with that rank's call
+    assert torch.equal(out.batch["x"], data.batch["x"] + 1.0)
+    assert out.non_tensor_batch["uid"].tolist() == [f"s{i}" for i in range(n)]
+
+
+def test_group_methods_carry_the_worker_signature_and_doc(group):
+    method = group.add_offset
+    assert method.__self__ is group
+    assert method.__wrapped__ is EchoWorker.add_offset
+    assert list(inspect.signature(method).parameters) == ["data"]
+    assert "constructor offset" in method.__doc__
+    assert "def add_offset" in inspect.getsource(method)
+
+
+# ---------------------------------------------------------------------------------- errors
+def test_exception_on_one_worker_reaches_driver_with_its_rank(group):
+    with pytest.raises(WorkerError) as info:
+        group.fail_on(2)
+    assert info.value.rank == 2
+    assert "EchoWorker.fail_on" in str(info.value)
+    assert "ValueError: boom from 2" in info.value.traceback_text
+    assert group.fail_on(-1) == ["ok"] * WORLD_SIZE  # the group survives a raised exception
+
+
+def test_non_dataproto_argument_is_rejected_before_dispatch(group):
+    with pytest.raises(TypeError, match=r"add_offset\(\).*positional argument 0 must be a DataProto.*got dict"):
+        group.add_offset({"x": torch.zeros(3)})
+
+
+def test_asking_for_more_processes_than_the_cluster_has_fails_before_scheduling(ray_cluster):
+    from ray.util import placement_group_table
+
+    from rlframe.single_controller.ray import RayResourcePool
+
+    before = len(placement_group_table())
+    pool = RayResourcePool([3, 3], num_cpus_per_process=1.0)
+    with pytest.raises(ValueError, match=r"2 node\(s\) × \[3, 3\] processes.*1 alive node.*CPU=4"):
+        pool.placement_groups()
+    assert len(placement_group_table()) == before
+    with pytest.raises(ValueError, match="GPU"):
+        RayResourcePool([1], use_gpu=True).placement_groups()
+
+
+def test_a_pool_told_to_wait_for_nodes_fails_after_that_wait_naming_the_nodes(ray_cluster, caplog):
+    from ray.util import placement_group_table
+
+    from rlframe.single_controller.ray import ClusterTooSmallError, RayResourcePool
+
+    before = len(placement_group_table())
+    pool = RayResourcePool([3, 3], num_cpus_per_process=1.0, node_wait_s=2)
+    start = time.monotonic()
+    with pytest.raises(ClusterTooSmallError, match=r"\[3, 3\] processes.*1 alive node.*CPU=4.*\(waited 2s for nodes"):
+        pool.placement_groups()
+    assert 2 <= time.monotonic() - start < 10
+    assert "Waiting up to 2s for nodes to join." in caplog.text  # said once, when the wait began
+    assert len(placement_group_table()) == before
+    # a pool that fits does not wait
+    start = time.monotonic()
+    fits = RayResourcePool([1], num_cpus_per_process=1.0, node_wait_s=60)
+    fits.placement_groups()
+    fits.remove()
+    assert time.monotonic() - start < 5
+
+
+def test_dead_worker_is_reported_with_its_rank_not_waited_on(ray_cluster):
+    from rlframe.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
+
+    pool = small_pool(2)
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(CrashWorker), call_timeout_s=90)
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError) as info:
+            wg.crash_one_while_peers_wait(1)
+        assert info.value.rank == 1
+        assert time.monotonic() - start < 60
+    finally:
+        wg.shutdown()
+        pool.remove()
+    with pytest.raises(WorkerGroupError, match="shut down"):
+        wg.crash_one_while_peers_wait(1)
+
+
+# ---------------------------------------------------------------------------------- colocation
+def test_colocated_roles_call_their_own_methods_in_shared_processes(ray_cluster):
+    from rlframe.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
+
+    pool = small_pool(2)
+    colocated = create_colocated_worker_cls(
+        {"actor": RayClassWithInitArgs(ActorRole, scale=2.0), "critic": RayClassWithInitArgs(CriticRole, scale=10.0)}
+    )
+    wg = RayWorkerGroup(pool, colocated)
+    try:
+        roles = wg.spawn({"actor", "critic"})
+        actor, critic = roles["actor"], roles["critic"]
+        actor_names, critic_names = actor.name(), critic.name()
+        assert [n[:2] for n in actor_names] == [("actor", 2.0)] * 2
+        assert [n[:2] for n in critic_names] == [("critic", 10.0)] * 2
+        assert [n[2] for n in actor_names] == [n[2] for n in critic_names]  # same processes
+        data = make_data(3)
+        assert actor.compute_log_prob(data).batch["log_prob"].tolist() == [0.0, 2.0, 4.0]
+        assert critic.compute_values(data).batch["values"].tolist() == [10.0, 11.0, 12.0]
+        assert not hasattr(actor, "compute_values") and not hasattr(critic, "compute_log_prob")
+        with pytest.raises(ValueError, match="unknown roles"):
+            wg.spawn({"reward"})
+    finally:
+        wg.shutdown()
+        pool.remove()
