@@ -503,11 +503,12 @@ def vllm_arguments_summary(work: str) -> str:
     import torch
 
     from rlframe.config.loader import load_config, resolved
+    from rlframe.workers.rollout.base import ServedModel
     from rlframe.workers.rollout.vllm_rollout import engine_environment, vllm_engine_kwargs
 
     cfg = resolved(load_config(["actor_rollout_ref.rollout.name=vllm"])).actor_rollout_ref.rollout
     kwargs = vllm_engine_kwargs(
-        cfg, model_path="<model>", tp_size=1, dtype=torch.bfloat16, dp_rank=0, max_position_embeddings=8192
+        cfg, model=ServedModel("<model>"), tp_size=1, dtype=torch.bfloat16, dp_rank=0, max_position_embeddings=8192
     )
     if not kwargs["disable_custom_all_reduce"] or engine_environment(0, 1)["LOCAL_RANK"] != "0":
         raise AssertionError(f"unexpected engine arguments {kwargs} / environment {engine_environment(0, 1)}")
@@ -521,11 +522,12 @@ def sglang_arguments_summary(work: str) -> str:
     import torch
 
     from rlframe.config.loader import load_config, resolved
+    from rlframe.workers.rollout.base import ServedModel
     from rlframe.workers.rollout.sglang_rollout import sglang_engine_kwargs
 
     cfg = resolved(load_config(["actor_rollout_ref.rollout.name=sglang"])).actor_rollout_ref.rollout
     kwargs = sglang_engine_kwargs(
-        cfg, model_path="<model>", tp_size=1, dtype=torch.bfloat16, dp_rank=0, max_position_embeddings=8192
+        cfg, model=ServedModel("<model>"), tp_size=1, dtype=torch.bfloat16, dp_rank=0, max_position_embeddings=8192
     )
     if not (kwargs["skip_tokenizer_init"] and kwargs["enable_memory_saver"]):
         raise AssertionError(f"unexpected engine arguments {kwargs}")

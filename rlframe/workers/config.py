@@ -167,6 +167,8 @@ class PolicyLossConfig(Section):
 
     def check(self, path: str, root: Any) -> None:
         mode = self.loss_mode
+        if mode not in POLICY_LOSS_INFO:
+            return  # loss_mode's own check names it and the valid ones
         if mode == "dro" and (self.dro_beta is None or self.dro_beta <= 0):
             raise ValueError(f"{path}.loss_mode=dro needs {path}.dro_beta > 0 (got {self.dro_beta})")
         for name in ("clip_cov_ratio", "kl_cov_ratio"):
@@ -379,7 +381,9 @@ def clip_ratio_bounds(actor: ActorConfig) -> tuple[float, float]:
 def _policy_loss_inactive(path: str, actor: ActorConfig) -> dict[str, str]:
     """The actor keys the chosen policy loss does not read (from what the loss registered it reads)."""
     mode = actor.policy_loss.loss_mode
-    info = POLICY_LOSS_INFO[mode]
+    info = POLICY_LOSS_INFO.get(mode)
+    if info is None:  # an unknown loss: PolicyLossConfig's check names it and the valid ones
+        return {}
     out = _loss_parameters_inactive(path, mode, {f.name for f in fields_of(actor)})
     if not info.clips_ratio:
         reason = f"{path}.policy_loss.loss_mode={mode} does not clip the ratio"

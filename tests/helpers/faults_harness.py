@@ -29,8 +29,8 @@ NUM_SAMPLES, BATCH_SIZE = 12, 2
 class LocalRole:
     """One role (actor or critic) in this process, with a worker group's save/load methods."""
 
-    def __init__(self, model_path: str, seed: int, kill_points: KillPoints):
-        self.kill_points = kill_points  # the process's, as a worker's roles share their process's
+    def __init__(self, model_path: str, seed: int, kill_points: KillPoints | None = None):
+        self.kill_points = kill_points or KillPoints()  # the process's, as a worker's roles share their process's
         torch.manual_seed(seed)
         self.model = load_hf_model(
             ModelSpec(path=model_path, role="actor", dtype=torch.float32, use_remove_padding=False)

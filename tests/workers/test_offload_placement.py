@@ -85,7 +85,7 @@ def test_fsdp2_wrap_leaves_the_model_where_it_is_and_shards_layer_by_layer(monke
 
     monkeypatch.setattr(fsdp, "fully_shard", fake_fully_shard)
     spec = FSDPSpec("fsdp2", torch.bfloat16, torch.float32, param_offload=False, reshard_after_forward=True)
-    fsdp_utils._wrap_fsdp2(model, spec, mesh=None, device_type="cuda")
+    fsdp_utils._wrap_fsdp2(model, spec, mesh=None, device_type="cuda", shared_memory=None)
     layers = fsdp_utils.decoder_layers(model)
     assert [module for module, _ in calls] == [*layers, model]
     assert all(devices == {"cpu"} for _, devices in calls)  # nothing was moved before sharding

@@ -32,7 +32,7 @@ def _counting(real, counter: list):
 
 
 def _worker(rank: int, world: int, port: int, model_path: str, out_dir: str) -> None:
-    from rlframe.workers.rollout.base import RolloutSettings
+    from rlframe.workers.rollout.base import RolloutSettings, ServedModel
     from rlframe.workers.rollout.hf_rollout import HFRollout
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -66,7 +66,7 @@ def _worker(rank: int, world: int, port: int, model_path: str, out_dir: str) -> 
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         settings = RolloutSettings.from_config(_rollout_cfg())
-        rollout = HFRollout(settings, model_path, tokenizer, "cpu")
+        rollout = HFRollout(settings, ServedModel(model_path), tokenizer, "cpu")
         rollout.update_weights(iter_full_params_bucketed(model))
         result["rollout"] = {n: p.detach().clone() for n, p in rollout.model.state_dict().items()}
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -117,7 +117,7 @@ def test_the_worker_syncs_the_rollout_only_when_it_may_differ_from_the_actor(tin
     from rlframe.protocol import DataProto
     from rlframe.workers.fsdp_workers import ActorRolloutRefWorker
     from rlframe.workers.profiler import Profiler
-    from rlframe.workers.rollout.base import RolloutSettings
+    from rlframe.workers.rollout.base import RolloutSettings, ServedModel
     from rlframe.workers.rollout.hf_rollout import HFRollout
 
     cfg = load_config(
@@ -128,7 +128,9 @@ def test_the_worker_syncs_the_rollout_only_when_it_may_differ_from_the_actor(tin
         ]
     )
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    rollout = HFRollout(RolloutSettings.from_config(cfg.actor_rollout_ref.rollout), tiny_model_path, tokenizer, "cpu")
+    rollout = HFRollout(
+        RolloutSettings.from_config(cfg.actor_rollout_ref.rollout), ServedModel(tiny_model_path), tokenizer, "cpu"
+    )
     actor = load_hf_model(ModelSpec(path=tiny_model_path, role="actor", dtype=torch.float32, use_remove_padding=False))
     with torch.no_grad():  # the actor differs from the checkpoint the replica was loaded from
         for param in actor.parameters():
