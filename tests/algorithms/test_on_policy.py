@@ -93,6 +93,7 @@ SCENARIOS = {
 }
 
 
+@pytest.mark.slow  # a multi-process world or a subprocess: over 6 s on 2 cores (tests/README.md)
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_the_on_policy_step_equals_the_step_after_an_old_log_prob_pass(tiny_model_path, tmp_path, name):
     sc = SCENARIOS[name]

@@ -182,6 +182,7 @@ def test_explain_json_and_warnings(capsys):
     assert report["model"]["hidden_size"] == 64
 
 
+@pytest.mark.slow  # a multi-process world or a subprocess: over 6 s on 2 cores (tests/README.md)
 def test_explain_bad_config_exits_nonzero_with_the_trainers_message():
     overrides = ["trainer.n_gpus_per_node=8", "actor_rollout_ref.actor.ppo_mini_batch_size=1"]
     with pytest.raises(ValueError) as trainer_error:

@@ -101,6 +101,7 @@ def test_second_file_errors_name_that_file_and_its_own_row(tmp_path, tokenizer, 
         RLHFDataset([first, second], tokenizer, data_config)
 
 
+@pytest.mark.slow  # a multi-process world or a subprocess: over 6 s on 2 cores (tests/README.md)
 def test_bad_file_stops_the_run_before_ray_with_one_line(tmp_path, cache_dir):
     path = write(tmp_path / "bad.parquet", [good_row(0), {**good_row(1), "prompt": []}])
     code = (

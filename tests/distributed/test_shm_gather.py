@@ -49,6 +49,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # a multi-process world or a subprocess: over 6 s on 2 cores (tests/README.md)
 @pytest.mark.parametrize("world", [2, 3])
 def test_what_each_rank_writes_every_rank_reads_after_the_barrier(tmp_path, world):
     before = set(glob.glob("/dev/shm/rlframe-gather-*"))
@@ -106,6 +107,7 @@ def _fsdp_worker(rank: int, world: int, port: int, model_path: str, out: str) ->
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # a multi-process world or a subprocess: over 6 s on 2 cores (tests/README.md)
 @pytest.mark.parametrize("world", [2, 3])
 def test_fsdp2_gathers_and_reduces_through_shared_memory_as_through_gloo(tiny_model_path, tmp_path, world):
     out = str(tmp_path / "out")

@@ -129,6 +129,7 @@ SINGLE = {
 SINGLE_RUNS = [(name, "fp64") for name in SINGLE] + [("rmpad_static_micro2", "fp32")]
 
 
+@pytest.mark.slow  # a multi-process world or a subprocess: over 6 s on 2 cores (tests/README.md)
 @pytest.mark.parametrize("name,dtype_name", SINGLE_RUNS)
 def test_single_process_actor_matches_plain_hf(smollm2_path, batches, references, name, dtype_name):
     sc = replace(SINGLE[name], dtype=DTYPES[dtype_name])

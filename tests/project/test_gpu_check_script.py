@@ -137,6 +137,7 @@ def test_old_driver_stops_the_check_before_installing_or_running(monkeypatch, ca
     assert "stopped: " in out and "R580" in out and "grpo vllm" not in out
 
 
+@pytest.mark.slow  # a multi-process world or a subprocess: over 6 s on 2 cores (tests/README.md)
 def test_offline_machine_skips_each_step_with_its_reason(tmp_path):
     """A driver, no registry (the index refuses), no GPU that torch sees: rows say what came from where and why."""
     env = _with_driver(tmp_path, "580.159.03")

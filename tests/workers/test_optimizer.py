@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
+import pytest
 import torch
 from helpers.fsdp_harness import free_port
 
@@ -46,6 +47,7 @@ def _worker(rank: int, port: int, model_path: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # a multi-process world or a subprocess: over 6 s on 2 cores (tests/README.md)
 def test_multi_tensor_adamw_on_fsdp2_shards_equals_per_parameter_adamw_bitwise(tiny_model_path, tmp_path):
     out = str(tmp_path / "fsdp2.pt")
     torch.multiprocessing.spawn(_worker, args=(free_port(), tiny_model_path, out), nprocs=2, join=True)

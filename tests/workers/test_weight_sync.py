@@ -80,6 +80,7 @@ def _rollout_cfg():
     return load_config([]).actor_rollout_ref.rollout
 
 
+@pytest.mark.slow  # a multi-process world or a subprocess: over 6 s on 2 cores (tests/README.md)
 @pytest.mark.parametrize("world", [2, 3])
 def test_bucketed_sync_gives_every_full_tensor_bitwise_in_fewer_collectives(tiny_model_path, tmp_path, world):
     torch.multiprocessing.spawn(_worker, args=(world, free_port(), tiny_model_path, str(tmp_path)), nprocs=world)

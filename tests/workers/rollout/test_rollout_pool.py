@@ -57,6 +57,7 @@ def _worker(rank: int, world: int, port: int, model_path: str, mode: str, out: s
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # a multi-process world or a subprocess: over 6 s on 2 cores (tests/README.md)
 @pytest.mark.parametrize("world, mode", [(2, "sync"), (3, "async")])
 def test_pooled_generation_gives_each_rank_the_rows_it_would_generate_alone(tiny_model_path, tmp_path, world, mode):
     out = str(tmp_path / "out")
@@ -87,6 +88,7 @@ def _failing_worker(rank: int, port: int, model_path: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # a multi-process world or a subprocess: over 6 s on 2 cores (tests/README.md)
 def test_an_engine_error_on_rank_0_reaches_every_rank(tiny_model_path, tmp_path):
     out = str(tmp_path / "out")
     torch.multiprocessing.spawn(_failing_worker, args=(free_port(), tiny_model_path, out), nprocs=2, join=True)
