@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from helpers.runs import read_metrics, run_main
 from helpers.small_config import SMALL
 
 pytestmark = pytest.mark.slow
@@ -69,23 +68,13 @@ UNTIMED_PREFIXES = ("timing_", "perf/", "rollout/server_", "time", "memory/")
 
 def numbers_of(run_dir: str) -> list[dict]:
     """Per logged line: every metric that is arithmetic, not a clock."""
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        lines = [json.loads(line) for line in f]
-    return [{k: v for k, v in line.items() if not k.startswith(UNTIMED_PREFIXES)} for line in lines]
+    return [{k: v for k, v in line.items() if not k.startswith(UNTIMED_PREFIXES)} for line in read_metrics(run_dir)]
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_fixed_seed_run_is_bitwise_the_recorded_one(name, tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    env = {**os.environ, "RLFRAME_CACHE": str(cache_dir)}
-    overrides = [*COMMON, *RUNS[name], f"trainer.default_local_dir={run_dir}"]
-    out = subprocess.run(
-        [sys.executable, "-m", "rlframe.trainer.main_ppo", *overrides],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-    )
+    out = run_main([*COMMON, *RUNS[name], f"trainer.default_local_dir={run_dir}"], cache_dir)
     assert out.returncode == 0, out.stderr[-4000:]
     got = numbers_of(str(run_dir))
     path = os.path.join(GOLDEN_DIR, f"{name}.json")
