@@ -1,5 +1,7 @@
 """Shared fixtures: the tiny offline model, GPU skipping, the vLLM environment's split, and small Ray clusters.
 
+`scripts/test.sh` (CI) sets RLFRAME_STRICT_SKIPS=1: there a skipped test fails unless it is marked `gpu`.
+
 Tests marked `vllm` run the real vLLM engine (its CPU build here). vLLM pins its own transformers, so they run in an
 environment of their own: `scripts/test.sh` runs the suite in `.venv`, then the `vllm` tests in `.venv-vllm` with
 RLFRAME_TEST_ENV=vllm, which selects them alone. Where vLLM is not installed they are deselected (not skipped) and
@@ -41,6 +43,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+STRICT_SKIPS = os.environ.get("RLFRAME_STRICT_SKIPS") == "1"  # scripts/test.sh sets it: CI's rule
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under RLFRAME_STRICT_SKIPS=1 only a test that needs a GPU may skip: any other skip fails, with its reason
+    (a skipped test in CI is a test that does not exist; the test setup installs what the tests need)."""
+    outcome = yield
+    report = outcome.get_result()
+    if STRICT_SKIPS and report.skipped and "gpu" not in item.keywords and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped outside a GPU test, which RLFRAME_STRICT_SKIPS=1 forbids: {reason}"
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):

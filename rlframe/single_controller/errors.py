@@ -7,32 +7,36 @@ class WorkerGroupError(RuntimeError):
     """Base class for failures of a call fanned out to a worker group."""
 
 
-class WorkerError(WorkerGroupError):
-    """A registered method raised inside a worker; carries the rank and the worker's traceback."""
+class _RankError(WorkerGroupError):
+    """A failure of one rank's call, told by `message` from (rank, method, detail), which also rebuild it."""
 
-    def __init__(self, rank: int, method: str, traceback_text: str):
+    message = "{method} failed on worker rank {rank}: {detail}"
+
+    def __init__(self, rank: int, method: str, detail: str):
         self.rank = rank
         self.method = method
-        self.traceback_text = traceback_text
-        super().__init__(f"{method} raised on worker rank {rank}:\n{traceback_text.rstrip()}")
+        self.detail = detail
+        super().__init__(self.message.format(rank=rank, method=method, detail=detail.rstrip()))
 
     def __reduce__(self):
-        # Exceptions with custom __init__ signatures must say how to rebuild themselves
-        # to cross the process boundary intact.
-        return type(self), (self.rank, self.method, self.traceback_text)
+        # an exception with its own __init__ signature must say how to rebuild itself across processes
+        return type(self), (self.rank, self.method, self.detail)
 
 
-class WorkerDiedError(WorkerGroupError):
-    """The worker process of `rank` died (crash, kill, OOM, lost node) before answering."""
+class WorkerError(_RankError):
+    """A registered method raised inside a worker; `detail` is the worker's traceback."""
 
-    def __init__(self, rank: int, method: str, reason: str):
-        self.rank = rank
-        self.method = method
-        self.reason = reason
-        super().__init__(f"worker rank {rank} died during {method}: {reason}")
+    message = "{method} raised on worker rank {rank}:\n{detail}"
 
-    def __reduce__(self):
-        return type(self), (self.rank, self.method, self.reason)
+    @property
+    def traceback_text(self) -> str:
+        return self.detail
+
+
+class WorkerDiedError(_RankError):
+    """The worker process of `rank` died (crash, kill, OOM, lost node) before answering; `detail` says how."""
+
+    message = "worker rank {rank} died during {method}: {detail}"
 
 
 class WorkerTimeoutError(WorkerGroupError, TimeoutError):

@@ -21,6 +21,16 @@ RENDEZVOUS_FILE_ENV = "RLFRAME_RENDEZVOUS_FILE"
 RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", RENDEZVOUS_FILE_ENV)
 
 
+class _FromEnv:
+    """A read-only worker attribute: the environment variable `name` the group set, cast, or its default."""
+
+    def __init__(self, name: str, cast, default, doc: str):
+        self.name, self.cast, self.default, self.__doc__ = name, cast, default, doc
+
+    def __get__(self, worker, owner=None):
+        return self if worker is None else self.cast(os.environ.get(self.name, self.default))
+
+
 class Worker:
     """One process of a worker group: knows its place, sets up torch.distributed on request.
 
@@ -34,35 +44,12 @@ class Worker:
         # Ray prefixes what a worker prints with its repr: "(ColocatedWorker rank 1 pid=...)" names the rank
         return f"{type(self).__name__} rank {self.rank}"
 
-    @property
-    def rank(self) -> int:
-        """Global rank of this process in its worker group."""
-        return int(os.environ.get("RANK", 0))
-
-    @property
-    def world_size(self) -> int:
-        """Number of processes in the worker group."""
-        return int(os.environ.get("WORLD_SIZE", 1))
-
-    @property
-    def local_rank(self) -> int:
-        """Index of this process among the group's processes on its node."""
-        return int(os.environ.get("LOCAL_RANK", 0))
-
-    @property
-    def local_world_size(self) -> int:
-        """Number of the group's processes on this node."""
-        return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-
-    @property
-    def master_addr(self) -> str:
-        """IP of rank 0's node, where torch.distributed rendezvouses."""
-        return os.environ.get("MASTER_ADDR", "127.0.0.1")
-
-    @property
-    def master_port(self) -> int:
-        """Port on rank 0's node for the rendezvous (free when the group was built)."""
-        return int(os.environ.get("MASTER_PORT", 29500))
+    rank = _FromEnv("RANK", int, 0, "Global rank of this process in its worker group.")
+    world_size = _FromEnv("WORLD_SIZE", int, 1, "Number of processes in the worker group.")
+    local_rank = _FromEnv("LOCAL_RANK", int, 0, "Index of this process among the group's processes on its node.")
+    local_world_size = _FromEnv("LOCAL_WORLD_SIZE", int, 1, "Number of the group's processes on this node.")
+    master_addr = _FromEnv("MASTER_ADDR", str, "127.0.0.1", "IP of rank 0's node, where torch.distributed meets.")
+    master_port = _FromEnv("MASTER_PORT", int, 29500, "Port on rank 0's node for the rendezvous (free when built).")
 
     @property
     def device(self) -> torch.device:

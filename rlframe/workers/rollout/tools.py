@@ -55,6 +55,13 @@ class ToolCallResult:
     latency_s: float = 0.0
 
 
+def string_function_schema(name: str, description: str, parameter: str, parameter_description: str) -> dict:
+    """The OpenAI function schema of a tool that takes one required string parameter."""
+    properties = {parameter: {"type": "string", "description": parameter_description}}
+    parameters = {"type": "object", "properties": properties, "required": [parameter]}
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}
+
+
 class BaseTool:
     """verl's tool lifecycle; subclass and override `execute` (and `create`/`calc_reward`/`release`)."""
 
@@ -159,18 +166,9 @@ class CalculatorTool(BaseTool):
     """`calculator(expression)`: evaluates arithmetic exactly (integers stay integers)."""
 
     def default_schema(self) -> dict:
-        return {
-            "type": "function",
-            "function": {
-                "name": "calculator",
-                "description": "Evaluate an arithmetic expression, e.g. '(12 + 7) * 3'.",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"expression": {"type": "string", "description": "the expression"}},
-                    "required": ["expression"],
-                },
-            },
-        }
+        return string_function_schema(
+            "calculator", "Evaluate an arithmetic expression, e.g. '(12 + 7) * 3'.", "expression", "the expression"
+        )
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[Any, float, dict]:
         result = evaluate_arithmetic(str(parameters.get("expression", "")))
@@ -189,18 +187,7 @@ class PythonTool(BaseTool):
     """
 
     def default_schema(self) -> dict:
-        return {
-            "type": "function",
-            "function": {
-                "name": "python",
-                "description": "Run Python code and return what it prints.",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"code": {"type": "string", "description": "the program"}},
-                    "required": ["code"],
-                },
-            },
-        }
+        return string_function_schema("python", "Run Python code and return what it prints.", "code", "the program")
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[Any, float, dict]:
         import tempfile
@@ -253,18 +240,12 @@ class Gsm8kAnswerTool(BaseTool):
         self._instances: dict[str, dict] = {}
 
     def default_schema(self) -> dict:
-        return {
-            "type": "function",
-            "function": {
-                "name": "calc_gsm8k_reward",
-                "description": "Check an answer to the math problem (1.0 if correct, else 0.0).",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"answer": {"type": "string", "description": "the answer, digits only"}},
-                    "required": ["answer"],
-                },
-            },
-        }
+        return string_function_schema(
+            "calc_gsm8k_reward",
+            "Check an answer to the math problem (1.0 if correct, else 0.0).",
+            "answer",
+            "the answer, digits only",
+        )
 
     async def create(self, instance_id: str | None = None, **kwargs) -> tuple[str, ToolResponse]:
         instance_id = instance_id or uuid.uuid4().hex
