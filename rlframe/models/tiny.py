@@ -103,27 +103,21 @@ BUILTIN_MODEL = "builtin://tiny"  # the model path that names this model in conf
 TINY_SHAPE = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "vocab_size": 512}
 
 
-def make_tiny_model(
-    out_dir: str,
-    hidden_size: int = TINY_SHAPE["hidden_size"],
-    num_layers: int = TINY_SHAPE["num_layers"],
-    num_heads: int = TINY_SHAPE["num_heads"],
-    num_kv_heads: int = TINY_SHAPE["num_kv_heads"],
-    vocab_size: int = TINY_SHAPE["vocab_size"],
-    seed: int = 0,
-    tokenizer=None,
-) -> str:
-    """Write a tiny random-init Qwen2 causal LM plus tokenizer (by default `build_tokenizer(vocab_size)`)."""
+def make_tiny_model(out_dir: str, seed: int = 0, tokenizer=None, **shape: int) -> str:
+    """Write a tiny random-init Qwen2 causal LM plus tokenizer (by default `build_tokenizer(vocab_size)`).
+
+    `shape` overrides entries of `TINY_SHAPE` (hidden_size, num_layers, num_heads, num_kv_heads, vocab_size).
+    """
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    tokenizer = tokenizer or build_tokenizer(vocab_size)
+    unknown = set(shape) - set(TINY_SHAPE)
+    if unknown:
+        raise TypeError(f"make_tiny_model: unknown shape {sorted(unknown)}; it takes {sorted(TINY_SHAPE)}")
+    shape = {**TINY_SHAPE, **shape}
+    tokenizer = tokenizer or build_tokenizer(shape["vocab_size"])
     config = build_model_config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
+        **{**shape, "vocab_size": len(tokenizer)},
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
@@ -156,10 +150,8 @@ def make_quickstart_model(out_dir: str, seed: int = 0) -> str:
     rarely starts with the right digit, and reinforcement learning from there found too little
     signal for *which* digit in a few minutes (docs/learning_baseline.md).
     """
-    shape = dict(QUICKSTART_SHAPE)
-    vocab_size = shape.pop("vocab_size")
-    tokenizer = build_tokenizer(vocab_size, corpus=_quickstart_corpus(), alphabet=[])
-    return make_tiny_model(out_dir, **shape, seed=seed, tokenizer=tokenizer)
+    tokenizer = build_tokenizer(QUICKSTART_SHAPE["vocab_size"], corpus=_quickstart_corpus(), alphabet=[])
+    return make_tiny_model(out_dir, seed, tokenizer, **QUICKSTART_SHAPE)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -169,9 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    path = make_tiny_model(
-        args.out_dir, args.hidden_size, args.num_layers, args.num_heads, args.num_kv_heads, args.vocab_size, args.seed
-    )
+    path = make_tiny_model(args.out_dir, args.seed, **{name: getattr(args, name) for name in TINY_SHAPE})
     print(f"tiny model written to {path}")
 
 
