@@ -27,7 +27,11 @@ from rlframe.data.config import DataConfig
 from rlframe.reward.config import CustomRewardFunctionConfig
 from rlframe.trainer.dynamic_sampling import FilterGroupsConfig
 from rlframe.trainer.tracking import check_backends
-from rlframe.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
+from rlframe.workers.config.actor import ActorConfig
+from rlframe.workers.config.critic import CriticConfig
+from rlframe.workers.config.model import ModelConfig
+from rlframe.workers.config.ref import RefConfig
+from rlframe.workers.config.reward_model import RewardModelConfig
 from rlframe.workers.profiler import GlobalProfilerConfig
 from rlframe.workers.rollout.config import RolloutConfig
 
