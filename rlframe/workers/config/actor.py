@@ -19,7 +19,7 @@ from rlframe.config.keys import ACTOR_KEYS, REF_KEYS, get, micro_batch_inactive,
 from rlframe.config.schema import Section, fields_of, key, section
 from rlframe.seqpack import ALLOCATE_FNS
 from rlframe.workers.config.model import CheckpointConfig, FSDPConfig, OptimConfig, log_prob_pass_switches
-from rlframe.workers.profiler import RoleProfilerConfig
+from rlframe.workers.config.profiler import RoleProfilerConfig
 
 
 @dataclass

@@ -11,7 +11,7 @@ from rlframe.config.keys import ACTOR, CRITIC_KEYS, micro_batch_inactive
 from rlframe.config.schema import Section, key, section
 from rlframe.seqpack import ALLOCATE_FNS
 from rlframe.workers.config.model import CheckpointConfig, FSDPConfig, OptimConfig, check_shm, offload_inactive
-from rlframe.workers.profiler import RoleProfilerConfig
+from rlframe.workers.config.profiler import RoleProfilerConfig
 
 
 @dataclass

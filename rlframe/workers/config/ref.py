@@ -8,7 +8,7 @@ from typing import Any, Optional
 from rlframe.config.keys import ACTOR, REF_KEYS, micro_batch_inactive
 from rlframe.config.schema import Section, key, section
 from rlframe.workers.config.model import DTYPE_NAMES, MixedPrecisionConfig, log_prob_pass_switches
-from rlframe.workers.profiler import RoleProfilerConfig
+from rlframe.workers.config.profiler import RoleProfilerConfig
 
 
 @dataclass

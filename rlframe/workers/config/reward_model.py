@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from rlframe.config.checks import check_fsdp_size
 from rlframe.config.schema import Section, key, section
-from rlframe.reward.dapo import RewardKwargsConfig
+from rlframe.reward.config import RewardKwargsConfig
 from rlframe.reward.manager import get_reward_manager_cls
 
 
