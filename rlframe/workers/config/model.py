@@ -11,8 +11,16 @@ from rlframe.config.checks import SAVE_CONTENTS, planned_device
 from rlframe.config.keys import ACTOR, ref_enabled
 from rlframe.config.schema import Section, each_of, key, section
 from rlframe.models.builtin import SHM_ROOT
-from rlframe.workers.fsdp_utils import DTYPES
 
+# the dtype names the keys accept, and the torch dtype each names (rlframe/workers/fsdp_utils.py resolves them)
+DTYPES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+}
 DTYPE_NAMES = ("auto", *DTYPES)
 WARMUP_STYLES = ("constant", "cosine")
 
