@@ -33,7 +33,8 @@ from rlframe.batch_plan import ForwardPlan, UpdatePlan
 from rlframe.seqpack import MicroBatchSpec
 from rlframe.workers.actor import PPOActor
 from rlframe.workers.batching import split_micro_batches
-from rlframe.workers.config import ActorConfig, OptimConfig
+from rlframe.workers.config.actor import ActorConfig
+from rlframe.workers.config.model import OptimConfig
 from rlframe.workers.updater import ModelOptions, RoleModel
 
 MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=512)

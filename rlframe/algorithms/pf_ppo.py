@@ -9,34 +9,14 @@ weight taken from its sequence score (the sum of its `token_level_scores`, befor
 
 Every weight gets 1e-8 added (so an all-zero batch is sampled uniformly), as in verl 0.9.1's
 `compute_pf_ppo_reweight_data`. Rows keep everything they carry (advantages, returns, old log-probs);
-a row drawn twice counts twice in the losses.
+a row drawn twice counts twice in the losses. The keys are declared in `PfPpoConfig` (`rlframe/algorithms/config.py`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from rlframe.config.schema import Section, key
-
-REWEIGHT_METHODS = ("pow", "max_min", "max_random")
-
-
-@dataclass
-class PfPpoConfig(Section):
-    reweight_method: str = key("pow", "pow (|score|^weight_pow) | max_min | max_random", choices=REWEIGHT_METHODS)
-    weight_pow: float = key(2.0, "the power of the pow method")
-
-    def inactive(self, path: str, root) -> dict[str, str]:
-        if self.reweight_method == "pow":
-            return {}
-        return {f"{path}.weight_pow": f"{path}.reweight_method={self.reweight_method}: only pow uses a power"}
-
-
-def pf_ppo_applies(algorithm) -> bool:
-    """verl 0.9.1 resamples in its GAE branch only: `use_pf_ppo` has no effect with another estimator."""
-    return bool(algorithm.use_pf_ppo) and algorithm.adv_estimator == "gae"
+from rlframe.algorithms.config import REWEIGHT_METHODS
 
 
 def pf_ppo_weights(scores: torch.Tensor, reweight_method: str, weight_pow: float) -> torch.Tensor:

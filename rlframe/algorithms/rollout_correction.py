@@ -22,161 +22,29 @@ with log r_t = log π_old(y_t) − log π_rollout(y_t):
 Batch normalization of a whole batch needs the batch's mean: on the driver (decoupled mode) the whole
 batch is at hand; in the actor (bypass mode) `normalizer_sums` gives each micro-batch's part of the
 mean's numerator and denominator, which the worker sums over micro-batches and DP ranks.
+
+The keys and their parsers (`RolloutCorrectionConfig`, `parse_is_threshold`, `parse_rs_thresholds`) are in
+`rlframe/algorithms/config.py`.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from rlframe.algorithms.loss import POLICY_LOSS_INFO
+from rlframe.algorithms.config import (
+    IS_LEVELS,
+    RolloutCorrectionConfig,
+    parse_is_threshold,
+    parse_rs_options,
+    parse_rs_thresholds,
+)
 from rlframe.algorithms.masked import masked_mean, masked_sum
-from rlframe.config.keys import ACTOR_KEYS
-from rlframe.config.schema import Section, key
 
 SAFETY_BOUND = 20.0  # |log r| is clamped here before exp (exp(20) ≈ 4.9e8)
-IS_LEVELS = ("token", "sequence")
-LOSS_TYPES = ("ppo_clip", "reinforce")
-RS_OPTIONS = (
-    "token_k1",
-    "token_k2",
-    "token_k3",
-    "seq_sum_k1",
-    "seq_sum_k2",
-    "seq_sum_k3",
-    "seq_mean_k1",
-    "seq_mean_k2",
-    "seq_mean_k3",
-    "seq_max_k2",
-    "seq_max_k3",
-)
 PREFIX = "rollout_corr/"
-# Policy losses that are positively homogeneous in the advantage (ℓ(w·A) = w·ℓ(A) for w ≥ 0): for
-# them, verl's token loss × IS weight equals the loss of the weighted advantage, which is how the
-# actor applies the weights.
-IS_WEIGHTED_LOSSES = tuple(name for name, info in POLICY_LOSS_INFO.items() if info.advantage_homogeneous)
-
-
-# ───────────────────────────── thresholds ─────────────────────────────
-
-
-def _positive(text: str, what: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{what}: {text!r} is not a number") from None
-    if not value > 0:
-        raise ValueError(f"{what}: {text!r} must be > 0")
-    return value
-
-
-def parse_is_threshold(spec: Any) -> tuple[float, float | None]:
-    """`rollout_is_threshold` → (upper, lower or None): a number truncates (TIS), "L_U" keeps [L, U] (IcePop)."""
-    what = "algorithm.rollout_correction.rollout_is_threshold"
-    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
-        raise ValueError(f"{what}={spec!r}: give a number (truncate) or 'lower_upper' (keep the range)")
-    text = str(spec).strip()
-    if "_" not in text:
-        return _positive(text, what), None
-    lower_text, upper_text = text.split("_", 1)
-    lower, upper = _positive(lower_text, what), _positive(upper_text, what)
-    if lower > upper:
-        raise ValueError(f"{what}={spec!r}: the lower bound exceeds the upper bound")
-    return upper, lower
-
-
-def parse_rs_options(spec: str) -> list[str]:
-    """`rollout_rs` → its options in order, duplicates dropped; unknown names raise."""
-    options = list(dict.fromkeys(part.strip() for part in str(spec).split(",") if part.strip()))
-    unknown = [o for o in options if o not in RS_OPTIONS]
-    if not options or unknown:
-        raise ValueError(
-            f"algorithm.rollout_correction.rollout_rs={spec!r}: unknown options {unknown}; "
-            f"valid: {', '.join(RS_OPTIONS)}"
-        )
-    return options
-
-
-def parse_rs_thresholds(options: list[str], spec: Any) -> dict[str, tuple[float | None, float]]:
-    """`rollout_rs_threshold` → {option: (lower, upper)}: one entry per option, or one shared by all.
-
-    k1 options bound the ratio (lower, upper); a single value U means (1/U, U). The others bound
-    the divergence from above (lower is None).
-    """
-    what = "algorithm.rollout_correction.rollout_rs_threshold"
-    if spec is None:
-        raise ValueError(f"{what} must be set when algorithm.rollout_correction.rollout_rs is set")
-    parts = [p.strip() for p in str(spec).split(",") if p.strip()] if isinstance(spec, str) else [str(spec)]
-    if len(parts) not in (1, len(options)):
-        raise ValueError(f"{what}={spec!r}: give one threshold or one per rollout_rs option ({len(options)})")
-    parts = parts * len(options) if len(parts) == 1 else parts
-    out = {}
-    for option, part in zip(options, parts):
-        if option.endswith("k1"):
-            lower_text, upper_text = part.split("_", 1) if "_" in part else (None, part)
-            upper = _positive(upper_text, f"{what} ({option})")
-            lower = 1.0 / upper if lower_text is None else _positive(lower_text, f"{what} ({option})")
-            if lower > upper:
-                raise ValueError(f"{what}={spec!r}: {option}'s lower bound exceeds its upper bound")
-            out[option] = (lower, upper)
-        else:
-            if "_" in part:
-                raise ValueError(f"{what}={spec!r}: {option} takes one upper bound, not a range")
-            out[option] = (None, _positive(part, f"{what} ({option})"))
-    return out
-
-
-# ───────────────────────────── the config section ─────────────────────────────
-
-
-@dataclass
-class RolloutCorrectionConfig(Section):
-    rollout_is: str | None = key(
-        None, "IS weights rollout→trainer policy: null (metrics only) | token | sequence", choices=(None, *IS_LEVELS)
-    )
-    rollout_is_threshold: Any = key(2.0, "IS weight bound: U truncates (TIS); 'L_U' zeroes weights outside (IcePop)")
-    rollout_is_batch_normalize: bool = key(False, "divide IS weights by their batch mean (token or sequence level)")
-    rollout_rs: str | None = key(None, f"rejection options, comma-separated: {' | '.join(RS_OPTIONS)}")
-    rollout_rs_threshold: Any = key(None, "one bound per rollout_rs option (k1: 'L_U' ratio range; others: upper)")
-    bypass_mode: bool = key(False, "old log-probs := rollout log-probs (skips the old-log-prob pass)")
-    loss_type: str = key("ppo_clip", "bypass-mode actor loss: ppo_clip | reinforce", choices=LOSS_TYPES)
-
-    def check(self, path: str, root: Any) -> None:
-        parse_is_threshold(self.rollout_is_threshold)
-        if self.rollout_rs is not None:
-            parse_rs_thresholds(parse_rs_options(self.rollout_rs), self.rollout_rs_threshold)
-        used = self.rollout_is is not None or self.rollout_rs is not None or self.bypass_mode
-        if used and not root.actor_rollout_ref.rollout.calculate_log_probs:
-            raise ValueError(
-                f"{path} needs the rollout engine's log-probs: set actor_rollout_ref.rollout.calculate_log_probs=true"
-            )
-        loss_mode = root.actor_rollout_ref.actor.policy_loss.loss_mode
-        if self.rollout_is is not None and not self.bypass_mode and loss_mode not in IS_WEIGHTED_LOSSES:
-            raise ValueError(
-                f"{path}.rollout_is={self.rollout_is} with actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode} "
-                f"is not implemented; IS weights apply to the losses {', '.join(IS_WEIGHTED_LOSSES)}"
-            )
-
-    def inactive(self, path: str, root: Any) -> dict[str, str]:
-        out = {}
-        if self.rollout_is is None:
-            reason = f"{path}.rollout_is=null: no IS weights (metrics only)"
-            out.update({f"{path}.{name}": reason for name in ("rollout_is_threshold", "rollout_is_batch_normalize")})
-        if self.rollout_rs is None:
-            out[f"{path}.rollout_rs_threshold"] = f"{path}.rollout_rs=null: no rejection"
-        if not self.bypass_mode:
-            out[f"{path}.loss_type"] = f"{path}.bypass_mode=false: the actor's policy_loss.loss_mode is used"
-        else:
-            out["actor_rollout_ref.actor.policy_loss.loss_mode"] = (
-                f"{path}.bypass_mode=true: the loss is {path}.loss_type={self.loss_type} (as verl 0.9.1)"
-            )
-            old_pass = ACTOR_KEYS.forward
-            for name in (old_pass.micro, old_pass.global_micro, old_pass.dynamic, old_pass.max_token_len):
-                out[name] = f"{path}.bypass_mode=true: no old-log-prob pass (π_old is the rollout's)"
-        return out
 
 
 # ───────────────────────────── IS weights ─────────────────────────────

@@ -1,9 +1,9 @@
 """Declaring config keys once: a typed field per key, with its default, its help line and its check.
 
-Every config section is a dataclass deriving from `Section`, owned by the component that reads it
-(`rlframe/data/config.py`, `rlframe/workers/config.py`, `rlframe/workers/rollout/config.py`,
-`rlframe/trainer/config.py`, ...). A key is declared with `key(default, help, choices=..., check=...)`;
-from those declarations come
+Every config section is a dataclass deriving from `Section`, declared in the `config.py` of the package
+whose code reads it, or in a `config/` package with one file per role (`rlframe/data/config.py`,
+`rlframe/workers/config/actor.py`, `rlframe/workers/rollout/config.py`, `rlframe/trainer/config.py`, ...).
+A key is declared with `key(default, help, choices=..., check=...)`; from those declarations come
 
 - the YAML of defaults with its one-line comment per key (`render_yaml`; `configs/ppo_trainer.yaml`
   is generated from it and a test keeps the two equal),

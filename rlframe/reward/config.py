@@ -1,11 +1,11 @@
-"""The `custom_reward_function` section: a user's scorer file."""
+"""The reward sections: `custom_reward_function` (a user's scorer file) and the dapo manager's `reward_kwargs`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from rlframe.config.schema import Section, key
+from rlframe.config.schema import Section, key, section
 
 # what a sample whose scorer failed gets (rlframe/reward/manager.py)
 ON_SCORER_ERROR = ("zero", "drop")
@@ -49,3 +49,48 @@ class CustomRewardFunctionConfig(Section):
             reason = "reward_model.enable=true: the reward model's scores are the reward, not the scorer's"
             inactive[f"{path}.on_scorer_error"] = reason
         return inactive
+
+
+@dataclass
+class OverlongBufferConfig(Section):
+    enable: bool = key(False, "dapo manager: soft penalty for responses longer than max_resp_len - len")
+    len: int = key(0, "dapo manager: tokens of the buffer over which the penalty grows to -penalty_factor")
+    penalty_factor: float = key(0.0, "dapo manager: the penalty at max_resp_len tokens (negated)")
+    log: bool = key(False, "dapo manager: report overlong_reward and overlong (fraction) per step")
+
+
+@dataclass
+class RewardKwargsConfig(Section):
+    overlong_buffer_cfg: OverlongBufferConfig = section(OverlongBufferConfig)
+    max_resp_len: int | None = key(None, "dapo manager: L_max of the overlong penalty (usually max_response_length)")
+
+    def check(self, path: str, root: Any) -> None:
+        buffer = self.overlong_buffer_cfg
+        if not buffer.enable:
+            return
+        where = f"{path}.overlong_buffer_cfg"
+        if self.max_resp_len is None:
+            raise ValueError(f"{where}.enable=true needs {path}.max_resp_len (the response length the penalty ends at)")
+        if buffer.len <= 0:
+            raise ValueError(f"{where}.len={buffer.len} must be > 0 when {where}.enable=true")
+        if self.max_resp_len < buffer.len:
+            raise ValueError(f"{path}.max_resp_len={self.max_resp_len} must be >= {where}.len={buffer.len}")
+        if root.reward_model.reward_manager != "dapo":
+            raise ValueError(
+                f"{where}.enable=true is read by the dapo reward manager only; "
+                f"reward_model.reward_manager={root.reward_model.reward_manager!r}: set it to dapo"
+            )
+
+    def inactive(self, path: str, root: Any) -> dict[str, str]:
+        manager = root.reward_model.reward_manager
+        if manager != "dapo":
+            return {path: f"reward_model.reward_manager={manager}: only the dapo manager reads reward_kwargs"}
+        if self.overlong_buffer_cfg.enable:
+            return {}
+        names = (
+            "max_resp_len",
+            "overlong_buffer_cfg.len",
+            "overlong_buffer_cfg.penalty_factor",
+            "overlong_buffer_cfg.log",
+        )
+        return {f"{path}.{name}": f"{path}.overlong_buffer_cfg.enable=false" for name in names}

@@ -11,65 +11,18 @@ a response of |y| valid tokens gets
 "acc" is the score (a dict score's own "acc" when it gives one; verl raises then), "overlong_reward"
 and "overlong" (penalty < 0) when `overlong_buffer_cfg.log`. The keys are reached as
 `reward_model.reward_kwargs.*` (and `+reward_model.reward_kwargs.*`, as verl's scripts write them,
-or `reward.reward_kwargs.*`, verl 0.9.1's newer spelling); their defaults are DAPO recipe's.
+or `reward.reward_kwargs.*`, verl 0.9.1's newer spelling); their defaults are DAPO recipe's, declared in
+`RewardKwargsConfig` (`rlframe/reward/config.py`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from rlframe.config.schema import Section, key, section
 from rlframe.protocol import DataProto
 from rlframe.reward.manager import REWARD_MANAGERS, NaiveRewardManager, response_lengths
-
-
-@dataclass
-class OverlongBufferConfig(Section):
-    enable: bool = key(False, "dapo manager: soft penalty for responses longer than max_resp_len - len")
-    len: int = key(0, "dapo manager: tokens of the buffer over which the penalty grows to -penalty_factor")
-    penalty_factor: float = key(0.0, "dapo manager: the penalty at max_resp_len tokens (negated)")
-    log: bool = key(False, "dapo manager: report overlong_reward and overlong (fraction) per step")
-
-
-@dataclass
-class RewardKwargsConfig(Section):
-    overlong_buffer_cfg: OverlongBufferConfig = section(OverlongBufferConfig)
-    max_resp_len: int | None = key(None, "dapo manager: L_max of the overlong penalty (usually max_response_length)")
-
-    def check(self, path: str, root: Any) -> None:
-        buffer = self.overlong_buffer_cfg
-        if not buffer.enable:
-            return
-        where = f"{path}.overlong_buffer_cfg"
-        if self.max_resp_len is None:
-            raise ValueError(f"{where}.enable=true needs {path}.max_resp_len (the response length the penalty ends at)")
-        if buffer.len <= 0:
-            raise ValueError(f"{where}.len={buffer.len} must be > 0 when {where}.enable=true")
-        if self.max_resp_len < buffer.len:
-            raise ValueError(f"{path}.max_resp_len={self.max_resp_len} must be >= {where}.len={buffer.len}")
-        if root.reward_model.reward_manager != "dapo":
-            raise ValueError(
-                f"{where}.enable=true is read by the dapo reward manager only; "
-                f"reward_model.reward_manager={root.reward_model.reward_manager!r}: set it to dapo"
-            )
-
-    def inactive(self, path: str, root: Any) -> dict[str, str]:
-        manager = root.reward_model.reward_manager
-        if manager != "dapo":
-            return {path: f"reward_model.reward_manager={manager}: only the dapo manager reads reward_kwargs"}
-        if self.overlong_buffer_cfg.enable:
-            return {}
-        names = (
-            "max_resp_len",
-            "overlong_buffer_cfg.len",
-            "overlong_buffer_cfg.penalty_factor",
-            "overlong_buffer_cfg.log",
-        )
-        return {f"{path}.{name}": f"{path}.overlong_buffer_cfg.enable=false" for name in names}
 
 
 def overlong_penalty(lengths: torch.Tensor, max_resp_len: int, buffer_len: int, penalty_factor: float) -> torch.Tensor:

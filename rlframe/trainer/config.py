@@ -14,9 +14,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from rlframe.algorithms.advantage import get_adv_estimator_fn
+from rlframe.algorithms.config import PfPpoConfig, RolloutCorrectionConfig, pf_ppo_applies
 from rlframe.algorithms.kl import get_kl_penalty_fn
-from rlframe.algorithms.pf_ppo import PfPpoConfig, pf_ppo_applies
-from rlframe.algorithms.rollout_correction import RolloutCorrectionConfig
 from rlframe.config.checks import check_fsdp_size
 from rlframe.config.key_status import raw_override_key
 from rlframe.config.keys import critic_enabled, ref_enabled
@@ -25,10 +24,13 @@ from rlframe.config.schema import Section, key, render_yaml, section, validate, 
 from rlframe.config.verl_keys import ALIASES, NOT_IN_VERL, check_verl_override, followed_key, verl_key_under
 from rlframe.data.config import DataConfig
 from rlframe.reward.config import CustomRewardFunctionConfig
-from rlframe.trainer.dynamic_sampling import FilterGroupsConfig
 from rlframe.trainer.tracking import check_backends
-from rlframe.workers.config import ActorConfig, CriticConfig, ModelConfig, RefConfig, RewardModelConfig
-from rlframe.workers.profiler import GlobalProfilerConfig
+from rlframe.workers.config.actor import ActorConfig
+from rlframe.workers.config.critic import CriticConfig
+from rlframe.workers.config.model import ModelConfig
+from rlframe.workers.config.profiler import GlobalProfilerConfig
+from rlframe.workers.config.ref import RefConfig
+from rlframe.workers.config.reward_model import RewardModelConfig
 from rlframe.workers.rollout.config import RolloutConfig
 
 RESUME_MODES = ("auto", "disable", "resume_path")
@@ -76,6 +78,32 @@ class KLCtrlConfig(Section):
         if self.type == "adaptive":
             return {}
         return {f"{path}.{name}": f"{path}.type=fixed" for name in ("horizon", "target_kl")}
+
+
+@dataclass
+class FilterGroupsConfig(Section):
+    enable: bool = key(False, "DAPO dynamic sampling: drop prompt groups whose metric has zero spread")
+    metric: Any = key(
+        "reward", "reward | seq_reward | seq_final_reward (summed scores) | a reward extra-info field (acc, score, ...)"
+    )
+    max_num_gen_batches: int = key(0, "generation rounds allowed per step before an error; 0 = unlimited")
+
+    def check(self, path: str, root: Any) -> None:
+        if not self.enable:
+            return
+        if not isinstance(self.metric, str) or not self.metric:
+            raise ValueError(f"{path}.metric={self.metric!r}: name the per-sample metric whose spread a group needs")
+        if self.metric == "seq_final_reward" and root.algorithm.use_kl_in_reward:
+            raise ValueError(
+                f"{path}.metric=seq_final_reward with algorithm.use_kl_in_reward=true is not implemented: the "
+                "KL penalty is applied after the groups are chosen. Use metric=seq_reward (the scores before KL)."
+            )
+
+    def inactive(self, path: str, root: Any) -> dict[str, str]:
+        if self.enable:
+            return {}
+        reason = f"{path}.enable=false"
+        return {f"{path}.metric": reason, f"{path}.max_num_gen_batches": reason, "data.gen_batch_size": reason}
 
 
 @dataclass

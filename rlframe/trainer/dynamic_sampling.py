@@ -12,45 +12,18 @@ The metric of a sample: "reward" and "seq_reward" are its summed token-level sco
 penalty; verl 0.9.1's "reward" reads the same pre-KL scores), "seq_final_reward" its summed
 token-level rewards (the same here: the KL-in-reward combination is refused), any other name a
 per-sample field of the reward manager's extra info ("acc", "score", a custom scorer's dict keys).
+The keys are declared in `FilterGroupsConfig` (`rlframe/trainer/config.py`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from rlframe.config.schema import Section, key
 from rlframe.protocol import DataProto
 
 SCORE_METRICS = ("reward", "seq_reward", "seq_final_reward")
-
-
-@dataclass
-class FilterGroupsConfig(Section):
-    enable: bool = key(False, "DAPO dynamic sampling: drop prompt groups whose metric has zero spread")
-    metric: Any = key(
-        "reward", "reward | seq_reward | seq_final_reward (summed scores) | a reward extra-info field (acc, score, ...)"
-    )
-    max_num_gen_batches: int = key(0, "generation rounds allowed per step before an error; 0 = unlimited")
-
-    def check(self, path: str, root: Any) -> None:
-        if not self.enable:
-            return
-        if not isinstance(self.metric, str) or not self.metric:
-            raise ValueError(f"{path}.metric={self.metric!r}: name the per-sample metric whose spread a group needs")
-        if self.metric == "seq_final_reward" and root.algorithm.use_kl_in_reward:
-            raise ValueError(
-                f"{path}.metric=seq_final_reward with algorithm.use_kl_in_reward=true is not implemented: the "
-                "KL penalty is applied after the groups are chosen. Use metric=seq_reward (the scores before KL)."
-            )
-
-    def inactive(self, path: str, root: Any) -> dict[str, str]:
-        if self.enable:
-            return {}
-        reason = f"{path}.enable=false"
-        return {f"{path}.metric": reason, f"{path}.max_num_gen_batches": reason, "data.gen_batch_size": reason}
 
 
 def sample_metric(batch: DataProto, metric: str, extra_info: dict) -> np.ndarray:

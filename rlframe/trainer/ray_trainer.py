@@ -20,10 +20,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlframe.algorithms.advantage import compute_advantage
+from rlframe.algorithms.config import pf_ppo_applies
 from rlframe.algorithms.kl import apply_kl_penalty, make_kl_controller
 from rlframe.algorithms.masked import masked_mean
 from rlframe.algorithms.on_policy import old_log_prob_pass_reason
-from rlframe.algorithms.pf_ppo import pf_ppo_applies, pf_ppo_resample_index
+from rlframe.algorithms.pf_ppo import pf_ppo_resample_index
 from rlframe.algorithms.rollout_correction import probs_diff_metrics, rollout_correction
 from rlframe.batch_plan import BatchPlan
 from rlframe.config.checks import resolve_device

@@ -40,7 +40,7 @@ from rlframe.workers.batching import (
     response_mask_of,
     update_inputs,
 )
-from rlframe.workers.config import clip_ratio_bounds
+from rlframe.workers.config.actor import clip_ratio_bounds
 from rlframe.workers.model_forward import ScoringSpec, forward_micro_batch, layout_for
 from rlframe.workers.updater import Batching, PPOUpdater, RoleModel, UpdateContext
 

@@ -16,25 +16,19 @@ from torch import nn
 
 from rlframe.config.checks import STRATEGIES
 from rlframe.distributed.shm_gather import SharedMemoryGroups, use_shared_memory_comms
+from rlframe.workers.config.model import DTYPES
 from rlframe.workers.lora import trainable_parameters, trains_leaf_weight
 
-DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-}
+TORCH_DTYPES = {name: getattr(torch, torch_name) for name, torch_name in DTYPES.items()}
 
 
 def resolve_dtype(name: str, device_type: str) -> torch.dtype:
     """`param_dtype: auto` means bf16 on GPU and fp32 on CPU (CPU bf16 matmuls are slow and inexact)."""
     if name == "auto":
         return torch.bfloat16 if device_type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"dtype {name!r} is not one of auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
+    if name not in TORCH_DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of auto, {', '.join(TORCH_DTYPES)}")
+    return TORCH_DTYPES[name]
 
 
 @dataclass(frozen=True)

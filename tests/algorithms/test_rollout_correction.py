@@ -9,6 +9,7 @@ import torch
 from helpers.verl_reference import verl_core_algos
 
 from rlframe.algorithms import rollout_correction as rc
+from rlframe.algorithms.config import IS_WEIGHTED_LOSSES, parse_is_threshold, parse_rs_options, parse_rs_thresholds
 from rlframe.algorithms.loss import agg_loss
 
 
@@ -152,17 +153,17 @@ def test_reinforce_loss_matches_verl(mode):
 
 def test_thresholds_are_checked_with_the_key_named():
     with pytest.raises(ValueError, match="rollout_is_threshold.*lower bound exceeds"):
-        rc.parse_is_threshold("3_2")
+        parse_is_threshold("3_2")
     with pytest.raises(ValueError, match="rollout_rs=.*unknown options \\['seq_max_k1'\\]"):
-        rc.parse_rs_options("token_k1,seq_max_k1")
+        parse_rs_options("token_k1,seq_max_k1")
     with pytest.raises(ValueError, match="rollout_rs_threshold.*one per rollout_rs option"):
-        rc.parse_rs_thresholds(["token_k1", "token_k2", "token_k3"], "1.5,2")
+        parse_rs_thresholds(["token_k1", "token_k2", "token_k3"], "1.5,2")
     with pytest.raises(ValueError, match="token_k2 takes one upper bound"):
-        rc.parse_rs_thresholds(["token_k2"], "0.5_2")
-    assert rc.parse_rs_thresholds(["token_k1"], 2.0) == {"token_k1": (0.5, 2.0)}
+        parse_rs_thresholds(["token_k2"], "0.5_2")
+    assert parse_rs_thresholds(["token_k1"], 2.0) == {"token_k1": (0.5, 2.0)}
 
 
-@pytest.mark.parametrize("loss_mode", rc.IS_WEIGHTED_LOSSES)
+@pytest.mark.parametrize("loss_mode", IS_WEIGHTED_LOSSES)
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_weighted_advantage_equals_verls_weighted_token_loss(loss_mode, mode):
     """The actor applies IS weights as ℓ(w·A); verl multiplies the token losses: the same for these losses."""

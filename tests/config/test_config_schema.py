@@ -76,7 +76,7 @@ def test_explain_and_train_give_the_same_verdict(overrides, capsys):
 def test_clip_ratio_alone_is_reported_as_without_effect_like_in_verl():
     # verl 0.9.1's yaml sets clip_ratio_low/high to 0.2; clip_ratio only fills in where they are null
     from rlframe.config.key_status import ignored_key_warnings
-    from rlframe.workers.config import clip_ratio_bounds
+    from rlframe.workers.config.actor import clip_ratio_bounds
 
     overrides = ["actor_rollout_ref.actor.clip_ratio=0.3"]
     (line,) = ignored_key_warnings(compose(overrides), overrides)

@@ -20,7 +20,9 @@ from rlframe.batch_plan import ForwardPlan, UpdatePlan
 from rlframe.distributed.parallel_dims import ParallelDims, build_fsdp_mesh
 from rlframe.protocol import DataProto
 from rlframe.workers.actor import PPOActor
-from rlframe.workers.config import ActorConfig, CriticConfig, CriticOptimConfig, OptimConfig, PolicyLossConfig
+from rlframe.workers.config.actor import ActorConfig, PolicyLossConfig
+from rlframe.workers.config.critic import CriticConfig, CriticOptimConfig
+from rlframe.workers.config.model import OptimConfig
 from rlframe.workers.critic import PPOCritic
 from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, decoder_layers, load_hf_model, wrap_fsdp
 from rlframe.workers.lora import LoraSpec, adapter_disabled, apply_lora

@@ -1,7 +1,12 @@
-"""The import graph has one direction (docs/architecture.md): a package imports only earlier ones."""
+"""Layout rules (docs/architecture.md): a package imports only earlier ones; sections live in config modules."""
 
 import ast
+import importlib
+import pkgutil
 from pathlib import Path
+
+import rlframe
+from rlframe.config.schema import Section
 
 ROOT = Path(__file__).resolve().parents[2]
 # Lowest first. A package may import itself and any package listed before it, never one after it.
@@ -103,3 +108,20 @@ def test_no_function_in_the_workers_takes_more_than_eight_parameters():
             if count > MAX_WORKER_PARAMETERS:
                 too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({count})")
     assert not too_long, too_long
+
+
+def subclasses(cls: type) -> set[type]:
+    """Every class deriving from `cls`, however indirectly."""
+    return {sub for direct in cls.__subclasses__() for sub in (direct, *subclasses(direct))}
+
+
+def test_every_config_section_is_declared_in_a_config_module():
+    # one place to look for a key: the `config.py` of the package that reads it, or a file of its `config/` package
+    for module in pkgutil.walk_packages(rlframe.__path__, "rlframe."):
+        importlib.import_module(module.name)
+    misplaced = sorted(
+        f"{cls.__module__}.{cls.__qualname__}"
+        for cls in subclasses(Section)
+        if cls.__module__.startswith("rlframe.") and "config" not in cls.__module__.split(".")[1:]
+    )
+    assert not misplaced, "declare these sections in their package's config module:\n" + "\n".join(misplaced)

@@ -10,8 +10,8 @@ from typing import Any, Dict, Optional
 from rlframe.config.checks import ROLLOUT_ENGINES, planned_device
 from rlframe.config.keys import ACTOR, ACTOR_KEYS, ROLLOUT, micro_batch_inactive
 from rlframe.config.schema import Section, key, section
-from rlframe.workers.fsdp_utils import DTYPES
-from rlframe.workers.profiler import RolloutProfilerConfig
+from rlframe.workers.config.model import DTYPES
+from rlframe.workers.config.profiler import RolloutProfilerConfig
 from rlframe.workers.rollout.base import RolloutSettings
 
 # vLLM engine settings (verl 0.9.1's names and defaults); the hf engine reads none of them.
