@@ -17,7 +17,16 @@ from rlframe.algorithms.loss import (
 )
 from rlframe.algorithms.on_policy import old_log_prob_pass_reason
 from rlframe.config.checks import SAVE_CONTENTS, STRATEGIES, check_fsdp_size, planned_device
-from rlframe.config.keys import ACTOR, ACTOR_KEYS, CRITIC_KEYS, REF_KEYS, get, micro_batch_inactive, ref_enabled
+from rlframe.config.keys import (
+    ACTOR,
+    LOG_PROB_FIELDS,
+    REF,
+    ROLLOUT,
+    UPDATE_FIELDS,
+    VALUE_FIELDS,
+    micro_batch_inactive,
+    ref_enabled,
+)
 from rlframe.config.schema import Section, each_of, fields_of, key, section
 from rlframe.models.builtin import SHM_ROOT
 from rlframe.reward.dapo import RewardKwargsConfig
@@ -121,7 +130,7 @@ class ModelConfig(Section):
             reason = f"{path}.lora_adapter_path is set: the adapter's adapter_config.json decides"
             out.update({f"{path}.{name}": reason for name in shaping})
         if ref_enabled(root):
-            out[f"{ACTOR.rsplit('.', 1)[0]}.ref.fsdp_config"] = (
+            out[f"{REF}.fsdp_config"] = (
                 f"{path}.lora_rank > 0: the reference policy is the actor's base model with the adapter "
                 "disabled (verl's ref_in_actor); no separate reference model is built"
             )
@@ -346,14 +355,16 @@ class ActorConfig(Section):
             )
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
-        out = micro_batch_inactive(root, ACTOR_KEYS, "actor update")
+        out = micro_batch_inactive(self, path, UPDATE_FIELDS, "actor update")
         out[f"{path}.grad_clip"] = f"verl 0.9.1 clips by {path}.optim.clip_grad (as rlframe does)"
         out.update(_log_prob_pass_switches(path, root))
-        dynamic_passes = [ACTOR_KEYS.dynamic, ACTOR_KEYS.forward.dynamic] + (
-            [REF_KEYS.dynamic] if ref_enabled(root) else []
-        )
-        if not any(get(root, k) for k in dynamic_passes):
-            out[ACTOR_KEYS.packing] = f"{', '.join(k + '=false' for k in dynamic_passes)}: no pass packs by tokens"
+        actor_rollout_ref = root.actor_rollout_ref
+        dynamic = {f"{path}.use_dynamic_bsz": self.use_dynamic_bsz}
+        dynamic[f"{ROLLOUT}.log_prob_use_dynamic_bsz"] = actor_rollout_ref.rollout.log_prob_use_dynamic_bsz
+        if ref_enabled(root):
+            dynamic[f"{REF}.log_prob_use_dynamic_bsz"] = actor_rollout_ref.ref.log_prob_use_dynamic_bsz
+        if not any(dynamic.values()):
+            out[f"{path}.packing_algorithm"] = f"{', '.join(k + '=false' for k in dynamic)}: no pass packs by tokens"
         if self.clip_ratio_low is not None and self.clip_ratio_high is not None:
             out[f"{path}.clip_ratio"] = (
                 f"{path}.clip_ratio_low and clip_ratio_high are set (verl's defaults set both "
@@ -416,7 +427,7 @@ class RefConfig(Section):
     profiler: RoleProfilerConfig = section(RoleProfilerConfig, "profiling on global_profiler.steps (docs/profiling.md)")
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
-        out = micro_batch_inactive(root, REF_KEYS, "ref log-prob")
+        out = micro_batch_inactive(self, path, LOG_PROB_FIELDS, "ref log-prob")
         out.update(_log_prob_pass_switches(path, root))
         return out
 
@@ -471,11 +482,11 @@ class CriticConfig(Section):
     profiler: RoleProfilerConfig = section(RoleProfilerConfig, "profiling on global_profiler.steps (docs/profiling.md)")
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
-        out = micro_batch_inactive(root, CRITIC_KEYS, "critic update")
+        out = micro_batch_inactive(self, path, UPDATE_FIELDS, "critic update")
         out[f"{path}.grad_clip"] = f"verl 0.9.1 clips by {path}.optim.clip_grad (as rlframe does)"
-        out.update(micro_batch_inactive(root, CRITIC_KEYS.forward, "value"))
+        out.update(micro_batch_inactive(self, path, VALUE_FIELDS, "value"))
         if not self.use_dynamic_bsz:
-            out[CRITIC_KEYS.packing] = f"{CRITIC_KEYS.dynamic}=false: no critic pass packs by tokens"
+            out[f"{path}.packing_algorithm"] = f"{path}.use_dynamic_bsz=false: no critic pass packs by tokens"
         return out
 
 
