@@ -6,8 +6,9 @@ cluster shape and on two all-gathers: DP_COMPUTE_PROTO hands every worker `1 / w
 sequences, then the workers of one rollout TP group or one Ulysses SP group all-gather their shares
 so that the group works on `tp×` / `sp×` as many sequences. `make_batch_plan` does this arithmetic
 for every role, checks every division and bound, and raises a `ValueError` that names the keys,
-their values and the equation that broke. The driver builds the plan before Ray starts; workers
-read their sizes from it (`BatchPlan.from_dict(plan.to_dict())`) instead of re-deriving them.
+their values and the equation that broke. It reads the typed config by attribute, each section through
+`Keyed(section, path)`, which names every field by its full key. The driver builds the plan before Ray
+starts; workers read their sizes from it (`BatchPlan.from_dict(plan.to_dict())`) instead of re-deriving them.
 """
 
 from __future__ import annotations
