@@ -6,8 +6,9 @@ cluster shape and on two all-gathers: DP_COMPUTE_PROTO hands every worker `1 / w
 sequences, then the workers of one rollout TP group or one Ulysses SP group all-gather their shares
 so that the group works on `tp×` / `sp×` as many sequences. `make_batch_plan` does this arithmetic
 for every role, checks every division and bound, and raises a `ValueError` that names the keys,
-their values and the equation that broke. The driver builds the plan before Ray starts; workers
-read their sizes from it (`BatchPlan.from_dict(plan.to_dict())`) instead of re-deriving them.
+their values and the equation that broke. It reads the typed config by attribute, each section through
+`Keyed(section, path)`, which names every field by its full key. The driver builds the plan before Ray
+starts; workers read their sizes from it (`BatchPlan.from_dict(plan.to_dict())`) instead of re-deriving them.
 """
 
 from __future__ import annotations
@@ -16,34 +17,28 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass
+from typing import Any
 
-from omegaconf import DictConfig
-
-from rlframe.config.keys import (
-    ACTOR_KEYS,
-    CRITIC_KEYS,
-    REF_KEYS,
-    ROLLOUT,
-    ForwardKeys,
-    UpdateKeys,
-    critic_enabled,
-    get,
-    get_bool,
-    ref_enabled,
-)
+from rlframe.config.keys import LOG_PROB_FIELDS, UPDATE_FIELDS, VALUE_FIELDS, MicroFields, critic_enabled, ref_enabled
 from rlframe.models.tiny import BUILTIN_MODEL, TINY_SHAPE
 
 # ───────────────────────────── the plan ─────────────────────────────
 
 
 @dataclass(frozen=True)
-class ForwardPlan:
-    """A forward-only pass (no gradients) on one DP rank: old log-probs, ref log-probs or values."""
+class _Shares:
+    """How a model's passes spread the step's sequences: the first fields of ForwardPlan and UpdatePlan."""
 
     sequence_parallel_size: int
     dp_size: int
     sequences_per_gpu: int  # dispatched to each worker, before the SP all-gather
     sequences_per_dp: int  # held by each SP group after the all-gather
+
+
+@dataclass(frozen=True)
+class ForwardPlan(_Shares):
+    """A forward-only pass (no gradients) on one DP rank: old log-probs, ref log-probs or values."""
+
     use_dynamic_bsz: bool
     micro_batch_size: int | None  # static: sequences per forward
     num_micro_batches: int | None  # static: ceil(sequences_per_dp / micro_batch_size)
@@ -53,13 +48,9 @@ class ForwardPlan:
 
 
 @dataclass(frozen=True)
-class UpdatePlan:
+class UpdatePlan(_Shares):
     """One model's PPO update on one DP rank (actor or critic), and its forward pass."""
 
-    sequence_parallel_size: int
-    dp_size: int
-    sequences_per_gpu: int  # dispatched to each worker, before the SP all-gather
-    sequences_per_dp: int  # held by each SP group after the all-gather
     mini_batch_size: int  # prompts per optimizer step (the key)
     mini_batch_size_per_dp: int  # sequences per DP rank per optimizer step: mini × n // dp
     num_mini_batches: int  # optimizer steps per epoch: train_batch_size // mini
@@ -213,12 +204,48 @@ def _div(a: _Quantity, b: _Quantity, name: str = "") -> _Quantity:
     return _combine(a, "/", b, a.value // b.value, name)
 
 
-def _int(cfg: DictConfig, key: str) -> _Quantity:
-    """A config key that must be a positive integer."""
-    value = get(cfg, key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{key} = {value!r} must be a positive integer")
-    return _Quantity(value, key, str(value))
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Keyed:
+    """A config section and its dotted path: reads the section's fields by attribute, and names each by its
+    full key in formulas and errors (`actor_rollout_ref.actor.ppo_mini_batch_size = 16 must ...`).
+
+    `section` is a typed section or its DictConfig view; `Keyed(cfg, "")` is the root.
+    """
+
+    section: Any
+    path: str
+
+    def key(self, name: str) -> str:
+        """The full dotted key of field `name`."""
+        return f"{self.path}.{name}" if self.path else name
+
+    def value(self, name: str) -> Any:
+        """Field `name`; a missing one is a ValueError naming its key."""
+        value = getattr(self.section, name, _MISSING)
+        if value is _MISSING:
+            raise ValueError(f"{self.key(name)} is missing from the config")
+        return value
+
+    def at(self, name: str) -> Keyed:
+        """Subsection `name`."""
+        return Keyed(self.value(name), self.key(name))
+
+    def int(self, name: str) -> _Quantity:
+        """Field `name`, which must be a positive integer, as a quantity named by its key."""
+        value = self.value(name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{self.key(name)} = {value!r} must be a positive integer")
+        return _Quantity(value, self.key(name), str(value))
+
+    def bool(self, name: str) -> bool:
+        """Field `name`, which must be true or false."""
+        value = self.value(name)
+        if not isinstance(value, bool):
+            raise ValueError(f"{self.key(name)} = {value!r} must be true or false")
+        return value
 
 
 def _divisors(n: int, limit: int = 12) -> str:
@@ -253,56 +280,59 @@ def _multiple_fix(key: str, times: _Quantity, over: _Quantity) -> str:
     return f"make {key} a multiple of {step}"
 
 
-def _sp_and_dp(
-    cfg: DictConfig, sp_key: str, remove_padding_key: str, world: _Quantity, model: ModelShape | None
-) -> tuple[_Quantity, _Quantity]:
-    """Ulysses degree and the DP size it leaves, with the SP rules checked."""
-    sp = _int(cfg, sp_key)
+def _sp_and_dp(role: Keyed, model: Keyed, world: _Quantity, shape: ModelShape | None) -> tuple[_Quantity, _Quantity]:
+    """Ulysses degree of `role` and the DP size it leaves, with the SP rules checked (`model`: its model section)."""
+    sp_key, remove_padding_key = role.key("ulysses_sequence_parallel_size"), model.key("use_remove_padding")
+    sp = role.int("ulysses_sequence_parallel_size")
     _require_multiple(
         world, sp, f"{sp} must divide {world} workers into whole Ulysses groups", _divisor_fix(sp_key, world.value)
     )
-    if sp.value > 1 and not get_bool(cfg, remove_padding_key):
+    if sp.value > 1 and not model.bool("use_remove_padding"):
         raise ValueError(
             f"{sp_key} = {sp.value} needs {remove_padding_key} = true: Ulysses slices the "
             f"packed (unpadded) row along the sequence. Set {remove_padding_key}=true or {sp_key}=1."
         )
-    if model is not None and model.num_attention_heads % sp.value:
+    if shape is not None and shape.num_attention_heads % sp.value:
         raise ValueError(
             f"{sp_key} = {sp.value} must divide the model's num_attention_heads = "
-            f"{model.num_attention_heads} (each Ulysses rank attends with heads / sp of them). "
-            f"Fix: {_common_divisor_fix(sp_key, model.num_attention_heads, world)}."
+            f"{shape.num_attention_heads} (each Ulysses rank attends with heads / sp of them). "
+            f"Fix: {_common_divisor_fix(sp_key, shape.num_attention_heads, world)}."
         )
     return sp, _div(world, sp, name="dp")
 
 
-def _token_budget(cfg: DictConfig, key: str, sp: _Quantity, max_seq: _Quantity) -> _Quantity:
+def _token_budget(section: Keyed, name: str, sp: _Quantity, max_seq: _Quantity) -> _Quantity:
     """Dynamic micro-batching's budget: per-GPU tokens × sp (the SP group holds sp× the sequences)."""
-    budget = _mul(_int(cfg, key), sp)
+    budget = _mul(section.int(name), sp)
     if budget.value < max_seq.value:
         need = -(-max_seq.value // sp.value)
         raise ValueError(
             f"{budget} tokens per micro-batch cannot hold one sequence of {max_seq} tokens. "
-            f"Fix: raise {key} to at least {need}."
+            f"Fix: raise {section.key(name)} to at least {need}."
         )
     return budget
 
 
-def _packing(cfg: DictConfig, key: str) -> str:
+def _packing(section: Keyed) -> str:
     from rlframe.seqpack import ALLOCATE_FNS
 
-    name = get(cfg, key)
+    name = section.value("packing_algorithm")
     if name not in ALLOCATE_FNS:
-        raise ValueError(f"{key} = {name!r} is not a packing algorithm; use one of {', '.join(ALLOCATE_FNS)}")
+        raise ValueError(
+            f"{section.key('packing_algorithm')} = {name!r} is not a packing algorithm; "
+            f"use one of {', '.join(ALLOCATE_FNS)}"
+        )
     return name
 
 
-def _micro(cfg: DictConfig, keys: ForwardKeys | UpdateKeys, dp: _Quantity) -> _Quantity:
+def _micro(section: Keyed, fields: MicroFields, dp: _Quantity) -> _Quantity:
     """Sequences per micro-batch on one GPU: the *_per_gpu key, or verl's global key divided by dp.
 
     As in verl 0.9.1 exactly one of the two must be set (when micro-batches are cut by count), and
     the global form is floored: `per_gpu = global // (world_size // sp)`.
     """
-    per_gpu, global_micro = get(cfg, keys.micro), get(cfg, keys.global_micro)
+    keys = fields.under(section.path)
+    per_gpu, global_micro = section.value(fields.micro), section.value(fields.global_micro)
     if per_gpu is not None and global_micro is not None:
         raise ValueError(
             f"{keys.micro} = {per_gpu} and {keys.global_micro} = {global_micro} are both set; verl "
@@ -310,7 +340,7 @@ def _micro(cfg: DictConfig, keys: ForwardKeys | UpdateKeys, dp: _Quantity) -> _Q
             f"{keys.micro} = {global_micro} // dp)"
         )
     if global_micro is not None:
-        total = _int(cfg, keys.global_micro)
+        total = section.int(fields.global_micro)
         micro = _combine(total, "//", dp, total.value // dp.value)
         if micro.value < 1:
             raise ValueError(
@@ -324,73 +354,81 @@ def _micro(cfg: DictConfig, keys: ForwardKeys | UpdateKeys, dp: _Quantity) -> _Q
             f"Fix: set {keys.micro} (sequences per forward on one GPU), or {keys.dynamic}=true with "
             f"{keys.max_token_len}."
         )
-    return _int(cfg, keys.micro)
+    return section.int(fields.micro)
+
+
+@dataclass(frozen=True)
+class _Role:
+    """One model's part of the plan: its SP and DP sizes and the section holding its packing_algorithm."""
+
+    sp: _Quantity
+    dp: _Quantity
+    packing: Keyed
 
 
 def _forward_plan(
-    cfg: DictConfig,
-    keys: ForwardKeys,
-    world: _Quantity,
-    sequences: _Quantity,
-    max_seq: _Quantity,
-    model: ModelShape | None,
+    section: Keyed, fields: MicroFields, role: _Role, world: _Quantity, sequences: _Quantity, max_seq: _Quantity
 ) -> ForwardPlan:
-    sp, dp = _sp_and_dp(cfg, keys.sp, keys.remove_padding, world, model)
-    per_dp = sequences.value // dp.value
-    dynamic = get_bool(cfg, keys.dynamic)
+    """A forward-only pass whose micro-batching `fields` are read from `section`."""
+    per_dp = sequences.value // role.dp.value
+    dynamic = section.bool(fields.dynamic)
     micro = budget = None
     if dynamic:
-        budget = _token_budget(cfg, keys.max_token_len, sp, max_seq)
+        budget = _token_budget(section, fields.max_token_len, role.sp, max_seq)
     else:
-        micro = _micro(cfg, keys, dp).value  # forward-only: a smaller last micro-batch is fine
+        micro = _micro(section, fields, role.dp).value  # forward-only: a smaller last micro-batch is fine
     return ForwardPlan(
-        sequence_parallel_size=sp.value,
-        dp_size=dp.value,
+        sequence_parallel_size=role.sp.value,
+        dp_size=role.dp.value,
         sequences_per_gpu=sequences.value // world.value,
         sequences_per_dp=per_dp,
         use_dynamic_bsz=dynamic,
         micro_batch_size=micro,
         num_micro_batches=None if micro is None else -(-per_dp // micro),
-        max_token_len_per_gpu=None if budget is None else budget.value // sp.value,
+        max_token_len_per_gpu=None if budget is None else budget.value // role.sp.value,
         max_token_len=None if budget is None else budget.value,
-        packing_algorithm=_packing(cfg, keys.packing) if dynamic else None,
+        packing_algorithm=_packing(role.packing) if dynamic else None,
     )
 
 
 def _update_plan(
-    cfg: DictConfig,
-    keys: UpdateKeys,
+    section: Keyed,
+    model: Keyed,
+    forward: tuple[Keyed, MicroFields],
     world: _Quantity,
     train_batch: _Quantity,
     n: _Quantity,
     max_seq: _Quantity,
-    model: ModelShape | None,
+    shape: ModelShape | None,
 ) -> UpdatePlan:
+    """The update read from `section` (the actor's or critic's), with its forward pass `forward` (section, fields)."""
     sequences = _mul(train_batch, n)
-    sp, dp = _sp_and_dp(cfg, keys.sp, keys.remove_padding, world, model)
-    mini = _int(cfg, keys.mini)
+    role = _Role(*_sp_and_dp(section, model, world, shape), packing=section)
+    sp, dp = role.sp, role.dp
+    keys = UPDATE_FIELDS.under(section.path)
+    mini, mini_key = section.int("ppo_mini_batch_size"), section.key("ppo_mini_batch_size")
     _require_multiple(
         train_batch,
         mini,
         f"{train_batch} prompts per step must be a whole number of mini-batches of {mini} prompts",
-        _divisor_fix(keys.mini, train_batch.value),
+        _divisor_fix(mini_key, train_batch.value),
     )
     mini_sequences = _mul(mini, n)
     _require_multiple(
         mini_sequences,
         dp,
         f"{mini_sequences} sequences per mini-batch must split evenly over {dp} ranks",
-        _multiple_fix(keys.mini, n, dp),
+        _multiple_fix(mini_key, n, dp),
         why="every DP rank takes an equal share of each mini-batch",
     )
     mini_per_dp = _div(mini_sequences, dp, name="mini_batch_size_per_dp")
-    epochs = _int(cfg, keys.epochs)
-    dynamic = get_bool(cfg, keys.dynamic)
+    epochs = section.int("ppo_epochs")
+    dynamic = section.bool(UPDATE_FIELDS.dynamic)
     micro = budget = None
     if dynamic:
-        budget = _token_budget(cfg, keys.max_token_len, sp, max_seq)
+        budget = _token_budget(section, UPDATE_FIELDS.max_token_len, sp, max_seq)
     else:
-        micro = _micro(cfg, keys, dp)
+        micro = _micro(section, UPDATE_FIELDS, dp)
         _require_multiple(
             mini_per_dp,
             micro,
@@ -415,24 +453,24 @@ def _update_plan(
         grad_accum_steps=None if micro is None else mini_per_dp.value // micro.value,
         max_token_len_per_gpu=None if budget is None else budget.value // sp.value,
         max_token_len=None if budget is None else budget.value,
-        packing_algorithm=_packing(cfg, keys.packing) if dynamic else None,
-        forward=_forward_plan(cfg, keys.forward, world, sequences, max_seq, model),
+        packing_algorithm=_packing(section) if dynamic else None,
+        forward=_forward_plan(*forward, role, world, sequences, max_seq),
     )
 
 
-def _rollout_plan(cfg: DictConfig, world: _Quantity, sequences: _Quantity, model: ModelShape | None) -> RolloutPlan:
-    name = str(get(cfg, f"{ROLLOUT}.name"))
-    tp_key = f"{ROLLOUT}.tensor_model_parallel_size"
-    micro = _int(cfg, f"{ROLLOUT}.micro_batch_size").value if name == "hf" else None  # vllm batches by tokens
-    tp = _int(cfg, tp_key)  # both engines shard the replica over TP groups of consecutive ranks
+def _rollout_plan(rollout: Keyed, world: _Quantity, sequences: _Quantity, shape: ModelShape | None) -> RolloutPlan:
+    name = str(rollout.value("name"))
+    tp_key = rollout.key("tensor_model_parallel_size")
+    micro = rollout.int("micro_batch_size").value if name == "hf" else None  # vllm batches by tokens
+    tp = rollout.int("tensor_model_parallel_size")  # both engines shard the replica over TP groups of consecutive ranks
     _require_multiple(
         world, tp, f"{tp} must divide {world} workers into whole TP groups", _divisor_fix(tp_key, world.value)
     )
-    if model is not None and model.num_attention_heads % tp.value:
+    if shape is not None and shape.num_attention_heads % tp.value:
         raise ValueError(
             f"{tp_key} = {tp.value} must divide the model's num_attention_heads = "
-            f"{model.num_attention_heads}. Fix: "
-            f"{_common_divisor_fix(tp_key, model.num_attention_heads, world)}."
+            f"{shape.num_attention_heads}. Fix: "
+            f"{_common_divisor_fix(tp_key, shape.num_attention_heads, world)}."
         )
     dp = world.value // tp.value
     per_dp = sequences.value // dp
@@ -447,43 +485,58 @@ def _rollout_plan(cfg: DictConfig, world: _Quantity, sequences: _Quantity, model
     )
 
 
-def make_batch_plan(cfg: DictConfig, model: ModelShape | None = None) -> BatchPlan:
+def make_batch_plan(cfg: Any, model: ModelShape | None = None) -> BatchPlan:
     """Compute and check every batch size of one step; a broken rule raises ValueError naming its keys.
 
-    `model` (see `read_model_shape`) adds the checks that depend on attention heads.
+    `cfg` is the root config: the typed `PPOTrainerConfig` (`rlframe.trainer.config`) or a DictConfig of it
+    (read through a DictConfig, every key the plan reads shows in the config-read trace). `model` (see
+    `read_model_shape`) adds the checks that depend on attention heads.
     """
-    world = _mul(_int(cfg, "trainer.nnodes"), _int(cfg, "trainer.n_gpus_per_node"), name="world_size")
-    train_batch = _int(cfg, "data.train_batch_size")
-    n = _int(cfg, f"{ROLLOUT}.n")
-    _int(cfg, f"{ROLLOUT}.val_kwargs.n")
-    prompt_len, response_len = _int(cfg, "data.max_prompt_length"), _int(cfg, "data.max_response_length")
+    root = Keyed(cfg, "")
+    trainer, data, actor_rollout_ref = root.at("trainer"), root.at("data"), root.at("actor_rollout_ref")
+    rollout = actor_rollout_ref.at("rollout")
+    world = _mul(trainer.int("nnodes"), trainer.int("n_gpus_per_node"), name="world_size")
+    train_batch = data.int("train_batch_size")
+    n = rollout.int("n")
+    rollout.at("val_kwargs").int("n")
+    prompt_len, response_len = data.int("max_prompt_length"), data.int("max_response_length")
     max_seq = _combine(prompt_len, "+", response_len, prompt_len.value + response_len.value)
     sequences = _mul(train_batch, n)
     _require_multiple(
         sequences,
         world,
         f"{sequences} sequences per step must split evenly over {world} workers",
-        _multiple_fix("data.train_batch_size", n, world),
+        _multiple_fix(data.key("train_batch_size"), n, world),
         why="DP_COMPUTE_PROTO gives every worker an equal share; a remainder would be padded with "
         "copies that the update trains on",
     )
-    gen_batch, filter_groups = _gen_batch(cfg, train_batch)
+    filter_groups = root.at("algorithm").at("filter_groups")
+    gen_batch, sampling = _gen_batch(data, filter_groups, train_batch)
     gen_sequences = _mul(gen_batch, n)
-    if filter_groups:
+    if sampling:
         _require_multiple(
             gen_sequences,
             world,
             f"{gen_sequences} sequences per generation round must split evenly over {world} workers",
-            _multiple_fix("data.gen_batch_size", n, world),
+            _multiple_fix(data.key("gen_batch_size"), n, world),
             why="DP_COMPUTE_PROTO gives every rollout worker an equal share",
         )
-    rollout = _rollout_plan(cfg, world, gen_sequences, model)
-    actor = _update_plan(cfg, ACTOR_KEYS, world, train_batch, n, max_seq, model)
-    ref = _forward_plan(cfg, REF_KEYS, world, sequences, max_seq, model) if ref_enabled(cfg) else None
-    critic = _update_plan(cfg, CRITIC_KEYS, world, train_batch, n, max_seq, model) if critic_enabled(cfg) else None
+    rollout_plan = _rollout_plan(rollout, world, gen_sequences, model)
+    actor, actor_model = actor_rollout_ref.at("actor"), actor_rollout_ref.at("model")
+    actor_plan = _update_plan(actor, actor_model, (rollout, LOG_PROB_FIELDS), world, train_batch, n, max_seq, model)
+    ref_plan = critic_plan = None
+    if ref_enabled(cfg):
+        ref = actor_rollout_ref.at("ref")
+        ref_role = _Role(*_sp_and_dp(ref, actor_model, world, model), packing=actor)
+        ref_plan = _forward_plan(ref, LOG_PROB_FIELDS, ref_role, world, sequences, max_seq)
+    if critic_enabled(cfg):
+        critic = root.at("critic")
+        critic_plan = _update_plan(
+            critic, critic.at("model"), (critic, VALUE_FIELDS), world, train_batch, n, max_seq, model
+        )
     return BatchPlan(
-        nnodes=get(cfg, "trainer.nnodes"),
-        n_gpus_per_node=get(cfg, "trainer.n_gpus_per_node"),
+        nnodes=trainer.value("nnodes"),
+        n_gpus_per_node=trainer.value("n_gpus_per_node"),
         world_size=world.value,
         train_batch_size=train_batch.value,
         n=n.value,
@@ -491,29 +544,29 @@ def make_batch_plan(cfg: DictConfig, model: ModelShape | None = None) -> BatchPl
         max_prompt_length=prompt_len.value,
         max_response_length=response_len.value,
         max_sequence_length=max_seq.value,
-        balance_batch=get_bool(cfg, "trainer.balance_batch"),
-        balance_partitions=actor.dp_size,
-        rollout=rollout,
-        actor=actor,
-        ref=ref,
-        critic=critic,
-        filter_groups=filter_groups,
+        balance_batch=trainer.bool("balance_batch"),
+        balance_partitions=actor_plan.dp_size,
+        rollout=rollout_plan,
+        actor=actor_plan,
+        ref=ref_plan,
+        critic=critic_plan,
+        filter_groups=sampling,
         gen_batch_size=gen_batch.value,
         sequences_per_gen_batch=gen_sequences.value,
-        max_num_gen_batches=int(get(cfg, "algorithm.filter_groups.max_num_gen_batches")),
+        max_num_gen_batches=filter_groups.value("max_num_gen_batches"),
     )
 
 
-def _gen_batch(cfg: DictConfig, train_batch: _Quantity) -> tuple[_Quantity, bool]:
+def _gen_batch(data: Keyed, filter_groups: Keyed, train_batch: _Quantity) -> tuple[_Quantity, bool]:
     """(prompts per generation round, whether dynamic sampling is on); checks data.gen_batch_size."""
-    filter_groups = get_bool(cfg, "algorithm.filter_groups.enable")
-    if get(cfg, "data.gen_batch_size") is None:
-        return train_batch, filter_groups
-    gen_batch = _int(cfg, "data.gen_batch_size")
-    if not filter_groups and gen_batch.value != train_batch.value:
+    enabled = filter_groups.bool("enable")
+    if data.value("gen_batch_size") is None:
+        return train_batch, enabled
+    gen_batch = data.int("gen_batch_size")
+    if not enabled and gen_batch.value != train_batch.value:
         raise ValueError(
             f"data.gen_batch_size = {gen_batch.value} differs from data.train_batch_size = {train_batch.value}, "
             "but algorithm.filter_groups.enable = false: without dynamic sampling a step generates exactly "
             "train_batch_size prompts. Fix: remove data.gen_batch_size, or set algorithm.filter_groups.enable=true."
         )
-    return gen_batch, filter_groups
+    return gen_batch, enabled

@@ -22,6 +22,7 @@ import numpy as np
 
 from rlframe.batch_plan import BatchPlan, ModelShape
 from rlframe.config.key_status import KeyStatus, ignored_key_warnings, key_statuses, override_key
+from rlframe.config.keys import LOG_PROB_FIELDS, UPDATE_FIELDS, VALUE_FIELDS, MicroFields
 
 LENGTH_FIELDS = ("response_length", "response_lengths", "response_len", "num_response_tokens")
 PROMPT_FIELDS = ("prompt_length", "prompt_lengths", "prompt_len", "num_prompt_tokens")
@@ -275,25 +276,19 @@ def simulate(plan: BatchPlan, seqlens, hidden_size: int | None = None) -> dict:
 # ───────────────────────────── text ─────────────────────────────
 
 
-def _short(key: str) -> str:
-    return key.rsplit(".", 1)[-1]
-
-
-def _micro_lines(p, micro_key: str, token_key: str, per_dp: int, update: bool) -> list[str]:
+def _micro_lines(p, micro_field: str, token_field: str, per_dp: int, update: bool) -> list[str]:
     if p.use_dynamic_bsz:
         return [
-            f"dynamic: {_short(token_key)} {p.max_token_len_per_gpu} × sp {p.sequence_parallel_size} = "
+            f"dynamic: {token_field} {p.max_token_len_per_gpu} × sp {p.sequence_parallel_size} = "
             f"{p.max_token_len} tokens per micro-batch; count = ceil(tokens / budget), then "
             f"all_reduce(MAX) over the {p.dp_size} DP ranks; packing {p.packing_algorithm}"
         ]
     if update:
         return [
-            f"static: {per_dp} / {_short(micro_key)} {p.micro_batch_size} = {p.grad_accum_steps} "
+            f"static: {per_dp} / {micro_field} {p.micro_batch_size} = {p.grad_accum_steps} "
             "gradient-accumulation steps per optimizer step"
         ]
-    return [
-        f"static: {per_dp} / {_short(micro_key)} {p.micro_batch_size} → {p.num_micro_batches} micro-batches per DP rank"
-    ]
+    return [f"static: {per_dp} / {micro_field} {p.micro_batch_size} → {p.num_micro_batches} micro-batches per DP rank"]
 
 
 def _dispatch_line(p, degree_name: str, degree: int, world: int, sequences: int, group: str) -> str:
@@ -303,8 +298,9 @@ def _dispatch_line(p, degree_name: str, degree: int, world: int, sequences: int,
     )
 
 
-def _update_lines(title: str, p, keys, plan: BatchPlan, forward_title: str) -> list[str]:
-    mini = _short(keys.mini)
+def _update_lines(title: str, p, plan: BatchPlan, forward: MicroFields, forward_title: str) -> list[str]:
+    """An update (the actor's or critic's, cut by UPDATE_FIELDS) and its forward pass (cut by `forward`)."""
+    mini = "ppo_mini_batch_size"
     sp = p.sequence_parallel_size
     lines = [
         f"{title}  sp {sp}, dp = {plan.world_size} / {sp} = {p.dp_size}",
@@ -316,12 +312,14 @@ def _update_lines(title: str, p, keys, plan: BatchPlan, forward_title: str) -> l
     ]
     lines += [
         "  micro        " + line
-        for line in _micro_lines(p, keys.micro, keys.max_token_len, p.mini_batch_size_per_dp, update=True)
+        for line in _micro_lines(
+            p, UPDATE_FIELDS.micro, UPDATE_FIELDS.max_token_len, p.mini_batch_size_per_dp, update=True
+        )
     ]
     lines += [
         f"  {forward_title:<13}" + line
         for line in _micro_lines(
-            p.forward, keys.forward.micro, keys.forward.max_token_len, p.forward.sequences_per_dp, update=False
+            p.forward, forward.micro, forward.max_token_len, p.forward.sequences_per_dp, update=False
         )
     ]
     return lines
@@ -365,8 +363,6 @@ def format_agents(cfg, plan: BatchPlan) -> str:
 
 def format_plan(plan: BatchPlan) -> str:
     """The flow from data.train_batch_size to one GPU's micro-batch, role by role."""
-    from rlframe.config.keys import ACTOR_KEYS, CRITIC_KEYS, REF_KEYS
-
     r = plan.rollout
     lines = [
         f"cluster   world_size = nnodes {plan.nnodes} × n_gpus_per_node {plan.n_gpus_per_node} = "
@@ -403,7 +399,7 @@ def format_plan(plan: BatchPlan) -> str:
         ),
         "",
     ]
-    lines += _update_lines("actor  ", plan.actor, ACTOR_KEYS, plan, "old log-prob")
+    lines += _update_lines("actor  ", plan.actor, plan, LOG_PROB_FIELDS, "old log-prob")
     lines.append("")
     if plan.ref is None:
         lines.append("ref       off (no use_kl_loss, no use_kl_in_reward)")
@@ -418,7 +414,7 @@ def format_plan(plan: BatchPlan) -> str:
             *[
                 "  log-prob     " + line
                 for line in _micro_lines(
-                    ref, REF_KEYS.micro, REF_KEYS.max_token_len, ref.sequences_per_dp, update=False
+                    ref, LOG_PROB_FIELDS.micro, LOG_PROB_FIELDS.max_token_len, ref.sequences_per_dp, update=False
                 )
             ],
         ]
@@ -426,7 +422,7 @@ def format_plan(plan: BatchPlan) -> str:
     if plan.critic is None:
         lines.append("critic    off (only adv_estimator=gae trains a critic)")
     else:
-        lines += _update_lines("critic ", plan.critic, CRITIC_KEYS, plan, "values")
+        lines += _update_lines("critic ", plan.critic, plan, VALUE_FIELDS, "values")
     return "\n".join(lines)
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlframe.algorithms.loss import POLICY_LOSS_INFO
-from rlframe.config.keys import ACTOR_KEYS
+from rlframe.config.keys import LOG_PROB_FIELDS, ROLLOUT
 from rlframe.config.schema import Section, key
 
 IS_LEVELS = ("token", "sequence")
@@ -144,7 +144,7 @@ class RolloutCorrectionConfig(Section):
             out["actor_rollout_ref.actor.policy_loss.loss_mode"] = (
                 f"{path}.bypass_mode=true: the loss is {path}.loss_type={self.loss_type} (as verl 0.9.1)"
             )
-            old_pass = ACTOR_KEYS.forward
+            old_pass = LOG_PROB_FIELDS.under(ROLLOUT)
             for name in (old_pass.micro, old_pass.global_micro, old_pass.dynamic, old_pass.max_token_len):
                 out[name] = f"{path}.bypass_mode=true: no old-log-prob pass (π_old is the rollout's)"
         return out

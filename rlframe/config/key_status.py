@@ -14,7 +14,7 @@ from typing import TextIO
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlframe.config.keys import ACTOR_KEYS, CRITIC_KEYS, REF_KEYS, ROLLOUT
+from rlframe.config.keys import ACTOR, CRITIC, LOG_PROB_FIELDS, MODEL, REF, ROLLOUT, UPDATE_FIELDS, VALUE_FIELDS
 from rlframe.config.loader import leaves
 from rlframe.config.schema import field_help, inactive_keys
 from rlframe.config.verl_keys import ALIASES
@@ -27,31 +27,31 @@ BATCH_KEYS = (
     f"{ROLLOUT}.n",
     "data.max_prompt_length",
     "data.max_response_length",
-    ACTOR_KEYS.mini,
-    ACTOR_KEYS.epochs,
-    ACTOR_KEYS.dynamic,
-    ACTOR_KEYS.micro,
-    ACTOR_KEYS.max_token_len,
-    ACTOR_KEYS.packing,
-    ACTOR_KEYS.sp,
-    ACTOR_KEYS.remove_padding,
-    ACTOR_KEYS.forward.dynamic,
-    ACTOR_KEYS.forward.micro,
-    ACTOR_KEYS.forward.max_token_len,
+    f"{ACTOR}.ppo_mini_batch_size",
+    f"{ACTOR}.ppo_epochs",
+    f"{ACTOR}.{UPDATE_FIELDS.dynamic}",
+    f"{ACTOR}.{UPDATE_FIELDS.micro}",
+    f"{ACTOR}.{UPDATE_FIELDS.max_token_len}",
+    f"{ACTOR}.packing_algorithm",
+    f"{ACTOR}.ulysses_sequence_parallel_size",
+    f"{MODEL}.use_remove_padding",
+    f"{ROLLOUT}.{LOG_PROB_FIELDS.dynamic}",
+    f"{ROLLOUT}.{LOG_PROB_FIELDS.micro}",
+    f"{ROLLOUT}.{LOG_PROB_FIELDS.max_token_len}",
     f"{ROLLOUT}.micro_batch_size",
     f"{ROLLOUT}.tensor_model_parallel_size",
-    REF_KEYS.dynamic,
-    REF_KEYS.micro,
-    REF_KEYS.max_token_len,
-    REF_KEYS.sp,
-    CRITIC_KEYS.mini,
-    CRITIC_KEYS.dynamic,
-    CRITIC_KEYS.micro,
-    CRITIC_KEYS.max_token_len,
-    CRITIC_KEYS.forward.micro,
-    CRITIC_KEYS.forward.max_token_len,
-    CRITIC_KEYS.packing,
-    CRITIC_KEYS.sp,
+    f"{REF}.{LOG_PROB_FIELDS.dynamic}",
+    f"{REF}.{LOG_PROB_FIELDS.micro}",
+    f"{REF}.{LOG_PROB_FIELDS.max_token_len}",
+    f"{REF}.ulysses_sequence_parallel_size",
+    f"{CRITIC}.ppo_mini_batch_size",
+    f"{CRITIC}.{UPDATE_FIELDS.dynamic}",
+    f"{CRITIC}.{UPDATE_FIELDS.micro}",
+    f"{CRITIC}.{UPDATE_FIELDS.max_token_len}",
+    f"{CRITIC}.{VALUE_FIELDS.micro}",
+    f"{CRITIC}.{VALUE_FIELDS.max_token_len}",
+    f"{CRITIC}.packing_algorithm",
+    f"{CRITIC}.ulysses_sequence_parallel_size",
     "trainer.balance_batch",
 )
 

@@ -11,7 +11,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlframe.batch_plan import BatchPlan
 from rlframe.config.checks import resolve_device
-from rlframe.trainer.config import PPOTrainerConfig
 from rlframe.trainer.profiling import nsight_runtime_env
 
 if TYPE_CHECKING:  # Ray is imported only when the groups are created (prepare() runs without it)
@@ -21,7 +20,7 @@ if TYPE_CHECKING:  # Ray is imported only when the groups are created (prepare()
 def _num_cpus_for_local_ray(cfg: DictConfig, world_size: int, device_type: str) -> int | None:
     """CPU workers may outnumber cores (tests, laptops): give a local Ray at least one CPU per worker."""
     if cfg.trainer.ray_init.num_cpus is not None:
-        return int(cfg.trainer.ray_init.num_cpus)
+        return cfg.trainer.ray_init.num_cpus
     if cfg.trainer.ray_init.address is None and device_type == "cpu":
         return max(os.cpu_count() or 1, world_size)
     return None
@@ -68,6 +67,7 @@ def create_worker_groups(
 ) -> WorkerGroups:
     """Actor/rollout(/ref), critic and reward model share each worker process; models are built here.
 
+    `cfg` is a DictConfig of the typed sections (`PPOTrainerConfig`; `main_ppo.normalize_config`).
     Unless `verbose`, Ray's own start-up messages below ERROR and the workers' loading bars are muted. When
     the alive nodes cannot hold the workers, waits up to `node_wait_s` for nodes to join (a restart passes
     trainer.restart_node_wait_s), then raises `ClusterTooSmallError` naming the trainer keys and the nodes.
@@ -94,10 +94,9 @@ def create_worker_groups(
         runtime_env={"env_vars": {**worker_env(), **({} if verbose else QUIET_WORKER_ENV)}},
         logging_level=logging.INFO if verbose else logging.ERROR,  # Ray's driver-side logger
     )
-    nnodes, per_node = int(cfg.trainer.nnodes), int(cfg.trainer.n_gpus_per_node)
+    nnodes, per_node = cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node
     pool = RayResourcePool([per_node] * nnodes, use_gpu=device_type == "cuda", node_wait_s=node_wait_s)
-    # workers receive the typed sections (interpolations resolved), not a dict to re-cast
-    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(PPOTrainerConfig), cfg))
+    config = OmegaConf.to_object(cfg)  # workers receive the typed sections (interpolations resolved)
     roles = {"actor_rollout": RayClassWithInitArgs(ActorRolloutRefWorker, config, plan, with_ref=plan.ref is not None)}
     if plan.critic is not None:
         roles["critic"] = RayClassWithInitArgs(CriticWorker, config, plan)
@@ -107,7 +106,7 @@ def create_worker_groups(
         owner = RayWorkerGroup(
             pool,
             create_colocated_worker_cls(roles),
-            call_timeout_s=float(cfg.trainer.worker_timeout_s),
+            call_timeout_s=cfg.trainer.worker_timeout_s,
             runtime_env=nsight_runtime_env(cfg),  # global_profiler.tool=nsys: the workers run under nsys
         )
     except ClusterTooSmallError as err:

@@ -25,7 +25,7 @@ from rlframe.data.dataset import RLHFDataset
 from rlframe.models.builtin import resolve_model_path
 from rlframe.reward.manager import load_reward_manager
 from rlframe.single_controller.errors import WorkerDiedError, WorkerGroupError, WorkerTimeoutError
-from rlframe.trainer.config import compose, typed
+from rlframe.trainer.config import PPOTrainerConfig, compose, typed
 from rlframe.trainer.launch import create_worker_groups
 from rlframe.trainer.ray_trainer import PreparedRun, RayPPOTrainer
 from rlframe.trainer.redact import redact
@@ -41,7 +41,8 @@ MODEL_PATH_KEYS = (
 
 
 def normalize_config(cfg: DictConfig) -> DictConfig:
-    """Resolve interpolations and built-in paths once; the result is read-only from here on."""
+    """Resolve interpolations and built-in paths once: a read-only DictConfig of the typed sections
+    (`PPOTrainerConfig`), so every value has its declared type and every read shows in the read trace."""
     container = OmegaConf.to_container(cfg, resolve=True)
     for key in MODEL_PATH_KEYS:  # on the plain container: not a read of the key (see rlframe.config.trace)
         *parents, name = key.split(".")
@@ -50,7 +51,7 @@ def normalize_config(cfg: DictConfig) -> DictConfig:
             node = node[part]
         if isinstance(node[name], str):
             node[name] = resolve_model_path(node[name])
-    out = OmegaConf.create(container)
+    out = OmegaConf.merge(OmegaConf.structured(PPOTrainerConfig), container)
     OmegaConf.set_readonly(out, True)
     return out
 
@@ -86,10 +87,10 @@ def step_counts(cfg: DictConfig, train_loader) -> tuple[int, int]:
     training set; the run stops at whichever ends first (verl loops over total_epochs and returns
     once total_training_steps is reached).
     """
-    epochs_steps = len(train_loader) * int(cfg.trainer.total_epochs)
+    epochs_steps = len(train_loader) * cfg.trainer.total_epochs
     if cfg.trainer.total_training_steps is None:
         return epochs_steps, epochs_steps
-    schedule = int(cfg.trainer.total_training_steps)
+    schedule = cfg.trainer.total_training_steps
     return min(schedule, epochs_steps), schedule
 
 
@@ -110,12 +111,12 @@ def check_config(
 def load_data_and_rewards(cfg: DictConfig) -> tuple:
     """Tokenizer, dataloaders and reward functions: data errors (columns, prompt lengths) surface here."""
     tokenizer = AutoTokenizer.from_pretrained(
-        cfg.data.tokenizer or cfg.actor_rollout_ref.model.path, trust_remote_code=bool(cfg.data.trust_remote_code)
+        cfg.data.tokenizer or cfg.actor_rollout_ref.model.path, trust_remote_code=cfg.data.trust_remote_code
     )
     train_loader, val_loader = build_data(cfg, tokenizer)
     reward_fn = load_reward_manager(cfg, tokenizer, num_examine=0)
     val_reward_fn = load_reward_manager(
-        cfg, tokenizer, num_examine=int(cfg.trainer.log_val_generations), compute_score=reward_fn.compute_score
+        cfg, tokenizer, num_examine=cfg.trainer.log_val_generations, compute_score=reward_fn.compute_score
     )  # the user's file runs once
     return tokenizer, train_loader, val_loader, reward_fn, val_reward_fn
 
@@ -174,9 +175,9 @@ def train_with_restarts(run: PreparedRun, verbose: bool = False) -> dict:
     """Create the worker groups and train; after a lost worker, up to trainer.max_restarts times, tear them
     down, recreate them and resume from this run's latest complete checkpoint (docs/reliability.md)."""
     cfg = run.cfg
-    max_restarts = int(cfg.trainer.max_restarts)
+    max_restarts = cfg.trainer.max_restarts
     # a restart waits for a lost node's replacement to join; the first launch fails at once
-    restart_node_wait_s = float(cfg.trainer.restart_node_wait_s)
+    restart_node_wait_s = cfg.trainer.restart_node_wait_s
     fresh_loader_state = run.train_loader.state_dict()  # where a restart with no checkpoint starts over
     resume_from = None
     for restart in range(max_restarts + 1):

@@ -17,7 +17,7 @@ class StepProfiler:
 
     def __init__(self, global_cfg, worker_groups: list):
         self.steps = set(global_cfg.steps or []) if global_cfg.tool is not None else set()
-        self.continuous = bool(global_cfg.profile_continuous_steps)
+        self.continuous = global_cfg.profile_continuous_steps
         self.groups = [group for group in worker_groups if group is not None]
         self.running = False
 

@@ -215,7 +215,7 @@ class RayPPOTrainer:
                     break
             passes += 1
             # dynamic sampling spends several loader batches per step: the data's epochs end the run first
-            if self.sampler is not None and passes >= int(cfg.total_epochs):
+            if self.sampler is not None and passes >= cfg.total_epochs:
                 if self.sampler.num_gen_batches:
                     print(
                         f"[rlframe] dynamic sampling: the data ran out after {self.sampler.num_gen_batches} more "
@@ -482,7 +482,7 @@ class RayPPOTrainer:
     def _pf_ppo_resample(self, batch: DataProto) -> DataProto:
         """PF-PPO: the batch resampled with replacement by score (rlframe.algorithms.pf_ppo), seeded per step."""
         pf_ppo = self.config.algorithm.pf_ppo
-        generator = torch.Generator().manual_seed(int(self.config.data.seed) * 1_000_003 + self.global_step)
+        generator = torch.Generator().manual_seed(self.config.data.seed * 1_000_003 + self.global_step)
         index = pf_ppo_resample_index(
             batch.batch["token_level_scores"], pf_ppo.reweight_method, float(pf_ppo.weight_pow), generator
         )
@@ -514,7 +514,7 @@ class RayPPOTrainer:
     def _validate(self) -> dict:
         """Greedy (val_kwargs) generation on the validation set; mean reward per data source."""
         scores: dict[str, list[float]] = {}
-        n = int(self.config.actor_rollout_ref.rollout.val_kwargs.n)
+        n = self.config.actor_rollout_ref.rollout.val_kwargs.n
         for batch_dict in self.val_dataloader:
             batch, _ = self._generate(DataProto.from_single_dict(batch_dict).repeat(n, interleave=True), validate=True)
             result = self.val_reward_fn(batch, return_dict=True)

@@ -31,7 +31,7 @@ from rlframe.algorithms.rollout_correction import (
     normalizer_sums,
 )
 from rlframe.batch_plan import UpdatePlan
-from rlframe.config.keys import ACTOR_KEYS
+from rlframe.config.keys import ACTOR, LOG_PROB_FIELDS, ROLLOUT, UPDATE_FIELDS
 from rlframe.distributed.parallel_dims import ParallelDims
 from rlframe.protocol import DataProto
 from rlframe.seqpack import MicroBatchSpec
@@ -61,7 +61,8 @@ class PPOActor(PPOUpdater):
     ):
         """`config` is the actor's section (`ActorConfig`: actor_rollout_ref.actor); `log_prob` replaces the
         plan's forward micro-batching (the reference policy's, from its own keys)."""
-        super().__init__(model, config, Batching.of(plan, ACTOR_KEYS, log_prob), dims or ParallelDims.single(), seed)
+        budget_keys = UPDATE_FIELDS.under(ACTOR).max_token_len, LOG_PROB_FIELDS.under(ROLLOUT).max_token_len
+        super().__init__(model, config, Batching.of(plan, *budget_keys, log_prob), dims or ParallelDims.single(), seed)
         self.clip_ratio_low, self.clip_ratio_high = clip_ratio_bounds(config)
         self.policy_loss_fn = get_policy_loss_fn(config.policy_loss.loss_mode)
         self.policy_loss_kwargs = policy_loss_params(self.policy_loss_fn, config)

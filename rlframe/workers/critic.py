@@ -7,7 +7,7 @@ import torch
 from rlframe.algorithms.loss import compute_value_loss
 from rlframe.algorithms.masked import masked_mean
 from rlframe.batch_plan import UpdatePlan
-from rlframe.config.keys import CRITIC_KEYS
+from rlframe.config.keys import CRITIC, UPDATE_FIELDS, VALUE_FIELDS
 from rlframe.distributed.parallel_dims import ParallelDims
 from rlframe.protocol import DataProto
 from rlframe.workers.batching import (
@@ -26,7 +26,8 @@ class PPOCritic(PPOUpdater):
 
     def __init__(self, model: RoleModel, config, plan: UpdatePlan, dims: ParallelDims | None = None, seed: int = 0):
         """`config` is the `critic` section (`CriticConfig`); `plan` the critic's update plan."""
-        super().__init__(model, config, Batching.of(plan, CRITIC_KEYS), dims or ParallelDims.single(), seed)
+        budget_keys = UPDATE_FIELDS.under(CRITIC).max_token_len, VALUE_FIELDS.under(CRITIC).max_token_len
+        super().__init__(model, config, Batching.of(plan, *budget_keys), dims or ParallelDims.single(), seed)
 
     def _values(self, micro) -> torch.Tensor:
         layout = layout_for(self.options.use_remove_padding, self.dims.sp_group)

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlframe.batch_plan import BatchPlan
 from rlframe.config import trace
 from rlframe.config.checks import resolve_device
-from rlframe.config.keys import REF_KEYS
+from rlframe.config.keys import LOG_PROB_FIELDS, REF
 from rlframe.distributed.parallel_dims import ParallelDims, tensor_parallel_group
 from rlframe.models.builtin import copy_to_shm
 from rlframe.protocol import DataProto, all_gather_data_proto
@@ -213,7 +213,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
                 ref_module = self._wrap(ref_model, cfg.ref.fsdp_config)
                 ref_module.requires_grad_(False)
             ref_model = RoleModel(ref_module, self._model_options(cfg.ref.use_torch_compile, cfg.actor.fsdp_config))
-            log_prob = micro_batch_spec(self.plan.ref, REF_KEYS.max_token_len)
+            log_prob = micro_batch_spec(self.plan.ref, LOG_PROB_FIELDS.under(REF).max_token_len)
             self.ref = PPOActor(ref_model, cfg.actor, self.plan.actor, self.dims, log_prob=log_prob)
         self.kill_points.hit("worker.init")  # crash-consistency tests (docs/reliability.md)
         self._init_rollout(cfg)

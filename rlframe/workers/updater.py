@@ -28,7 +28,6 @@ from tensordict import TensorDict
 from torch import nn
 
 from rlframe.batch_plan import UpdatePlan
-from rlframe.config.keys import UpdateKeys
 from rlframe.distributed.parallel_dims import ParallelDims
 from rlframe.seqpack import MicroBatchSpec
 from rlframe.workers.batching import (
@@ -74,13 +73,16 @@ class Batching:
     forward: MicroBatchSpec  # micro-batches of a forward-only pass
 
     @classmethod
-    def of(cls, plan: UpdatePlan, keys: UpdateKeys, forward: MicroBatchSpec | None = None) -> Batching:
-        """The batching of `plan`; `forward` replaces the plan's forward pass (the reference policy's)."""
+    def of(cls, plan: UpdatePlan, budget_key: str, forward_budget_key: str, forward: MicroBatchSpec | None = None):
+        """The batching of `plan`; the keys name the update's and the forward pass's token budgets in errors.
+
+        `forward` replaces the plan's forward pass (the reference policy's).
+        """
         return cls(
             mini_batch_size=plan.mini_batch_size_per_dp,
             ppo_epochs=plan.ppo_epochs,
-            update=micro_batch_spec(plan, keys.max_token_len),
-            forward=forward or micro_batch_spec(plan.forward, keys.forward.max_token_len),
+            update=micro_batch_spec(plan, budget_key),
+            forward=forward or micro_batch_spec(plan.forward, forward_budget_key),
         )
 
 

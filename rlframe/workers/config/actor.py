@@ -15,7 +15,7 @@ from rlframe.algorithms.loss import (
 )
 from rlframe.algorithms.on_policy import old_log_prob_pass_reason
 from rlframe.config.checks import STRATEGIES
-from rlframe.config.keys import ACTOR_KEYS, REF_KEYS, get, micro_batch_inactive, ref_enabled
+from rlframe.config.keys import REF, ROLLOUT, UPDATE_FIELDS, micro_batch_inactive, ref_enabled
 from rlframe.config.schema import Section, fields_of, key, section
 from rlframe.seqpack import ALLOCATE_FNS
 from rlframe.workers.config.model import CheckpointConfig, FSDPConfig, OptimConfig, log_prob_pass_switches
@@ -122,14 +122,16 @@ class ActorConfig(Section):
             )
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
-        out = micro_batch_inactive(root, ACTOR_KEYS, "actor update")
+        out = micro_batch_inactive(self, path, UPDATE_FIELDS, "actor update")
         out[f"{path}.grad_clip"] = f"verl 0.9.1 clips by {path}.optim.clip_grad (as rlframe does)"
         out.update(log_prob_pass_switches(path, root))
-        dynamic_passes = [ACTOR_KEYS.dynamic, ACTOR_KEYS.forward.dynamic] + (
-            [REF_KEYS.dynamic] if ref_enabled(root) else []
-        )
-        if not any(get(root, k) for k in dynamic_passes):
-            out[ACTOR_KEYS.packing] = f"{', '.join(k + '=false' for k in dynamic_passes)}: no pass packs by tokens"
+        actor_rollout_ref = root.actor_rollout_ref
+        dynamic = {f"{path}.use_dynamic_bsz": self.use_dynamic_bsz}
+        dynamic[f"{ROLLOUT}.log_prob_use_dynamic_bsz"] = actor_rollout_ref.rollout.log_prob_use_dynamic_bsz
+        if ref_enabled(root):
+            dynamic[f"{REF}.log_prob_use_dynamic_bsz"] = actor_rollout_ref.ref.log_prob_use_dynamic_bsz
+        if not any(dynamic.values()):
+            out[f"{path}.packing_algorithm"] = f"{', '.join(k + '=false' for k in dynamic)}: no pass packs by tokens"
         if self.clip_ratio_low is not None and self.clip_ratio_high is not None:
             out[f"{path}.clip_ratio"] = (
                 f"{path}.clip_ratio_low and clip_ratio_high are set (verl's defaults set both "

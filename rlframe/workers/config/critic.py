@@ -7,7 +7,7 @@ from typing import Any, Dict, Optional
 
 from rlframe.algorithms.loss import LOSS_AGG_MODES
 from rlframe.config.checks import STRATEGIES
-from rlframe.config.keys import ACTOR, CRITIC_KEYS, micro_batch_inactive
+from rlframe.config.keys import ACTOR, UPDATE_FIELDS, VALUE_FIELDS, micro_batch_inactive
 from rlframe.config.schema import Section, key, section
 from rlframe.seqpack import ALLOCATE_FNS
 from rlframe.workers.config.model import CheckpointConfig, FSDPConfig, OptimConfig, check_shm, offload_inactive
@@ -69,9 +69,9 @@ class CriticConfig(Section):
     profiler: RoleProfilerConfig = section(RoleProfilerConfig, "profiling on global_profiler.steps (docs/profiling.md)")
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
-        out = micro_batch_inactive(root, CRITIC_KEYS, "critic update")
+        out = micro_batch_inactive(self, path, UPDATE_FIELDS, "critic update")
         out[f"{path}.grad_clip"] = f"verl 0.9.1 clips by {path}.optim.clip_grad (as rlframe does)"
-        out.update(micro_batch_inactive(root, CRITIC_KEYS.forward, "value"))
+        out.update(micro_batch_inactive(self, path, VALUE_FIELDS, "value"))
         if not self.use_dynamic_bsz:
-            out[CRITIC_KEYS.packing] = f"{CRITIC_KEYS.dynamic}=false: no critic pass packs by tokens"
+            out[f"{path}.packing_algorithm"] = f"{path}.use_dynamic_bsz=false: no critic pass packs by tokens"
         return out

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from rlframe.config.checks import SAVE_CONTENTS, planned_device
-from rlframe.config.keys import ACTOR, ref_enabled
+from rlframe.config.keys import REF, ref_enabled
 from rlframe.config.schema import Section, each_of, key, section
 from rlframe.models.builtin import SHM_ROOT
 
@@ -117,7 +117,7 @@ class ModelConfig(Section):
             reason = f"{path}.lora_adapter_path is set: the adapter's adapter_config.json decides"
             out.update({f"{path}.{name}": reason for name in shaping})
         if ref_enabled(root):
-            out[f"{ACTOR.rsplit('.', 1)[0]}.ref.fsdp_config"] = (
+            out[f"{REF}.fsdp_config"] = (
                 f"{path}.lora_rank > 0: the reference policy is the actor's base model with the adapter "
                 "disabled (verl's ref_in_actor); no separate reference model is built"
             )

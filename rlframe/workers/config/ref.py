@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from rlframe.config.keys import ACTOR, REF_KEYS, micro_batch_inactive
+from rlframe.config.keys import ACTOR, LOG_PROB_FIELDS, micro_batch_inactive
 from rlframe.config.schema import Section, key, section
 from rlframe.workers.config.model import DTYPE_NAMES, MixedPrecisionConfig, log_prob_pass_switches
 from rlframe.workers.config.profiler import RoleProfilerConfig
@@ -34,6 +34,6 @@ class RefConfig(Section):
     profiler: RoleProfilerConfig = section(RoleProfilerConfig, "profiling on global_profiler.steps (docs/profiling.md)")
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
-        out = micro_batch_inactive(root, REF_KEYS, "ref log-prob")
+        out = micro_batch_inactive(self, path, LOG_PROB_FIELDS, "ref log-prob")
         out.update(log_prob_pass_switches(path, root))
         return out

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 from rlframe.config.checks import ROLLOUT_ENGINES, planned_device
-from rlframe.config.keys import ACTOR, ACTOR_KEYS, ROLLOUT, micro_batch_inactive
+from rlframe.config.keys import ACTOR, LOG_PROB_FIELDS, ROLLOUT, micro_batch_inactive
 from rlframe.config.schema import Section, key, section
 from rlframe.workers.config.model import DTYPES
 from rlframe.workers.config.profiler import RolloutProfilerConfig
@@ -349,7 +349,7 @@ class RolloutConfig(Section):
             )
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
-        out = micro_batch_inactive(root, ACTOR_KEYS.forward, "old log-prob")
+        out = micro_batch_inactive(self, path, LOG_PROB_FIELDS, "old log-prob")
         if not self.do_sample:  # temperature still scales the log-probs of the actor's passes, as in verl
             out.update({f"{path}.{name}": f"{path}.do_sample=false: greedy" for name in ("top_k", "top_p")})
         # verl gathers FSDP1 weights layer by layer with it on; rlframe always syncs one full tensor at a time,
