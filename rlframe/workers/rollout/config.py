@@ -299,9 +299,7 @@ class RolloutConfig(Section):
     multi_stage_wake_up: bool = key(
         False, "verl's SGLang switch, read by nothing in verl 0.9.1: weights wake, sync, then the KV cache, always"
     )
-    layered_summon: bool = key(
-        False, "verl's FSDP1 sync memory switch; no effect: rlframe streams one tensor at a time"
-    )
+    layered_summon: bool = key(False, "verl's FSDP1 sync memory switch; no effect: rlframe syncs a bucket at a time")
     over_sample_rate: float = key(
         0.0,
         "verl's early abort of the last requests, read by nothing in verl 0.9.1: every request runs to its end",

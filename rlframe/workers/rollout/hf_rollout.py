@@ -174,17 +174,15 @@ class HFRollout(BaseRollout):
             return_dict_in_generate=True,
         )
         temperature = 1.0 if params.greedy else params.temperature
-        tokens, lengths, log_probs = [], [], []
-        for start in range(0, len(prompts), self.config.micro_batch_size):
-            ids = input_ids[start : start + self.config.micro_batch_size]
-            mask = attention_mask[start : start + self.config.micro_batch_size]
+        tokens, lengths, log_probs, size = [], [], [], self.config.micro_batch_size
+        for start in range(0, len(prompts), size):
+            ids, mask = input_ids[start : start + size], attention_mask[start : start + size]
             first = int(mask.any(0).long().argmax())  # columns padded in every row cost compute, not results
             ids, mask = ids[:, first:], mask[:, first:]
             recorder = _LogProbRecorder(temperature) if self.config.calculate_log_probs else None
             processors = [recorder] if recorder else []  # the recorder sees the raw logits, before sampling
             if not params.greedy:
-                chunk_seeds = seeds[start : start + self.config.micro_batch_size]
-                processors.append(_SeededSampler(params, chunk_seeds, (mask == 0).sum(-1)))
+                processors.append(_SeededSampler(params, seeds[start : start + size], (mask == 0).sum(-1)))
             out = self.model.generate(
                 input_ids=ids,
                 attention_mask=mask,

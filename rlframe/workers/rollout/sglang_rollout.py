@@ -49,11 +49,11 @@ import torch.distributed as dist
 
 from rlframe.protocol import DataProto
 from rlframe.workers.rollout.base import BaseRollout, SamplingParams, ServedModel, position_seed
-from rlframe.workers.rollout.config import ROLLOUT, RolloutConfig, check_sglang_engine_kwargs
+from rlframe.workers.rollout.config import ROLLOUT, RolloutConfig
 from rlframe.workers.rollout.tp import group_rank_and_size
 from rlframe.workers.rollout.vllm_rollout import (
+    engine_passthrough,
     model_max_position_embeddings,
-    plain_dict,
     preserved_rng_state,
     resolve_max_model_len,
 )
@@ -117,10 +117,7 @@ def sglang_engine_kwargs(
     enable_chunked_prefill/max_num_batched_tokens -> chunked_prefill_size (-1 = off) and
     max_prefill_tokens, enable_prefix_caching -> disable_radix_cache, seed (+ DP index) -> random_seed.
     """
-    passthrough = {
-        name: value for name, value in plain_dict(rollout_cfg.engine_kwargs.sglang).items() if value is not None
-    }  # verl drops null entries
-    check_sglang_engine_kwargs(passthrough)
+    passthrough = engine_passthrough(rollout_cfg, "sglang")
     budget = int(rollout_cfg.max_num_batched_tokens)
     free_cache = bool(rollout_cfg.free_cache_engine)
     kwargs = dict(

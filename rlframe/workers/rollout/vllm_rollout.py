@@ -60,7 +60,7 @@ from rlframe.models.builtin import SHM_ROOT
 from rlframe.protocol import DataProto
 from rlframe.workers.lora import vllm_lora_engine_kwargs
 from rlframe.workers.rollout.base import BaseRollout, SamplingParams, ServedModel, position_seed
-from rlframe.workers.rollout.config import ROLLOUT, RolloutConfig, check_vllm_engine_kwargs
+from rlframe.workers.rollout.config import ROLLOUT, RolloutConfig, engine_kwargs_check
 from rlframe.workers.rollout.vllm_cpu import (
     CPU_INSTALL_HINT,
     cpu_kv_cache_bytes,
@@ -113,6 +113,14 @@ def plain_dict(value: Any) -> dict:
     return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else dict(value or {})
 
 
+def engine_passthrough(config: RolloutConfig, engine: str) -> dict:
+    """`engine_kwargs.<engine>` as plain containers without its null entries (verl drops them), checked."""
+    given = plain_dict(getattr(config.engine_kwargs, engine))
+    passthrough = {name: value for name, value in given.items() if value is not None}
+    engine_kwargs_check(engine)(passthrough)
+    return passthrough
+
+
 def resolve_max_model_len(max_model_len: int | None, max_position_embeddings: int) -> int:
     """verl's rule: null means the model's max_position_embeddings, and more than that is refused."""
     if max_model_len is None:
@@ -161,10 +169,7 @@ def vllm_engine_kwargs(
             max_model_len,
         )
         max_num_batched_tokens = max_model_len
-    passthrough = {
-        name: value for name, value in plain_dict(rollout_cfg.engine_kwargs.vllm).items() if value is not None
-    }  # verl drops null entries
-    check_vllm_engine_kwargs(passthrough)
+    passthrough = engine_passthrough(rollout_cfg, "vllm")
     kwargs = dict(
         model=model.path,
         skip_tokenizer_init=True,
