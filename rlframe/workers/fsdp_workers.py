@@ -296,7 +296,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
                 output = generate_pooled(self.rollout, self._to_device(prompts), self.generation_pool)
             else:
                 output = generate_in_tp_group(self.rollout, self._to_device(prompts), self.tp_group)
-        if self.rollout.settings.free_cache_engine:
+        if self.rollout.config.free_cache_engine:
             self.rollout.release()
             self._weights_dirty = True
         output.meta_info.setdefault("metrics", {})["timing_s/weight_sync"] = sync_s

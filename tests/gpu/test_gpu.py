@@ -265,7 +265,9 @@ def test_vllm_async_server_gives_the_sync_samples(smollm2, monkeypatch):
 
 
 def _vllm_config(*overrides: str):
-    from rlframe.config.loader import load_config, resolved
+    from helpers.rollout import typed_rollout
+
+    from rlframe.config.loader import load_config
 
     base = [
         "data.max_prompt_length=16",
@@ -276,7 +278,7 @@ def _vllm_config(*overrides: str):
         "actor_rollout_ref.rollout.enforce_eager=true",
         "actor_rollout_ref.rollout.max_model_len=64",
     ]
-    return resolved(load_config([*base, *overrides])).actor_rollout_ref.rollout
+    return typed_rollout(load_config([*base, *overrides]))
 
 
 def _tp2_worker(rank: int, port: int, model: str, out_dir: str) -> None:

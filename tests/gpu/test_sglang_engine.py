@@ -19,7 +19,9 @@ pytestmark = pytest.mark.gpu
 
 
 def _sglang_config(*overrides: str):
-    from rlframe.config.loader import load_config, resolved
+    from helpers.rollout import typed_rollout
+
+    from rlframe.config.loader import load_config
 
     base = [
         "data.max_prompt_length=16",
@@ -30,15 +32,15 @@ def _sglang_config(*overrides: str):
         "actor_rollout_ref.rollout.enforce_eager=true",
         "actor_rollout_ref.rollout.max_model_len=64",
     ]
-    return resolved(load_config([*base, *overrides])).actor_rollout_ref.rollout
+    return typed_rollout(load_config([*base, *overrides]))
 
 
 def _build(cfg, model: str, tokenizer, tp_group=None):
     """The engine itself (not wrapped in agent loops), as `build_rollout` builds it."""
-    from rlframe.workers.rollout.base import RolloutSettings
+    from rlframe.workers.rollout.base import ServedModel
     from rlframe.workers.rollout.sglang_rollout import SGLangRollout
 
-    return SGLangRollout(RolloutSettings.from_config(cfg), model, tokenizer, "cuda", tp_group, rollout_cfg=cfg)
+    return SGLangRollout(cfg, ServedModel(model), tokenizer, "cuda", tp_group)
 
 
 def _free_gpu_bytes() -> int:

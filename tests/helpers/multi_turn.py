@@ -5,9 +5,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rlframe.config.loader import load_config, resolved
+from helpers.rollout import typed_rollout
+from rlframe.config.loader import load_config
 from rlframe.protocol import DataProto
-from rlframe.workers.rollout.base import BaseRollout
+from rlframe.workers.rollout.base import BaseRollout, ServedModel
+from rlframe.workers.rollout.config import RolloutConfig
 
 PROMPT_LEN, RESPONSE_LEN = 48, 160
 
@@ -20,8 +22,8 @@ def call(expression: str) -> str:
 class ScriptedEngine(BaseRollout):
     """Replies by conversation: `script[user text][turn]`; records every batch it was asked to generate."""
 
-    def __init__(self, settings, tokenizer, model_path, script: dict[str, list[str]]):
-        super().__init__(settings, tokenizer, model_path)
+    def __init__(self, config: RolloutConfig, tokenizer, model_path, script: dict[str, list[str]]):
+        super().__init__(config, ServedModel(model_path), tokenizer, "cpu")
         self.tokenizer, self.script, self.calls = tokenizer, script, []
 
     def _generate(self, prompts, params, eos_ids, pad_id, seeds):
@@ -43,9 +45,9 @@ class ScriptedEngine(BaseRollout):
         pass
 
 
-def rollout_cfg(*overrides: str):
+def rollout_cfg(*overrides: str) -> RolloutConfig:
     cfg = load_config([f"data.max_prompt_length={PROMPT_LEN}", f"data.max_response_length={RESPONSE_LEN}", *overrides])
-    return resolved(cfg).actor_rollout_ref.rollout
+    return typed_rollout(cfg)
 
 
 def make_prompts(tokenizer, users: list[str], **non_tensor) -> DataProto:

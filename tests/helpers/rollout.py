@@ -3,16 +3,25 @@
 from __future__ import annotations
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 
 from rlframe.config.loader import load_config, resolved
 from rlframe.protocol import DataProto
+from rlframe.workers.rollout.config import RolloutConfig
 
 PROMPT_LEN, RESPONSE_LEN = 8, 6
 
 PROMPT_LENGTHS = (8, 3, 5, 1, 7)
 
 
-def rollout_config(*overrides: str):
+def typed_rollout(cfg: DictConfig) -> RolloutConfig:
+    """The rollout section of a whole loaded config, resolved and typed as a worker hands it to the engine."""
+    section = OmegaConf.merge(OmegaConf.structured(RolloutConfig), resolved(cfg).actor_rollout_ref.rollout)
+    OmegaConf.set_readonly(section, True)
+    return section
+
+
+def rollout_config(*overrides: str) -> RolloutConfig:
     cfg = load_config(
         [
             f"data.max_prompt_length={PROMPT_LEN}",
@@ -21,7 +30,7 @@ def rollout_config(*overrides: str):
             *overrides,
         ]
     )
-    return resolved(cfg).actor_rollout_ref.rollout
+    return typed_rollout(cfg)
 
 
 def make_prompts(lengths=PROMPT_LENGTHS, width: int = PROMPT_LEN, seed: int = 0, **meta) -> DataProto:

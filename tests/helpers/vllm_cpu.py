@@ -9,7 +9,8 @@ ROLLOUT = "actor_rollout_ref.rollout"
 
 
 def rollout_cfg(*overrides: str):
-    from rlframe.config.loader import load_config, resolved
+    from helpers.rollout import typed_rollout
+    from rlframe.config.loader import load_config
 
     base = [
         "data.max_prompt_length=24",
@@ -21,7 +22,7 @@ def rollout_cfg(*overrides: str):
         f"{ROLLOUT}.enforce_eager=true",
         f"{ROLLOUT}.load_format=dummy",
     ]
-    return resolved(load_config([*base, *overrides])).actor_rollout_ref.rollout
+    return typed_rollout(load_config([*base, *overrides]))
 
 
 def updated(model, step: int, scale: float = 0.05) -> None:

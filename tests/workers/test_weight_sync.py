@@ -32,7 +32,7 @@ def _counting(real, counter: list):
 
 
 def _worker(rank: int, world: int, port: int, model_path: str, out_dir: str) -> None:
-    from rlframe.workers.rollout.base import RolloutSettings, ServedModel
+    from rlframe.workers.rollout.base import ServedModel
     from rlframe.workers.rollout.hf_rollout import HFRollout
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -65,8 +65,7 @@ def _worker(rank: int, world: int, port: int, model_path: str, out_dir: str) -> 
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        settings = RolloutSettings.from_config(_rollout_cfg())
-        rollout = HFRollout(settings, ServedModel(model_path), tokenizer, "cpu")
+        rollout = HFRollout(_rollout_cfg(), ServedModel(model_path), tokenizer, "cpu")
         rollout.update_weights(iter_full_params_bucketed(model))
         result["rollout"] = {n: p.detach().clone() for n, p in rollout.model.state_dict().items()}
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -75,9 +74,11 @@ def _worker(rank: int, world: int, port: int, model_path: str, out_dir: str) -> 
 
 
 def _rollout_cfg():
+    from helpers.rollout import typed_rollout
+
     from rlframe.config.loader import load_config
 
-    return load_config([]).actor_rollout_ref.rollout
+    return typed_rollout(load_config([]))
 
 
 @pytest.mark.slow  # a multi-process world or a subprocess: over 6 s on 2 cores (tests/README.md)
@@ -112,13 +113,14 @@ def test_the_worker_syncs_the_rollout_only_when_it_may_differ_from_the_actor(tin
     # ActorRolloutRefWorker.generate_sequences on one process, a plain actor and a real HF replica:
     # without free_cache_engine the second generation skips the sync and the replica still equals
     # the actor; with it the replica is freed after each generation, so each one syncs again
+    from helpers.rollout import typed_rollout
     from transformers import AutoTokenizer
 
     from rlframe.config.loader import load_config
     from rlframe.protocol import DataProto
     from rlframe.workers.fsdp_workers import ActorRolloutRefWorker
     from rlframe.workers.profiler import Profiler
-    from rlframe.workers.rollout.base import RolloutSettings, ServedModel
+    from rlframe.workers.rollout.base import ServedModel
     from rlframe.workers.rollout.hf_rollout import HFRollout
 
     cfg = load_config(
@@ -129,9 +131,7 @@ def test_the_worker_syncs_the_rollout_only_when_it_may_differ_from_the_actor(tin
         ]
     )
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    rollout = HFRollout(
-        RolloutSettings.from_config(cfg.actor_rollout_ref.rollout), ServedModel(tiny_model_path), tokenizer, "cpu"
-    )
+    rollout = HFRollout(typed_rollout(cfg), ServedModel(tiny_model_path), tokenizer, "cpu")
     actor = load_hf_model(ModelSpec(path=tiny_model_path, role="actor", dtype=torch.float32, use_remove_padding=False))
     with torch.no_grad():  # the actor differs from the checkpoint the replica was loaded from
         for param in actor.parameters():

@@ -19,19 +19,18 @@ from rlframe.protocol import DataProto, all_gather_data_proto
 from rlframe.workers.rollout.agent_loop import AgentLoopRollout
 from rlframe.workers.rollout.base import (
     BaseRollout,
-    RolloutSettings,
     SamplingParams,
     ServedModel,
     build_rollout_output,
     check_prompts,
     response_metrics,
 )
+from rlframe.workers.rollout.config import RolloutConfig
 from rlframe.workers.rollout.multi_turn import build_multi_turn, uses_tool_agent
 from rlframe.workers.rollout.tp import group_rank_and_size
 
 __all__ = [
     "BaseRollout",
-    "RolloutSettings",
     "SamplingParams",
     "ServedModel",
     "build_rollout",
@@ -43,7 +42,7 @@ __all__ = [
 
 def build_rollout(
     name: str,
-    rollout_cfg,
+    cfg: RolloutConfig,
     model: ServedModel | str,
     tokenizer,
     device_type: str,
@@ -51,27 +50,24 @@ def build_rollout(
     *,
     chat_template_kwargs: dict | None = None,
 ) -> BaseRollout:
-    """Build the engine `name` from `actor_rollout_ref.rollout` for one worker process.
+    """Build the engine `name` from the rollout's section `cfg` (`actor_rollout_ref.rollout`) for one worker process.
 
     `tp_group` is this rank's tensor-parallel process group (size `tensor_model_parallel_size`);
     None means TP=1. Initial weights are read from `model` (a `ServedModel`, or just its path); later ones
     come through `update_weights`. `model.lora_rank > 0` (a LoRA actor) sets vLLM up to serve its adapter;
-    the HF engine takes merged weights and needs nothing. `chat_template_kwargs` (`data.apply_chat_template_kwargs`)
-    renders the turns of multi-turn rollouts.
+    the HF and SGLang engines take merged weights and need nothing. `chat_template_kwargs`
+    (`data.apply_chat_template_kwargs`) renders the turns of multi-turn rollouts.
     """
     check_rollout_name(name)
     model = ServedModel(model) if isinstance(model, str) else model
-    settings = RolloutSettings.from_config(rollout_cfg)
     module_name, class_name = ROLLOUT_ENGINES[name].split(":")
     engine = getattr(importlib.import_module(module_name), class_name)
-    # the GPU engines read their settings from the section; vLLM serves a LoRA adapter, SGLang takes merged weights
-    extra = {"rollout_cfg": rollout_cfg} if name in ("vllm", "sglang") else {}
-    rollout = engine(settings, model, tokenizer, device_type, tp_group, **extra)
+    rollout = engine(cfg, model, tokenizer, device_type, tp_group)
     multi_turn = None
-    if uses_tool_agent(rollout_cfg):  # rows may call tools: the multi-turn logic drives the engine
-        multi_turn = build_multi_turn(rollout, tokenizer, rollout_cfg, chat_template_kwargs)
-    if str(rollout_cfg.mode) == "async":  # agent loops on a rollout server (agent_loop.py, server.py)
-        return AgentLoopRollout(rollout, int(rollout_cfg.agent.num_workers), multi_turn)
+    if uses_tool_agent(cfg):  # rows may call tools: the multi-turn logic drives the engine
+        multi_turn = build_multi_turn(rollout, tokenizer, chat_template_kwargs)
+    if str(cfg.mode) == "async":  # agent loops on a rollout server (agent_loop.py, server.py)
+        return AgentLoopRollout(rollout, int(cfg.agent.num_workers), multi_turn)
     return multi_turn or rollout  # sync: the whole batch at once (tool rows turn by turn)
 
 

@@ -45,7 +45,7 @@ class AgentLoopRollout:
     def __init__(self, engine: BaseRollout, num_workers: int, multi_turn: MultiTurnRollout | None = None):
         if num_workers < 1:
             raise ValueError(f"actor_rollout_ref.rollout.agent.num_workers={num_workers}: must be >= 1")
-        self.engine, self.settings, self.num_workers = engine, engine.settings, num_workers
+        self.engine, self.num_workers = engine, num_workers
         self.multi_turn = multi_turn
         self._worker_agents = [_worker_copy(multi_turn) for _ in range(num_workers)] if multi_turn else []
         self._loops: _EventLoopThreads | None = None  # the worker threads, started at the first generation
@@ -55,7 +55,7 @@ class AgentLoopRollout:
 
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        check_prompts(prompts, self.settings.prompt_length)
+        check_prompts(prompts, self.engine.config.prompt_length)
         if self.multi_turn is not None and "raw_prompt" not in prompts.non_tensor_batch:
             raise ValueError("the tool agent needs the chat messages of each prompt: set data.return_raw_chat=true")
         params = self.engine.sampling_for(prompts.meta_info)
@@ -90,7 +90,7 @@ class AgentLoopRollout:
         completions, server_metrics = self._run(requests, agent, server)
         elapsed = time.perf_counter() - start
         tokens = torch.full((len(prompts), response_length), pad_id, dtype=torch.long)
-        log_probs = torch.zeros(len(prompts), response_length) if self.settings.calculate_log_probs else None
+        log_probs = torch.zeros(len(prompts), response_length) if self.engine.config.calculate_log_probs else None
         lengths = torch.zeros(len(prompts), dtype=torch.long)
         for row, completion in enumerate(completions):
             tokens[row, : len(completion.tokens)] = torch.tensor(completion.tokens, dtype=torch.long)

@@ -12,12 +12,17 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from rlframe.protocol import DataProto
+from rlframe.workers.fsdp_utils import resolve_dtype
 from rlframe.workers.rollout.tp import group_rank_and_size
+
+if TYPE_CHECKING:
+    from rlframe.workers.rollout.config import RolloutConfig
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 KEY = "actor_rollout_ref.rollout"
@@ -75,40 +80,6 @@ class SamplingParams:
             raise ValueError(f"{prefix}.top_k={self.top_k}: must be -1 or 0 (off) or a positive int")
         if self.response_length < 1:
             raise ValueError(f"{KEY}.response_length={self.response_length}: must be >= 1")
-
-
-@dataclass(frozen=True)
-class RolloutSettings:
-    """Engine-independent plain values of `actor_rollout_ref.rollout`, read once."""
-
-    prompt_length: int
-    response_length: int
-    micro_batch_size: int
-    tensor_parallel_size: int
-    dtype: str
-    calculate_log_probs: bool
-    free_cache_engine: bool
-    train: SamplingParams
-    val: SamplingParams
-
-    @classmethod
-    def from_config(cls, rollout_cfg) -> RolloutSettings:
-        settings = cls(
-            prompt_length=int(rollout_cfg.prompt_length),
-            response_length=int(rollout_cfg.response_length),
-            micro_batch_size=int(rollout_cfg.micro_batch_size),
-            tensor_parallel_size=int(rollout_cfg.tensor_model_parallel_size),
-            dtype=str(rollout_cfg.dtype),
-            calculate_log_probs=bool(rollout_cfg.calculate_log_probs),
-            free_cache_engine=bool(rollout_cfg.free_cache_engine),
-            train=SamplingParams.from_config(rollout_cfg, validate=False),
-            val=SamplingParams.from_config(rollout_cfg, validate=True),
-        )
-        for name in ("prompt_length", "micro_batch_size", "tensor_parallel_size"):
-            if getattr(settings, name) < 1:
-                key = "tensor_model_parallel_size" if name == "tensor_parallel_size" else name
-                raise ValueError(f"{KEY}.{key}={getattr(settings, name)}: must be >= 1")
-        return settings
 
 
 def default_special_tokens(tokenizer, model_path: str) -> tuple[list[int], int]:
@@ -263,21 +234,26 @@ class BaseRollout(ABC):
     `free_cache_engine`: when it is false the engine keeps its memory and `release`/`resume` do nothing.
     """
 
-    def __init__(self, settings: RolloutSettings, tokenizer, model_path: str, tp_group=None):
-        eos_ids, pad_id = default_special_tokens(tokenizer, model_path)
-        self.settings, self.eos_ids, self.pad_id = settings, list(eos_ids), int(pad_id)
+    def __init__(self, config: RolloutConfig, served: ServedModel, tokenizer, device_type: str, tp_group=None):
+        """`config` is the rollout's section; `tp_group` this rank's rollout TP group (None: TP=1)."""
+        eos_ids, pad_id = default_special_tokens(tokenizer, served.path)
+        self.config, self.eos_ids, self.pad_id = config, list(eos_ids), int(pad_id)
+        self.dtype = resolve_dtype(config.dtype, device_type)
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+        )
         self.tp_group = tp_group
         _, self.tp_size = group_rank_and_size(tp_group)
         self.seed, self.dp_rank = 0, 0  # mixed into the per-sample seeds (vLLM: rollout.seed and its replica index)
-        if self.tp_size != settings.tensor_parallel_size:
+        if self.tp_size != config.tensor_model_parallel_size:
             raise ValueError(
-                f"actor_rollout_ref.rollout.tensor_model_parallel_size={settings.tensor_parallel_size} "
+                f"{KEY}.tensor_model_parallel_size={config.tensor_model_parallel_size} "
                 f"but the rollout was given a TP group of size {self.tp_size}"
             )
 
     def sampling_for(self, meta_info: dict) -> SamplingParams:
         """This call's sampling: val_kwargs when `validate`, then `do_sample` / `temperature` overrides."""
-        params = self.settings.val if meta_info.get("validate", False) else self.settings.train
+        params = SamplingParams.from_config(self.config, validate=bool(meta_info.get("validate", False)))
         if "do_sample" in meta_info:
             params = replace(params, do_sample=bool(meta_info["do_sample"]))
         if "temperature" in meta_info:
@@ -304,7 +280,7 @@ class BaseRollout(ABC):
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Left-padded prompts in, the rollout contract out (see `build_rollout_output`), with metrics."""
-        check_prompts(prompts, self.settings.prompt_length)
+        check_prompts(prompts, self.config.prompt_length)
         params = self.sampling_for(prompts.meta_info)
         eos_ids, pad_id = self.special_tokens_for(prompts.meta_info)
         seeds = self.seeds_for(prompts)
@@ -318,7 +294,7 @@ class BaseRollout(ABC):
             params.response_length,
             eos_ids,
             pad_id,
-            log_probs if self.settings.calculate_log_probs else None,
+            log_probs if self.config.calculate_log_probs else None,
         )
         num_tokens = int(out.batch["response_mask"].sum())
         metrics = response_metrics(out.batch["response_mask"], out.batch["responses"], eos_ids)

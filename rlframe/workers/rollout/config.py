@@ -12,7 +12,7 @@ from rlframe.config.keys import ACTOR, LOG_PROB_FIELDS, ROLLOUT, micro_batch_ina
 from rlframe.config.schema import Section, key, section
 from rlframe.workers.config.model import DTYPES
 from rlframe.workers.config.profiler import RolloutProfilerConfig
-from rlframe.workers.rollout.base import RolloutSettings
+from rlframe.workers.rollout.base import SamplingParams
 
 # vLLM engine settings (verl 0.9.1's names and defaults); the hf engine reads none of them.
 VLLM_ONLY_KEYS = (
@@ -261,16 +261,16 @@ class RolloutConfig(Section):
     top_p: float = key(1.0, "nucleus sampling")
     do_sample: bool = key(True, "false = greedy")
     n: int = key(1, "responses per prompt (GRPO group size)")
-    prompt_length: int = key("${data.max_prompt_length}", "max prompt tokens")
+    prompt_length: int = key("${data.max_prompt_length}", "max prompt tokens", check=_check_positive)
     response_length: int = key("${data.max_response_length}", "max generated tokens")
     dtype: str = key("auto", "generation dtype: auto = bf16 on GPU, fp32 on CPU", choices=("auto", *DTYPES))
-    micro_batch_size: int = key(32, "hf: sequences generated together (bounds memory)")
+    micro_batch_size: int = key(32, "hf: sequences generated together (bounds memory)", check=_check_positive)
     pool_cpu_generation: Optional[bool] = key(
         None,
         "rlframe, hf on CPU without TP: the ranks of one machine generate on the first with all their threads "
         "(same samples); null = when the weights outgrow a core's L2 cache",
     )
-    tensor_model_parallel_size: int = key(1, "rollout TP degree")
+    tensor_model_parallel_size: int = key(1, "rollout TP degree", check=_check_positive)
     gpu_memory_utilization: float = key(
         0.5, "vllm, sglang: fraction of GPU memory for weights + KV cache", check=_check_memory_fraction
     )
@@ -299,9 +299,7 @@ class RolloutConfig(Section):
     multi_stage_wake_up: bool = key(
         False, "verl's SGLang switch, read by nothing in verl 0.9.1: weights wake, sync, then the KV cache, always"
     )
-    layered_summon: bool = key(
-        False, "verl's FSDP1 sync memory switch; no effect: rlframe streams one tensor at a time"
-    )
+    layered_summon: bool = key(False, "verl's FSDP1 sync memory switch; no effect: rlframe syncs a bucket at a time")
     over_sample_rate: float = key(
         0.0,
         "verl's early abort of the last requests, read by nothing in verl 0.9.1: every request runs to its end",
@@ -320,8 +318,9 @@ class RolloutConfig(Section):
     profiler: RolloutProfilerConfig = section(RolloutProfilerConfig, "verl's; the actor's profiler covers the rollout")
 
     def check(self, path: str, root: Any) -> None:
-        # the engine-independent values the workers read, checked here so that they fail before Ray starts
-        RolloutSettings.from_config(self)
+        # the sampling the engines derive from this section (`SamplingParams.from_config`), checked before Ray starts
+        SamplingParams.from_config(self)
+        SamplingParams.from_config(self, validate=True)
         if self.name == "vllm":  # vLLM's own sampling limits, before Ray rather than at the first generation
             from rlframe.workers.rollout.vllm_rollout import check_vllm_temperature
 

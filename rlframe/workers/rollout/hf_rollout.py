@@ -16,8 +16,8 @@ from collections.abc import Iterable
 import torch
 
 from rlframe.protocol import DataProto
-from rlframe.workers.fsdp_utils import resolve_dtype
-from rlframe.workers.rollout.base import BaseRollout, RolloutSettings, SamplingParams, ServedModel, position_seed
+from rlframe.workers.rollout.base import BaseRollout, SamplingParams, ServedModel, position_seed
+from rlframe.workers.rollout.config import RolloutConfig
 from rlframe.workers.rollout.tp import apply_tensor_parallel, load_full_tensors, tp_mesh_from_group
 
 
@@ -88,29 +88,18 @@ class _SeededSampler:
 class HFRollout(BaseRollout):
     """`model.generate` over micro-batches, on a replica that `update_weights` keeps in sync with the actor."""
 
-    def __init__(
-        self,
-        settings: RolloutSettings,
-        served: ServedModel,
-        tokenizer,
-        device_type: str,
-        tp_group=None,
-    ):
+    def __init__(self, config: RolloutConfig, served: ServedModel, tokenizer, device_type: str, tp_group=None):
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-        super().__init__(settings, tokenizer, served.path, tp_group)
+        super().__init__(config, served, tokenizer, device_type, tp_group)
         model_path, trust_remote_code, override_config = served.path, served.trust_remote_code, served.override_config
-        tp_size = self.tp_size
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-        )
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         for key, value in (override_config or {}).items():
-            setattr(config, key, value)
+            setattr(hf_config, key, value)
         model = AutoModelForCausalLM.from_pretrained(
             model_path,
-            config=config,
-            dtype=resolve_dtype(settings.dtype, device_type),
+            config=hf_config,
+            dtype=self.dtype,
             attn_implementation="sdpa",
             trust_remote_code=trust_remote_code,
         )
@@ -121,7 +110,7 @@ class HFRollout(BaseRollout):
         if self.device.type == "cpu":  # own, resizable storage: loaded CPU weights may be file-backed
             for param in model.parameters():
                 param.data = param.data.clone()
-        if tp_size > 1:
+        if self.tp_size > 1:
             apply_tensor_parallel(model, tp_mesh_from_group(tp_group, device_type))
         self.model = model
         self._targets = dict(model.state_dict(keep_vars=True))
@@ -146,7 +135,7 @@ class HFRollout(BaseRollout):
         The next generation then needs `resume()` plus a full `update_weights`; generating before
         every parameter was reloaded raises instead of using garbage.
         """
-        if not self.settings.free_cache_engine or self._released:
+        if not self.config.free_cache_engine or self._released:
             return
         for storage, _ in self._storages:
             storage.resize_(0)
@@ -185,17 +174,15 @@ class HFRollout(BaseRollout):
             return_dict_in_generate=True,
         )
         temperature = 1.0 if params.greedy else params.temperature
-        tokens, lengths, log_probs = [], [], []
-        for start in range(0, len(prompts), self.settings.micro_batch_size):
-            ids = input_ids[start : start + self.settings.micro_batch_size]
-            mask = attention_mask[start : start + self.settings.micro_batch_size]
+        tokens, lengths, log_probs, size = [], [], [], self.config.micro_batch_size
+        for start in range(0, len(prompts), size):
+            ids, mask = input_ids[start : start + size], attention_mask[start : start + size]
             first = int(mask.any(0).long().argmax())  # columns padded in every row cost compute, not results
             ids, mask = ids[:, first:], mask[:, first:]
-            recorder = _LogProbRecorder(temperature) if self.settings.calculate_log_probs else None
+            recorder = _LogProbRecorder(temperature) if self.config.calculate_log_probs else None
             processors = [recorder] if recorder else []  # the recorder sees the raw logits, before sampling
             if not params.greedy:
-                chunk_seeds = seeds[start : start + self.settings.micro_batch_size]
-                processors.append(_SeededSampler(params, chunk_seeds, (mask == 0).sum(-1)))
+                processors.append(_SeededSampler(params, seeds[start : start + size], (mask == 0).sum(-1)))
             out = self.model.generate(
                 input_ids=ids,
                 attention_mask=mask,

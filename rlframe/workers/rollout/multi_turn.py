@@ -73,19 +73,16 @@ def check_agent_rows(agent_names, rollout_cfg) -> None:
         )
 
 
-def build_multi_turn(
-    engine: BaseRollout, tokenizer, rollout_cfg, chat_template_kwargs: dict | None = None
-) -> MultiTurnRollout:
-    """The tool-agent rollout around `engine`, from `actor_rollout_ref.rollout.multi_turn` / `.agent`.
+def build_multi_turn(engine: BaseRollout, tokenizer, chat_template_kwargs: dict | None = None) -> MultiTurnRollout:
+    """The tool-agent rollout around `engine`, from its section's `multi_turn` and `agent` keys.
 
     `chat_template_kwargs` is `data.apply_chat_template_kwargs`: every turn is rendered with it.
     """
     from rlframe.workers.rollout.tools import load_tools
 
-    tools = load_tools(rollout_cfg.multi_turn.tool_config_path, rollout_cfg.multi_turn.function_tool_path)
-    settings = MultiTurnSettings.from_config(rollout_cfg.multi_turn)
-    default_agent = str(rollout_cfg.agent.default_agent_loop)
-    return MultiTurnRollout(engine, tokenizer, settings, tools, default_agent, chat_template_kwargs)
+    multi_turn = engine.config.multi_turn
+    tools = load_tools(multi_turn.tool_config_path, multi_turn.function_tool_path)
+    return MultiTurnRollout(engine, tokenizer, tools, chat_template_kwargs)
 
 
 @dataclass(frozen=True)
@@ -111,31 +108,6 @@ def parse_hermes_tool_calls(text: str) -> list[ParsedCall]:
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             calls.append(ParsedCall("", "", error=f"malformed tool call {block.strip()[:200]!r}: {err}"))
     return calls
-
-
-@dataclass(frozen=True)
-class MultiTurnSettings:
-    """The values of `actor_rollout_ref.rollout.multi_turn` the loop reads."""
-
-    max_assistant_turns: int | None
-    max_user_turns: int | None
-    max_parallel_calls: int
-    max_tool_response_length: int
-    tool_response_truncate_side: str
-    tool_timeout_s: float
-    sanity_check: bool
-
-    @classmethod
-    def from_config(cls, cfg) -> MultiTurnSettings:
-        return cls(
-            max_assistant_turns=cfg.max_assistant_turns,
-            max_user_turns=cfg.max_user_turns,
-            max_parallel_calls=int(cfg.max_parallel_calls),
-            max_tool_response_length=int(cfg.max_tool_response_length),
-            tool_response_truncate_side=str(cfg.tool_response_truncate_side),
-            tool_timeout_s=float(cfg.tool_timeout_s),
-            sanity_check=str(cfg.tokenization_sanity_check_mode) != "disable",
-        )
 
 
 @dataclass
@@ -211,20 +183,11 @@ class ChatTemplateTurns:
 class MultiTurnRollout:
     """Wraps an engine: `generate_sequences` runs multi-turn tool trajectories; weights and memory pass through."""
 
-    def __init__(
-        self,
-        engine: BaseRollout,
-        tokenizer,
-        settings: MultiTurnSettings,
-        tools: dict,
-        default_agent: str,
-        chat_template_kwargs: dict | None = None,
-    ):
-        self.engine, self.tokenizer, self.mt, self.default_agent = engine, tokenizer, settings, default_agent
-        self.settings = engine.settings
-        self.runner = ToolRunner(
-            tools, settings.tool_timeout_s, settings.max_tool_response_length, settings.tool_response_truncate_side
-        )
+    def __init__(self, engine: BaseRollout, tokenizer, tools: dict, chat_template_kwargs: dict | None = None):
+        """`engine.config.multi_turn` sets the limits, `engine.config.agent.default_agent_loop` the rows' default."""
+        self.engine, self.tokenizer, self.config = engine, tokenizer, engine.config
+        self.mt = mt = engine.config.multi_turn
+        self.runner = ToolRunner(tools, mt.tool_timeout_s, mt.max_tool_response_length, mt.tool_response_truncate_side)
         schemas = [tool.tool_schema for tool in tools.values()]
         self.turns = ChatTemplateTurns(tokenizer, schemas, engine.eos_ids, chat_template_kwargs)
         self._warned_mismatch = False
@@ -245,7 +208,7 @@ class MultiTurnRollout:
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Rows with `raw_prompt` (chat messages) in; the rollout contract out, with holes in `response_mask`."""
-        check_prompts(prompts, self.settings.prompt_length)
+        check_prompts(prompts, self.config.prompt_length)
         if "raw_prompt" not in prompts.non_tensor_batch:
             raise ValueError(f"{KEY}.enable=true needs the chat messages of each prompt: set data.return_raw_chat=true")
         params = self.engine.sampling_for(prompts.meta_info)
@@ -263,7 +226,8 @@ class MultiTurnRollout:
 
     def finish(self, prompts: DataProto, trajectories: list, response_length: int, pad_id: int, elapsed: float):
         """Finished trajectories in the rollout contract, with the sanity check and the metrics."""
-        mismatches = self._sanity_check(trajectories) if self.mt.sanity_check else 0
+        checked = self.mt.tokenization_sanity_check_mode != "disable"
+        mismatches = self._sanity_check(trajectories) if checked else 0
         out = self._layout(prompts, trajectories, response_length, pad_id, prompts.batch["input_ids"].device)
         out.meta_info["metrics"] = self._metrics(trajectories, out, elapsed, mismatches)
         return out
@@ -274,21 +238,21 @@ class MultiTurnRollout:
         extra = extra[row] if extra is not None else None
         tools_kwargs = (extra or {}).get("tools_kwargs", {}) if isinstance(extra, dict) else {}
         agents = prompts.non_tensor_batch.get("agent_name")
-        agent = str(agents[row]) if agents is not None else self.default_agent
+        agent = str(agents[row]) if agents is not None else str(self.config.agent.default_agent_loop)
         if agent not in ("single_turn_agent", "tool_agent"):
             raise ValueError(f"row {row}: agent_name={agent!r}; rlframe has single_turn_agent and tool_agent")
         ids = self.turns.prompt_ids(messages)
-        if len(ids) > self.settings.prompt_length:
+        if len(ids) > self.config.prompt_length:
             raise ValueError(
                 f"row {row}: the prompt rendered with the tools' schemas is {len(ids)} tokens, more than "
-                f"actor_rollout_ref.rollout.prompt_length={self.settings.prompt_length} (= data.max_prompt_length); "
+                f"actor_rollout_ref.rollout.prompt_length={self.config.prompt_length} (= data.max_prompt_length); "
                 "raise data.max_prompt_length or shorten the tool descriptions"
             )
         return Trajectory(messages, ids, dict(tools_kwargs or {}), seed, single_turn=agent == "single_turn_agent")
 
     def _generate_turn(self, active: list[Trajectory], params: SamplingParams, eos_ids: list[int], pad_id: int):
         """One assistant turn for every active trajectory, as one engine batch."""
-        budgets = [self.settings.response_length - len(t.response_ids) for t in active]
+        budgets = [self.config.response_length - len(t.response_ids) for t in active]
         contexts = [t.prompt_ids + t.response_ids for t in active]
         width = max(len(c) for c in contexts)
         ids = torch.full((len(active), width), pad_id, dtype=torch.long)
@@ -308,7 +272,7 @@ class MultiTurnRollout:
 
     def budget(self, trajectory: Trajectory) -> int:
         """Response tokens this trajectory may still generate."""
-        return self.settings.response_length - len(trajectory.response_ids)
+        return self.config.response_length - len(trajectory.response_ids)
 
     def take_turn(self, trajectory: Trajectory, new: list[int], log_probs: list[float] | None, eos_ids: list[int]):
         """Append one policy turn (generated ids, cut to the budget) and find its tool calls, or end the trajectory."""
@@ -320,7 +284,7 @@ class MultiTurnRollout:
         text = self.tokenizer.decode(new[:-1] if ended else new, skip_special_tokens=False)
         trajectory.messages.append({"role": "assistant", "content": text})
         trajectory.pending = parse_hermes_tool_calls(text) if ended and not trajectory.single_turn else []
-        trajectory.truncated = not ended and len(trajectory.response_ids) >= self.settings.response_length
+        trajectory.truncated = not ended and len(trajectory.response_ids) >= self.config.response_length
         if not trajectory.pending or self._at_limit(trajectory):
             trajectory.done = True
 
@@ -330,7 +294,7 @@ class MultiTurnRollout:
             return True
         if mt.max_user_turns and trajectory.user_turns >= mt.max_user_turns:
             return True
-        return len(trajectory.response_ids) >= self.settings.response_length
+        return len(trajectory.response_ids) >= self.config.response_length
 
     async def _run_tools(self, trajectories: list[Trajectory]) -> None:
         """Every pending call of every trajectory, concurrently; then each tool turn is appended."""
@@ -385,7 +349,7 @@ class MultiTurnRollout:
 
     def _layout(self, prompts, trajectories, response_length: int, pad_id: int, device) -> DataProto:
         """Left-padded prompts and right-padded responses: the rollout contract, with holes in response_mask."""
-        num, prompt_length = len(trajectories), self.settings.prompt_length
+        num, prompt_length = len(trajectories), self.config.prompt_length
         prompt = torch.full((num, prompt_length), pad_id, dtype=torch.long)
         prompt_mask = torch.zeros((num, prompt_length), dtype=torch.long)
         response = torch.full((num, response_length), pad_id, dtype=torch.long)
@@ -409,7 +373,7 @@ class MultiTurnRollout:
             "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
             "response_mask": response_mask,
         }
-        if self.settings.calculate_log_probs:
+        if self.config.calculate_log_probs:
             tensors["rollout_log_probs"] = log_probs * response_mask
         non_tensor = {k: v for k, v in prompts.non_tensor_batch.items() if k not in AGENT_INPUT_KEYS}
         non_tensor["__num_turns__"] = np.array([t.assistant_turns + t.user_turns + 1 for t in trajectories])

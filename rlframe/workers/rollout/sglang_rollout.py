@@ -48,13 +48,12 @@ import torch
 import torch.distributed as dist
 
 from rlframe.protocol import DataProto
-from rlframe.workers.fsdp_utils import resolve_dtype
-from rlframe.workers.rollout.base import BaseRollout, RolloutSettings, SamplingParams, ServedModel, position_seed
-from rlframe.workers.rollout.config import ROLLOUT, check_sglang_engine_kwargs
+from rlframe.workers.rollout.base import BaseRollout, SamplingParams, ServedModel, position_seed
+from rlframe.workers.rollout.config import ROLLOUT, RolloutConfig
 from rlframe.workers.rollout.tp import group_rank_and_size
 from rlframe.workers.rollout.vllm_rollout import (
+    engine_passthrough,
     model_max_position_embeddings,
-    plain_dict,
     preserved_rng_state,
     resolve_max_model_len,
 )
@@ -118,10 +117,7 @@ def sglang_engine_kwargs(
     enable_chunked_prefill/max_num_batched_tokens -> chunked_prefill_size (-1 = off) and
     max_prefill_tokens, enable_prefix_caching -> disable_radix_cache, seed (+ DP index) -> random_seed.
     """
-    passthrough = {
-        name: value for name, value in plain_dict(rollout_cfg.engine_kwargs.sglang).items() if value is not None
-    }  # verl drops null entries
-    check_sglang_engine_kwargs(passthrough)
+    passthrough = engine_passthrough(rollout_cfg, "sglang")
     budget = int(rollout_cfg.max_num_batched_tokens)
     free_cache = bool(rollout_cfg.free_cache_engine)
     kwargs = dict(
@@ -271,27 +267,16 @@ def _this_device_id() -> str:
 class SGLangRollout(BaseRollout):
     """An SGLang engine per TP group (held by its rank 0); weights synced from the FSDP actor after each update."""
 
-    def __init__(
-        self,
-        settings: RolloutSettings,
-        served: ServedModel,
-        tokenizer,
-        device_type: str,
-        tp_group=None,
-        *,
-        rollout_cfg,
-    ):
+    def __init__(self, config: RolloutConfig, served: ServedModel, tokenizer, device_type: str, tp_group=None):
         check_sglang_usable(device_type)
-        super().__init__(settings, tokenizer, served.path, tp_group)
+        super().__init__(config, served, tokenizer, device_type, tp_group)
         self.tp_rank, _ = group_rank_and_size(tp_group)
-        self.dtype = resolve_dtype(settings.dtype, device_type)
-        self.device = torch.device("cuda", torch.cuda.current_device())
         rank = dist.get_rank() if dist.is_initialized() else 0
-        self.dp_rank, self.seed = rank // self.tp_size, int(rollout_cfg.seed)
+        self.dp_rank, self.seed = rank // self.tp_size, int(config.seed)
         max_positions = model_max_position_embeddings(served.path, served.trust_remote_code, served.override_config)
-        self.max_model_len = resolve_max_model_len(rollout_cfg.max_model_len, max_positions)
+        self.max_model_len = resolve_max_model_len(config.max_model_len, max_positions)
         kwargs = sglang_engine_kwargs(
-            rollout_cfg,
+            config,
             model=served,
             tp_size=self.tp_size,
             dtype=self.dtype,
@@ -381,7 +366,7 @@ class SGLangRollout(BaseRollout):
 
     def release(self) -> None:
         """Free the KV cache and the weights (only with free_cache_engine), on every TP rank's GPU."""
-        if not self.settings.free_cache_engine or self._released:
+        if not self.config.free_cache_engine or self._released:
             return
         self._on_rank0(lambda: self.engine.release_memory_occupation(tags=list(RELEASED_MEMORY)))
         self._released = True
@@ -408,7 +393,7 @@ class SGLangRollout(BaseRollout):
         if self._released:
             raise RuntimeError("sglang rollout is released: call resume() (and update_weights) before generating")
         width = params.response_length
-        with_log_probs = self.settings.calculate_log_probs
+        with_log_probs = self.config.calculate_log_probs
 
         def generate() -> list:
             if self._kv_cache_asleep:

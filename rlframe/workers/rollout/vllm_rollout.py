@@ -58,10 +58,9 @@ import torch.distributed as dist
 
 from rlframe.models.builtin import SHM_ROOT
 from rlframe.protocol import DataProto
-from rlframe.workers.fsdp_utils import resolve_dtype
 from rlframe.workers.lora import vllm_lora_engine_kwargs
-from rlframe.workers.rollout.base import BaseRollout, RolloutSettings, SamplingParams, ServedModel, position_seed
-from rlframe.workers.rollout.config import ROLLOUT, check_vllm_engine_kwargs
+from rlframe.workers.rollout.base import BaseRollout, SamplingParams, ServedModel, position_seed
+from rlframe.workers.rollout.config import ROLLOUT, RolloutConfig, engine_kwargs_check
 from rlframe.workers.rollout.vllm_cpu import (
     CPU_INSTALL_HINT,
     cpu_kv_cache_bytes,
@@ -114,6 +113,14 @@ def plain_dict(value: Any) -> dict:
     return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else dict(value or {})
 
 
+def engine_passthrough(config: RolloutConfig, engine: str) -> dict:
+    """`engine_kwargs.<engine>` as plain containers without its null entries (verl drops them), checked."""
+    given = plain_dict(getattr(config.engine_kwargs, engine))
+    passthrough = {name: value for name, value in given.items() if value is not None}
+    engine_kwargs_check(engine)(passthrough)
+    return passthrough
+
+
 def resolve_max_model_len(max_model_len: int | None, max_position_embeddings: int) -> int:
     """verl's rule: null means the model's max_position_embeddings, and more than that is refused."""
     if max_model_len is None:
@@ -162,10 +169,7 @@ def vllm_engine_kwargs(
             max_model_len,
         )
         max_num_batched_tokens = max_model_len
-    passthrough = {
-        name: value for name, value in plain_dict(rollout_cfg.engine_kwargs.vllm).items() if value is not None
-    }  # verl drops null entries
-    check_vllm_engine_kwargs(passthrough)
+    passthrough = engine_passthrough(rollout_cfg, "vllm")
     kwargs = dict(
         model=model.path,
         skip_tokenizer_init=True,
@@ -361,47 +365,32 @@ def _worker_restores_buffers(worker) -> bool:
 class VLLMRollout(BaseRollout):
     """A vLLM `LLM` engine shard in this process; weights synced from the FSDP actor after each update."""
 
-    def __init__(
-        self,
-        settings: RolloutSettings,
-        served: ServedModel,
-        tokenizer,
-        device_type: str,
-        tp_group=None,
-        *,
-        rollout_cfg,
-    ):
+    def __init__(self, config: RolloutConfig, served: ServedModel, tokenizer, device_type: str, tp_group=None):
         check_vllm_usable(device_type)
         from vllm import LLM
 
-        super().__init__(settings, tokenizer, served.path, tp_group)
+        super().__init__(config, served, tokenizer, device_type, tp_group)
         tp_size = self.tp_size
         if tp_size > 1:
             _check_consecutive_ranks(tp_group, tp_size)
-        self.dtype = resolve_dtype(settings.dtype, device_type)
-        self.dp_rank, self.seed = _dp_rank(tp_size), int(rollout_cfg.seed)
+        self.dp_rank, self.seed = _dp_rank(tp_size), int(config.seed)
         self.on_cpu = device_type == "cpu"
         max_positions = model_max_position_embeddings(served.path, served.trust_remote_code, served.override_config)
         engine_kwargs = vllm_engine_kwargs(
-            rollout_cfg,
+            config,
             model=served,
             tp_size=tp_size,
             dtype=self.dtype,
             dp_rank=self.dp_rank,
             max_position_embeddings=max_positions,
             device_type=device_type,
-            kv_cache_memory_bytes=self._cpu_kv_cache(rollout_cfg, served.path, served.trust_remote_code, max_positions),
+            kv_cache_memory_bytes=self._cpu_kv_cache(served, max_positions),
         )
-        engine_kwargs = drop_unsupported_args(
-            engine_kwargs, engine_arg_names(), plain_dict(rollout_cfg.engine_kwargs.vllm)
-        )
+        engine_kwargs = drop_unsupported_args(engine_kwargs, engine_arg_names(), plain_dict(config.engine_kwargs.vllm))
         self.max_model_len = engine_kwargs["max_model_len"]
-        if self.on_cpu:
-            self.device, device_index, devices = torch.device("cpu"), int(os.environ.get("LOCAL_RANK", "0")), []
-        else:
-            device_index = torch.cuda.current_device()
-            self.device, devices = torch.device("cuda", device_index), [device_index]
-        with scoped_local_rank(engine_environment(device_index, tp_size)), preserved_rng_state(devices):
+        device_index = int(os.environ.get("LOCAL_RANK", "0")) if self.on_cpu else self.device.index
+        cuda_devices = [] if self.on_cpu else [device_index]
+        with scoped_local_rank(engine_environment(device_index, tp_size)), preserved_rng_state(cuda_devices):
             with kept_torch_threads():
                 self.llm = LLM(**engine_kwargs)
         self._sleep_level = sleep_level(all(self.llm.collective_rpc(_worker_restores_buffers)))
@@ -410,27 +399,27 @@ class VLLMRollout(BaseRollout):
         self._tied_aliases = self.llm.collective_rpc(worker_tied_aliases)[0]
         self._released = False
         self._kv_cache_asleep = False
-        if self.on_cpu and settings.free_cache_engine:
+        if self.on_cpu and config.free_cache_engine:
             logger.warning(
                 "%s.free_cache_engine=true: vLLM's CPU build has no sleep mode, so the engine keeps its weights and "
                 "its KV cache (%.2f GiB) in memory during training",
                 ROLLOUT,
                 engine_kwargs.get("kv_cache_memory_bytes", 0) / 2**30,
             )
-        self._init_lora(served.lora_rank, str(rollout_cfg.load_format))
+        self._init_lora(served.lora_rank, str(config.load_format))
 
-    def _cpu_kv_cache(self, rollout_cfg, model_path: str, trust_remote_code: bool, max_positions: int) -> int | None:
+    def _cpu_kv_cache(self, served: ServedModel, max_positions: int) -> int | None:
         """On CPU, the KV cache rlframe gives the engine (`vllm_cpu.cpu_kv_cache_bytes`); None on a GPU."""
         if not self.on_cpu:
             return None
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        hf_config = AutoConfig.from_pretrained(served.path, trust_remote_code=served.trust_remote_code)
         return cpu_kv_cache_bytes(
-            max_num_seqs=int(rollout_cfg.max_num_seqs),
-            max_model_len=resolve_max_model_len(rollout_cfg.max_model_len, max_positions),
-            bytes_per_token=kv_bytes_per_token(config, self.dtype),
-            memory_fraction=float(rollout_cfg.gpu_memory_utilization),
+            max_num_seqs=int(self.config.max_num_seqs),
+            max_model_len=resolve_max_model_len(self.config.max_model_len, max_positions),
+            bytes_per_token=kv_bytes_per_token(hf_config, self.dtype),
+            memory_fraction=float(self.config.gpu_memory_utilization),
             total_memory=machine_memory_bytes(),
             workers_on_machine=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         )
@@ -496,7 +485,7 @@ class VLLMRollout(BaseRollout):
 
     def release(self) -> None:
         """Sleep: drop the weights (level 2) and the KV cache (only with free_cache_engine; CPU: no sleep mode)."""
-        if not self.settings.free_cache_engine or self._released or self.on_cpu:
+        if not self.config.free_cache_engine or self._released or self.on_cpu:
             return
         self.llm.sleep(level=self._sleep_level)
         self._released = True
@@ -553,7 +542,7 @@ class VLLMRollout(BaseRollout):
 
     @property
     def with_log_probs(self) -> bool:
-        return self.settings.calculate_log_probs
+        return self.config.calculate_log_probs
 
     def wake_for_generation(self) -> None:
         """Refuse to generate asleep; wake the KV cache that `resume` left asleep."""
@@ -585,7 +574,7 @@ class VLLMRollout(BaseRollout):
                 top_k=params.top_k if params.top_k > 0 else -1,
                 seed=seed,
             )
-        if self.settings.calculate_log_probs:
+        if self.config.calculate_log_probs:
             kwargs["logprobs"] = 0  # the sampled token's log-prob only
         return VLLMSamplingParams(**kwargs)
 

@@ -21,7 +21,6 @@ from helpers.rollout import make_prompts as make_token_prompts
 from rlframe.protocol import DataProto
 from rlframe.workers.rollout import build_rollout, generate_in_tp_group
 from rlframe.workers.rollout.agent_loop import AgentLoopRollout
-from rlframe.workers.rollout.base import RolloutSettings
 from rlframe.workers.rollout.multi_turn import build_multi_turn
 from rlframe.workers.rollout.tools import CalculatorTool
 from rlframe.workers.rollout.vllm_server import VLLMServer
@@ -74,7 +73,7 @@ def test_a_rows_tokens_do_not_depend_on_its_batch(tiny_model_path):
     params, seeds = engine.sampling_for({}), [11, 22, 33, 44, 55, 66]
     tokens, lengths, log_probs = engine._generate(prompts, params, engine.eos_ids, engine.pad_id, seeds)
     order = [5, 2, 0, 4, 1, 3]
-    engine.settings = RolloutSettings.from_config(rollout_config("actor_rollout_ref.rollout.micro_batch_size=4"))
+    engine.config = rollout_config("actor_rollout_ref.rollout.micro_batch_size=4")
     shuffled = prompts.select_idxs(order)
     again, again_lengths, again_log_probs = engine._generate(
         shuffled, params, engine.eos_ids, engine.pad_id, [seeds[i] for i in order]
@@ -95,8 +94,8 @@ SCRIPT = {
 
 def tool_rollouts(tiny_model_path, tokenizer, *overrides):
     cfg = rollout_cfg("actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent", *overrides)
-    engine = ScriptedEngine(RolloutSettings.from_config(cfg), tokenizer, tiny_model_path, SCRIPT)
-    multi_turn = build_multi_turn(engine, tokenizer, cfg)
+    engine = ScriptedEngine(cfg, tokenizer, tiny_model_path, SCRIPT)
+    multi_turn = build_multi_turn(engine, tokenizer)
     multi_turn.runner.tools["calculator"] = CalculatorTool({}, None)
     return engine, multi_turn
 
@@ -131,8 +130,8 @@ def test_a_slow_tool_holds_back_only_its_own_trajectory(tiny_model_path, tokeniz
 
     script = {"Slow.": [call("3*3").replace("calculator", "slow"), "9"], "Fast.": [call("1+1"), call("2+2"), "4"]}
     cfg = rollout_cfg("actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent", "data.max_response_length=512")
-    engine = ScriptedEngine(RolloutSettings.from_config(cfg), tokenizer, tiny_model_path, script)
-    multi_turn = build_multi_turn(engine, tokenizer, cfg)
+    engine = ScriptedEngine(cfg, tokenizer, tiny_model_path, script)
+    multi_turn = build_multi_turn(engine, tokenizer)
     multi_turn.runner.tools.update(calculator=CalculatorTool({}, None), slow=Slow({}, None))
     out = AgentLoopRollout(engine, 2, multi_turn).generate_sequences(make_prompts(tokenizer, list(script)))
     # turn 1 together; Fast's two next turns while Slow's tool runs; then Slow's answer (sync: [2, 2, 1])
@@ -234,8 +233,8 @@ def test_the_vllm_server_batches_continuously_and_gives_the_turn_synchronous_sam
     _, sync = tool_rollouts(tiny_model_path, tokenizer)
     expected = sync.generate_sequences(make_prompts(tokenizer, users, agent_name=agents))
     cfg = rollout_cfg("actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent")
-    engine = SteppedEngine(RolloutSettings.from_config(cfg), tokenizer, tiny_model_path, SCRIPT)
-    multi_turn = build_multi_turn(engine, tokenizer, cfg)
+    engine = SteppedEngine(cfg, tokenizer, tiny_model_path, SCRIPT)
+    multi_turn = build_multi_turn(engine, tokenizer)
     multi_turn.runner.tools["calculator"] = CalculatorTool({}, None)
     out = AgentLoopRollout(engine, 3, multi_turn).generate_sequences(make_prompts(tokenizer, users, agent_name=agents))
     assert_same_samples(out, expected)

@@ -16,10 +16,8 @@ import torch
 from helpers.multi_turn import PROMPT_LEN, RESPONSE_LEN, ScriptedEngine, call, make_prompts, rollout_cfg
 
 from rlframe.trainer.config import compose, typed
-from rlframe.workers.rollout.base import RolloutSettings
 from rlframe.workers.rollout.multi_turn import (
     MultiTurnRollout,
-    MultiTurnSettings,
     build_multi_turn,
     parse_hermes_tool_calls,
 )
@@ -176,8 +174,8 @@ def tokenizer(tiny_model_path):
 
 def make_rollout(tiny_model_path, tokenizer, script, *overrides, calculator: bool = True):
     cfg = rollout_cfg("actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent", *overrides)
-    engine = ScriptedEngine(RolloutSettings.from_config(cfg), tokenizer, tiny_model_path, script)
-    rollout = build_multi_turn(engine, tokenizer, cfg)
+    engine = ScriptedEngine(cfg, tokenizer, tiny_model_path, script)
+    rollout = build_multi_turn(engine, tokenizer)
     if calculator:
         rollout.runner.tools["calculator"] = CalculatorTool({}, None)
     return rollout
@@ -295,14 +293,18 @@ def test_tool_tokens_carry_no_gradient_through_the_policy_loss():
     assert torch.all(grad0[mask == 0] == 0) and torch.all(grad0[mask == 1] != 0)
 
 
-def test_settings_read_verl_names():
-    cfg = rollout_cfg(
+def test_settings_read_verl_names(tiny_model_path, tokenizer, monkeypatch):
+    rollout = make_rollout(
+        tiny_model_path,
+        tokenizer,
+        {"Say hi.": ["hi"]},
         "actor_rollout_ref.rollout.multi_turn.max_parallel_calls=3",
         "actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode=disable",
     )
-    settings = MultiTurnSettings.from_config(cfg.multi_turn)
-    assert settings.max_parallel_calls == 3 and not settings.sanity_check
-    assert settings.max_tool_response_length == 256 and settings.tool_response_truncate_side == "middle"
+    assert rollout.mt.max_parallel_calls == 3
+    assert rollout.runner.max_response_chars == 256 and rollout.runner.truncate_side == "middle"
+    monkeypatch.setattr(rollout, "_sanity_check", lambda trajectories: pytest.fail("sanity check mode is disable"))
+    rollout.generate_sequences(make_prompts(tokenizer, ["Say hi."]))
     assert isinstance(function_tool, object) and MultiTurnRollout
 
 

@@ -21,7 +21,7 @@ from rlframe.config.loader import resolved
 from rlframe.config.verl_keys import verl_defaults
 from rlframe.trainer.config import compose, typed
 from rlframe.workers.rollout import sglang_rollout
-from rlframe.workers.rollout.base import RolloutSettings, SamplingParams, ServedModel
+from rlframe.workers.rollout.base import SamplingParams, ServedModel
 from rlframe.workers.rollout.sglang_rollout import (
     SGLangRollout,
     check_engine_argument_names,
@@ -363,7 +363,7 @@ def recording_rollout(free_cache_engine: bool) -> tuple[SGLangRollout, Recording
     """An SGLangRollout around a RecordingEngine (no sglang, no GPU): only its calls' order is real."""
     cfg = rollout_config(f"{ROLLOUT}.free_cache_engine={free_cache_engine}", f"{ROLLOUT}.calculate_log_probs=False")
     rollout = object.__new__(SGLangRollout)
-    rollout.settings, rollout.eos_ids, rollout.pad_id = RolloutSettings.from_config(cfg), [2], 0
+    rollout.config, rollout.eos_ids, rollout.pad_id = cfg, [2], 0
     rollout.tp_group, rollout.tp_size, rollout.tp_rank, rollout.seed, rollout.dp_rank = None, 1, 0, 42, 0
     rollout.dtype, rollout.device, rollout.max_model_len = torch.float32, torch.device("cpu"), 2048
     rollout.engine = RecordingEngine()

@@ -145,9 +145,9 @@ def test_seeds_rerun_batch_independence_and_replicas(engine, hf_model, smollm2_p
     again = engine.generate_sequences(prompts)
     assert torch.equal(first.batch["responses"], again.batch["responses"])
     seeds = engine.sample_seeds(len(prompts))
-    whole = engine._generate(prompts, engine.settings.train, engine.eos_ids, engine.pad_id, seeds)[0]
+    whole = engine._generate(prompts, engine.sampling_for({}), engine.eos_ids, engine.pad_id, seeds)[0]
     half = len(prompts) // 2
-    part = engine._generate(prompts[:half], engine.settings.train, engine.eos_ids, engine.pad_id, seeds[:half])[0]
+    part = engine._generate(prompts[:half], engine.sampling_for({}), engine.eos_ids, engine.pad_id, seeds[:half])[0]
     assert torch.equal(whole[:half], part)
     engine.dp_rank = 1  # the second replica's seeds
     try:
@@ -189,7 +189,6 @@ def test_tool_agent_turns_on_the_real_engine(engine, smollm2_path, monkeypatch):
     from rlframe.data.tool_tasks import calc_multiply_rows
     from rlframe.protocol import DataProto
     from rlframe.workers.rollout.agent_loop import AgentLoopRollout
-    from rlframe.workers.rollout.base import RolloutSettings
     from rlframe.workers.rollout.multi_turn import build_multi_turn
 
     tools = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "tools", "calculator.yaml")
@@ -200,7 +199,7 @@ def test_tool_agent_turns_on_the_real_engine(engine, smollm2_path, monkeypatch):
         f"{ROLLOUT}.multi_turn.tool_config_path={tools}",
         f"{ROLLOUT}.multi_turn.max_assistant_turns=2",
     )
-    monkeypatch.setattr(engine, "settings", RolloutSettings.from_config(cfg))  # the lengths of this config
+    monkeypatch.setattr(engine, "config", cfg)  # the lengths of this config
     from transformers import AutoModelForCausalLM
 
     # the pretrained weights (the module's hf_model was moved far by the other tests: it no longer calls tools)
@@ -216,7 +215,7 @@ def test_tool_agent_turns_on_the_real_engine(engine, smollm2_path, monkeypatch):
     )
     tokenizer = load_tokenizer(smollm2_path)
     torch.manual_seed(1)
-    sync = build_multi_turn(engine, tokenizer, cfg).generate_sequences(prompts)
+    sync = build_multi_turn(engine, tokenizer).generate_sequences(prompts)
     metrics = sync.meta_info["metrics"]
     assert metrics["multi_turn/tool_calls_per_trajectory"] > 0, metrics
     tool_tokens = (sync.batch["attention_mask"][:, -64:] - sync.batch["response_mask"]).sum()
@@ -225,7 +224,7 @@ def test_tool_agent_turns_on_the_real_engine(engine, smollm2_path, monkeypatch):
     diff = (hf_token_log_probs(hf_model, sync).exp() - sync.batch["rollout_log_probs"].exp()).abs()[mask]
     assert diff.mean() < PROB_DIFF_MEAN and diff.max() < PROB_DIFF_MAX, (diff.mean(), diff.max())
     torch.manual_seed(1)
-    loops = AgentLoopRollout(engine, 4, build_multi_turn(engine, tokenizer, cfg)).generate_sequences(prompts)
+    loops = AgentLoopRollout(engine, 4, build_multi_turn(engine, tokenizer)).generate_sequences(prompts)
     for key in ("responses", "response_mask", "attention_mask"):
         assert torch.equal(loops.batch[key], sync.batch[key]), key
     print(
