@@ -9,6 +9,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${RLFRAME_VENV:-$ROOT/.venv}"
 VLLM_VENV="${RLFRAME_VLLM_VENV:-$ROOT/.venv-vllm}"
 WITH_VLLM="${RLFRAME_TEST_VLLM:-1}"
+# no ahead-of-time bytecode for the ~6 GB the two environments install (pip's default compiles every file, minutes of
+# CPU on 2 cores): Python compiles what the tests import, when they import it
+export PIP_NO_COMPILE=1
 bash "$ROOT/scripts/setup.sh" test,tensorboard,wandb,mlflow,smollm2
 # tests/viz/test_viz.py renders the report in headless chromium: Debian's package, installed when missing and possible
 if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1 \

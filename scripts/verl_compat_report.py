@@ -44,8 +44,9 @@ CORPUS = Path(__file__).resolve().parent.parent / "tests" / "assets" / "verl_exa
 # cluster): a model folder whose heads every tp/sp degree of the corpus divides, and a built-in task.
 MODEL_KEYS = re.compile(r"(^|\.)(model\.path|tokenizer_path|input_tokenizer|tokenizer)$")
 DATA_KEYS = re.compile(r"^data\.(train_files|val_files)$")
+DATA_BATCH_KEY = re.compile(r"^data\.\w*batch_size$")  # train, gen (DAPO) and val batch sizes
 STAND_IN_HEADS = {"num_attention_heads": 64, "num_key_value_heads": 16, "hidden_size": 1024}
-STAND_IN_ROWS = 8192  # more than the largest data.train_batch_size of the corpus (4096)
+VERL_TRAIN_BATCH_SIZE = 1024  # verl 0.9.1's data.train_batch_size, for a script that does not set it
 REWARD_FILE_KEY = re.compile(r"^(reward\.)?custom_reward_function\.path$")
 TOOL_CONFIG_KEY = re.compile(r"^actor_rollout_ref\.rollout\.multi_turn\.tool_config_path$")
 # The tool class each of verl's tool-config files (in its repository) declares: the stand-in declares the same
@@ -154,16 +155,27 @@ def make_stand_in_model(folder: Path) -> str:
     return str(folder)
 
 
-def make_stand_in_data(folder: Path) -> str:
-    """A parquet file in verl's schema (rows of the built-in `countdown_add` task) with more rows than the
-    largest train batch of the corpus: the launch checks compare the data set's size with the batch."""
+def stand_in_rows(overrides: list[str]) -> int:
+    """Twice the script's largest `data.*batch_size` (verl's train batch where it sets none): the launch checks
+    compare the data set's size with the batches, and every row is tokenized, so no more than that."""
+    sizes = [VERL_TRAIN_BATCH_SIZE]
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if DATA_BATCH_KEY.match(bare_key(key)) and value.isdigit():
+            sizes.append(int(value))
+    return 2 * max(sizes)
+
+
+def make_stand_in_data(folder: Path, rows: int) -> str:
+    """A parquet file in verl's schema: `rows` rows of the built-in `countdown_add` task (made once per size)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from rlframe.data.builtin_tasks import countdown_add_rows
 
-    path = folder / "stand_in_data.parquet"
-    pq.write_table(pa.Table.from_pylist(countdown_add_rows("train", STAND_IN_ROWS, 0)), path)
+    path = folder / f"stand_in_data_{rows}.parquet"
+    if not path.exists():
+        pq.write_table(pa.Table.from_pylist(countdown_add_rows("train", rows, 0)), path)
     return str(path)
 
 
@@ -193,7 +205,6 @@ class StandIns:
 
     folder: Path
     model: str
-    data: str
 
 
 def with_stand_ins(overrides: list[str], stand_ins: StandIns) -> tuple[list[str], list[str]]:
@@ -207,7 +218,7 @@ def with_stand_ins(overrides: list[str], stand_ins: StandIns) -> tuple[list[str]
             if MODEL_KEYS.search(bare):
                 override = f"{key}={stand_ins.model}"
             elif DATA_KEYS.match(bare):  # the corpus writes a built-in task where the script named its files
-                override = f"{key}={stand_ins.data}"
+                override = f"{key}={make_stand_in_data(stand_ins.folder, stand_in_rows(overrides))}"
             elif REWARD_FILE_KEY.match(bare):
                 override = f"{key}={make_stand_in_reward(stand_ins.folder, overrides)}"
             elif TOOL_CONFIG_KEY.match(bare):
@@ -403,7 +414,7 @@ def report(examples: list[Example]) -> tuple[list[ScriptResult], dict]:
     known = config_keys()
     with tempfile.TemporaryDirectory(prefix="verl_compat_") as tmp:
         folder = Path(tmp)
-        stand_ins = StandIns(folder, make_stand_in_model(folder / "stand_in_model"), make_stand_in_data(folder))
+        stand_ins = StandIns(folder, make_stand_in_model(folder / "stand_in_model"))
         results = [check_script(example, known, stand_ins) for example in examples]
     return results, summarize(results, examples)
 
