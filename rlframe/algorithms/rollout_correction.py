@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from rlframe.algorithms.loss import POLICY_LOSS_INFO, Aggregation, ClipRatios, compute_policy_loss_vanilla
+from rlframe.algorithms.loss import POLICY_LOSS_INFO, Aggregation, PolicyLossArgs, compute_policy_loss_vanilla
 from rlframe.algorithms.masked import masked_mean, masked_sum
 from rlframe.config.keys import ACTOR_KEYS
 from rlframe.config.schema import Section, key
@@ -461,15 +461,14 @@ def bypass_policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     cfg: Any,
-    clip: ClipRatios,
-    agg: Aggregation,
+    args: PolicyLossArgs,
     normalizer: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Bypass mode's actor loss (π_old = π_rollout): the correction of π_θ against π_rollout, then the loss.
 
-    Rejection narrows the loss's mask; `loss_type=ppo_clip` is the vanilla loss (bounds `clip`) on the
+    Rejection narrows the loss's mask; `loss_type=ppo_clip` is the vanilla loss under `args` on the
     ratio π_θ/π_rollout (the IS weights are not applied: the ratio is the correction), `reinforce` is
-    `compute_policy_loss_reinforce` with the IS weights, batch-normalized by `normalizer`
+    `compute_policy_loss_reinforce` with the IS weights and `args.agg`, batch-normalized by `normalizer`
     = (Σ weights, count) of the whole mini-batch (see `needs_mini_batch_normalizer`). Returns (loss,
     metrics); the `rollout_corr/*` metrics are the token means among verl's (BYPASS_TOKEN_MEAN_METRICS).
     """
@@ -481,9 +480,9 @@ def bypass_policy_loss(
             log_prob.detach(), rollout_log_prob, response_mask, config, normalizer
         )
     if config.loss_type == "reinforce":
-        loss, _ = compute_policy_loss_reinforce(rollout_log_prob, log_prob, advantages, mask, weights, agg)
+        loss, _ = compute_policy_loss_reinforce(rollout_log_prob, log_prob, advantages, mask, weights, args.agg)
     else:
-        loss, _ = compute_policy_loss_vanilla(rollout_log_prob, log_prob, advantages, mask, clip, agg)
+        loss, _ = compute_policy_loss_vanilla(rollout_log_prob, log_prob, advantages, mask, args)
     # The loss's metrics over every response token, rejected ones included: the worker weights a
     # micro-batch's means by its share of the mini-batch's tokens before rejection, so only these add
     # up exactly (verl averages per-micro-batch means over the kept tokens).
@@ -491,9 +490,7 @@ def bypass_policy_loss(
         if config.loss_type == "reinforce":
             pg_metrics = {"ppo_kl": masked_mean(rollout_log_prob - log_prob, response_mask)}
         else:
-            _, pg_metrics = compute_policy_loss_vanilla(
-                rollout_log_prob, log_prob, advantages, response_mask, clip, agg
-            )
+            _, pg_metrics = compute_policy_loss_vanilla(rollout_log_prob, log_prob, advantages, response_mask, args)
     names = {PREFIX + name for name in BYPASS_TOKEN_MEAN_METRICS}
     kept = {name: torch.tensor(value) for name, value in metrics.items() if name in names}
     return loss, {**pg_metrics, **kept}

@@ -17,7 +17,7 @@ from tensordict import TensorDict
 from rlframe.algorithms.kl import kl_penalty
 from rlframe.algorithms.loss import (
     TOKEN_SELECTORS,
-    ClipRatios,
+    PolicyLossArgs,
     get_policy_loss_fn,
     keyword_parameters,
     policy_loss_kwargs,
@@ -61,7 +61,7 @@ class PPOActor(PPOUpdater):
         """`config` is the actor's section (`ActorConfig`: actor_rollout_ref.actor); `log_prob` replaces the
         plan's forward micro-batching (the reference policy's, from its own keys)."""
         super().__init__(model, config, Batching.of(plan, ACTOR_KEYS, log_prob), dims or ParallelDims.single(), seed)
-        self.clip = ClipRatios(*clip_ratio_bounds(config), float(config.clip_ratio_c))
+        self.clip_ratio_low, self.clip_ratio_high = clip_ratio_bounds(config)
         self.policy_loss_fn = get_policy_loss_fn(config.policy_loss.loss_mode)
         self.policy_loss_kwargs = policy_loss_params(self.policy_loss_fn, config)
         # clip_cov/kl_cov choose tokens over the whole mini-batch (see _select_tokens); the same seed on
@@ -214,6 +214,7 @@ class PPOActor(PPOUpdater):
         """Policy loss, minus the entropy bonus, plus the KL loss, normalized by the mini-batch's global counts."""
         c = self.config
         agg = counts.aggregation(c.loss_agg_mode)
+        args = PolicyLossArgs(self.clip_ratio_low, self.clip_ratio_high, float(c.clip_ratio_c), agg)
         response_mask = response_mask_of(micro)
         on_policy = "on_policy" in micro.keys() and bool(micro["on_policy"][0])  # a mini-batch is wholly one or other
         out = self._forward(micro, ctx.temperature, calculate_entropy=c.entropy_coeff != 0 or on_policy)
@@ -228,8 +229,7 @@ class PPOActor(PPOUpdater):
                 advantages,
                 response_mask,
                 ctx.bypass,
-                self.clip,
-                agg,
+                args,
                 tuple(micro["rollout_is_normalizer"][0]) if "rollout_is_normalizer" in micro.keys() else None,
             )
         else:
@@ -238,7 +238,7 @@ class PPOActor(PPOUpdater):
             else:
                 extra = self.policy_loss_kwargs
             pg_loss, pg_metrics = self.policy_loss_fn(
-                old_log_probs, out["log_probs"], advantages, response_mask, self.clip, agg, **extra
+                old_log_probs, out["log_probs"], advantages, response_mask, args, **extra
             )
         loss = pg_loss
         # token-weighted metrics: local means weighted by this micro-batch's share of global tokens
@@ -284,7 +284,12 @@ class PPOActor(PPOUpdater):
         if self.dims.reduces_over_dp:
             rank, world = self.dims.dp_rank, self.dims.dp_size
             inputs = [_all_gather_rows(x, self.dims.dp_group, world) for x in inputs]
-        params = {**self.policy_loss_kwargs, "clip": self.clip, "generator": self.selection_generator}
+        params = {
+            **self.policy_loss_kwargs,
+            "clip_ratio_low": self.clip_ratio_low,
+            "clip_ratio_high": self.clip_ratio_high,
+            "generator": self.selection_generator,
+        }
         selected = self.token_selector(*inputs, **policy_loss_kwargs(self.token_selector, params))
         mini = mini.clone(recurse=False)
         mini["pg_token_selection"] = selected.chunk(world)[rank]

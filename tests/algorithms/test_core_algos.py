@@ -306,8 +306,7 @@ def vanilla(ratio, adv, low=0.2, high=0.2, c=3.0):
         log_prob.view(1, 1),
         T([[adv]], dtype=torch.float64),
         torch.ones(1, 1),
-        loss_math.ClipRatios(low, high, c),
-        loss_math.Aggregation("token-mean"),
+        loss_math.PolicyLossArgs(low, high, c, loss_math.Aggregation("token-mean")),
     )
     loss.backward()
     return loss.item(), log_prob.grad.item(), metrics
@@ -342,6 +341,9 @@ def test_vanilla_asymmetric_clip_range():
         vanilla(1.0, 1.0, c=1.0)
 
 
+SEQ_MEAN_TOKEN_MEAN = loss_math.Aggregation("seq-mean-token-mean")
+
+
 def gspo_inputs(seed=0):
     gen = torch.Generator().manual_seed(seed)
     old = -torch.rand(3, 5, generator=gen, dtype=torch.float64)
@@ -354,14 +356,7 @@ def test_gspo_equals_vanilla_when_tokens_of_a_sequence_share_one_ratio():
     old, mask, adv, _ = gspo_inputs()
     seq_log_ratio = T([[math.log(1.0002)], [math.log(0.9)], [math.log(1.01)]], dtype=torch.float64)
     log_prob = old + seq_log_ratio
-    args = (
-        old,
-        log_prob,
-        adv,
-        mask,
-        loss_math.ClipRatios(3e-4, 4e-4, 3.0),
-        loss_math.Aggregation("seq-mean-token-mean"),
-    )
+    args = (old, log_prob, adv, mask, loss_math.PolicyLossArgs(3e-4, 4e-4, 3.0, SEQ_MEAN_TOKEN_MEAN))
     gspo_loss, gspo_metrics = loss_math.compute_policy_loss_gspo(*args)
     vanilla_loss, vanilla_metrics = loss_math.compute_policy_loss_vanilla(*args)
     close(gspo_loss, vanilla_loss)
@@ -372,8 +367,8 @@ def test_gspo_token_form_has_the_gradient_of_the_sequence_objective():
     old, mask, adv, gen = gspo_inputs(1)
     low, high = 0.05, 0.08
     log_prob = (old + 0.05 * torch.randn(3, 5, generator=gen, dtype=torch.float64)).requires_grad_()
-    clip, agg = loss_math.ClipRatios(low, high, 3.0), loss_math.Aggregation("seq-mean-token-mean")
-    loss, _ = loss_math.compute_policy_loss_gspo(old, log_prob, adv, mask, clip, agg)
+    args = loss_math.PolicyLossArgs(low, high, 3.0, SEQ_MEAN_TOKEN_MEAN)
+    loss, _ = loss_math.compute_policy_loss_gspo(old, log_prob, adv, mask, args)
     (token_grad,) = torch.autograd.grad(loss, log_prob)
 
     # Direct sequence-level objective: s_i = exp(mean_t log π/π_old), clipped per sequence.

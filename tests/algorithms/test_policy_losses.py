@@ -17,7 +17,6 @@ from rlframe.algorithms import loss as loss_math
 SEEDS = [0, 1, 2, 3]
 AGG_MODES = loss_math.LOSS_AGG_MODES
 LOW, HIGH, C = 0.2, 0.28, 3.0
-CLIP = loss_math.ClipRatios(LOW, HIGH, C)
 PARAMS = {  # each mode's own parameters: verl's keys, values that make the mode do something here
     "clip_cov": {"clip_cov_ratio": 0.2, "clip_cov_lb": 0.2, "clip_cov_ub": 5.0},
     "kl_cov": {"kl_cov_ratio": 0.2, "ppo_kl_coef": 0.3},
@@ -48,9 +47,11 @@ def random_inputs(seed, per_token_adv=False):
     return old, log_prob.requires_grad_(), adv * mask, mask
 
 
-def aggregation(agg_mode, mask):
-    """`agg_mode` normalized by the counts of the whole batch `mask` (every row a sequence)."""
-    return loss_math.Aggregation(agg_mode, mask.sum(), torch.tensor(float(mask.shape[0])))
+def loss_args(agg_mode, mask):
+    """The clip bounds, and `agg_mode` normalized by the counts of the whole batch `mask` (every row a sequence)."""
+    return loss_math.PolicyLossArgs(
+        LOW, HIGH, C, loss_math.Aggregation(agg_mode, mask.sum(), torch.tensor(float(mask.shape[0])))
+    )
 
 
 def ours(mode, old, log_prob, adv, mask, agg, generator=None):
@@ -59,7 +60,7 @@ def ours(mode, old, log_prob, adv, mask, agg, generator=None):
     if mode == "clip_cov":
         params["generator"] = generator
     kwargs = loss_math.policy_loss_kwargs(fn, params)
-    loss, metrics = fn(old, log_prob, adv, mask, CLIP, aggregation(agg, mask), **kwargs)
+    loss, metrics = fn(old, log_prob, adv, mask, loss_args(agg, mask), **kwargs)
     (grad,) = torch.autograd.grad(loss, log_prob)
     return loss.detach(), grad, metrics
 
@@ -179,7 +180,7 @@ def test_token_losses_match_the_papers_formulas(mode, agg):
                 fn = loss_math.TOKEN_SELECTORS[mode]
                 params = dict(PARAMS[mode], generator=torch.Generator().manual_seed(seed))
                 if mode == "clip_cov":
-                    params["clip"] = CLIP
+                    params.update(clip_ratio_low=LOW, clip_ratio_high=HIGH)
                 chosen = fn(old, log_prob, adv, mask, **loss_math.policy_loss_kwargs(fn, params))
                 selected = {tuple(c) for c in chosen.nonzero().tolist()}
                 assert selected == reference_selection(mode, old, log_prob, adv, mask, selected)
@@ -246,26 +247,26 @@ def test_every_loss_splits_exactly_over_micro_batches_given_global_counts(mode):
         params = dict(PARAMS.get(mode, {}))
         if mode in loss_math.TOKEN_SELECTORS:
             selector = loss_math.TOKEN_SELECTORS[mode]
-            sel_params = dict(params, clip=CLIP)
+            sel_params = dict(params, clip_ratio_low=LOW, clip_ratio_high=HIGH)
             sel_params["generator"] = torch.Generator().manual_seed(seed)
             params["token_selection"] = selector(
                 old, log_prob, adv, mask, **loss_math.policy_loss_kwargs(selector, sel_params)
             )
-        for agg_mode in AGG_MODES:
-            agg = aggregation(agg_mode, mask)
+        for agg in AGG_MODES:
+            args = loss_args(agg, mask)
             kwargs = loss_math.policy_loss_kwargs(fn, params)
-            whole, _ = fn(old, log_prob, adv, mask, CLIP, agg, **kwargs)
+            whole, _ = fn(old, log_prob, adv, mask, args, **kwargs)
             total = 0.0
             for rows in ([0, 3], [1], [2, 4, 5]):
                 part = {k: (v[rows] if k == "token_selection" else v) for k, v in kwargs.items()}
-                total = total + fn(old[rows], log_prob[rows], adv[rows], mask[rows], CLIP, agg, **part)[0]
+                total = total + fn(old[rows], log_prob[rows], adv[rows], mask[rows], args, **part)[0]
             torch.testing.assert_close(total, whole, rtol=1e-12, atol=1e-12)
 
 
 def test_dro_needs_a_positive_beta():
     old, log_prob, adv, mask = random_inputs(0)
     with pytest.raises(ValueError, match="dro_beta"):
-        loss_math.compute_policy_loss_dro(old, log_prob, adv, mask, CLIP, loss_math.Aggregation("token-mean"))
+        loss_math.compute_policy_loss_dro(old, log_prob, adv, mask, loss_args("token-mean", mask))
 
 
 def test_explain_shows_the_loss_estimator_and_kl_terms_with_their_formulas():

@@ -9,7 +9,7 @@ import torch
 from helpers.verl_reference import verl_core_algos
 
 from rlframe.algorithms import rollout_correction as rc
-from rlframe.algorithms.loss import Aggregation, ClipRatios
+from rlframe.algorithms.loss import Aggregation, PolicyLossArgs
 
 
 def verl_helper():
@@ -179,8 +179,8 @@ def test_weighted_advantage_equals_verls_weighted_token_loss(loss_mode, mode):
         advantages[4] = 0.0  # a group with equal scores
         for threshold in (2.0, "0.8_1.25"):  # TIS, and IcePop with zero weights
             weights, _ = rc.is_weights(old - rollout, mask, "token", threshold)
-            clip, agg = ClipRatios(0.2, 0.28, 3.0), Aggregation(mode)
-            ours, _ = POLICY_LOSSES[loss_mode](old, log_prob, advantages * weights, mask, clip, agg)
+            args = PolicyLossArgs(0.2, 0.28, 3.0, Aggregation(mode))
+            ours, _ = POLICY_LOSSES[loss_mode](old, log_prob, advantages * weights, mask, args)
             config = verl_actor_config(loss_mode, clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=mode)
             verl_fn = core.get_policy_loss_fn(loss_mode)
             theirs, _ = verl_fn(old, log_prob, advantages, mask, mode, config, rollout_is_weights=weights)
