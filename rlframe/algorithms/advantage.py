@@ -1,7 +1,9 @@
 """Advantage estimators: each returns (advantages, returns), both [bs, resp_len], zero outside response_mask.
 
-Masked positions inside a response (e.g. tool output in multi-turn) are transparent to the backward
-recursions: they neither add a time step nor reset the running sums.
+An estimator receives, by name, the inputs its signature names (`compute_advantage`); of the
+algorithm's keys (`ALGORITHM_KEYS`), it reads those (`algorithm_keys`), and the config reports the
+others as without effect. Masked positions inside a response (e.g. tool output in multi-turn) are
+transparent to the backward recursions: they neither add a time step nor reset the running sums.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import torch
 from rlframe.algorithms.masked import lookup, masked_sum, masked_whiten, register
 
 ADV_ESTIMATORS: dict[str, Callable] = {}
+# the `algorithm.*` keys the trainer passes every estimator by name; each reads those its signature names
+ALGORITHM_KEYS = ("gamma", "lam", "norm_adv_by_std_in_grpo")
 
 
 def register_adv_estimator(name: str) -> Callable:
@@ -27,13 +31,28 @@ def get_adv_estimator_fn(name: str) -> Callable:
     return lookup(ADV_ESTIMATORS, "advantage estimator", name)
 
 
+def adv_estimator_help() -> str:
+    """The adv_estimator key's help: every registered estimator."""
+    return " | ".join(ADV_ESTIMATORS) + " (docs/algorithms.md)"
+
+
+def algorithm_keys(name: str) -> tuple[str, ...]:
+    """The `algorithm.*` keys estimator `name` reads: the ALGORITHM_KEYS it takes."""
+    return tuple(_taken(get_adv_estimator_fn(name), ALGORITHM_KEYS))
+
+
 def compute_advantage(adv_estimator: str, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the estimator named `adv_estimator`, passing it only the `inputs` its signature names."""
     fn = get_adv_estimator_fn(adv_estimator)
+    return fn(**{name: inputs[name] for name in _taken(fn, inputs)})
+
+
+def _taken(fn: Callable, names) -> list[str]:
+    """Of `names`, those estimator `fn` takes (all of them when it takes **kwargs)."""
     params = inspect.signature(fn).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        inputs = {k: v for k, v in inputs.items() if k in params}
-    return fn(**inputs)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return list(names)
+    return [name for name in names if name in params]
 
 
 def _sequence_scores(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,12 @@
 """Loss aggregation, policy losses and the value loss.
 
-Policy losses share one positional signature (old_log_prob, log_prob, advantages, response_mask,
-clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, global_num_tokens, global_num_seqs,
-norm_factor) and return (pg_loss, metrics); a loss's own parameters (verl's
-`actor.policy_loss.*`, `actor.tau_pos`, ...) are keyword-only and passed by name
-(`policy_loss_kwargs`). Metrics are detached 0-dim tensors (no device sync per micro-batch; the
-worker calls .item() once), computed as masked means over this call's tokens; the worker averages
-them over micro-batches.
+Policy losses share one signature, `fn(old_log_prob, log_prob, advantages, response_mask, args)`:
+the four [bs, len] tensors and `args` (`PolicyLossArgs`: the clip bounds and the `Aggregation`, the
+loss_agg_mode with the mini-batch's counts, whose call `args.agg(loss_mat, mask)` is the loss); they
+return (pg_loss, metrics). A loss's own parameters (verl's `actor.policy_loss.*`, `actor.tau_pos`,
+...) are keyword-only and passed by name (`policy_loss_kwargs`). Metrics are detached 0-dim tensors
+(no device sync per micro-batch; the worker calls .item() once), computed as masked means over this
+call's tokens; the worker averages them over micro-batches.
 
 Two losses (`clip_cov`, `kl_cov`) choose a fraction of tokens by a covariance over the batch. Such a
 choice is a statistic of the whole mini-batch, not of one micro-batch: the worker computes it once
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -147,6 +147,35 @@ def _at_least_one(count):
     return count.clamp(min=1) if isinstance(count, torch.Tensor) else max(count, 1)
 
 
+@dataclass(frozen=True)
+class Aggregation:
+    """How a [bs, len] token loss becomes the scalar loss: `agg_loss` with this mode and these counts.
+
+    The counts are the whole mini-batch's (see `agg_loss`); None uses the local ones, so
+    `Aggregation(mode)` on a whole batch is the one-call reference.
+    """
+
+    mode: str  # loss_agg_mode, one of LOSS_AGG_MODES
+    global_num_tokens: torch.Tensor | int | None = None
+    global_num_seqs: torch.Tensor | int | None = None
+    norm_factor: int | None = None
+
+    def __call__(self, loss_mat: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """The scalar loss of `loss_mat` over `loss_mask`."""
+        return agg_loss(loss_mat, loss_mask, self.mode, self.global_num_tokens, self.global_num_seqs, self.norm_factor)
+
+
+@dataclass(frozen=True)
+class PolicyLossArgs:
+    """What every policy loss takes besides the four tensors and its own parameters: the actor's clip
+    bounds (which loss reads which: `PolicyLossInfo`) and the aggregation of its token losses."""
+
+    clip_ratio_low: float  # the ratio's range starts at 1 − low; dppo_*: the threshold where π fell
+    clip_ratio_high: float  # ... and ends at 1 + high; dppo_*: the threshold where π rose
+    clip_ratio_c: float  # the dual-clip bound for negative advantages (> 1); dppo_*: the IS truncation
+    agg: Aggregation  # loss_agg_mode with the mini-batch's counts
+
+
 def _ratio_metrics(log_ratio, loss_unclipped, loss_clipped, response_mask):
     return {
         "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), response_mask).detach(),
@@ -157,55 +186,30 @@ def _ratio_metrics(log_ratio, loss_unclipped, loss_clipped, response_mask):
 @register_policy_loss(
     "vanilla", clips_ratio=True, dual_clip=True, advantage_homogeneous=True, summary="PPO clip, dual-clip"
 )
-def compute_policy_loss_vanilla(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    clip_ratio_low,
-    clip_ratio_high,
-    clip_ratio_c,
-    loss_agg_mode,
-    global_num_tokens=None,
-    global_num_seqs=None,
-    norm_factor=None,
-):
+def compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, response_mask, args: PolicyLossArgs):
     """PPO clipped surrogate with ratio range [1 − clip_ratio_low, 1 + clip_ratio_high]; for
     negative advantages the loss is further capped at −A·clip_ratio_c (dual clip, Ye et al. 2020).
     """
-    if clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1 for dual clip, got {clip_ratio_c}")
+    if args.clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 for dual clip, got {args.clip_ratio_c}")
     # Clamp before exp: a stale or diverged token must not turn the loss into inf/NaN.
     log_ratio = (log_prob - old_log_prob).clamp(-20.0, 20.0)
     ratio = log_ratio.exp()
     loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    loss_clipped = -advantages * ratio.clamp(1 - args.clip_ratio_low, 1 + args.clip_ratio_high)
     clip_loss = torch.maximum(loss_unclipped, loss_clipped)
-    dual_cap = -advantages * clip_ratio_c
+    dual_cap = -advantages * args.clip_ratio_c
     negative = advantages < 0
     pg_losses = torch.where(negative, torch.minimum(clip_loss, dual_cap), clip_loss)
 
     metrics = _ratio_metrics(log_ratio, loss_unclipped, loss_clipped, response_mask)
     lower_clipped = (negative & (clip_loss > dual_cap)).float()
     metrics["pg_clipfrac_lower"] = masked_mean(lower_clipped, response_mask).detach()
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, global_num_tokens, global_num_seqs, norm_factor)
-    return pg_loss, metrics
+    return args.agg(pg_losses, response_mask), metrics
 
 
 @register_policy_loss("gspo", clips_ratio=True, advantage_homogeneous=True)
-def compute_policy_loss_gspo(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    clip_ratio_low,
-    clip_ratio_high,
-    clip_ratio_c,
-    loss_agg_mode,
-    global_num_tokens=None,
-    global_num_seqs=None,
-    norm_factor=None,
-):
+def compute_policy_loss_gspo(old_log_prob, log_prob, advantages, response_mask, args: PolicyLossArgs):
     """GSPO (Zheng et al. 2025), token form: every token's ratio has the value of the sequence ratio
     exp(mean log π/π_old) and the gradient of its own log π (stop-grad trick). `clip_ratio_c` is
     unused; clip ranges are tiny (e.g. 3e-4/4e-4) and `seq-mean-token-mean` is the paper's mode.
@@ -215,13 +219,12 @@ def compute_policy_loss_gspo(
     log_ratio = seq_log_ratio.detach() + log_prob - log_prob.detach()
     ratio = log_ratio.clamp(max=10.0).exp()
     loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    loss_clipped = -advantages * ratio.clamp(1 - args.clip_ratio_low, 1 + args.clip_ratio_high)
     pg_losses = torch.maximum(loss_unclipped, loss_clipped)
 
     metrics = _ratio_metrics(token_log_ratio, loss_unclipped, loss_clipped, response_mask)
     metrics["pg_clipfrac_lower"] = torch.zeros((), device=log_prob.device)
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, global_num_tokens, global_num_seqs, norm_factor)
-    return pg_loss, metrics
+    return args.agg(pg_losses, response_mask), metrics
 
 
 def _log_ratio_and_ratio(old_log_prob, log_prob, clamp: bool = True):
@@ -237,72 +240,32 @@ def _zero(like: torch.Tensor) -> torch.Tensor:
 
 
 @register_policy_loss("cispo", clips_ratio=True, advantage_homogeneous=True)
-def compute_policy_loss_cispo(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    clip_ratio_low,
-    clip_ratio_high,
-    clip_ratio_c,
-    loss_agg_mode,
-    global_num_tokens=None,
-    global_num_seqs=None,
-    norm_factor=None,
-):
+def compute_policy_loss_cispo(old_log_prob, log_prob, advantages, response_mask, args: PolicyLossArgs):
     """CISPO (MiniMax-M1, arXiv 2506.13585): ℓ = −sg[clip(ρ, 1 − ε_low, 1 + ε_high)]·A·log π.
 
     The clipped ratio is a stop-gradient weight, so every token keeps a gradient (REINFORCE-style);
     `clip_ratio_c` is unused.
     """
     log_ratio, ratio = _log_ratio_and_ratio(old_log_prob, log_prob)
-    clipped = ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    clipped = ratio.clamp(1 - args.clip_ratio_low, 1 + args.clip_ratio_high)
     pg_losses = -clipped.detach() * advantages * log_prob
     metrics = {
         "pg_clipfrac": masked_mean((ratio != clipped).float(), response_mask).detach(),
         "ppo_kl": masked_mean(-log_ratio, response_mask).detach(),
         "pg_clipfrac_lower": _zero(log_prob),
     }
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, global_num_tokens, global_num_seqs, norm_factor)
-    return pg_loss, metrics
+    return args.agg(pg_losses, response_mask), metrics
 
 
 @register_policy_loss("gpg", clips_ratio=False, advantage_homogeneous=True)
-def compute_policy_loss_gpg(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    clip_ratio_low,
-    clip_ratio_high,
-    clip_ratio_c,
-    loss_agg_mode,
-    global_num_tokens=None,
-    global_num_seqs=None,
-    norm_factor=None,
-):
+def compute_policy_loss_gpg(old_log_prob, log_prob, advantages, response_mask, args: PolicyLossArgs):
     """GPG (Chu et al. 2025, arXiv 2504.02546): the plain policy gradient ℓ = −A·log π, no ratio, no clip."""
     pg_losses = -advantages * log_prob
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, global_num_tokens, global_num_seqs, norm_factor)
-    return pg_loss, {}
+    return args.agg(pg_losses, response_mask), {}
 
 
 @register_policy_loss("dro", clips_ratio=False)
-def compute_policy_loss_dro(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    clip_ratio_low,
-    clip_ratio_high,
-    clip_ratio_c,
-    loss_agg_mode,
-    global_num_tokens=None,
-    global_num_seqs=None,
-    norm_factor=None,
-    *,
-    dro_beta=None,
-):
+def compute_policy_loss_dro(old_log_prob, log_prob, advantages, response_mask, args: PolicyLossArgs, *, dro_beta=None):
     """Direct Reward Optimization (Richemond et al. 2024, arXiv 2405.19107), verl's token form:
     ℓ = −(A·log π − β/2·(log π − log π_old)²) with β = `policy_loss.dro_beta` > 0.
     """
@@ -311,32 +274,19 @@ def compute_policy_loss_dro(
     log_ratio = log_prob - old_log_prob
     pg_losses = -(log_prob * advantages - 0.5 * dro_beta * log_ratio.square())
     metrics = {"ppo_kl": masked_mean(-log_ratio, response_mask).detach()}
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, global_num_tokens, global_num_seqs, norm_factor)
-    return pg_loss, metrics
+    return args.agg(pg_losses, response_mask), metrics
 
 
 @register_policy_loss("sapo", clips_ratio=False)
 def compute_policy_loss_sapo(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    clip_ratio_low,
-    clip_ratio_high,
-    clip_ratio_c,
-    loss_agg_mode,
-    global_num_tokens=None,
-    global_num_seqs=None,
-    norm_factor=None,
-    *,
-    tau_pos=1.0,
-    tau_neg=1.05,
+    old_log_prob, log_prob, advantages, response_mask, args: PolicyLossArgs, *, tau_pos=1.0, tau_neg=1.05
 ):
     """SAPO (Gao et al. 2025, arXiv 2511.20347): the hard clip replaced by a soft gate,
     ℓ = −f_τ(ρ)·A with f_τ(ρ) = σ(τ(ρ − 1))·4/τ, τ = `tau_pos` where A > 0 else `tau_neg`.
 
     As in verl 0.9.1 the loss is always aggregated with seq-mean-token-mean (the paper's sequence
-    average); `loss_agg_mode` still applies to the entropy and KL terms. Clip ratios are unused.
+    average), with the counts of `args.agg`; `loss_agg_mode` still applies to the entropy and KL
+    terms. Clip ratios are unused.
     """
     log_ratio, ratio = _log_ratio_and_ratio(old_log_prob, log_prob)
     # the temperatures in the advantages' dtype (torch.where on two Python floats would make fp32)
@@ -349,63 +299,37 @@ def compute_policy_loss_sapo(
         "ppo_kl": masked_mean(-log_ratio, response_mask).detach(),
         "pg_clipfrac_lower": _zero(log_prob),
     }
-    pg_loss = agg_loss(pg_losses, response_mask, "seq-mean-token-mean", global_num_tokens, global_num_seqs)
-    return pg_loss, metrics
+    return replace(args.agg, mode="seq-mean-token-mean")(pg_losses, response_mask), metrics
 
 
-def _dppo_loss(old_log_prob, log_prob, advantages, response_mask, valid, clip_ratio_c, loss_agg_mode, norm):
+def _dppo_loss(old_log_prob, log_prob, advantages, response_mask, valid, args: PolicyLossArgs):
     """Shared tail of the DPPO losses: ℓ = −A·sg[min(ρ, c)]·log π on the tokens `valid` keeps."""
     log_ratio, ratio = _log_ratio_and_ratio(old_log_prob, log_prob)
     valid = valid.detach().to(log_prob.dtype)
-    truncated = ratio.clamp(max=clip_ratio_c).detach()
+    truncated = ratio.clamp(max=args.clip_ratio_c).detach()
     pg_losses = -advantages * truncated * log_prob * valid
     metrics = {
         "pg_clipfrac": masked_mean(1.0 - valid, response_mask).detach(),
         "ppo_kl": masked_mean(-log_ratio, response_mask).detach(),
-        "pg_clipfrac_lower": masked_mean((ratio > clip_ratio_c).to(valid.dtype) * valid, response_mask).detach(),
+        "pg_clipfrac_lower": masked_mean((ratio > args.clip_ratio_c).to(valid.dtype) * valid, response_mask).detach(),
     }
-    return agg_loss(pg_losses, response_mask, loss_agg_mode, *norm), metrics
+    return args.agg(pg_losses, response_mask), metrics
 
 
 @register_policy_loss("dppo_tv", clips_ratio=True, dual_clip=True)
-def compute_policy_loss_dppo_tv(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    clip_ratio_low,
-    clip_ratio_high,
-    clip_ratio_c,
-    loss_agg_mode,
-    global_num_tokens=None,
-    global_num_seqs=None,
-    norm_factor=None,
-):
+def compute_policy_loss_dppo_tv(old_log_prob, log_prob, advantages, response_mask, args: PolicyLossArgs):
     """DPPO-Binary-TV (arXiv 2602.04879): a token keeps its gradient unless the sampled token's
     probability moved past the trust region in the advantage's direction: π − π_old > ε_high for
     A > 0, π − π_old < −ε_low otherwise (the clip ratios are TV thresholds here). The kept tokens
     get the truncated-IS gradient −A·sg[min(ρ, clip_ratio_c)]·∇log π.
     """
     delta = log_prob.exp() - old_log_prob.exp()
-    valid = torch.where(advantages > 0, delta <= clip_ratio_high, delta >= -clip_ratio_low)
-    norm = (global_num_tokens, global_num_seqs, norm_factor)
-    return _dppo_loss(old_log_prob, log_prob, advantages, response_mask, valid, clip_ratio_c, loss_agg_mode, norm)
+    valid = torch.where(advantages > 0, delta <= args.clip_ratio_high, delta >= -args.clip_ratio_low)
+    return _dppo_loss(old_log_prob, log_prob, advantages, response_mask, valid, args)
 
 
 @register_policy_loss("dppo_kl", clips_ratio=True, dual_clip=True)
-def compute_policy_loss_dppo_kl(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    clip_ratio_low,
-    clip_ratio_high,
-    clip_ratio_c,
-    loss_agg_mode,
-    global_num_tokens=None,
-    global_num_seqs=None,
-    norm_factor=None,
-):
+def compute_policy_loss_dppo_kl(old_log_prob, log_prob, advantages, response_mask, args: PolicyLossArgs):
     """DPPO-Binary-KL (arXiv 2602.04879): as dppo_tv, with the trust region measured by the KL of the
     Bernoulli "this token or not", KL(p_old ‖ p) = p_old log(p_old/p) + (1 − p_old) log((1 − p_old)/(1 − p)),
     against ε_high (when π rose, A > 0) or ε_low (when π fell, A ≤ 0).
@@ -416,27 +340,14 @@ def compute_policy_loss_dppo_kl(
     )
     valid = torch.where(
         advantages > 0,
-        (binary_kl <= clip_ratio_high) | (prob <= old_prob),
-        (binary_kl <= clip_ratio_low) | (prob >= old_prob),
+        (binary_kl <= args.clip_ratio_high) | (prob <= old_prob),
+        (binary_kl <= args.clip_ratio_low) | (prob >= old_prob),
     )
-    norm = (global_num_tokens, global_num_seqs, norm_factor)
-    return _dppo_loss(old_log_prob, log_prob, advantages, response_mask, valid, clip_ratio_c, loss_agg_mode, norm)
+    return _dppo_loss(old_log_prob, log_prob, advantages, response_mask, valid, args)
 
 
 @register_policy_loss("geo_mean", clips_ratio=True, summary="GMPO")
-def compute_policy_loss_geo_mean(
-    old_log_prob,
-    log_prob,
-    advantages,
-    response_mask,
-    clip_ratio_low,
-    clip_ratio_high,
-    clip_ratio_c,
-    loss_agg_mode,
-    global_num_tokens=None,
-    global_num_seqs=None,
-    norm_factor=None,
-):
+def compute_policy_loss_geo_mean(old_log_prob, log_prob, advantages, response_mask, args: PolicyLossArgs):
     """GMPO (Zhao et al. 2025, arXiv 2507.20673): the geometric mean of the token ratios, clipped per
     token in log space toward the pessimistic side: per sequence
     ℓ_i = −Ā_i·exp(mean_t sgn(A)·min(sgn(A)·log ρ_t, sgn(A)·clip(log ρ_t, −ε_low, ε_high))),
@@ -448,13 +359,13 @@ def compute_policy_loss_geo_mean(
     log_ratio = log_prob - old_log_prob
     mask = response_mask.to(log_prob.dtype)
     sign = torch.sign(advantages)
-    clamped = log_ratio.clamp(-clip_ratio_low, clip_ratio_high)
+    clamped = log_ratio.clamp(-args.clip_ratio_low, args.clip_ratio_high)
     pessimistic = sign * torch.minimum(sign * log_ratio, sign * clamped)
     lengths = mask.sum(dim=-1).clamp(min=1)
     seq_ratio = ((pessimistic * mask).sum(dim=-1) / lengths).exp()
     seq_advantage = (advantages * mask).sum(dim=-1) / lengths
     seq_losses = -seq_advantage * seq_ratio
-    num_seqs = seq_losses.shape[0] if global_num_seqs is None else global_num_seqs
+    num_seqs = seq_losses.shape[0] if args.agg.global_num_seqs is None else args.agg.global_num_seqs
     pg_loss = seq_losses.sum() / _at_least_one(num_seqs)
     clipped = (log_ratio != clamped).to(log_prob.dtype)
     metrics = {
@@ -538,13 +449,7 @@ def compute_policy_loss_clip_cov(
     log_prob,
     advantages,
     response_mask,
-    clip_ratio_low,
-    clip_ratio_high,
-    clip_ratio_c,
-    loss_agg_mode,
-    global_num_tokens=None,
-    global_num_seqs=None,
-    norm_factor=None,
+    args: PolicyLossArgs,
     *,
     clip_cov_ratio=0.0002,
     clip_cov_lb=1.0,
@@ -566,21 +471,22 @@ def compute_policy_loss_clip_cov(
             log_prob,
             advantages,
             response_mask,
-            clip_ratio_low=clip_ratio_low,
-            clip_ratio_high=clip_ratio_high,
+            clip_ratio_low=args.clip_ratio_low,
+            clip_ratio_high=args.clip_ratio_high,
             clip_cov_ratio=clip_cov_ratio,
             clip_cov_lb=clip_cov_lb,
             clip_cov_ub=clip_cov_ub,
             generator=generator,
         )
-    ratio, unclipped, clipped = _ppo_clip_losses(old_log_prob, log_prob, advantages, clip_ratio_low, clip_ratio_high)
+    ratio, unclipped, clipped = _ppo_clip_losses(
+        old_log_prob, log_prob, advantages, args.clip_ratio_low, args.clip_ratio_high
+    )
     pg_losses = torch.where(token_selection, 0.0, torch.maximum(unclipped, clipped))
     metrics = {
         "pg_clipfrac": masked_mean(token_selection.to(log_prob.dtype), response_mask).detach(),
         "ppo_kl": masked_mean(old_log_prob - log_prob, response_mask).detach(),
     }
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, global_num_tokens, global_num_seqs, norm_factor)
-    return pg_loss, metrics
+    return args.agg(pg_losses, response_mask), metrics
 
 
 @register_policy_loss("kl_cov", clips_ratio=False)
@@ -589,13 +495,7 @@ def compute_policy_loss_kl_cov(
     log_prob,
     advantages,
     response_mask,
-    clip_ratio_low,
-    clip_ratio_high,
-    clip_ratio_c,
-    loss_agg_mode,
-    global_num_tokens=None,
-    global_num_seqs=None,
-    norm_factor=None,
+    args: PolicyLossArgs,
     *,
     kl_cov_ratio=0.0002,
     ppo_kl_coef=0.1,
@@ -615,8 +515,7 @@ def compute_policy_loss_kl_cov(
     log_ratio = log_prob - old_log_prob
     pg_losses = -advantages * log_ratio.exp() + torch.where(token_selection, ppo_kl_coef * log_ratio.abs(), 0.0)
     metrics = {"ppo_kl": masked_mean(log_ratio.abs(), response_mask).detach()}
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, global_num_tokens, global_num_seqs, norm_factor)
-    return pg_loss, metrics
+    return args.agg(pg_losses, response_mask), metrics
 
 
 TOKEN_SELECTORS.update(clip_cov=select_clip_cov_tokens, kl_cov=select_kl_cov_tokens)
@@ -628,10 +527,7 @@ def compute_value_loss(
     values,
     response_mask,
     cliprange_value,
-    loss_agg_mode="token-mean",
-    global_num_tokens=None,
-    global_num_seqs=None,
-    norm_factor=None,
+    agg: Aggregation,
 ):
     """Clipped value loss 0.5·max((v − R)², (clip(v, v_old ± c) − R)²); returns (vf_loss, vf_clipfrac).
 
@@ -644,6 +540,6 @@ def compute_value_loss(
         vpreds_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
         losses_clipped = (vpreds_clipped - returns).square()
     vf_losses = 0.5 * torch.maximum(losses_unclipped, losses_clipped)
-    vf_loss = agg_loss(vf_losses, response_mask, loss_agg_mode, global_num_tokens, global_num_seqs, norm_factor)
+    vf_loss = agg(vf_losses, response_mask)
     vf_clipfrac = masked_mean((losses_clipped > losses_unclipped).float(), response_mask).detach()
     return vf_loss, vf_clipfrac

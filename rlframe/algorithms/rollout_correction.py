@@ -41,6 +41,7 @@ from rlframe.algorithms.config import (
     parse_rs_options,
     parse_rs_thresholds,
 )
+from rlframe.algorithms.loss import Aggregation, PolicyLossArgs, compute_policy_loss_vanilla
 from rlframe.algorithms.masked import masked_mean, masked_sum
 
 SAFETY_BOUND = 20.0  # |log r| is clamped here before exp (exp(20) ≈ 4.9e8)
@@ -304,18 +305,18 @@ def compute_policy_loss_reinforce(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     rollout_is_weights: torch.Tensor | None,
-    aggregate,
+    agg: Aggregation,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Bypass mode's REINFORCE loss ℓ_t = −w_t·A_t·log π_θ(y_t) (w: constant IS weights, 1 without).
+    """Bypass mode's REINFORCE loss ℓ_t = −w_t·A_t·log π_θ(y_t) (w: constant IS weights, 1 without),
+    aggregated by `agg`.
 
-    `aggregate(loss_mat, mask)` reduces the token losses (the actor's agg_loss with its global counts).
     Metric: ppo_kl = mean(log π_rollout − log π_θ) over the mask.
     """
     pg_losses = -advantages * log_prob
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
     ppo_kl = masked_mean(rollout_log_prob - log_prob, response_mask).detach()
-    return aggregate(pg_losses, response_mask), {"ppo_kl": ppo_kl}
+    return agg(pg_losses, response_mask), {"ppo_kl": ppo_kl}
 
 
 # metrics of the bypass-mode loss that are token means: a micro-batch's value weighted by its token share
@@ -329,15 +330,14 @@ def bypass_policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     cfg: Any,
-    ppo_clip_loss,
-    aggregate,
+    args: PolicyLossArgs,
     normalizer: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Bypass mode's actor loss (π_old = π_rollout): the correction of π_θ against π_rollout, then the loss.
 
-    Rejection narrows the loss's mask; `loss_type=ppo_clip` is `ppo_clip_loss(old, log_prob, advantages,
-    mask)` on the ratio π_θ/π_rollout (the IS weights are not applied: the ratio is the correction),
-    `reinforce` is `compute_policy_loss_reinforce` with the IS weights, batch-normalized by `normalizer`
+    Rejection narrows the loss's mask; `loss_type=ppo_clip` is the vanilla loss under `args` on the
+    ratio π_θ/π_rollout (the IS weights are not applied: the ratio is the correction), `reinforce` is
+    `compute_policy_loss_reinforce` with the IS weights and `args.agg`, batch-normalized by `normalizer`
     = (Σ weights, count) of the whole mini-batch (see `needs_mini_batch_normalizer`). Returns (loss,
     metrics); the `rollout_corr/*` metrics are the token means among verl's (BYPASS_TOKEN_MEAN_METRICS).
     """
@@ -349,9 +349,9 @@ def bypass_policy_loss(
             log_prob.detach(), rollout_log_prob, response_mask, config, normalizer
         )
     if config.loss_type == "reinforce":
-        loss, _ = compute_policy_loss_reinforce(rollout_log_prob, log_prob, advantages, mask, weights, aggregate)
+        loss, _ = compute_policy_loss_reinforce(rollout_log_prob, log_prob, advantages, mask, weights, args.agg)
     else:
-        loss, _ = ppo_clip_loss(rollout_log_prob, log_prob, advantages, mask)
+        loss, _ = compute_policy_loss_vanilla(rollout_log_prob, log_prob, advantages, mask, args)
     # The loss's metrics over every response token, rejected ones included: the worker weights a
     # micro-batch's means by its share of the mini-batch's tokens before rejection, so only these add
     # up exactly (verl averages per-micro-batch means over the kept tokens).
@@ -359,7 +359,7 @@ def bypass_policy_loss(
         if config.loss_type == "reinforce":
             pg_metrics = {"ppo_kl": masked_mean(rollout_log_prob - log_prob, response_mask)}
         else:
-            _, pg_metrics = ppo_clip_loss(rollout_log_prob, log_prob, advantages, response_mask)
+            _, pg_metrics = compute_policy_loss_vanilla(rollout_log_prob, log_prob, advantages, response_mask, args)
     names = {PREFIX + name for name in BYPASS_TOKEN_MEAN_METRICS}
     kept = {name: torch.tensor(value) for name, value in metrics.items() if name in names}
     return loss, {**pg_metrics, **kept}

@@ -13,7 +13,13 @@ from typing import Any, List, Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from rlframe.algorithms.advantage import get_adv_estimator_fn
+from rlframe.algorithms.advantage import (
+    ADV_ESTIMATORS,
+    ALGORITHM_KEYS,
+    adv_estimator_help,
+    algorithm_keys,
+    get_adv_estimator_fn,
+)
 from rlframe.algorithms.config import PfPpoConfig, RolloutCorrectionConfig, pf_ppo_applies
 from rlframe.algorithms.kl import get_kl_penalty_fn
 from rlframe.config.checks import check_fsdp_size
@@ -110,12 +116,7 @@ class FilterGroupsConfig(Section):
 class AlgorithmConfig(Section):
     gamma: float = key(1.0, "discount")
     lam: float = key(1.0, "GAE lambda")
-    adv_estimator: str = key(
-        "gae",
-        "gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | opo | gpg | grpo_passk "
-        "| optimal_token_baseline | grpo_vectorized | rloo_vectorized (docs/algorithms.md)",
-        check=get_adv_estimator_fn,
-    )
+    adv_estimator: str = key("gae", adv_estimator_help(), check=get_adv_estimator_fn)
     norm_adv_by_std_in_grpo: bool = key(True, "false = Dr.GRPO (no std normalization)")
     use_kl_in_reward: bool = key(False, "subtract a KL penalty from the rewards")
     kl_penalty: str = key(
@@ -135,14 +136,13 @@ class AlgorithmConfig(Section):
         out = {}
         if not self.use_kl_in_reward:
             out.update({f"{path}.{name}": f"{path}.use_kl_in_reward=false" for name in ("kl_penalty", "kl_ctrl")})
-        if self.adv_estimator not in ("gae", "reinforce_plus_plus"):
-            out[f"{path}.gamma"] = (
-                f"{path}.adv_estimator={self.adv_estimator}: only gae and reinforce_plus_plus discount"
-            )
-        if self.adv_estimator != "gae":
-            out[f"{path}.lam"] = f"{path}.adv_estimator={self.adv_estimator}: only gae uses lambda"
-        if self.adv_estimator not in ("grpo", "grpo_passk"):  # grpo_vectorized: verl never passes it the key
-            out[f"{path}.norm_adv_by_std_in_grpo"] = f"{path}.adv_estimator={self.adv_estimator}"
+        for name in ALGORITHM_KEYS:  # each estimator reads the keys its signature names
+            readers = [estimator for estimator in ADV_ESTIMATORS if name in algorithm_keys(estimator)]
+            if self.adv_estimator not in readers:
+                verb = "reads" if len(readers) == 1 else "read"
+                out[f"{path}.{name}"] = (
+                    f"{path}.adv_estimator={self.adv_estimator}: only {' and '.join(readers)} {verb} it"
+                )
         if not pf_ppo_applies(self):
             why = f"{path}.use_pf_ppo=false" if not self.use_pf_ppo else f"{path}.adv_estimator={self.adv_estimator}"
             out[f"{path}.pf_ppo"] = why

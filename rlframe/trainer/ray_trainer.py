@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlframe.algorithms.advantage import compute_advantage
+from rlframe.algorithms.advantage import ALGORITHM_KEYS, compute_advantage
 from rlframe.algorithms.config import pf_ppo_applies
 from rlframe.algorithms.kl import apply_kl_penalty, make_kl_controller
 from rlframe.algorithms.masked import masked_mean
@@ -465,9 +465,7 @@ class RayPPOTrainer:
             "token_level_rewards": batch.batch["token_level_rewards"],
             "response_mask": response_mask,
             "index": group_index(batch),
-            "gamma": algo.gamma,
-            "lam": algo.lam,
-            "norm_adv_by_std_in_grpo": algo.norm_adv_by_std_in_grpo,
+            **{name: getattr(algo, name) for name in ALGORITHM_KEYS},
         }
         if self.use_critic:
             inputs["values"] = batch.batch["values"]

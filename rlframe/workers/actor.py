@@ -17,8 +17,7 @@ from tensordict import TensorDict
 from rlframe.algorithms.kl import kl_penalty
 from rlframe.algorithms.loss import (
     TOKEN_SELECTORS,
-    agg_loss,
-    compute_policy_loss_vanilla,
+    PolicyLossArgs,
     get_policy_loss_fn,
     keyword_parameters,
     policy_loss_kwargs,
@@ -215,7 +214,8 @@ class PPOActor(PPOUpdater):
     def _loss(self, micro, counts: GlobalCounts, ctx: UpdateContext) -> tuple[torch.Tensor, dict]:
         """Policy loss, minus the entropy bonus, plus the KL loss, normalized by the mini-batch's global counts."""
         c = self.config
-        norm = counts.agg_kwargs()
+        agg = counts.aggregation(c.loss_agg_mode)
+        args = PolicyLossArgs(self.clip_ratio_low, self.clip_ratio_high, float(c.clip_ratio_c), agg)
         response_mask = response_mask_of(micro)
         on_policy = "on_policy" in micro.keys() and bool(micro["on_policy"][0])  # a mini-batch is wholly one or other
         out = self._forward(micro, ctx.temperature, calculate_entropy=c.entropy_coeff != 0 or on_policy)
@@ -223,7 +223,6 @@ class PPOActor(PPOUpdater):
         advantages = micro["advantages"]
         if "rollout_is_weights" in micro.keys():  # ℓ(w·A) = w·ℓ(A) for the losses that take them
             advantages = advantages * micro["rollout_is_weights"]
-        args = (self.clip_ratio_low, self.clip_ratio_high, float(c.clip_ratio_c), c.loss_agg_mode)
         if ctx.bypass is not None:
             pg_loss, pg_metrics = bypass_policy_loss(
                 micro["old_log_probs"],
@@ -231,8 +230,7 @@ class PPOActor(PPOUpdater):
                 advantages,
                 response_mask,
                 ctx.bypass,
-                lambda old, new, adv, mask: compute_policy_loss_vanilla(old, new, adv, mask, *args, **norm),
-                lambda mat, mask: agg_loss(mat, mask, c.loss_agg_mode, **norm),
+                args,
                 tuple(micro["rollout_is_normalizer"][0]) if "rollout_is_normalizer" in micro.keys() else None,
             )
         else:
@@ -241,7 +239,7 @@ class PPOActor(PPOUpdater):
             else:
                 extra = self.policy_loss_kwargs
             pg_loss, pg_metrics = self.policy_loss_fn(
-                old_log_probs, out["log_probs"], advantages, response_mask, *args, **norm, **extra
+                old_log_probs, out["log_probs"], advantages, response_mask, args, **extra
             )
         loss = pg_loss
         # token-weighted metrics: local means weighted by this micro-batch's share of global tokens
@@ -256,12 +254,12 @@ class PPOActor(PPOUpdater):
             **{name: value * share for name, value in pg_metrics.items() if name.startswith(PREFIX)},
         }
         if c.entropy_coeff != 0:
-            entropy = agg_loss(out["entropy"], response_mask, c.loss_agg_mode, **norm)
+            entropy = agg(out["entropy"], response_mask)
             loss = loss - float(c.entropy_coeff) * entropy
             metrics["entropy_loss"] = entropy
         if c.use_kl_loss:
             kl = kl_penalty(out["log_probs"], micro["ref_log_prob"], c.kl_loss_type)
-            kl_loss = agg_loss(kl, response_mask, c.loss_agg_mode, **norm)
+            kl_loss = agg(kl, response_mask)
             loss = loss + float(c.kl_loss_coef) * kl_loss
             metrics["kl_loss"] = kl_loss
         return loss, metrics

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from rlframe.algorithms.loss import Aggregation
 from rlframe.distributed.parallel_dims import spans_ranks
 from rlframe.seqpack import MicroBatchSpec, get_reverse_idx, packing_metrics, rearrange_micro_batches
 
@@ -79,13 +80,9 @@ class GlobalCounts:
     num_seqs: torch.Tensor
     response_length: int  # the constant divisor of seq-mean-token-sum-norm
 
-    def agg_kwargs(self) -> dict:
-        """The normalization keywords of `rlframe.algorithms.loss.agg_loss` and the losses built on it."""
-        return {
-            "global_num_tokens": self.num_tokens,
-            "global_num_seqs": self.num_seqs,
-            "norm_factor": self.response_length,
-        }
+    def aggregation(self, mode: str) -> Aggregation:
+        """The loss aggregation `mode` normalized by these counts (the `agg` every loss takes)."""
+        return Aggregation(mode, self.num_tokens, self.num_seqs, self.response_length)
 
     def token_share(self, response_mask: torch.Tensor) -> torch.Tensor:
         """A micro-batch's share of the global tokens: weighting local means by it sums to the global mean."""

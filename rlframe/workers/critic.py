@@ -48,14 +48,9 @@ class PPOCritic(PPOUpdater):
         s = self.config
         response_mask = response_mask_of(micro)
         vpreds = self._values(micro)
+        agg = counts.aggregation(s.loss_agg_mode)
         vf_loss, vf_clipfrac = compute_value_loss(
-            vpreds,
-            micro["returns"],
-            micro["values"],
-            response_mask,
-            float(s.cliprange_value),
-            s.loss_agg_mode,
-            **counts.agg_kwargs(),
+            vpreds, micro["returns"], micro["values"], response_mask, float(s.cliprange_value), agg
         )
         share = counts.token_share(response_mask)
         return vf_loss, {

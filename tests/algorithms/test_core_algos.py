@@ -306,10 +306,7 @@ def vanilla(ratio, adv, low=0.2, high=0.2, c=3.0):
         log_prob.view(1, 1),
         T([[adv]], dtype=torch.float64),
         torch.ones(1, 1),
-        low,
-        high,
-        c,
-        "token-mean",
+        loss_math.PolicyLossArgs(low, high, c, loss_math.Aggregation("token-mean")),
     )
     loss.backward()
     return loss.item(), log_prob.grad.item(), metrics
@@ -344,6 +341,9 @@ def test_vanilla_asymmetric_clip_range():
         vanilla(1.0, 1.0, c=1.0)
 
 
+SEQ_MEAN_TOKEN_MEAN = loss_math.Aggregation("seq-mean-token-mean")
+
+
 def gspo_inputs(seed=0):
     gen = torch.Generator().manual_seed(seed)
     old = -torch.rand(3, 5, generator=gen, dtype=torch.float64)
@@ -356,7 +356,7 @@ def test_gspo_equals_vanilla_when_tokens_of_a_sequence_share_one_ratio():
     old, mask, adv, _ = gspo_inputs()
     seq_log_ratio = T([[math.log(1.0002)], [math.log(0.9)], [math.log(1.01)]], dtype=torch.float64)
     log_prob = old + seq_log_ratio
-    args = (old, log_prob, adv, mask, 3e-4, 4e-4, 3.0, "seq-mean-token-mean")
+    args = (old, log_prob, adv, mask, loss_math.PolicyLossArgs(3e-4, 4e-4, 3.0, SEQ_MEAN_TOKEN_MEAN))
     gspo_loss, gspo_metrics = loss_math.compute_policy_loss_gspo(*args)
     vanilla_loss, vanilla_metrics = loss_math.compute_policy_loss_vanilla(*args)
     close(gspo_loss, vanilla_loss)
@@ -367,7 +367,8 @@ def test_gspo_token_form_has_the_gradient_of_the_sequence_objective():
     old, mask, adv, gen = gspo_inputs(1)
     low, high = 0.05, 0.08
     log_prob = (old + 0.05 * torch.randn(3, 5, generator=gen, dtype=torch.float64)).requires_grad_()
-    loss, _ = loss_math.compute_policy_loss_gspo(old, log_prob, adv, mask, low, high, 3.0, "seq-mean-token-mean")
+    args = loss_math.PolicyLossArgs(low, high, 3.0, SEQ_MEAN_TOKEN_MEAN)
+    loss, _ = loss_math.compute_policy_loss_gspo(old, log_prob, adv, mask, args)
     (token_grad,) = torch.autograd.grad(loss, log_prob)
 
     # Direct sequence-level objective: s_i = exp(mean_t log π/π_old), clipped per sequence.
@@ -386,11 +387,12 @@ def test_value_loss_clipping_by_hand():
     vpreds, returns, values = T([[1.0, 0.5]]), T([[0.0, 0.0]]), T([[0.5, 0.4]])
     mask = T([[1, 1]])
     # token 0: unclipped 1.0, clipped to 0.7 → 0.49; max 1.0.  token 1: 0.25 vs 0.25 → 0.25
-    vf_loss, clipfrac = loss_math.compute_value_loss(vpreds, returns, values, mask, cliprange_value=0.2)
+    token_mean = loss_math.Aggregation("token-mean")
+    vf_loss, clipfrac = loss_math.compute_value_loss(vpreds, returns, values, mask, 0.2, token_mean)
     close(vf_loss, 0.5 * (1.0 + 0.25) / 2)
     close(clipfrac, 0.0)
     # returns above: clipping holds v back → clipped loss is larger and taken
-    vf_loss, clipfrac = loss_math.compute_value_loss(T([[1.0]]), T([[2.0]]), T([[0.5]]), T([[1]]), cliprange_value=0.2)
+    vf_loss, clipfrac = loss_math.compute_value_loss(T([[1.0]]), T([[2.0]]), T([[0.5]]), T([[1]]), 0.2, token_mean)
     close(vf_loss, 0.5 * 1.3**2)
     close(clipfrac, 1.0)
 
@@ -420,4 +422,4 @@ def test_worker_counts_every_row_of_a_mini_batch_as_verl_does():
     counts = global_counts(mini_batch)
     assert (float(counts.num_tokens), float(counts.num_seqs)) == (3.0, 3.0)
     loss_mat = T([[1.0, 2.0, 0.0], [0.0, 0.0, 0.0], [6.0, 0.0, 0.0]])
-    close(loss_math.agg_loss(loss_mat, mask, "seq-mean-token-sum", **counts.agg_kwargs()), (3 + 6) / 3)
+    close(counts.aggregation("seq-mean-token-sum")(loss_mat, mask), (3 + 6) / 3)

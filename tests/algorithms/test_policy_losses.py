@@ -47,8 +47,11 @@ def random_inputs(seed, per_token_adv=False):
     return old, log_prob.requires_grad_(), adv * mask, mask
 
 
-def global_counts(mask):
-    return {"global_num_tokens": mask.sum(), "global_num_seqs": torch.tensor(float(mask.shape[0]))}
+def loss_args(agg_mode, mask):
+    """The clip bounds, and `agg_mode` normalized by the counts of the whole batch `mask` (every row a sequence)."""
+    return loss_math.PolicyLossArgs(
+        LOW, HIGH, C, loss_math.Aggregation(agg_mode, mask.sum(), torch.tensor(float(mask.shape[0])))
+    )
 
 
 def ours(mode, old, log_prob, adv, mask, agg, generator=None):
@@ -57,7 +60,7 @@ def ours(mode, old, log_prob, adv, mask, agg, generator=None):
     if mode == "clip_cov":
         params["generator"] = generator
     kwargs = loss_math.policy_loss_kwargs(fn, params)
-    loss, metrics = fn(old, log_prob, adv, mask, LOW, HIGH, C, agg, **global_counts(mask), **kwargs)
+    loss, metrics = fn(old, log_prob, adv, mask, loss_args(agg, mask), **kwargs)
     (grad,) = torch.autograd.grad(loss, log_prob)
     return loss.detach(), grad, metrics
 
@@ -249,23 +252,21 @@ def test_every_loss_splits_exactly_over_micro_batches_given_global_counts(mode):
             params["token_selection"] = selector(
                 old, log_prob, adv, mask, **loss_math.policy_loss_kwargs(selector, sel_params)
             )
-        counts = global_counts(mask)
         for agg in AGG_MODES:
+            args = loss_args(agg, mask)
             kwargs = loss_math.policy_loss_kwargs(fn, params)
-            whole, _ = fn(old, log_prob, adv, mask, LOW, HIGH, C, agg, **counts, **kwargs)
+            whole, _ = fn(old, log_prob, adv, mask, args, **kwargs)
             total = 0.0
             for rows in ([0, 3], [1], [2, 4, 5]):
                 part = {k: (v[rows] if k == "token_selection" else v) for k, v in kwargs.items()}
-                total = (
-                    total + fn(old[rows], log_prob[rows], adv[rows], mask[rows], LOW, HIGH, C, agg, **counts, **part)[0]
-                )
+                total = total + fn(old[rows], log_prob[rows], adv[rows], mask[rows], args, **part)[0]
             torch.testing.assert_close(total, whole, rtol=1e-12, atol=1e-12)
 
 
 def test_dro_needs_a_positive_beta():
     old, log_prob, adv, mask = random_inputs(0)
     with pytest.raises(ValueError, match="dro_beta"):
-        loss_math.compute_policy_loss_dro(old, log_prob, adv, mask, LOW, HIGH, C, "token-mean")
+        loss_math.compute_policy_loss_dro(old, log_prob, adv, mask, loss_args("token-mean", mask))
 
 
 def test_explain_shows_the_loss_estimator_and_kl_terms_with_their_formulas():

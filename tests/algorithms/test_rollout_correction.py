@@ -10,7 +10,7 @@ from helpers.verl_reference import verl_core_algos
 
 from rlframe.algorithms import rollout_correction as rc
 from rlframe.algorithms.config import IS_WEIGHTED_LOSSES, parse_is_threshold, parse_rs_options, parse_rs_thresholds
-from rlframe.algorithms.loss import agg_loss
+from rlframe.algorithms.loss import Aggregation, PolicyLossArgs
 
 
 def verl_helper():
@@ -142,9 +142,7 @@ def test_reinforce_loss_matches_verl(mode):
     log_prob = rollout + 0.1 * torch.randn(old.shape, generator=g)
     advantages = torch.randn(old.shape, generator=g)
     weights, _ = rc.is_weights(log_prob - rollout, mask, "sequence", 2.0)
-    loss, metrics = rc.compute_policy_loss_reinforce(
-        rollout, log_prob, advantages, mask, weights, lambda m, k: agg_loss(m, k, mode)
-    )
+    loss, metrics = rc.compute_policy_loss_reinforce(rollout, log_prob, advantages, mask, weights, Aggregation(mode))
     config = verl_actor_config(loss_agg_mode=mode)
     v_loss, v_metrics = core.compute_policy_loss_reinforce(rollout, log_prob, advantages, mask, mode, config, weights)
     torch.testing.assert_close(loss, v_loss)
@@ -182,7 +180,8 @@ def test_weighted_advantage_equals_verls_weighted_token_loss(loss_mode, mode):
         advantages[4] = 0.0  # a group with equal scores
         for threshold in (2.0, "0.8_1.25"):  # TIS, and IcePop with zero weights
             weights, _ = rc.is_weights(old - rollout, mask, "token", threshold)
-            ours, _ = POLICY_LOSSES[loss_mode](old, log_prob, advantages * weights, mask, 0.2, 0.28, 3.0, mode)
+            args = PolicyLossArgs(0.2, 0.28, 3.0, Aggregation(mode))
+            ours, _ = POLICY_LOSSES[loss_mode](old, log_prob, advantages * weights, mask, args)
             config = verl_actor_config(loss_mode, clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=mode)
             verl_fn = core.get_policy_loss_fn(loss_mode)
             theirs, _ = verl_fn(old, log_prob, advantages, mask, mode, config, rollout_is_weights=weights)

@@ -151,6 +151,38 @@ def test_verls_newer_spellings_reach_rlframes_keys_and_are_warned_about_like_the
     assert "critic.model.fsdp_config.param_offload" in line and "only gae trains a critic" in line
 
 
+# The algorithm.* keys each estimator leaves without effect (gamma: only gae and reinforce_plus_plus discount;
+# lam: only gae; norm_adv_by_std_in_grpo: only grpo and grpo_passk, as verl 0.9.1 never passes it to grpo_vectorized).
+ESTIMATOR_UNREAD = {
+    "gae": {"norm_adv_by_std_in_grpo"},
+    "grpo": {"gamma", "lam"},
+    "rloo": {"gamma", "lam", "norm_adv_by_std_in_grpo"},
+    "reinforce_plus_plus": {"lam", "norm_adv_by_std_in_grpo"},
+    "reinforce_plus_plus_baseline": {"gamma", "lam", "norm_adv_by_std_in_grpo"},
+    "remax": {"gamma", "lam", "norm_adv_by_std_in_grpo"},
+    "grpo_vectorized": {"gamma", "lam", "norm_adv_by_std_in_grpo"},
+    "rloo_vectorized": {"gamma", "lam", "norm_adv_by_std_in_grpo"},
+    "opo": {"gamma", "lam", "norm_adv_by_std_in_grpo"},
+    "gpg": {"gamma", "lam", "norm_adv_by_std_in_grpo"},
+    "grpo_passk": {"gamma", "lam"},
+    "optimal_token_baseline": {"gamma", "lam", "norm_adv_by_std_in_grpo"},
+}
+
+
+def test_each_estimators_unread_algorithm_keys_are_reported_inactive():
+    from rlframe.algorithms.advantage import ADV_ESTIMATORS
+    from rlframe.config.schema import inactive_keys
+
+    assert set(ESTIMATOR_UNREAD) == set(ADV_ESTIMATORS), "pin the algorithm keys a new estimator reads"
+    estimator_keys = {"algorithm.gamma", "algorithm.lam", "algorithm.norm_adv_by_std_in_grpo"}
+    for name, unread in ESTIMATOR_UNREAD.items():
+        overrides = [f"algorithm.adv_estimator={name}"]
+        if name == "optimal_token_baseline":
+            overrides.append("actor_rollout_ref.actor.calculate_sum_pi_squared=true")
+        inactive = inactive_keys(typed(compose(overrides)))
+        assert {k.removeprefix("algorithm.") for k in estimator_keys & set(inactive)} == unread, name
+
+
 def test_a_verl_key_that_follows_another_is_taken_at_that_keys_value():
     compose(["actor_rollout_ref.ref.strategy=fsdp2"])  # verl: ${actor.strategy}, fsdp2 here
     with pytest.raises(ValueError, match=r"actor_rollout_ref.ref.strategy=fsdp: .*here 'fsdp2'"):

@@ -25,7 +25,7 @@ from helpers.small_config import SMALL
 from transformers import AutoModelForCausalLM
 
 from rlframe.algorithms.kl import kl_penalty
-from rlframe.algorithms.loss import agg_loss, get_policy_loss_fn
+from rlframe.algorithms.loss import Aggregation, PolicyLossArgs, get_policy_loss_fn
 from rlframe.trainer.main_ppo import prepare
 
 RTOL = 1e-5
@@ -55,18 +55,11 @@ def hf_reference(model_path: str, batch, dtype: torch.dtype) -> dict:
     response_mask = mask[:, -RESPONSE_LEN:].bool()
     log_probs = log_softmax.gather(-1, b["responses"].unsqueeze(-1)).squeeze(-1)
     entropy = -(log_softmax.exp() * log_softmax).sum(-1)
-    pg_loss, _ = get_policy_loss_fn("vanilla")(
-        b["old_log_probs"],
-        log_probs,
-        b["advantages"],
-        response_mask,
-        s.clip_ratio_low,
-        s.clip_ratio_high,
-        s.clip_ratio_c,
-        s.loss_agg_mode,
-    )
-    entropy_loss = agg_loss(entropy, response_mask, s.loss_agg_mode)
-    kl_loss = agg_loss(kl_penalty(log_probs, b["ref_log_prob"], s.kl_loss_type), response_mask, s.loss_agg_mode)
+    agg = Aggregation(s.loss_agg_mode)
+    args = PolicyLossArgs(s.clip_ratio_low, s.clip_ratio_high, s.clip_ratio_c, agg)
+    pg_loss, _ = get_policy_loss_fn("vanilla")(b["old_log_probs"], log_probs, b["advantages"], response_mask, args)
+    entropy_loss = agg(entropy, response_mask)
+    kl_loss = agg(kl_penalty(log_probs, b["ref_log_prob"], s.kl_loss_type), response_mask)
     (pg_loss - s.entropy_coeff * entropy_loss + s.kl_loss_coef * kl_loss).backward()
     outputs = {"log_probs": log_probs, "entropy": entropy}
     return {

@@ -270,7 +270,7 @@ def test_a_tool_agent_without_raw_chat_is_refused(tiny_model_path, tokenizer):
 def test_tool_tokens_carry_no_gradient_through_the_policy_loss():
     """Perturbing every per-token input of the loss at tool positions (mask 0) changes neither the loss nor the
     gradient; the log-probs at those positions get exactly zero gradient."""
-    from rlframe.algorithms.loss import compute_policy_loss_vanilla
+    from rlframe.algorithms.loss import Aggregation, PolicyLossArgs, compute_policy_loss_vanilla
 
     gen = torch.Generator().manual_seed(0)
     mask = torch.tensor([[1, 1, 0, 0, 0, 1, 1, 0], [1, 0, 0, 1, 1, 1, 0, 0]], dtype=torch.float32)
@@ -278,12 +278,12 @@ def test_tool_tokens_carry_no_gradient_through_the_policy_loss():
     adv = torch.randn(2, 8, generator=gen)
     base = old + 0.05 * torch.randn(2, 8, generator=gen)  # inside the clip range: every trained token has a gradient
 
+    args = PolicyLossArgs(0.2, 0.2, 3.0, Aggregation("token-mean"))
+
     def loss_and_grad(noise: float):
         hole = (mask == 0).float()
         log_prob = (base + noise * hole).requires_grad_(True)
-        loss = compute_policy_loss_vanilla(
-            old + 3 * noise * hole, log_prob, adv + 5 * noise * hole, mask, 0.2, 0.2, 3.0, "token-mean"
-        )[0]
+        loss = compute_policy_loss_vanilla(old + 3 * noise * hole, log_prob, adv + 5 * noise * hole, mask, args)[0]
         loss.backward()
         return loss.detach(), log_prob.grad
 
