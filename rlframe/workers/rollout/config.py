@@ -155,6 +155,9 @@ class ValKwargsConfig(Section):
     n: int = key(1, "responses per validation prompt")
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
+        if not root.trainer.val_before_train and root.trainer.test_freq <= 0:  # as verl 0.9.1: no validation
+            why = "trainer.val_before_train=false and trainer.test_freq<=0: the run never validates"
+            return {f"{path}.{name}": why for name in ("temperature", "top_k", "top_p", "do_sample", "n")}
         if self.do_sample and self.temperature != 0:
             return {}
         why = f"{path}.do_sample={str(self.do_sample).lower()}, temperature={self.temperature}: validation is greedy"
