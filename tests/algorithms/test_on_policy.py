@@ -14,7 +14,17 @@ import os
 
 import pytest
 import torch
-from helpers.fsdp_harness import RecordingSGD, Scenario, free_port, make_batch, make_role, relative_error, single_dims
+from helpers.fsdp_harness import (
+    RecordingSGD,
+    Scenario,
+    gloo_world,
+    make_batch,
+    make_role,
+    mesh_groups,
+    relative_error,
+    single_dims,
+    spawn_world,
+)
 from omegaconf import OmegaConf
 from transformers import AutoConfig
 
@@ -52,32 +62,20 @@ def full_params(model) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, sc: Scenario, port: int, model_path: str, data_path: str, out_dir: str) -> None:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=sc.world)
-    try:
-        mesh = init_device_mesh("cpu", (sc.dp, sc.sp), mesh_dim_names=("dp", "sp"))
-        groups = (mesh["dp"].get_group(), mesh["sp"].get_group() if sc.sp > 1 else None)
+    with gloo_world(rank, sc, port) as mesh:
         shard = DataProto.load_from_disk(data_path).chunk(sc.dp)[mesh.get_local_rank("dp")]
         fsdp_mesh = build_fsdp_mesh("cpu", sc.world, -1)
+        groups = mesh_groups(mesh, sc)
         result = {
             mode: _one_step(sc, model_path, shard, mode == "skip", groups, fsdp_mesh) for mode in ("pass", "skip")
         }
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def _run(sc: Scenario, model_path: str, data: DataProto, out_dir) -> list[dict]:
     data_path = os.path.join(out_dir, "data.pkl")
     data.save_to_disk(data_path)
-    torch.multiprocessing.spawn(
-        _worker, args=(sc, free_port(), model_path, data_path, str(out_dir)), nprocs=sc.world, join=True
-    )
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(sc.world)]
+    return spawn_world(_worker, sc, str(out_dir), model_path, data_path)
 
 
 SCENARIOS = {

@@ -2,11 +2,11 @@
 
 import os
 import pickle
-import socket
 
 import numpy as np
 import pytest
 import torch
+from helpers.world import free_port
 
 from rlframe.protocol import DataProto, all_gather_data_proto, pad_dataproto_to_divisor, unpad_dataproto
 
@@ -175,12 +175,6 @@ def test_to_device_returns_self():
     assert data.to("cpu") is data
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gather_worker(rank, world, port, queue):
     import torch.distributed as dist
 
@@ -197,7 +191,7 @@ def _gather_worker(rank, world, port, queue):
 def test_all_gather_data_proto_over_two_gloo_processes():
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_gather_worker, args=(r, 2, port, queue)) for r in range(2)]
     for p in procs:
         p.start()

@@ -5,13 +5,13 @@ import heapq
 import logging
 import math
 import os
-import socket
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers.world import free_port
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
@@ -304,17 +304,11 @@ def _skewed_ranks_worker(rank, port, result_path):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_dynamic_bsz_same_micro_count_on_skewed_ranks(tmp_path):
     result = tmp_path / "counts.txt"
-    mp.start_processes(_skewed_ranks_worker, args=(_free_port(), str(result)), nprocs=2, start_method="spawn")
+    mp.start_processes(_skewed_ranks_worker, args=(free_port(), str(result)), nprocs=2, start_method="spawn")
     counts = [int(c) for c in result.read_text().split(",")]
     assert counts[0] == counts[1] >= 5
 

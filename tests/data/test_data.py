@@ -21,18 +21,6 @@ from rlframe.reward.scorers import countdown_add_score
 from rlframe.trainer.config import compose, typed
 
 
-@pytest.fixture(scope="module")
-def data_config():
-    return compose(SMALL).data
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_path)
-
-
 def with_overrides(config, **overrides):
     return OmegaConf.merge(config, overrides)
 

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.fsdp_harness import free_port
+from helpers.world import free_port
 
 from rlframe.distributed.shm_gather import SharedMemoryGroups
 

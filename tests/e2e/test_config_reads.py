@@ -7,10 +7,9 @@ walks every leaf of the run's config and looks for it among the reads and the ke
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from helpers.runs import run_main
 from helpers.small_config import SMALL
 from omegaconf import OmegaConf
 
@@ -91,14 +90,7 @@ def unread_and_active(overrides: list[str], trace_dir: str) -> list[str]:
 def test_every_key_is_read_or_reported_ignored(name, tmp_path, cache_dir):
     overrides = COMMON + RUNS[name] + [f"trainer.default_local_dir={tmp_path / 'run'}"]
     trace_dir = tmp_path / "reads"
-    env = {**os.environ, "RLFRAME_CACHE": str(cache_dir), ENV: str(trace_dir)}
-    out = subprocess.run(
-        [sys.executable, "-m", "rlframe.trainer.main_ppo", *overrides],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-    )
+    out = run_main(overrides, cache_dir, extra_env={ENV: str(trace_dir)})
     assert out.returncode == 0, out.stderr[-4000:]
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         validated = any(key.startswith("val-core/") for line in f for key in json.loads(line))

@@ -15,7 +15,8 @@ import os
 
 import pytest
 import torch
-from helpers.gpu_logprobs import BF16_SLACK, FLOOR, _free_port, _hf_log_probs, _mean_abs
+from helpers.gpu_logprobs import BF16_SLACK, FLOOR, _hf_log_probs, _mean_abs
+from helpers.world import free_port, join_tp2_gpu_world
 
 pytestmark = pytest.mark.gpu
 
@@ -25,7 +26,7 @@ def nccl_world(monkeypatch):
     """A one-process nccl world on cuda:0, torn down afterwards."""
     import torch.distributed as dist
 
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1").items():
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1").items():
         monkeypatch.setenv(key, value)
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1)
@@ -164,7 +165,7 @@ def test_vllm_rollout_on_a_second_worker_with_weight_sync(smollm2, monkeypatch, 
     # the second worker on a node: Ray shows it one GPU (index 0), the worker group sets LOCAL_RANK=1
     for key, value in dict(RANK="0", LOCAL_RANK="1", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     cfg = _vllm_config("actor_rollout_ref.rollout.load_format=dummy")
     torch.manual_seed(1234)
     rng_before = (torch.get_rng_state(), torch.cuda.get_rng_state())
@@ -229,7 +230,7 @@ def test_vllm_async_server_gives_the_sync_samples(smollm2, monkeypatch):
 
     for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     cfg = _vllm_config("actor_rollout_ref.rollout.mode=sync", "actor_rollout_ref.rollout.load_format=auto")
     engine = build_rollout("vllm", cfg, smollm2, load_tokenizer(smollm2), "cuda")
     try:
@@ -283,18 +284,13 @@ def _vllm_config(*overrides: str):
 
 def _tp2_worker(rank: int, port: int, model: str, out_dir: str) -> None:
     """One of two processes, each shown one GPU as Ray shows it, LOCAL_RANK its index on the node."""
-    os.environ.update(
-        CUDA_VISIBLE_DEVICES=str(rank), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
     import torch.distributed as dist
+
+    tp_group = join_tp2_gpu_world(rank, port)
     from helpers.rollout import load_tokenizer, make_prompts
 
     from rlframe.workers.rollout import build_rollout, generate_in_tp_group
 
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=rank, world_size=2)
-    tp_group = dist.new_group([0, 1])
     cfg = _vllm_config(
         "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.load_format=auto"
     )
@@ -316,7 +312,7 @@ def test_vllm_tp2_one_visible_gpu_per_process(tmp_path):
     from helpers.gpu_models import tp2_stand_in
 
     model = tp2_stand_in(str(tmp_path / "model"))
-    torch.multiprocessing.spawn(_tp2_worker, args=(_free_port(), model, str(tmp_path)), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_tp2_worker, args=(free_port(), model, str(tmp_path)), nprocs=2, join=True)
     shares = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for share in shares:
         batch = {k: share[k] for k in ("input_ids", "attention_mask", "position_ids", "responses")}

@@ -13,7 +13,8 @@ import os
 
 import pytest
 import torch
-from helpers.gpu_logprobs import BF16_SLACK, FLOOR, _free_port, _hf_log_probs, _mean_abs
+from helpers.gpu_logprobs import BF16_SLACK, FLOOR, _hf_log_probs, _mean_abs
+from helpers.world import free_port, join_tp2_gpu_world
 
 pytestmark = pytest.mark.gpu
 
@@ -57,7 +58,7 @@ def test_sglang_rollout_weight_sync_release_and_log_probs(smollm2, monkeypatch):
 
     for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     cfg = _sglang_config("actor_rollout_ref.rollout.load_format=dummy")
     torch.manual_seed(1234)
     rng_before = (torch.get_rng_state(), torch.cuda.get_rng_state())
@@ -97,19 +98,14 @@ def test_sglang_rollout_weight_sync_release_and_log_probs(smollm2, monkeypatch):
 
 def _tp2_worker(rank: int, port: int, model: str, out_dir: str) -> None:
     """One of two processes, each shown one GPU as Ray shows it; rank 0 holds the TP group's engine."""
-    os.environ.update(
-        CUDA_VISIBLE_DEVICES=str(rank), RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-    )  # fmt: skip
     import torch.distributed as dist
+
+    tp_group = join_tp2_gpu_world(rank, port)
     from helpers.rollout import load_tokenizer, make_prompts
     from transformers import AutoModelForCausalLM
 
     from rlframe.workers.rollout import generate_in_tp_group
 
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=rank, world_size=2)
-    tp_group = dist.new_group([0, 1])
     cfg = _sglang_config(
         "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.load_format=dummy"
     )
@@ -135,7 +131,7 @@ def test_sglang_tp2_engine_on_the_groups_gpus(tmp_path):
     from helpers.gpu_models import tp2_stand_in
 
     model = tp2_stand_in(str(tmp_path / "model"))
-    torch.multiprocessing.spawn(_tp2_worker, args=(_free_port(), model, str(tmp_path)), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_tp2_worker, args=(free_port(), model, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         share = torch.load(tmp_path / f"rank{rank}.pt")
         batch = {k: share[k] for k in ("input_ids", "attention_mask", "position_ids", "responses")}

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from dataclasses import dataclass, field, fields, replace
 
 import torch
 
+from helpers.world import free_port
 from rlframe.batch_plan import ForwardPlan, UpdatePlan
 from rlframe.distributed.parallel_dims import ParallelDims, build_fsdp_mesh
 from rlframe.protocol import DataProto
@@ -298,13 +298,9 @@ def counting_all_gathers():
         dist.all_gather_single, SharedMemoryAllGather.__call__ = original, shared
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, sc: Scenario, port: int, model_path: str, data_path: str, out_dir: str) -> None:
+@contextlib.contextmanager
+def gloo_world(rank: int, sc: Scenario, port: int):
+    """This process in a `sc.world`-process gloo world, as its (dp, sp) device mesh; the group is destroyed after."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -312,10 +308,26 @@ def _worker(rank: int, sc: Scenario, port: int, model_path: str, data_path: str,
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=sc.world)
     try:
-        mesh = init_device_mesh("cpu", (sc.dp, sc.sp), mesh_dim_names=("dp", "sp"))
+        yield init_device_mesh("cpu", (sc.dp, sc.sp), mesh_dim_names=("dp", "sp"))
+    finally:
+        dist.destroy_process_group()
+
+
+def mesh_groups(mesh, sc: Scenario) -> tuple:
+    """The (dp, sp) process groups of a `gloo_world` mesh; no SP group without sequence parallelism."""
+    return mesh["dp"].get_group(), mesh["sp"].get_group() if sc.sp > 1 else None
+
+
+def spawn_world(worker, sc: Scenario, out_dir: str, *args) -> list:
+    """Run `worker(rank, sc, port, *args, out_dir)` on `sc.world` processes; each saves rank{r}.pt: return them."""
+    torch.multiprocessing.spawn(worker, args=(sc, free_port(), *args, out_dir), nprocs=sc.world, join=True)
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(sc.world)]
+
+
+def _worker(rank: int, sc: Scenario, port: int, model_path: str, data_path: str, out_dir: str) -> None:
+    with gloo_world(rank, sc, port) as mesh:
         fsdp_mesh = build_fsdp_mesh("cpu", sc.world, sc.fsdp_size)
-        dp_group = mesh["dp"].get_group()
-        sp_group = mesh["sp"].get_group() if sc.sp > 1 else None
+        dp_group, sp_group = mesh_groups(mesh, sc)
         dp_rank = mesh.get_local_rank("dp")
         result = run_scenario(
             sc, model_path, DataProto.load_from_disk(data_path), dp_rank, dp_group, sp_group, fsdp_mesh
@@ -324,18 +336,13 @@ def _worker(rank: int, sc: Scenario, port: int, model_path: str, data_path: str,
             result.pop("grads")
         result["dp_rank"], result["sp_rank"] = dp_rank, mesh.get_local_rank("sp")
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def run_distributed(sc: Scenario, model_path: str, data: DataProto, out_dir: str) -> dict:
     """Spawn `sc.world` gloo processes; return outputs re-assembled in the input order, metrics, grads."""
     data_path = os.path.join(out_dir, "data.pkl")
     data.save_to_disk(data_path)
-    torch.multiprocessing.spawn(
-        _worker, args=(sc, free_port(), model_path, data_path, out_dir), nprocs=sc.world, join=True
-    )
-    results = [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(sc.world)]
+    results = spawn_world(_worker, sc, out_dir, model_path, data_path)
     collectors = sorted((r for r in results if r["sp_rank"] == 0), key=lambda r: r["dp_rank"])
     outputs = {k: torch.cat([r["outputs"][k] for r in collectors]) for k in collectors[0]["outputs"]}
     return {

@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import socket
-
 import torch
 
 BF16_SLACK = 3.0  # how far a bf16 path may be from fp32, in units of the plain HF bf16 forward's own error
 
 
 FLOOR = 1e-3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _mean_abs(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> float:

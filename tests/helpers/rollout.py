@@ -48,14 +48,6 @@ def make_prompts(lengths=PROMPT_LENGTHS, width: int = PROMPT_LEN, seed: int = 0,
     )
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def load_tokenizer(path):
     from transformers import AutoTokenizer
 

@@ -346,8 +346,8 @@ def test_vllm_serves_the_adapter_across_updates_and_sleeps(tiny_model_path, adap
     its own greedy tokens are those of the PEFT model, after the first sync (base + adapter), after a new
     adapter, and after a sleep (level 1 keeps the base, which is not sent again)."""
     pytest.importorskip("vllm", reason="vllm not installed")
-    from helpers.fsdp_harness import free_port
     from helpers.rollout import load_tokenizer, make_prompts, rollout_config
+    from helpers.world import free_port
 
     from rlframe.workers.rollout import ServedModel, build_rollout
 

@@ -64,8 +64,8 @@ def test_packed_scores_equal_padded_scores(tiny_model_path, tmp_path):
 
 def test_worker_scores_packed_with_offloaded_parameters(tiny_model_path, tmp_path, monkeypatch):
     """The worker reads use_remove_padding and fsdp_config.param_offload: FSDP2 offloads, scores stay exact."""
-    from helpers.fsdp_harness import free_port
     from helpers.small_config import SMALL
+    from helpers.world import free_port
     from omegaconf import OmegaConf
     from torch.distributed.fsdp import CPUOffloadPolicy
 
@@ -189,8 +189,8 @@ def test_reward_loop_texts_equal_verl_091(tiny_model_path, bos_in_template):
 def test_reward_loop_worker_scores_the_rendered_chat(tiny_model_path, tmp_path, monkeypatch):
     """reward_model.use_reward_loop=true (the default): the score is the model's logit on the text verl's reward
     loop would send its server, not on the policy's own ids (which the legacy worker scores)."""
-    from helpers.fsdp_harness import free_port
     from helpers.small_config import SMALL
+    from helpers.world import free_port
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 

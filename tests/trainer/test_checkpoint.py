@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers.fsdp_harness import free_port
+from helpers.world import free_port
 
 from rlframe.distributed.parallel_dims import build_fsdp_mesh
 from rlframe.utils.manifest import write_manifest

@@ -6,11 +6,10 @@ slow tests; the flag handling and the worker environment are checked without Ray
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from helpers.runs import run_main
 from helpers.small_config import SMALL
 from omegaconf import OmegaConf
 
@@ -40,14 +39,7 @@ def real_run(tmp_path_factory, cache_dir):
         "trainer.device=cpu",
         "actor_rollout_ref.actor.skip_on_policy_old_log_prob=false",  # the step-time panel gets a pass to draw
     ]
-    env = {**os.environ, "RLFRAME_CACHE": str(cache_dir), "RAY_DEDUP_LOGS": "0"}
-    out = subprocess.run(
-        [sys.executable, "-m", "rlframe.trainer.main_ppo", *overrides],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-    )
+    out = run_main(overrides, cache_dir)
     assert out.returncode == 0, out.stderr[-3000:]
     return str(folder), out.stdout, out.stderr
 

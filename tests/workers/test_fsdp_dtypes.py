@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from helpers.fsdp_harness import free_port
+from helpers.world import free_port
 
 from rlframe.distributed.parallel_dims import build_fsdp_mesh
 from rlframe.trainer.config import compose, typed

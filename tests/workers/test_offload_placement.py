@@ -118,7 +118,7 @@ def _offload_worker(rank: int, port: int, model_path: str, out: str) -> None:
 
 @pytest.mark.slow
 def test_param_offload_grad_norm_clip_and_weight_stream_match_a_plain_model(tiny_model_path, tmp_path):
-    from helpers.rollout import free_port
+    from helpers.world import free_port
 
     out = str(tmp_path / "rank0.pt")
     torch.multiprocessing.spawn(_offload_worker, args=(free_port(), tiny_model_path, out), nprocs=2, join=True)

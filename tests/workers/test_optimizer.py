@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.fsdp_harness import free_port
+from helpers.world import free_port
 
 from rlframe.distributed.parallel_dims import build_fsdp_mesh
 from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, build_optimizer, load_hf_model, wrap_fsdp

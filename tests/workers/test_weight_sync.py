@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.fsdp_harness import free_port
+from helpers.world import free_port
 
 from rlframe.distributed.parallel_dims import build_fsdp_mesh
 from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, iter_full_params, load_hf_model, wrap_fsdp

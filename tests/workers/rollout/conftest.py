@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers.rollout import free_port
+from helpers.world import free_port
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers.agent_loop import KEYS
-from helpers.rollout import free_port, load_tokenizer, make_prompts, rollout_config
+from helpers.rollout import load_tokenizer, make_prompts, rollout_config
+from helpers.world import free_port
 
 from rlframe.workers.rollout import build_rollout, generate_in_tp_group, pool
 from rlframe.workers.rollout.base import SEED_KEY

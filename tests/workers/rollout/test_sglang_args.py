@@ -442,7 +442,7 @@ def _rank0_call_worker(rank: int, port: int, out_dir: str) -> None:
 
 def test_tp_peers_get_rank0s_result_and_raise_with_its_error(tmp_path):
     """The peers of the engine's rank wait for its outcome: they get its result, or fail when it fails."""
-    from helpers.rollout import free_port
+    from helpers.world import free_port
 
     torch.multiprocessing.spawn(_rank0_call_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))

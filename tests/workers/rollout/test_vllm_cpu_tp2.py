@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from helpers.rollout import free_port, load_tokenizer, make_prompts
+from helpers.rollout import load_tokenizer, make_prompts
 from helpers.vllm_cpu import (
     PROB_DIFF_MAX,
     PROB_DIFF_MEAN,
@@ -23,6 +23,7 @@ from helpers.vllm_cpu import (
     updated,
     vllm_rows,
 )
+from helpers.world import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROLLOUT = "actor_rollout_ref.rollout"
