@@ -15,11 +15,11 @@ from helpers.rollout import (
     PROMPT_LEN,
     PROMPT_LENGTHS,
     RESPONSE_LEN,
-    free_port,
     load_tokenizer,
     make_prompts,
     rollout_config,
 )
+from helpers.world import free_port
 
 from rlframe.config.checks import ROLLOUT_ENGINES, check_rollout_name
 from rlframe.protocol import DataProto
