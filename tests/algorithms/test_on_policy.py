@@ -17,14 +17,14 @@ import torch
 from helpers.fsdp_harness import (
     RecordingSGD,
     Scenario,
-    gloo_world,
     make_batch,
     make_role,
     mesh_groups,
     relative_error,
+    scenario_mesh,
     single_dims,
-    spawn_world,
 )
+from helpers.world import spawned_world
 from omegaconf import OmegaConf
 from transformers import AutoConfig
 
@@ -61,21 +61,18 @@ def full_params(model) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor() if hasattr(p, "full_tensor") else p for n, p in model.named_parameters()}
 
 
-def _worker(rank: int, sc: Scenario, port: int, model_path: str, data_path: str, out_dir: str) -> None:
-    with gloo_world(rank, sc, port) as mesh:
-        shard = DataProto.load_from_disk(data_path).chunk(sc.dp)[mesh.get_local_rank("dp")]
-        fsdp_mesh = build_fsdp_mesh("cpu", sc.world, -1)
-        groups = mesh_groups(mesh, sc)
-        result = {
-            mode: _one_step(sc, model_path, shard, mode == "skip", groups, fsdp_mesh) for mode in ("pass", "skip")
-        }
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+def _rank_steps(rank: int, sc: Scenario, model_path: str, data_path: str) -> dict:
+    mesh = scenario_mesh(sc)
+    shard = DataProto.load_from_disk(data_path).chunk(sc.dp)[mesh.get_local_rank("dp")]
+    fsdp_mesh = build_fsdp_mesh("cpu", sc.world, -1)
+    groups = mesh_groups(mesh, sc)
+    return {mode: _one_step(sc, model_path, shard, mode == "skip", groups, fsdp_mesh) for mode in ("pass", "skip")}
 
 
 def _run(sc: Scenario, model_path: str, data: DataProto, out_dir) -> list[dict]:
     data_path = os.path.join(out_dir, "data.pkl")
     data.save_to_disk(data_path)
-    return spawn_world(_worker, sc, str(out_dir), model_path, data_path)
+    return spawned_world(sc.world).run(_rank_steps, sc, model_path, data_path)
 
 
 SCENARIOS = {

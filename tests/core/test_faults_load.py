@@ -5,21 +5,16 @@ the whole budget) and the others short ones, in random lengths; every rank holds
 sequences, as the driver's dispatch makes it. Every rank must cut its share into the same number of
 micro-batches (else FSDP's collectives would wait forever), every micro-batch must stay within the
 token budget, and every sequence must be in exactly one micro-batch. A hang would fail the test
-through the process group's timeout; the test asserts what every rank saw.
+through the job's timeout; the test asserts what every rank saw.
 """
 
 from __future__ import annotations
-
-import datetime
-import json
-import os
-import socket
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers.world import spawned_world
 from tensordict import TensorDict
 
 from rlframe.seqpack import rearrange_micro_batches
@@ -36,39 +31,28 @@ def skewed_lengths(batch: int, rank: int) -> list[int]:
     return rng.integers(1, 64, count).tolist()
 
 
-def _rank_main(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120))
+def _rank_seen(rank: int) -> list[dict]:
     seen = []
-    try:
-        for batch in range(NUM_BATCHES):
-            lengths = skewed_lengths(batch, rank)
-            mask = torch.zeros(len(lengths), max(lengths), dtype=torch.int64)
-            for row, length in enumerate(lengths):
-                mask[row, -length:] = 1
-            data = TensorDict({"attention_mask": mask}, batch_size=[len(lengths)])
-            micro, groups = rearrange_micro_batches(data, BUDGET, dp_group=dist.group.WORLD)
-            seen.append(
-                {
-                    "count": len(micro),
-                    "largest": max(int(mb["attention_mask"].sum()) for mb in micro),
-                    "covered": sorted(i for group in groups for i in group) == list(range(len(lengths))),
-                }
-            )
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(seen, f)
+    for batch in range(NUM_BATCHES):
+        lengths = skewed_lengths(batch, rank)
+        mask = torch.zeros(len(lengths), max(lengths), dtype=torch.int64)
+        for row, length in enumerate(lengths):
+            mask[row, -length:] = 1
+        data = TensorDict({"attention_mask": mask}, batch_size=[len(lengths)])
+        micro, groups = rearrange_micro_batches(data, BUDGET, dp_group=dist.group.WORLD)
+        seen.append(
+            {
+                "count": len(micro),
+                "largest": max(int(mb["attention_mask"].sum()) for mb in micro),
+                "covered": sorted(i for group in groups for i in group) == list(range(len(lengths))),
+            }
+        )
+    return seen
 
 
 @pytest.mark.slow
-def test_dynamic_micro_batching_on_skewed_ranks_never_hangs_or_exceeds_the_budget(tmp_path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.start_processes(_rank_main, args=(port, str(tmp_path)), nprocs=WORLD, start_method="spawn")
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+def test_dynamic_micro_batching_on_skewed_ranks_never_hangs_or_exceeds_the_budget():
+    ranks = spawned_world(WORLD).run(_rank_seen, timeout=120)
     assert all(len(seen) == NUM_BATCHES for seen in ranks)
     for batch in range(NUM_BATCHES):
         counts = {ranks[r][batch]["count"] for r in range(WORLD)}

@@ -1,17 +1,14 @@
 """Sequence balancing: partition properties, capacity packing, micro-batching and its DP agreement."""
 
-import datetime
 import heapq
 import logging
 import math
-import os
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from helpers.world import free_port
+from helpers.world import spawned_world
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
@@ -287,29 +284,19 @@ def test_rearrange_micro_batches_more_micro_batches_than_sequences_is_an_error()
         rearrange_micro_batches(make_batch([5, 5]), 100, min_num_micro_batch=3)
 
 
-def _skewed_ranks_worker(rank, port, result_path):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
-    try:
-        # Rank 0 holds short sequences (1 micro-batch alone), rank 1 long ones (5 alone).
-        seqlens = [20] * 8 if rank == 0 else [400, 380, 350, 300, 300, 250, 200, 180]
-        micro_batches, _ = rearrange_micro_batches(make_batch(seqlens), 512, dp_group=dist.group.WORLD)
-        assert all(mb["attention_mask"].sum() <= 512 for mb in micro_batches)
-        counts = [None, None]
-        dist.all_gather_object(counts, len(micro_batches))
-        if rank == 0:
-            with open(result_path, "w") as f:
-                f.write(",".join(map(str, counts)))
-    finally:
-        dist.destroy_process_group()
+def _skewed_ranks_worker(rank: int) -> list[int]:
+    # Rank 0 holds short sequences (1 micro-batch alone), rank 1 long ones (5 alone).
+    seqlens = [20] * 8 if rank == 0 else [400, 380, 350, 300, 300, 250, 200, 180]
+    micro_batches, _ = rearrange_micro_batches(make_batch(seqlens), 512, dp_group=dist.group.WORLD)
+    assert all(mb["attention_mask"].sum() <= 512 for mb in micro_batches)
+    counts = [None, None]
+    dist.all_gather_object(counts, len(micro_batches))
+    return counts
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_dynamic_bsz_same_micro_count_on_skewed_ranks(tmp_path):
-    result = tmp_path / "counts.txt"
-    mp.start_processes(_skewed_ranks_worker, args=(free_port(), str(result)), nprocs=2, start_method="spawn")
-    counts = [int(c) for c in result.read_text().split(",")]
+def test_dynamic_bsz_same_micro_count_on_skewed_ranks():
+    counts = spawned_world(2).run(_skewed_ranks_worker, timeout=60)[0]
     assert counts[0] == counts[1] >= 5
 
 

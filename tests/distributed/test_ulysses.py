@@ -1,20 +1,15 @@
 """Ulysses sequence parallelism over gloo: sp > 1 gives the single-process log-probs, values and gradients.
 
-Each multi-process job spawns once (import time dominates on a small machine) and saves rank 0's
+Each multi-process job runs once on the session's spawned gloo world (tests/helpers/world.py) and returns rank 0's
 results; the tests below compare them with the same computation run in this process with sp=1.
 Gradients from the SP ranks are averaged, as FSDP does over its dp x sp mesh.
 """
 
-import os
-import socket
-import time
-from datetime import timedelta
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from helpers.padding import RESPONSE_LEN, assert_rel_close, load, make_rl_batch
+from helpers.world import spawned_world
 
 from rlframe.distributed.ulysses import (
     check_ulysses_config,
@@ -25,42 +20,9 @@ from rlframe.distributed.ulysses import (
 )
 from rlframe.workers.model_forward import PackedLayout, ScoringSpec, forward_micro_batch
 
-JOB_TIMEOUT_S = 240
 # total valid tokens 24 (a multiple of 2 and 4) and 17 (neither), with 4 and 3 sequences
 BATCHES = {"even": ([6, 3, 1, 4], [5, 2, 2, 1]), "odd": ([5, 2, 6], [1, 3, 0])}
 MODES = ("log_probs", "values", "checkpointed")
-
-
-def run_job(fn, world_size, *args):
-    """Run fn(rank, world_size, *args) in `world_size` spawned gloo processes; fail on error or timeout."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.start_processes(
-        _entry, args=(fn, world_size, port, args), nprocs=world_size, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            raise TimeoutError(f"{fn.__name__} with {world_size} processes did not finish in {JOB_TIMEOUT_S}s")
-
-
-def _entry(rank, fn, world_size, port, args):
-    torch.set_num_threads(1)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=JOB_TIMEOUT_S),
-    )
-    try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
 
 
 def score(model_path, batch, mode, sp_group=None):
@@ -82,18 +44,18 @@ def score(model_path, batch, mode, sp_group=None):
     return {k: v.detach() for k, v in out.items()}, grads
 
 
-def _model_worker(rank, world_size, model_paths, vocab_size, out_path):
+def _model_worker(rank, model_paths, vocab_size):
     results = {}
     for model_name, path in model_paths.items():
         for batch_name, lens in BATCHES.items():
             for mode in MODES:
                 batch = make_rl_batch(*lens, vocab_size=vocab_size)
                 results[model_name, batch_name, mode] = score(path, batch, mode, sp_group=dist.group.WORLD)
-    if rank == 0:
-        torch.save(results, out_path)
+    return results
 
 
-def _collectives_worker(rank, world_size, out_path):
+def _collectives_worker(rank):
+    world_size = dist.get_world_size()
     seq, heads, dim = 4 * world_size, 2 * world_size, 3
     full = torch.randn(seq, heads, dim, generator=torch.Generator().manual_seed(0))
     upstream = torch.randn(seq, heads, dim, generator=torch.Generator().manual_seed(1))
@@ -114,10 +76,7 @@ def _collectives_worker(rank, world_size, out_path):
         "gathered": gathered.detach(),
         "gather_grad": tokens.grad,
     }
-    all_results = [None] * world_size
-    dist.all_gather_object(all_results, results)
-    if rank == 0:
-        torch.save(all_results, out_path)
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -135,18 +94,13 @@ def vocab_size(tiny_model_path):
 
 
 @pytest.fixture(scope="module")
-def sp2_results(model_paths, vocab_size, tmp_path_factory):
-    out = tmp_path_factory.mktemp("sp2") / "results.pt"
-    run_job(_model_worker, 2, model_paths, vocab_size, str(out))
-    return torch.load(out, weights_only=False)
+def sp2_results(model_paths, vocab_size):
+    return spawned_world(2).run(_model_worker, model_paths, vocab_size)[0]
 
 
 @pytest.mark.slow
-def test_all_to_all_round_trip_and_gather_adjoint(tmp_path):
-    world_size = 2
-    run_job(_collectives_worker, world_size, str(tmp_path / "c.pt"))
-    results = torch.load(tmp_path / "c.pt", weights_only=False)
-    for rank, r in enumerate(results):
+def test_all_to_all_round_trip_and_gather_adjoint():
+    for rank, r in enumerate(spawned_world(2).run(_collectives_worker)):
         assert r["head_shard_ok"] and r["round_trip_ok"] and r["grad_ok"], rank
         assert r["gathered"].tolist() == [0, 1, 2, 3, 4, 10, 11, 12]
         # backward of the gather is a reduce-scatter: every rank's loss weight (1 + 2) reaches every shard
@@ -170,17 +124,13 @@ def test_sp2_outputs_and_grads_match_sp1(sp2_results, model_paths, vocab_size, m
         assert_rel_close(grads[name], expected_grads[name])
 
 
-def _sp4_worker(rank, world_size, model_path, vocab_size, out_path):
-    batch = make_rl_batch(*BATCHES["odd"], vocab_size=vocab_size)
-    result = score(model_path, batch, "log_probs", sp_group=dist.group.WORLD)
-    if rank == 0:
-        torch.save(result, out_path)
+def _sp4_worker(rank, model_path, vocab_size):
+    return score(model_path, make_rl_batch(*BATCHES["odd"], vocab_size=vocab_size), "log_probs", dist.group.WORLD)
 
 
 @pytest.mark.slow
-def test_sp4_with_two_kv_heads_matches_sp1(tiny_model_path, vocab_size, tmp_path):
-    run_job(_sp4_worker, 4, tiny_model_path, vocab_size, str(tmp_path / "sp4.pt"))
-    out, grads = torch.load(tmp_path / "sp4.pt", weights_only=False)
+def test_sp4_with_two_kv_heads_matches_sp1(tiny_model_path, vocab_size):
+    out, grads = spawned_world(4).run(_sp4_worker, tiny_model_path, vocab_size)[0]
     expected_out, expected_grads = score(
         tiny_model_path, make_rl_batch(*BATCHES["odd"], vocab_size=vocab_size), "log_probs"
     )

@@ -4,7 +4,8 @@ Each scenario: the same fixed RL batch, one mini-batch, no clipping; the optimiz
 (unsharded) accumulated gradient right before its step. Gradients are compared directly rather
 than as parameter deltas: a delta `(p - lr·g) - p` loses the low bits of `g` whenever |p| >> |lr·g|
 (norm weights sit at 1.0), which would put a rounding floor above the 1e-5 we want to check.
-Rank 0 writes the gradients, every rank the outputs of its DP shard; the test reassembles them.
+Rank 0 returns the gradients, every rank the outputs of its DP shard; the test reassembles them. The ranks are a
+session's `spawned_world` (tests/helpers/world.py), spawned once per world size.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 
 import torch
 
-from helpers.world import free_port
+from helpers.world import spawned_world
 from rlframe.batch_plan import ForwardPlan, UpdatePlan
 from rlframe.distributed.parallel_dims import ParallelDims, build_fsdp_mesh
 from rlframe.protocol import DataProto
@@ -298,51 +299,35 @@ def counting_all_gathers():
         dist.all_gather_single, SharedMemoryAllGather.__call__ = original, shared
 
 
-@contextlib.contextmanager
-def gloo_world(rank: int, sc: Scenario, port: int):
-    """This process in a `sc.world`-process gloo world, as its (dp, sp) device mesh; the group is destroyed after."""
-    import torch.distributed as dist
+def scenario_mesh(sc: Scenario):
+    """The (dp, sp) device mesh of `sc` over this process's world (a `spawned_world(sc.world)` rank)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=sc.world)
-    try:
-        yield init_device_mesh("cpu", (sc.dp, sc.sp), mesh_dim_names=("dp", "sp"))
-    finally:
-        dist.destroy_process_group()
+    return init_device_mesh("cpu", (sc.dp, sc.sp), mesh_dim_names=("dp", "sp"))
 
 
 def mesh_groups(mesh, sc: Scenario) -> tuple:
-    """The (dp, sp) process groups of a `gloo_world` mesh; no SP group without sequence parallelism."""
+    """The (dp, sp) process groups of a `scenario_mesh`; no SP group without sequence parallelism."""
     return mesh["dp"].get_group(), mesh["sp"].get_group() if sc.sp > 1 else None
 
 
-def spawn_world(worker, sc: Scenario, out_dir: str, *args) -> list:
-    """Run `worker(rank, sc, port, *args, out_dir)` on `sc.world` processes; each saves rank{r}.pt: return them."""
-    torch.multiprocessing.spawn(worker, args=(sc, free_port(), *args, out_dir), nprocs=sc.world, join=True)
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(sc.world)]
-
-
-def _worker(rank: int, sc: Scenario, port: int, model_path: str, data_path: str, out_dir: str) -> None:
-    with gloo_world(rank, sc, port) as mesh:
-        fsdp_mesh = build_fsdp_mesh("cpu", sc.world, sc.fsdp_size)
-        dp_group, sp_group = mesh_groups(mesh, sc)
-        dp_rank = mesh.get_local_rank("dp")
-        result = run_scenario(
-            sc, model_path, DataProto.load_from_disk(data_path), dp_rank, dp_group, sp_group, fsdp_mesh
-        )
-        if rank != 0:
-            result.pop("grads")
-        result["dp_rank"], result["sp_rank"] = dp_rank, mesh.get_local_rank("sp")
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+def _rank_scenario(rank: int, sc: Scenario, model_path: str, data_path: str) -> dict:
+    mesh = scenario_mesh(sc)
+    fsdp_mesh = build_fsdp_mesh("cpu", sc.world, sc.fsdp_size)
+    dp_group, sp_group = mesh_groups(mesh, sc)
+    dp_rank = mesh.get_local_rank("dp")
+    result = run_scenario(sc, model_path, DataProto.load_from_disk(data_path), dp_rank, dp_group, sp_group, fsdp_mesh)
+    if rank != 0:
+        result.pop("grads")
+    result["dp_rank"], result["sp_rank"] = dp_rank, mesh.get_local_rank("sp")
+    return result
 
 
 def run_distributed(sc: Scenario, model_path: str, data: DataProto, out_dir: str) -> dict:
     """Spawn `sc.world` gloo processes; return outputs re-assembled in the input order, metrics, grads."""
     data_path = os.path.join(out_dir, "data.pkl")
     data.save_to_disk(data_path)
-    results = spawn_world(_worker, sc, out_dir, model_path, data_path)
+    results = spawned_world(sc.world).run(_rank_scenario, sc, model_path, data_path)
     collectors = sorted((r for r in results if r["sp_rank"] == 0), key=lambda r: r["dp_rank"])
     outputs = {k: torch.cat([r["outputs"][k] for r in collectors]) for k in collectors[0]["outputs"]}
     return {

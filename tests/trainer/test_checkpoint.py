@@ -12,11 +12,12 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers.world import free_port
+from helpers.world import spawned_world
 
 from rlframe.distributed.parallel_dims import build_fsdp_mesh
 from rlframe.utils.manifest import write_manifest
@@ -106,53 +107,45 @@ def rng_snapshot(generator) -> dict:
     }
 
 
-def rank_main(rank: int, phase: str, layout: Layout, port: int, model_path: str, ckpt_dir: str, out_dir: str):
-    """Save (after training) or load a checkpoint at `layout`; write what the test compares."""
-    import torch.distributed as dist
+def rank_record(rank: int, phase: str, layout: Layout, model_path: str, ckpt_dir: str) -> dict:
+    """Save (after training) or load a checkpoint at `layout`: what the test compares."""
+    model, optimizer, scheduler, generator = build(layout, model_path)
+    if phase == "save":
+        train(model, optimizer, scheduler, generator, rank)
+        record = {"rng": rng_snapshot(generator)}
+        ckpt.save_checkpoint(
+            ckpt_dir,
+            model,
+            optimizer,
+            scheduler,
+            ("model", "optimizer", "extra"),
+            generator=generator,
+        )
+    else:
+        ckpt.load_checkpoint(ckpt_dir, model, optimizer, scheduler, generator=generator)
+        record = {"rng": rng_snapshot(generator)}
+    record["lr_scheduler"] = scheduler.state_dict()
+    record["lr"] = optimizer.param_groups[0]["lr"]
+    record["full"] = full_state(model, optimizer)
+    with torch.no_grad():
+        record["loss"] = loss_of(model, fixed_batch(model.config.vocab_size))
+    if rank != 0:
+        record.pop("full")
+    return record
 
+
+def run_ranks(phase: str, layout: Layout, model_path: str, ckpt_dir: str) -> list[dict]:
+    """`rank_record` on every rank of `layout`: a session's gloo world, or, for the plain module, a fresh process
+    without a process group."""
+    if layout.strategy == "none":
+        with ProcessPoolExecutor(1, mp_context=torch.multiprocessing.get_context("spawn")) as pool:
+            return [pool.submit(_plain_record, phase, layout, model_path, ckpt_dir).result()]
+    return spawned_world(layout.world).run(rank_record, phase, layout, model_path, ckpt_dir)
+
+
+def _plain_record(*args) -> dict:
     torch.set_num_threads(1)
-    if layout.strategy != "none":
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=layout.world)
-    try:
-        model, optimizer, scheduler, generator = build(layout, model_path)
-        if phase == "save":
-            train(model, optimizer, scheduler, generator, rank)
-            record = {"rng": rng_snapshot(generator)}
-            ckpt.save_checkpoint(
-                ckpt_dir,
-                model,
-                optimizer,
-                scheduler,
-                ("model", "optimizer", "extra"),
-                generator=generator,
-            )
-        else:
-            ckpt.load_checkpoint(ckpt_dir, model, optimizer, scheduler, generator=generator)
-            record = {"rng": rng_snapshot(generator)}
-        record["lr_scheduler"] = scheduler.state_dict()
-        record["lr"] = optimizer.param_groups[0]["lr"]
-        record["full"] = full_state(model, optimizer)
-        with torch.no_grad():
-            record["loss"] = loss_of(model, fixed_batch(model.config.vocab_size))
-        if rank != 0:
-            record.pop("full")
-        torch.save(record, os.path.join(out_dir, f"{phase}_rank{rank}.pt"))
-        if dist.is_initialized():
-            # every rank reaches the teardown before any closes its gloo connections: a rank that tore down
-            # while its peer was still writing its record once aborted (std::terminate in gloo's threads)
-            dist.barrier()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_ranks(phase: str, layout: Layout, model_path: str, ckpt_dir: str, out_dir: str) -> list[dict]:
-    os.makedirs(out_dir, exist_ok=True)
-    torch.multiprocessing.spawn(
-        rank_main, args=(phase, layout, free_port(), model_path, ckpt_dir, out_dir), nprocs=layout.world, join=True
-    )
-    return [torch.load(os.path.join(out_dir, f"{phase}_rank{r}.pt"), weights_only=True) for r in range(layout.world)]
+    return rank_record(0, *args)
 
 
 # ---------------------------------------------------------------- resharding
@@ -181,7 +174,7 @@ def saved(tiny_model_path, tmp_path_factory):
     def get(name: str):
         if name not in cache:
             root = tmp_path_factory.mktemp(f"saved_{name}")
-            records = run_ranks("save", SAVED[name], tiny_model_path, str(root / "ckpt"), str(root / "out"))
+            records = run_ranks("save", SAVED[name], tiny_model_path, str(root / "ckpt"))
             cache[name] = (str(root / "ckpt"), records)
         return cache[name]
 
@@ -206,9 +199,9 @@ def assert_same_tree(a, b, where: str = "") -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("source,target", CASES, ids=[f"{s}-to-{t}" for s, t in CASES])
-def test_checkpoint_loads_at_another_world_size_and_strategy(saved, tiny_model_path, tmp_path, source, target):
+def test_checkpoint_loads_at_another_world_size_and_strategy(saved, tiny_model_path, source, target):
     ckpt_dir, before = saved(source)
-    after = run_ranks("load", target, tiny_model_path, ckpt_dir, str(tmp_path))
+    after = run_ranks("load", target, tiny_model_path, ckpt_dir)
     assert_same_tree(after[0]["full"]["params"], before[0]["full"]["params"], "params")
     assert_same_tree(after[0]["full"]["optim"], before[0]["full"]["optim"], "optimizer")
     saved_world = len(before)

@@ -7,11 +7,9 @@ here, under FSDP2 and FSDP1, from the config the worker reads (`fsdp_spec`). The
 param_dtype auto = fp32 on CPU) wraps without mixed precision: outputs bitwise those of the plain model.
 """
 
-import os
-
 import pytest
 import torch
-from helpers.world import free_port
+from helpers.world import spawned_world
 
 from rlframe.distributed.parallel_dims import build_fsdp_mesh
 from rlframe.trainer.config import compose, typed
@@ -67,23 +65,14 @@ def _observed(case: str, strategy: str, model_path: str) -> dict:
     }
 
 
-def _worker(rank: int, port: int, model_path: str, out: str) -> None:
-    import torch.distributed as dist
+def _worker(rank: int, model_path: str) -> dict:
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        results = {(c, s): _observed(c, s, model_path) for c in CASES for s in ("fsdp2", "fsdp")}
-        torch.save(results, out)
-    finally:
-        dist.destroy_process_group()
+    return {(c, s): _observed(c, s, model_path) for c in CASES for s in ("fsdp2", "fsdp")}
 
 
 @pytest.fixture(scope="module")
-def observed(tiny_model_path, tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("dtypes") / "observed.pt")
-    torch.multiprocessing.spawn(_worker, args=(free_port(), tiny_model_path, out), nprocs=1, join=True)
-    return torch.load(out, weights_only=False)
+def observed(tiny_model_path):
+    return spawned_world(1).run(_worker, tiny_model_path)[0]
 
 
 BF16, FP32 = torch.bfloat16, torch.float32

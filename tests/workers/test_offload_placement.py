@@ -92,37 +92,29 @@ def test_fsdp2_wrap_leaves_the_model_where_it_is_and_shards_layer_by_layer(monke
 
 
 # ---------------------------------------------------------------------------------------- 2 processes
-def _offload_worker(rank: int, port: int, model_path: str, out: str) -> None:
-    import torch.distributed as dist
+def _offload_worker(rank: int, model_path: str, threads: int) -> dict | None:
 
     from rlframe.distributed.parallel_dims import build_fsdp_mesh
     from rlframe.workers.fsdp_utils import ModelSpec, clip_grad_norm, iter_full_params, load_hf_model
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        torch.manual_seed(0)
-        model = load_hf_model(ModelSpec(model_path, "actor", torch.float32, use_remove_padding=False))
-        spec = FSDPSpec("fsdp2", torch.float32, torch.float32, param_offload=True, reshard_after_forward=True)
-        model = fsdp_utils.wrap_fsdp(model, spec, build_fsdp_mesh("cpu", 2, -1), "cpu")
-        ids = torch.arange(12).reshape(2, 6) + 3
-        model(input_ids=ids[rank : rank + 1]).logits.float().pow(2).mean().backward()
-        norm = clip_grad_norm(model, max_norm=1e-3)  # far below the norm: clipping is active
-        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
-        params = dict(iter_full_params(model))
-        if rank == 0:
-            torch.save({"norm": norm, "grads": grads, "params": params}, out)
-        dist.barrier()  # neither rank tears its gloo pairs down while the other still writes or gathers
-    finally:
-        dist.destroy_process_group()
+    torch.set_num_threads(threads)  # the reference's: the same kernels, the same sums (tiny gradients compared)
+    torch.manual_seed(0)
+    model = load_hf_model(ModelSpec(model_path, "actor", torch.float32, use_remove_padding=False))
+    spec = FSDPSpec("fsdp2", torch.float32, torch.float32, param_offload=True, reshard_after_forward=True)
+    model = fsdp_utils.wrap_fsdp(model, spec, build_fsdp_mesh("cpu", 2, -1), "cpu")
+    ids = torch.arange(12).reshape(2, 6) + 3
+    model(input_ids=ids[rank : rank + 1]).logits.float().pow(2).mean().backward()
+    norm = clip_grad_norm(model, max_norm=1e-3)  # far below the norm: clipping is active
+    grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    params = dict(iter_full_params(model))
+    return {"norm": norm, "grads": grads, "params": params} if rank == 0 else None
 
 
 @pytest.mark.slow
-def test_param_offload_grad_norm_clip_and_weight_stream_match_a_plain_model(tiny_model_path, tmp_path):
-    from helpers.world import free_port
+def test_param_offload_grad_norm_clip_and_weight_stream_match_a_plain_model(tiny_model_path):
+    from helpers.world import spawned_world
 
-    out = str(tmp_path / "rank0.pt")
-    torch.multiprocessing.spawn(_offload_worker, args=(free_port(), tiny_model_path, out), nprocs=2, join=True)
-    got = torch.load(out)
+    got = spawned_world(2).run(_offload_worker, tiny_model_path, torch.get_num_threads())[0]
 
     torch.manual_seed(0)
     model = fsdp_utils.load_hf_model(fsdp_utils.ModelSpec(tiny_model_path, "actor", torch.float32, False))

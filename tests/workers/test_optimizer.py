@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.world import free_port
+from helpers.world import spawned_world
 
 from rlframe.distributed.parallel_dims import build_fsdp_mesh
 from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, build_optimizer, load_hf_model, wrap_fsdp
@@ -26,32 +25,22 @@ def _load(model_path: str):
     return load_hf_model(spec)
 
 
-def _worker(rank: int, port: int, model_path: str, out: str) -> None:
-    import torch.distributed as dist
+def _worker(rank: int, model_path: str) -> dict | None:
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        spec = FSDPSpec("fsdp2", torch.float32, torch.float32, False, True)
-        model = wrap_fsdp(_load(model_path), spec, build_fsdp_mesh("cpu", 2, -1), "cpu")
-        optimizer = build_optimizer(model, OPTIM)
-        for step in range(STEPS):  # both ranks the same batch: FSDP's mean of two equal gradients is exact
-            _loss(model, step).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        full = {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
-        if rank == 0:
-            torch.save({"foreach": optimizer.defaults["foreach"], "params": full}, out)
-    finally:
-        dist.destroy_process_group()
+    spec = FSDPSpec("fsdp2", torch.float32, torch.float32, False, True)
+    model = wrap_fsdp(_load(model_path), spec, build_fsdp_mesh("cpu", 2, -1), "cpu")
+    optimizer = build_optimizer(model, OPTIM)
+    for step in range(STEPS):  # both ranks the same batch: FSDP's mean of two equal gradients is exact
+        _loss(model, step).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    full = {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
+    return {"foreach": optimizer.defaults["foreach"], "params": full} if rank == 0 else None
 
 
 @pytest.mark.slow  # a multi-process world or a subprocess: over 6 s on 2 cores (tests/README.md)
-def test_multi_tensor_adamw_on_fsdp2_shards_equals_per_parameter_adamw_bitwise(tiny_model_path, tmp_path):
-    out = str(tmp_path / "fsdp2.pt")
-    torch.multiprocessing.spawn(_worker, args=(free_port(), tiny_model_path, out), nprocs=2, join=True)
-    sharded = torch.load(out, weights_only=True)
+def test_multi_tensor_adamw_on_fsdp2_shards_equals_per_parameter_adamw_bitwise(tiny_model_path):
+    sharded = spawned_world(2).run(_worker, tiny_model_path)[0]
     assert sharded["foreach"] is True
 
     plain = _load(tiny_model_path)

@@ -9,12 +9,10 @@ replica still holds the actor's weights.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.world import free_port
+from helpers.world import spawned_world
 
 from rlframe.distributed.parallel_dims import build_fsdp_mesh
 from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, iter_full_params, load_hf_model, wrap_fsdp
@@ -31,46 +29,40 @@ def _counting(real, counter: list):
     return all_gather
 
 
-def _worker(rank: int, world: int, port: int, model_path: str, out_dir: str) -> None:
+def _worker(rank: int, model_path: str) -> dict:
     from rlframe.workers.rollout.base import ServedModel
     from rlframe.workers.rollout.hf_rollout import HFRollout
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        model = load_hf_model(ModelSpec(path=model_path, role="actor", dtype=torch.float32, use_remove_padding=True))
-        spec = FSDPSpec("fsdp2", torch.float32, torch.float32, False, True)
-        model = wrap_fsdp(model, spec, build_fsdp_mesh("cpu", world, -1), "cpu")
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(rank))
-        model(input_ids=ids).logits.square().mean().backward()
-        optimizer.step()
-        reference = [(name, tensor.clone()) for name, tensor in iter_full_params(model)]
-        result = {"reference": reference}
-        memory = model._rlframe_shared_memory  # what wrap_fsdp gave the model (a worker passes its own)
-        real = memory.shared_half
-        for label, bucket_bytes in (("small", 4096), ("default", None), ("gloo", None)):
-            calls: list = []
-            memory.shared_half = _counting(real, calls)
-            if label == "gloo":  # no room in /dev/shm: the flat all_gather through gloo
-                memory.shared_half = _counting(lambda group, nbytes: None, calls)
-            try:
-                kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
-                result[label] = [(name, tensor.clone()) for name, tensor in iter_full_params_bucketed(model, **kwargs)]
-            finally:
-                memory.shared_half = real
-            result[f"{label}_calls"] = len(calls)
-        result["through_shared_memory"] = any(group.buffer is not None for group in memory._groups.values())
-        from transformers import AutoTokenizer
+    model = load_hf_model(ModelSpec(path=model_path, role="actor", dtype=torch.float32, use_remove_padding=True))
+    spec = FSDPSpec("fsdp2", torch.float32, torch.float32, False, True)
+    model = wrap_fsdp(model, spec, build_fsdp_mesh("cpu", dist.get_world_size(), -1), "cpu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.randint(3, 100, (2, 12), generator=torch.Generator().manual_seed(rank))
+    model(input_ids=ids).logits.square().mean().backward()
+    optimizer.step()
+    reference = [(name, tensor.clone()) for name, tensor in iter_full_params(model)]
+    result = {"reference": reference}
+    memory = model._rlframe_shared_memory  # what wrap_fsdp gave the model (a worker passes its own)
+    real = memory.shared_half
+    for label, bucket_bytes in (("small", 4096), ("default", None), ("gloo", None)):
+        calls: list = []
+        memory.shared_half = _counting(real, calls)
+        if label == "gloo":  # no room in /dev/shm: the flat all_gather through gloo
+            memory.shared_half = _counting(lambda group, nbytes: None, calls)
+        try:
+            kwargs = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+            result[label] = [(name, tensor.clone()) for name, tensor in iter_full_params_bucketed(model, **kwargs)]
+        finally:
+            memory.shared_half = real
+        result[f"{label}_calls"] = len(calls)
+    result["through_shared_memory"] = any(group.buffer is not None for group in memory._groups.values())
+    from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        rollout = HFRollout(_rollout_cfg(), ServedModel(model_path), tokenizer, "cpu")
-        rollout.update_weights(iter_full_params_bucketed(model))
-        result["rollout"] = {n: p.detach().clone() for n, p in rollout.model.state_dict().items()}
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    rollout = HFRollout(_rollout_cfg(), ServedModel(model_path), tokenizer, "cpu")
+    rollout.update_weights(iter_full_params_bucketed(model))
+    result["rollout"] = {n: p.detach().clone() for n, p in rollout.model.state_dict().items()}
+    return result
 
 
 def _rollout_cfg():
@@ -83,10 +75,8 @@ def _rollout_cfg():
 
 @pytest.mark.slow  # a multi-process world or a subprocess: over 6 s on 2 cores (tests/README.md)
 @pytest.mark.parametrize("world", [2, 3])
-def test_bucketed_sync_gives_every_full_tensor_bitwise_in_fewer_collectives(tiny_model_path, tmp_path, world):
-    torch.multiprocessing.spawn(_worker, args=(world, free_port(), tiny_model_path, str(tmp_path)), nprocs=world)
-    for rank in range(world):
-        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+def test_bucketed_sync_gives_every_full_tensor_bitwise_in_fewer_collectives(tiny_model_path, world):
+    for result in spawned_world(world).run(_worker, tiny_model_path):
         reference = result["reference"]
         for label in ("small", "default", "gloo"):
             assert [n for n, _ in result[label]] == [n for n, _ in reference], label

@@ -6,8 +6,6 @@ vLLM's CPU build, its own environment); what needs CUDA is marked `gpu` (test_gp
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -19,7 +17,7 @@ from helpers.rollout import (
     make_prompts,
     rollout_config,
 )
-from helpers.world import free_port
+from helpers.world import spawned_world
 
 from rlframe.config.checks import ROLLOUT_ENGINES, check_rollout_name
 from rlframe.protocol import DataProto
@@ -177,31 +175,25 @@ def test_rows_sharing_a_prompt_are_prefilled_once_and_sample_as_before(hf_rollou
 
 
 # ---------------------------------------------------------------------------------------- TP
-def _tp_worker(rank: int, port: int, model_path: str, out_dir: str) -> None:
+def _tp_worker(rank: int, model_path: str) -> dict:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        cfg = rollout_config("actor_rollout_ref.rollout.tensor_model_parallel_size=2")
-        rollout = build_rollout("hf", cfg, model_path, load_tokenizer(model_path), "cpu", tp_group=dist.group.WORLD)
-        prompts = make_prompts(seed=4)
-        share = prompts.select_idxs(slice(0, 3) if rank == 0 else slice(3, None))  # unequal shares
-        result = {}
-        share.meta_info = {"do_sample": False}
-        result["greedy"] = generate_in_tp_group(rollout, share, dist.group.WORLD).batch["responses"]
-        share.meta_info = {}
-        torch.manual_seed(7 if rank == 0 else 1234)  # TP peers seeded differently: rank 0's seed must win
-        result["sampled"] = generate_in_tp_group(rollout, share, dist.group.WORLD).batch["responses"]
-        rollout.release()
-        rollout.resume()
-        rollout.update_weights(_perturbed_state(model_path).items())
-        share.meta_info = {"do_sample": False}
-        result["updated"] = generate_in_tp_group(rollout, share, dist.group.WORLD).batch["responses"]
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    cfg = rollout_config("actor_rollout_ref.rollout.tensor_model_parallel_size=2")
+    rollout = build_rollout("hf", cfg, model_path, load_tokenizer(model_path), "cpu", tp_group=dist.group.WORLD)
+    prompts = make_prompts(seed=4)
+    share = prompts.select_idxs(slice(0, 3) if rank == 0 else slice(3, None))  # unequal shares
+    result = {}
+    share.meta_info = {"do_sample": False}
+    result["greedy"] = generate_in_tp_group(rollout, share, dist.group.WORLD).batch["responses"]
+    share.meta_info = {}
+    torch.manual_seed(7 if rank == 0 else 1234)  # TP peers seeded differently: rank 0's seed must win
+    result["sampled"] = generate_in_tp_group(rollout, share, dist.group.WORLD).batch["responses"]
+    rollout.release()
+    rollout.resume()
+    rollout.update_weights(_perturbed_state(model_path).items())
+    share.meta_info = {"do_sample": False}
+    result["updated"] = generate_in_tp_group(rollout, share, dist.group.WORLD).batch["responses"]
+    return result
 
 
 def _perturbed_state(model_path: str) -> dict[str, torch.Tensor]:
@@ -210,9 +202,8 @@ def _perturbed_state(model_path: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_tp2_matches_tp1_greedy_sampled_and_after_weight_update(tiny_model_path, tmp_path):
-    torch.multiprocessing.spawn(_tp_worker, args=(free_port(), tiny_model_path, str(tmp_path)), nprocs=2, join=True)
-    shares = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+def test_tp2_matches_tp1_greedy_sampled_and_after_weight_update(tiny_model_path):
+    shares = spawned_world(2).run(_tp_worker, tiny_model_path)
     tp2 = {k: torch.cat([s[k] for s in shares]) for k in shares[0]}
 
     rollout = build_rollout("hf", rollout_config(), tiny_model_path, load_tokenizer(tiny_model_path), "cpu")
@@ -229,25 +220,16 @@ def test_tp2_matches_tp1_greedy_sampled_and_after_weight_update(tiny_model_path,
     assert torch.equal(tp2["updated"], updated)
 
 
-def _dp_worker(rank: int, port: int, model_path: str, out_dir: str) -> None:
-    import torch.distributed as dist
+def _dp_worker(rank: int, model_path: str) -> torch.Tensor:
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        rollout = build_rollout("hf", rollout_config(), model_path, load_tokenizer(model_path), "cpu")
-        torch.manual_seed(1)  # as the workers: every rank's torch RNG starts from data.seed
-        out = generate_in_tp_group(rollout, make_prompts(seed=4)).batch["responses"]  # the same prompts on both
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    rollout = build_rollout("hf", rollout_config(), model_path, load_tokenizer(model_path), "cpu")
+    torch.manual_seed(1)  # as the workers: every rank's torch RNG starts from data.seed
+    return generate_in_tp_group(rollout, make_prompts(seed=4)).batch["responses"]  # the same prompts on both
 
 
 @pytest.mark.slow
-def test_dp_ranks_sample_independently_although_their_rngs_start_equal(tiny_model_path, tmp_path):
-    torch.multiprocessing.spawn(_dp_worker, args=(free_port(), tiny_model_path, str(tmp_path)), nprocs=2, join=True)
-    first, second = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+def test_dp_ranks_sample_independently_although_their_rngs_start_equal(tiny_model_path):
+    first, second = spawned_world(2).run(_dp_worker, tiny_model_path)
     assert not torch.equal(first, second)
 
 

@@ -421,10 +421,9 @@ def test_engine_settings_reported_without_effect_per_engine(sglang_importable):
     assert warned("sglang") == {micro, log_stats}  # SGLang reads max_num_seqs (max_running_requests)
 
 
-def _rank0_call_worker(rank: int, port: int, out_dir: str) -> None:
+def _rank0_call_worker(rank: int) -> dict:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     rollout = object.__new__(SGLangRollout)
     rollout.tp_group, rollout.tp_size, rollout.tp_rank = dist.group.WORLD, 2, rank
 
@@ -436,16 +435,14 @@ def _rank0_call_worker(rank: int, port: int, out_dir: str) -> None:
         rollout._on_rank0(engine_fails)
     except (ValueError, RuntimeError) as err:
         outcome["error"] = f"{type(err).__name__}: {err}"
-    torch.save(outcome, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    return outcome
 
 
-def test_tp_peers_get_rank0s_result_and_raise_with_its_error(tmp_path):
+def test_tp_peers_get_rank0s_result_and_raise_with_its_error():
     """The peers of the engine's rank wait for its outcome: they get its result, or fail when it fails."""
-    from helpers.world import free_port
+    from helpers.world import spawned_world
 
-    torch.multiprocessing.spawn(_rank0_call_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
-    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    rank0, rank1 = spawned_world(2).run(_rank0_call_worker)
     assert rank0["result"] == rank1["result"] == [[5, 2], [7]]
     assert rank0["error"] == "ValueError: engine died"
     assert rank1["error"] == (
