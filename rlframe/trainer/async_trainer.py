@@ -76,6 +76,7 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
             with timer("gen", timings):  # verl's meaning here: how long training waited for the samples
                 batch, gen_metrics = self._merge_generated(oldest.batch, oldest.call.result())
             metrics.update(gen_metrics)
+            metrics["async/in_flight_batches"] = len(in_flight)  # generating on the rollout pool while this trains
             self.global_step += 1
             metrics.update(self._staleness(batch, oldest.admitted_version))
             with timer("reward", timings):
