@@ -225,11 +225,12 @@ class SeparateAsyncConfig(Section):
             return
         batch, mini = root.data.train_batch_size, root.actor_rollout_ref.actor.ppo_mini_batch_size
         if batch != self.parameter_sync_step * mini:
+            fix = f"set {path}.parameter_sync_step={batch // mini}" if batch % mini == 0 else "change them"
             raise ValueError(
                 f"{path}.parameter_sync_step={self.parameter_sync_step} with data.train_batch_size={batch} and "
                 f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}: under {SEPARATE} the weights are pushed once "
                 f"per training step, so train_batch_size must equal parameter_sync_step × ppo_mini_batch_size (as "
-                f"verl asserts); set {path}.parameter_sync_step={batch // mini if batch % mini == 0 else '?'}"
+                f"verl asserts); {fix}"
             )
 
 
