@@ -101,8 +101,15 @@ UNSUPPORTED = {
     "critic.loss_scale_factor": "a constant loss scale is not implemented",
     "distillation": "on-policy distillation is not supported",
     "transfer_queue": "verl's transfer queue is not used: rlframe moves batches through Ray's object store",
-    "trainer.use_v1": "verl's v1 trainer modes are not supported; rlframe has one colocated synchronous trainer",
-    "trainer.v1": "verl's v1 trainer modes are not supported; rlframe has one colocated synchronous trainer",
+    "trainer.use_v1": "verl's legacy (non-V1) trainer is not a separate path: rlframe's trainer runs V1's modes "
+    "(trainer.v1.trainer_mode)",
+    "trainer.v1.sync": "verl's sync-mode options are empty in 0.9.1; rlframe's sync mode has none",
+    "trainer.v1.colocate_async": "trainer.v1.trainer_mode=colocate_async is not implemented yet (docs/async.md)",
+    "trainer.v1.separate_async.hybrid_rollout": "lending idle training replicas to generation is not implemented",
+    "trainer.v1.sampler.custom_sampler": "custom samplers (replay buffers) are not supported",
+    "trainer.v1.sampler.sampler_kwargs": "custom samplers (replay buffers) are not supported",
+    "trainer.v1.sampler.sync_refill_failed_groups": "refilling failed groups is not implemented: rlframe's "
+    "separate_async never drops a group",
     "skip": "skipping rollouts from dumps is not supported",
     "reward": _REWARD_SECTION,
     "reward.reward_manager.source": _REWARD_LOOP,

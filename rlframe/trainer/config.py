@@ -172,6 +172,159 @@ def _non_negative(value: int) -> None:
         raise ValueError(f"must be >= 0, got {value}")
 
 
+TRAINER_MODES = ("sync", "separate_async", "colocate_async")
+V1 = "trainer.v1"
+SEPARATE = "trainer.v1.trainer_mode=separate_async"
+
+
+def _at_least_one(value: int) -> None:
+    if value < 1:
+        raise ValueError(f"must be >= 1, got {value}")
+
+
+@dataclass
+class SamplerConfig(Section):
+    max_off_policy_threshold: int = key(
+        8,
+        "the most policy versions a trajectory may span from its submission to its training (verl V1): "
+        "threshold - 1 is the staleness bound η, so 1 = synchronous; separate_async only",
+        check=_at_least_one,
+    )
+    max_off_policy_strategy: str = key(
+        "drop",
+        "what happens to a group past the bound: drop (rlframe never generates beyond the bound, so nothing is "
+        "dropped); verl's wait comes later",
+        choices=("drop", "wait"),
+    )
+
+    def check(self, path: str, root: Any) -> None:
+        if self.max_off_policy_strategy != "drop":
+            raise ValueError(
+                f"{path}.max_off_policy_strategy={self.max_off_policy_strategy}: only drop is implemented "
+                "(docs/async.md: what comes next); set it to drop or leave it out"
+            )
+
+
+@dataclass
+class SeparateAsyncConfig(Section):
+    num_warmup_batches: int = key(
+        1,
+        "batches generated ahead of training (verl V1); rlframe's lookahead is min(this, "
+        "trainer.v1.sampler.max_off_policy_threshold - 1), so generation never runs past the staleness bound",
+        check=_non_negative,
+    )
+    parameter_sync_step: int = key(
+        4,
+        "PPO mini-batches per weight push (verl V1): data.train_batch_size must equal this × "
+        "actor_rollout_ref.actor.ppo_mini_batch_size, as in verl (one push per training step)",
+        check=_at_least_one,
+    )
+
+    def check(self, path: str, root: Any) -> None:
+        if root.trainer.v1.trainer_mode != "separate_async":
+            return
+        batch, mini = root.data.train_batch_size, root.actor_rollout_ref.actor.ppo_mini_batch_size
+        if batch != self.parameter_sync_step * mini:
+            fix = f"set {path}.parameter_sync_step={batch // mini}" if batch % mini == 0 else "change them"
+            raise ValueError(
+                f"{path}.parameter_sync_step={self.parameter_sync_step} with data.train_batch_size={batch} and "
+                f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}: under {SEPARATE} the weights are pushed once "
+                f"per training step, so train_batch_size must equal parameter_sync_step × ppo_mini_batch_size (as "
+                f"verl asserts); {fix}"
+            )
+
+
+# What separate_async does not implement yet: (is it set?, the key and value, why). docs/async.md lists them.
+def _separate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
+    rollout, model = root.actor_rollout_ref.rollout, root.actor_rollout_ref.model
+    agent_tools = bool(rollout.multi_turn.tool_config_path or rollout.multi_turn.function_tool_path)
+    return [
+        (
+            rollout.name != "hf",
+            f"actor_rollout_ref.rollout.name={rollout.name}",
+            "the rollout pool runs the hf engine only",
+        ),
+        (
+            rollout.tensor_model_parallel_size != 1,
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}",
+            "the rollout pool runs one engine per process (TP 1)",
+        ),
+        (
+            root.trainer.save_freq > 0,
+            f"trainer.save_freq={root.trainer.save_freq}",
+            "checkpoints do not yet save the samples in flight; set trainer.save_freq=-1",
+        ),
+        (
+            root.algorithm.filter_groups.enable,
+            "algorithm.filter_groups.enable=true",
+            "DAPO's dynamic sampling is not combined with the rollout pool yet",
+        ),
+        (
+            root.algorithm.adv_estimator == "remax",
+            "algorithm.adv_estimator=remax",
+            "ReMax's greedy baselines are not generated on the rollout pool yet",
+        ),
+        (
+            agent_tools or rollout.agent.default_agent_loop == "tool_agent",
+            "actor_rollout_ref.rollout.multi_turn / agent.default_agent_loop=tool_agent",
+            "multi-turn rollouts with tools are not run on the rollout pool yet",
+        ),
+        (
+            model.lora_rank > 0,
+            f"actor_rollout_ref.model.lora_rank={model.lora_rank}",
+            "LoRA weights are not pushed yet",
+        ),
+        (
+            root.global_profiler.tool is not None,
+            f"global_profiler.tool={root.global_profiler.tool}",
+            "the rollout pool's processes are not profiled yet",
+        ),
+    ]
+
+
+@dataclass
+class TrainerV1Config(Section):
+    trainer_mode: str = key(
+        "sync",
+        "sync: generate, then train, on the same worker processes | separate_async: a "
+        "rollout pool of its own (actor_rollout_ref.rollout.nnodes × n_gpus_per_node) generates the next batches "
+        "while the training pool trains (docs/async.md) | colocate_async: not implemented yet",
+        choices=TRAINER_MODES,
+    )
+    sampler: SamplerConfig = section(SamplerConfig, "the staleness bound of the async modes")
+    separate_async: SeparateAsyncConfig = section(SeparateAsyncConfig, "trainer_mode=separate_async's settings")
+
+    def check(self, path: str, root: Any) -> None:
+        if self.trainer_mode == "colocate_async":
+            raise ValueError(
+                f"{path}.trainer_mode=colocate_async is not implemented yet; the async mode rlframe runs is "
+                f"separate_async (a rollout pool of its own: actor_rollout_ref.rollout.nnodes >= 1), or use sync"
+            )
+        if self.trainer_mode != "separate_async":
+            return
+        nnodes = root.actor_rollout_ref.rollout.nnodes
+        if nnodes < 1:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.nnodes={nnodes} with {SEPARATE}: the rollout pool needs nodes; set "
+                "actor_rollout_ref.rollout.nnodes>=1 (and actor_rollout_ref.rollout.n_gpus_per_node)"
+            )
+        for refused, setting, why in _separate_async_refusals(root):
+            if refused:
+                raise ValueError(f"{setting} with {SEPARATE}: {why} (docs/async.md: what is refused)")
+
+    def inactive(self, path: str, root: Any) -> dict[str, str]:
+        if self.trainer_mode == "separate_async":
+            return {}
+        why = f"{path}.trainer_mode={self.trainer_mode}: only separate_async reads it"
+        rollout = "actor_rollout_ref.rollout"
+        return {
+            f"{path}.sampler": why,
+            f"{path}.separate_async": why,
+            f"{rollout}.nnodes": why,
+            f"{rollout}.n_gpus_per_node": why,
+        }
+
+
 @dataclass
 class TrainerConfig(Section):
     device: str = key("auto", "auto | cpu | cuda", choices=("auto", "cpu", "cuda"))
@@ -220,6 +373,7 @@ class TrainerConfig(Section):
         choices=("auto", "enable", "disable"),
     )
     ray_init: RayInitConfig = section(RayInitConfig)
+    v1: TrainerV1Config = section(TrainerV1Config, "verl V1's trainer modes: sync, or async with a staleness bound")
 
     def check(self, path: str, root: Any) -> None:
         if self.resume_mode == "resume_path" and not self.resume_from_path:

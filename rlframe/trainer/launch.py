@@ -1,4 +1,5 @@
-"""Start (or join) Ray and create the colocated worker groups the trainer drives."""
+"""Start (or join) Ray and create the worker groups the trainer drives: the colocated training group, and under
+trainer.v1.trainer_mode=separate_async a rollout group on a resource pool of its own."""
 
 from __future__ import annotations
 
@@ -17,6 +18,13 @@ if TYPE_CHECKING:  # Ray is imported only when the groups are created (prepare()
     from rlframe.single_controller.ray import RayResourcePool, RayWorkerGroup
 
 
+def rollout_pool_size(cfg: DictConfig) -> int:
+    """Processes of the standalone rollout pool: actor_rollout_ref.rollout.nnodes × n_gpus_per_node (0 without one)."""
+    if cfg.trainer.v1.trainer_mode != "separate_async":
+        return 0
+    return cfg.actor_rollout_ref.rollout.nnodes * cfg.actor_rollout_ref.rollout.n_gpus_per_node
+
+
 def _num_cpus_for_local_ray(cfg: DictConfig, world_size: int, device_type: str) -> int | None:
     """CPU workers may outnumber cores (tests, laptops): give a local Ray at least one CPU per worker."""
     if cfg.trainer.ray_init.num_cpus is not None:
@@ -28,24 +36,30 @@ def _num_cpus_for_local_ray(cfg: DictConfig, world_size: int, device_type: str) 
 
 @dataclass
 class WorkerGroups:
-    """The role groups the trainer drives (views of one set of colocated worker processes).
+    """The role groups the trainer drives (views of one set of colocated worker processes), and the rollout pool's.
 
     The private fields are what `shutdown` needs: the group that owns the processes, the placement
-    groups' pool, and whether this process started Ray (then it stops it too).
+    groups' pools, and whether this process started Ray (then it stops it too).
     """
 
     actor_rollout: RayWorkerGroup  # actor + rollout (+ reference) in every process
     critic: RayWorkerGroup | None  # None without a critic (e.g. GRPO)
     reward_model: RayWorkerGroup | None  # None unless reward_model.enable
-    num_devices: int  # worker processes (one device each)
+    num_devices: int  # worker processes of both pools (one device each)
     _owner: RayWorkerGroup = field(repr=False)
     _pool: RayResourcePool = field(repr=False)
     _started_ray: bool = field(repr=False)
+    rollout: RayWorkerGroup | None = None  # RolloutWorkers on a pool of their own (separate_async), else None
+    _rollout_pool: RayResourcePool | None = field(default=None, repr=False)
 
     def shutdown(self) -> None:
         """Kill the workers, free the placement groups, stop Ray if this process started it."""
         import ray
 
+        if self.rollout is not None:
+            self.rollout.shutdown()
+        if self._rollout_pool is not None:
+            self._rollout_pool.remove()
         self._owner.shutdown()
         self._pool.remove()
         if self._started_ray:
@@ -89,7 +103,7 @@ def create_worker_groups(
     started_here = not ray.is_initialized()
     init_ray(
         address=cfg.trainer.ray_init.address,
-        num_cpus=_num_cpus_for_local_ray(cfg, plan.world_size, device_type),
+        num_cpus=_num_cpus_for_local_ray(cfg, plan.world_size + rollout_pool_size(cfg), device_type),
         dashboard_host=cfg.trainer.ray_init.dashboard_host,
         runtime_env={"env_vars": {**worker_env(), **({} if verbose else QUIET_WORKER_ENV)}},
         logging_level=logging.INFO if verbose else logging.ERROR,  # Ray's driver-side logger
@@ -120,7 +134,7 @@ def create_worker_groups(
         actor_rollout=by_role["actor_rollout"],
         critic=by_role.get("critic"),
         reward_model=by_role.get("reward_model"),
-        num_devices=plan.world_size,
+        num_devices=plan.world_size + rollout_pool_size(cfg),
         _owner=owner,
         _pool=pool,
         _started_ray=started_here,
@@ -128,7 +142,40 @@ def create_worker_groups(
     try:
         for name in roles:  # in order: the actor's process group is created first
             by_role[name].init_model(total_training_steps)
+        if rollout_pool_size(cfg):
+            _create_rollout_group(cfg, plan, config, groups, device_type, node_wait_s)
     except BaseException:  # a worker lost while building its models: free the others and the placement groups
         groups.shutdown()
         raise
     return groups
+
+
+def _create_rollout_group(cfg, plan: BatchPlan, config, groups: WorkerGroups, device_type: str, node_wait_s: float):
+    """separate_async: RolloutWorkers on a pool of their own, drawing the sampling seeds the hybrid engine would.
+
+    They start from the training processes' RNG state once every role is built: the state a hybrid worker's
+    first generation draws its seed from (`RolloutWorker`).
+    """
+    from rlframe.single_controller.ray import (
+        ClusterTooSmallError,
+        RayClassWithInitArgs,
+        RayResourcePool,
+        RayWorkerGroup,
+    )
+    from rlframe.workers.rollout_worker import RolloutWorker
+
+    nnodes, per_node = cfg.actor_rollout_ref.rollout.nnodes, cfg.actor_rollout_ref.rollout.n_gpus_per_node
+    groups._rollout_pool = RayResourcePool([per_node] * nnodes, use_gpu=device_type == "cuda", node_wait_s=node_wait_s)
+    try:
+        groups.rollout = RayWorkerGroup(
+            groups._rollout_pool,
+            RayClassWithInitArgs(RolloutWorker, config, plan),
+            call_timeout_s=cfg.trainer.worker_timeout_s,
+        )
+    except ClusterTooSmallError as err:
+        raise ClusterTooSmallError(
+            f"the rollout pool needs actor_rollout_ref.rollout.nnodes={nnodes} × actor_rollout_ref.rollout."
+            f"n_gpus_per_node={per_node} worker processes besides the training pool's, which the Ray cluster "
+            f"cannot hold: {err}"
+        ) from None
+    groups.rollout.init_model(groups.actor_rollout.process_rng_state())

@@ -155,6 +155,40 @@ class RayPPOTrainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
         """Train until total_training_steps; returns the last step's metrics."""
+        progress, validation = self._start()
+        if validation is not None:  # trainer.val_only: the validation was the run
+            return validation
+        last_metrics: dict = {}
+        passes = 0
+        while self.global_step < self.total_training_steps:
+            for batch_dict in self.train_dataloader:
+                self.step_profiler.begin(self.global_step + 1)  # the step this batch generates for
+                rolled_out = self._rollout_step(DataProto.from_single_dict(batch_dict))
+                if rolled_out is None:  # dynamic sampling: the training batch is not full yet
+                    continue
+                self.global_step += 1
+                last_metrics = self._train_step(*rolled_out)
+                is_last = self.global_step >= self.total_training_steps
+                self._end_step(last_metrics, progress, is_last)
+                if is_last:
+                    break
+            passes += 1
+            # dynamic sampling spends several loader batches per step: the data's epochs end the run first
+            if self.sampler is not None and passes >= self.config.trainer.total_epochs:
+                if self.sampler.num_gen_batches:
+                    print(
+                        f"[rlframe] dynamic sampling: the data ran out after {self.sampler.num_gen_batches} more "
+                        f"generation rounds with {self.sampler.num_prompts} of data.train_batch_size="
+                        f"{self.plan.train_batch_size} prompts kept; that partial batch is not trained on",
+                        flush=True,
+                    )
+                break
+        progress.close()
+        self.tracker.finish()
+        return last_metrics
+
+    def _start(self) -> tuple[ProgressBar, dict | None]:
+        """Open the trackers, resume, validate before training: (the progress bar, the validation if val_only)."""
         cfg = self.config.trainer
         self.tracker = Tracking(
             cfg.project_name,
@@ -174,59 +208,29 @@ class RayPPOTrainer:
             validation = self._validate()
             progress.validation(validation, self.global_step)
             self.tracker.log(validation, step=self.global_step)
-            if cfg.val_only:  # trainer.val_only: the validation was the run
+            if cfg.val_only:
                 progress.close()
                 self.tracker.finish()
-                return validation
-        last_metrics: dict = {}
-        passes = 0
-        while self.global_step < self.total_training_steps:
-            for batch_dict in self.train_dataloader:
-                self.step_profiler.begin(self.global_step + 1)  # the step this batch generates for
-                rolled_out = self._rollout_step(DataProto.from_single_dict(batch_dict))
-                if rolled_out is None:  # dynamic sampling: the training batch is not full yet
-                    continue
-                self.global_step += 1
-                last_metrics = self._train_step(*rolled_out)
-                is_last = self.global_step >= self.total_training_steps
-                # as verl: validation during training only with test_freq > 0 (then also after the last step)
-                if (
-                    self.val_reward_fn is not None
-                    and cfg.test_freq > 0
-                    and (is_last or self.global_step % cfg.test_freq == 0)
-                ):
-                    validation = self._validate()
-                    progress.validation(validation, self.global_step)
-                    last_metrics.update(validation)
-                if cfg.save_freq > 0 and (is_last or self.global_step % cfg.save_freq == 0):
-                    start = time.perf_counter()
-                    self.checkpointer.save(
-                        self.global_step,
-                        self.actor_rollout_wg,
-                        self.critic_wg,
-                        self.train_dataloader,
-                        self._driver_state(),
-                    )
-                    last_metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
-                self.tracker.log(last_metrics, step=self.global_step)
-                self.step_profiler.end(self.global_step, is_last)
-                progress.update(last_metrics)
-                if is_last:
-                    break
-            passes += 1
-            # dynamic sampling spends several loader batches per step: the data's epochs end the run first
-            if self.sampler is not None and passes >= cfg.total_epochs:
-                if self.sampler.num_gen_batches:
-                    print(
-                        f"[rlframe] dynamic sampling: the data ran out after {self.sampler.num_gen_batches} more "
-                        f"generation rounds with {self.sampler.num_prompts} of data.train_batch_size="
-                        f"{self.plan.train_batch_size} prompts kept; that partial batch is not trained on",
-                        flush=True,
-                    )
-                break
-        progress.close()
-        self.tracker.finish()
-        return last_metrics
+                return progress, validation
+        return progress, None
+
+    def _end_step(self, metrics: dict, progress: ProgressBar, is_last: bool) -> None:
+        """After a step's update: validation, checkpoint, one row of metrics, the profiler and the progress bar."""
+        cfg = self.config.trainer
+        # as verl: validation during training only with test_freq > 0 (then also after the last step)
+        if self.val_reward_fn is not None and cfg.test_freq > 0 and (is_last or self.global_step % cfg.test_freq == 0):
+            validation = self._validate()
+            progress.validation(validation, self.global_step)
+            metrics.update(validation)
+        if cfg.save_freq > 0 and (is_last or self.global_step % cfg.save_freq == 0):
+            start = time.perf_counter()
+            self.checkpointer.save(
+                self.global_step, self.actor_rollout_wg, self.critic_wg, self.train_dataloader, self._driver_state()
+            )
+            metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
+        self.tracker.log(metrics, step=self.global_step)
+        self.step_profiler.end(self.global_step, is_last)
+        progress.update(metrics)
 
     def _rollout_step(self, batch: DataProto) -> tuple | None:
         """Generate and score one loader batch; (batch, metrics, timings, start) once a training batch is ready.
@@ -336,12 +340,20 @@ class RayPPOTrainer:
     # ------------------------------------------------------------------ the steps
     def _generate(self, batch: DataProto, **meta_info) -> tuple[DataProto, dict]:
         """Send the batch's prompts to the rollout; merge the responses back. Returns (batch, metrics)."""
+        batch, gen_batch = self._generation_inputs(batch, **meta_info)
+        return self._merge_generated(batch, self.actor_rollout_wg.generate_sequences(gen_batch))  # dispatch pads
+
+    def _generation_inputs(self, batch: DataProto, **meta_info) -> tuple[DataProto, DataProto]:
+        """(the batch without its prompts, what the rollout receives: the prompts and an agent's inputs)."""
         gen_batch = batch.pop(batch_keys=PROMPT_KEYS)
         check_agent_rows(batch.non_tensor_batch.get("agent_name"), self.config.actor_rollout_ref.rollout)
         if uses_tool_agent(self.config.actor_rollout_ref.rollout):  # the agent reads the chat and tool arguments
             gen_batch.non_tensor_batch = {k: v for k, v in batch.non_tensor_batch.items() if k in AGENT_INPUT_KEYS}
         gen_batch.meta_info = meta_info
-        output = self.actor_rollout_wg.generate_sequences(gen_batch)  # dispatch pads and unpads
+        return batch, gen_batch
+
+    @staticmethod
+    def _merge_generated(batch: DataProto, output: DataProto) -> tuple[DataProto, dict]:
         metrics = reduce_metrics(output.meta_info.pop("metrics", {}))
         output.meta_info = {}
         return batch.union(output), metrics

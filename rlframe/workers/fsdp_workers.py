@@ -302,6 +302,27 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         output.meta_info.setdefault("metrics", {})["timing_s/weight_sync"] = sync_s
         return output.to("cpu")
 
+    @register(dispatch_mode=Dispatch.RANK_ZERO)
+    def export_weights(self) -> dict[str, torch.Tensor] | None:
+        """The actor's full tensors by HF name, for a standalone rollout pool (rank 0's answer is the result).
+
+        Every rank joins the bucketed gather (`iter_full_params_bucketed`); rank 0 keeps a copy of each tensor,
+        because the stream yields views of a buffer it reuses.
+        """
+        if lora.is_lora(self.actor_module):
+            raise ValueError("export_weights: a LoRA actor (actor_rollout_ref.model.lora_rank > 0) is not exported")
+        stream = iter_full_params_bucketed(self.actor_module)
+        if self.rank != 0:  # its shards reach rank 0 through the gather
+            for _ in stream:
+                pass
+            return None
+        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in stream}
+
+    @register(dispatch_mode=Dispatch.RANK_ZERO, execute_mode=Execute.RANK_ZERO)
+    def process_rng_state(self) -> torch.Tensor:
+        """This process's torch RNG state: what `generate_in_tp_group` draws the next generation's seed from."""
+        return torch.get_rng_state()
+
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @profiled("actor_compute_log_prob")
     def compute_log_prob(self, data: DataProto) -> DataProto:

@@ -24,6 +24,10 @@ pytestmark = pytest.mark.slow
 CHECKED_ONLY = {
     "actor_rollout_ref.hybrid_engine": "must be true: actor, rollout and reference always share processes",
     "actor_rollout_ref.model.fused_kernel_options.impl_backend": "must be torch: triton and liger are refused",
+    "trainer.v1.sampler.max_off_policy_strategy": "must be drop, which never triggers: nothing is generated past "
+    "the bound",
+    "trainer.v1.separate_async.parameter_sync_step": "must make train_batch_size = parameter_sync_step × "
+    "ppo_mini_batch_size: the weights are pushed once per step",
 }
 
 RUNS = {
@@ -48,6 +52,14 @@ RUNS = {
         "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
         "+actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=bf16",
         "trainer.save_freq=2",
+        "trainer.val_before_train=false",
+    ],
+    "grpo_separate_async": [  # a rollout pool of its own, one step off
+        "trainer.v1.trainer_mode=separate_async",
+        "trainer.v1.sampler.max_off_policy_threshold=2",
+        "trainer.v1.separate_async.parameter_sync_step=2",
+        "actor_rollout_ref.rollout.nnodes=1",
+        "actor_rollout_ref.rollout.n_gpus_per_node=1",
         "trainer.val_before_train=false",
     ],
     "ppo_critic_kl_in_reward": [

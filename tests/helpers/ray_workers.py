@@ -63,6 +63,13 @@ class EchoWorker(Worker):
         return self.rank
 
     @register(Dispatch.ONE_TO_ALL)
+    def stamped_sleep(self, seconds):
+        """(start, end) of a sleep on the machine's monotonic clock, which every process on it shares."""
+        start = time.monotonic()
+        time.sleep(seconds)
+        return start, time.monotonic()
+
+    @register(Dispatch.ONE_TO_ALL)
     def get_last_seen(self):
         return self.last_seen
 

@@ -301,3 +301,37 @@ def test_colocated_roles_call_their_own_methods_in_shared_processes(ray_cluster)
     finally:
         wg.shutdown()
         pool.remove()
+
+
+# ---------------------------------------------------------------------------------- non-blocking calls
+def test_calls_submitted_on_two_groups_run_at_the_same_time_and_one_groups_calls_in_order(ray_cluster):
+    from rlframe.single_controller.ray import PendingCall, RayClassWithInitArgs, RayWorkerGroup
+
+    pools = [small_pool(1), small_pool(1)]
+    first, second = (RayWorkerGroup(pool, RayClassWithInitArgs(EchoWorker), call_timeout_s=120) for pool in pools)
+    try:
+        on_first = first.submit("stamped_sleep", 1.0)
+        on_second = second.submit("stamped_sleep", 1.0)
+        then_first = first.submit("stamped_sleep", 0.1)
+        assert isinstance(on_first, PendingCall)
+        [(start_a, end_a)], [(start_b, end_b)] = on_first.result(), on_second.result()
+        [(start_c, end_c)] = then_first.result()
+        assert start_b < end_a and start_a < end_b  # the two groups' sleeps overlap
+        assert start_c >= end_a  # a group's own calls run in submission order
+        assert on_first.done() and then_first.done()
+        with pytest.raises(RuntimeError, match="already taken"):
+            on_first.result()
+        with pytest.raises(AttributeError, match="not a registered worker method"):
+            first.submit("no_such_method")
+        assert first.submit("whoami", "t").result()[0]["tag"] == "t"  # the same result as the blocking call
+    finally:
+        for wg, pool in zip((first, second), pools):
+            wg.shutdown()
+            pool.remove()
+
+
+def test_a_failure_in_a_submitted_call_surfaces_from_result_with_its_rank(group):
+    pending = group.submit("fail_on", 2)
+    with pytest.raises(WorkerError) as info:
+        pending.result()
+    assert info.value.rank == 2 and "boom from 2" in str(info.value)

@@ -40,3 +40,15 @@ def test_clip_ratio_counts_full_length_responses_even_when_they_end_with_eos():
     assert metrics["prompt_length/clip_ratio"] == pytest.approx(1 / 3)
     truncated = response_metrics(batch.batch["response_mask"], batch.batch["responses"], eos_ids=[EOS])
     assert truncated == {"response_length/truncated_ratio": pytest.approx(1 / 3)}
+
+
+def test_staleness_counts_versions_behind_the_weights_the_step_starts_from():
+    from rlframe.trainer.metrics import compute_staleness_metrics
+
+    # step 3 starts from version 2; rows sampled by versions 2, 1 and (no token) admitted at 1
+    versions = torch.tensor([[2, 2, -1], [1, -1, -1], [-1, -1, -1]], dtype=torch.int32)
+    metrics = compute_staleness_metrics(versions, admitted_version=1, step=3)
+    assert metrics == {
+        "training/off_policy/trajectory_staleness/mean": pytest.approx(2 / 3),
+        "training/off_policy/trajectory_staleness/max": 1.0,
+    }

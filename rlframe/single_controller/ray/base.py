@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from rlframe.single_controller.decorator import CallPlan, RegisterSpec, plan_call, registered_methods
 from rlframe.single_controller.errors import WorkerGroupError
+from rlframe.single_controller.ray.pending import PendingCall
 from rlframe.single_controller.ray.resource_pool import RayResourcePool
 from rlframe.single_controller.ray.wait import wait_all
 from rlframe.single_controller.transport import pack_value
@@ -183,14 +184,29 @@ class RayWorkerGroup(Generic[W]):
         return f"RayWorkerGroup[{self.worker_cls.__name__}](world_size={self.world_size}{role})"
 
     # ------------------------------------------------------------------ one call
+    def submit(self, method: str, *args, **kwargs) -> PendingCall:
+        """Dispatch the registered method `method` without waiting: `.result()` gives what `wg.method(...)` returns.
+
+        The driver can submit calls on several groups and wait for them in any order; a group's calls run in
+        the order they were submitted.
+        """
+        spec = registered_methods(self.worker_cls).get(method)
+        if spec is None:
+            raise AttributeError(
+                f"{self.worker_cls.__name__}.{method} is not a registered worker method; registered: "
+                f"{sorted(registered_methods(self.worker_cls))}"
+            )
+        return self._start(method, spec, args, kwargs)
+
     def _call(self, method: str, spec: RegisterSpec, args: tuple, kwargs: dict):
         """Dispatch one driver call, wait for every executing rank, collect their outputs."""
+        return self._start(method, spec, args, kwargs).result()
+
+    def _start(self, method: str, spec: RegisterSpec, args: tuple, kwargs: dict) -> PendingCall:
         workers = self._live_workers()
         qualified = f"{self.worker_cls.__name__}.{method}"
         plan = plan_call(spec, qualified, args, kwargs, len(workers))
-        refs = self._submit(workers, method, plan)
-        outputs = wait_all(refs, plan.ranks, qualified, self.call_timeout_s, copy=not plan.outputs_are_copied)
-        return plan.collect(outputs)
+        return PendingCall(self._submit(workers, method, plan), plan, qualified, self.call_timeout_s)
 
     def _submit(self, workers: list, method: str, plan: CallPlan) -> list:
         """Send each rank its arguments; a non-scalar value several ranks read is put once for all of them.

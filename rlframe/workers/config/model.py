@@ -235,3 +235,8 @@ class CheckpointConfig(Section):
         "what a checkpoint holds; add hf_model for an HF export",
         check=each_of(SAVE_CONTENTS),
     )
+
+    def inactive(self, path: str, root: Any) -> dict[str, str]:
+        if root.trainer.save_freq > 0:
+            return {}
+        return {f"{path}.save_contents": f"trainer.save_freq={root.trainer.save_freq}: the run saves no checkpoint"}

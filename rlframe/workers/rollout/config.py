@@ -74,6 +74,11 @@ def _check_positive(value: int) -> None:
         raise ValueError("must be >= 1")
 
 
+def _check_non_negative(value: int) -> None:
+    if value < 0:
+        raise ValueError("must be >= 0")
+
+
 def _check_max_model_len(value: Optional[int]) -> None:
     if value is not None and value < 1:
         raise ValueError("must be >= 1, or null for the model's max_position_embeddings")
@@ -274,6 +279,17 @@ class RolloutConfig(Section):
         "(same samples); null = when the weights outgrow a core's L2 cache",
     )
     tensor_model_parallel_size: int = key(1, "rollout TP degree", check=_check_positive)
+    nnodes: int = key(
+        0,
+        "nodes of the standalone rollout pool of trainer.v1.trainer_mode=separate_async (0 = none: the rollout "
+        "shares the training processes)",
+        check=_check_non_negative,
+    )
+    n_gpus_per_node: int = key(
+        "${trainer.n_gpus_per_node}",
+        "devices per node of the standalone rollout pool (on CPU: rollout processes per node)",
+        check=_check_positive,
+    )
     gpu_memory_utilization: float = key(
         0.5, "vllm, sglang: fraction of GPU memory for weights + KV cache", check=_check_memory_fraction
     )
@@ -376,6 +392,12 @@ class RolloutConfig(Section):
             out[f"{path}.micro_batch_size"] = f"{path}.name={self.name}: the engine batches by max_num_batched_tokens"
         if self.name == "sglang":
             out[f"{path}.disable_log_stats"] = f"{path}.name=sglang: a vLLM setting"
+        never_validates = not root.trainer.val_before_train and root.trainer.test_freq <= 0
+        if root.trainer.v1.trainer_mode == "separate_async" and never_validates:
+            out[f"{path}.free_cache_engine"] = (
+                "trainer.v1.trainer_mode=separate_async: the training processes' engine only validates, and "
+                "trainer.val_before_train=false and trainer.test_freq<=0; the rollout pool keeps its engine's memory"
+            )
         if self.name == "vllm" and planned_device(root.trainer.device) == "cpu":
             out[f"{path}.free_cache_engine"] = (
                 "vLLM's CPU build has no sleep mode: the engine keeps its weights and KV cache during training"

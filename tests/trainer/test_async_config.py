@@ -1,0 +1,88 @@
+"""trainer.v1.* and the rollout pool's keys: verl's names and defaults, and every refusal naming its key."""
+
+import pytest
+
+from rlframe.config.schema import inactive_keys
+from rlframe.trainer.config import compose, typed
+
+SEPARATE = [
+    "trainer.v1.trainer_mode=separate_async",
+    "actor_rollout_ref.rollout.nnodes=1",
+    "data.train_batch_size=8",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=2",  # parameter_sync_step 4 (verl's default) × 2 = 8
+]
+
+
+def test_the_v1_keys_have_verls_names_and_defaults():
+    from rlframe.config.verl_keys import verl_defaults
+
+    cfg = typed(compose([]))
+    v1, defaults = cfg.trainer.v1, verl_defaults()
+    assert v1.trainer_mode == defaults["trainer.v1.trainer_mode"] == "sync"
+    assert v1.sampler.max_off_policy_threshold == defaults["trainer.v1.sampler.max_off_policy_threshold"] == 8
+    assert v1.sampler.max_off_policy_strategy == defaults["trainer.v1.sampler.max_off_policy_strategy"] == "drop"
+    assert v1.separate_async.num_warmup_batches == defaults["trainer.v1.separate_async.num_warmup_batches"] == 1
+    assert v1.separate_async.parameter_sync_step == defaults["trainer.v1.separate_async.parameter_sync_step"] == 4
+    assert cfg.actor_rollout_ref.rollout.nnodes == defaults["actor_rollout_ref.rollout.nnodes"] == 0
+    # verl: ${oc.select:trainer.n_gpus_per_node,8}; rlframe's trainer.n_gpus_per_node always exists
+    assert typed(compose(["trainer.n_gpus_per_node=3"])).actor_rollout_ref.rollout.n_gpus_per_node == 3
+
+
+def test_separate_async_with_a_rollout_pool_is_accepted_and_its_keys_take_effect():
+    cfg = typed(compose(SEPARATE))
+    assert cfg.trainer.v1.trainer_mode == "separate_async"
+    inactive = inactive_keys(cfg)
+    assert not any(key.startswith(("trainer.v1", "actor_rollout_ref.rollout.n")) for key in inactive)
+
+
+def test_under_sync_the_async_keys_are_reported_without_effect():
+    inactive = inactive_keys(typed(compose([])))
+    for key in ("trainer.v1.sampler", "trainer.v1.separate_async", "actor_rollout_ref.rollout.nnodes"):
+        assert "trainer.v1.trainer_mode=sync" in inactive[key]
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["trainer.v1.trainer_mode=colocate_async"], r"trainer.v1.trainer_mode=colocate_async is not implemented"),
+        (["trainer.v1.trainer_mode=fully_async"], r"trainer.v1.trainer_mode='fully_async' is not one of sync"),
+        ([*SEPARATE, "actor_rollout_ref.rollout.nnodes=0"], r"rollout.nnodes=0 with .*separate_async"),
+        ([*SEPARATE, "trainer.v1.sampler.max_off_policy_threshold=0"], r"max_off_policy_threshold=0: must be >= 1"),
+        ([*SEPARATE, "trainer.v1.sampler.max_off_policy_strategy=wait"], r"max_off_policy_strategy=wait: only drop"),
+        ([*SEPARATE, "trainer.v1.separate_async.num_warmup_batches=-1"], r"num_warmup_batches=-1: must be >= 0"),
+        (
+            [*SEPARATE, "trainer.v1.separate_async.parameter_sync_step=2"],
+            r"parameter_sync_step=2 with data.train_batch_size=8 .* set .*parameter_sync_step=4",
+        ),
+        ([*SEPARATE, "trainer.save_freq=2"], r"trainer.save_freq=2 with trainer.v1.trainer_mode=separate_async"),
+        ([*SEPARATE, "actor_rollout_ref.rollout.name=vllm"], r"rollout.name=vllm with .*separate_async: .*hf engine"),
+        ([*SEPARATE, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], r"tensor_model_parallel_size=2 with"),
+        ([*SEPARATE, "algorithm.filter_groups.enable=true"], r"algorithm.filter_groups.enable=true with"),
+        ([*SEPARATE, "algorithm.adv_estimator=remax"], r"algorithm.adv_estimator=remax with"),
+        ([*SEPARATE, "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"], r"tool_agent with"),
+        ([*SEPARATE, "actor_rollout_ref.model.lora_rank=8"], r"actor_rollout_ref.model.lora_rank=8 with"),
+        ([*SEPARATE, "global_profiler.tool=torch"], r"global_profiler.tool=torch with .*not profiled"),
+        ([*SEPARATE, "actor_rollout_ref.hybrid_engine=false"], r"hybrid_engine=false"),
+    ],
+)
+def test_what_separate_async_does_not_support_is_refused_by_name(overrides, expected):
+    with pytest.raises(ValueError, match=expected):
+        typed(compose(overrides))
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("trainer.v1.separate_async.hybrid_rollout.enable_switch=true", r"lending idle training replicas"),
+        ("trainer.v1.sampler.sync_refill_failed_groups=true", r"refilling failed groups is not implemented"),
+        ("trainer.v1.colocate_async.num_warmup_batches=2", r"colocate_async is not implemented yet"),
+        ("trainer.use_v1=false", r"trainer.use_v1=false: verl's legacy"),
+    ],
+)
+def test_verls_other_v1_keys_are_taken_at_their_defaults_only(override, expected):
+    key = override.split("=")[0]
+    from rlframe.config.verl_keys import verl_defaults
+
+    compose([f"{key}={str(verl_defaults()[key]).lower()}"])  # verl's default: the same run
+    with pytest.raises(ValueError, match=expected):
+        compose([override])
