@@ -21,8 +21,9 @@ import textwrap
 import numpy as np
 
 from rlframe.batch_plan import BatchPlan, ModelShape
-from rlframe.config.key_status import KeyStatus, ignored_key_warnings, key_statuses, override_key
-from rlframe.config.keys import LOG_PROB_FIELDS, UPDATE_FIELDS, VALUE_FIELDS, MicroFields
+from rlframe.config.key_status import KeyStatus, key_statuses, launch_warnings, override_key
+from rlframe.config.keys import ACTOR, LOG_PROB_FIELDS, UPDATE_FIELDS, VALUE_FIELDS, MicroFields
+from rlframe.trainer.async_plan import ROLLOUT_TENSORS, AsyncPlan, make_async_plan
 
 LENGTH_FIELDS = ("response_length", "response_lengths", "response_len", "num_response_tokens")
 PROMPT_FIELDS = ("prompt_length", "prompt_lengths", "prompt_len", "num_prompt_tokens")
@@ -361,6 +362,79 @@ def format_agents(cfg, plan: BatchPlan) -> str:
     return "\n".join(lines)
 
 
+def _count(number: int, one: str, many: str) -> str:
+    return f"{number} {one if number == 1 else many}"
+
+
+def _size(nbytes: int) -> str:
+    """Bytes in binary units: 2432 → "2.4 KiB"."""
+    value, unit = float(nbytes), "bytes"
+    for bigger in ("KiB", "MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{nbytes} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
+
+
+OBJECTIVES = {
+    "on_policy": "on-policy: L = 0, so every sample comes from the weights its step starts from (σ = 0), as in sync",
+    "decoupled": "decoupled (verl's decoupled mode): the PPO ratio is taken against π_prox (the old-log-prob pass) and "
+    "algorithm.rollout_correction corrects for the older weights that generated each sample",
+    "bypass": "bypass: algorithm.rollout_correction.bypass_mode=true takes π_old := the rollout's log-probs, so the "
+    "ratio is clipped around the stale behaviour policy (coupled, not the decoupled objective)",
+    "uncorrected": "uncorrected: PPO around π_prox on samples up to L versions old, with no behaviour correction, "
+    "which is biased (see the warning)",
+}
+
+
+def format_pools(ap: AsyncPlan) -> str:
+    """separate_async: both pools, the staleness bound η, the lookahead L, and what L holds in memory."""
+    v1, rollout = "trainer.v1", "actor_rollout_ref.rollout"
+    dtypes: dict[str, list[str]] = {}
+    for name, dtype, _, _ in ROLLOUT_TENSORS:
+        if name in ap.rollout_tensors:
+            dtypes.setdefault(dtype, []).append(name)
+    counted = "; ".join(f"{', '.join(names)} ({dtype})" for dtype, names in dtypes.items())
+    if ap.weight_parameters is None:
+        weights = (
+            f"{ap.weight_element_bytes} bytes per parameter ({ACTOR}.fsdp_config.model_dtype={ap.weight_dtype}); "
+            "the model's config.json is not readable here, so its parameters are not counted"
+        )
+    else:
+        weights = (
+            f"{ap.weight_parameters:,} parameters × {ap.weight_element_bytes} bytes ({ACTOR}.fsdp_config.model_dtype="
+            f"{ap.weight_dtype}) = {_size(ap.weight_push_bytes)}"
+        )
+    return "\n".join(
+        [
+            f"training  nnodes {ap.training_nnodes} × n_gpus_per_node {ap.training_n_gpus_per_node} = "
+            f"{_count(ap.training_processes, 'process', 'processes')}, each: {', '.join(ap.training_roles)}",
+            f"rollout   {rollout}.nnodes {ap.rollout_nnodes} × n_gpus_per_node {ap.rollout_n_gpus_per_node} = "
+            f"{_count(ap.rollout_processes, 'process', 'processes')}: {ap.rollout_engine}, tp {ap.rollout_tp}, "
+            f"{_count(ap.rollout_replicas, 'replica', 'replicas')} generating with the last weights pushed to them",
+            f"bound     η = {v1}.sampler.max_off_policy_threshold {ap.max_off_policy_threshold} − 1 = "
+            f"{ap.staleness_bound}: a sample trained in step s comes from weights at most η versions older than "
+            "the step's own (version s − 1)",
+            f"lookahead L = min({v1}.separate_async.num_warmup_batches {ap.num_warmup_batches}, η "
+            f"{ap.staleness_bound}) = {ap.lookahead}: the rollout pool generates up to "
+            f"{_count(ap.lookahead, 'batch', 'batches')} ahead of training, so a sample is at most L versions old; "
+            f"nothing is generated past the bound ({v1}.sampler.max_off_policy_strategy="
+            f"{ap.max_off_policy_strategy} never drops)",
+            f"in flight ≤ 1 + L = {ap.in_flight_batches} batches × {ap.sequences_per_batch} sequences = "
+            f"{ap.in_flight_sequences} sequences (sync: {ap.sequences_per_batch}), each ≤ {ap.max_prompt_length} + "
+            f"{ap.max_response_length} tokens: the one training and L generated ahead",
+            f"memory    ≈ {_size(ap.in_flight_bytes)} of rollout tensors, on the driver or in Ray's object store "
+            f"until trained: {ap.in_flight_sequences} × ({ap.bytes_per_prompt_token} × {ap.max_prompt_length} + "
+            f"{ap.bytes_per_response_token} × {ap.max_response_length} = {ap.bytes_per_sequence:,} bytes)",
+            f"          counts {counted}; not what the step adds (log-probs, values, advantages), the non-tensor "
+            "fields, or the prompts on their way to the rollout pool",
+            "weights   each push sends the actor's full state dict from training rank 0 through the driver to the "
+            f"rollout pool, in Ray's object store (put once for all rollout processes): {weights} per copy",
+            f"objective {OBJECTIVES[ap.objective]}",
+        ]
+    )
+
+
 def format_plan(plan: BatchPlan) -> str:
     """The flow from data.train_batch_size to one GPU's micro-batch, role by role."""
     r = plan.rollout
@@ -556,7 +630,8 @@ def explain(
         load_data_and_rewards(resolved)
     model_path = resolved.actor_rollout_ref.model.path
     rows = key_statuses(cfg)
-    warnings = ignored_key_warnings(cfg, overrides)
+    warnings = launch_warnings(cfg, overrides)
+    pools = make_async_plan(resolved, plan)  # None unless trainer.v1.trainer_mode=separate_async
     sim = source = None
     if lengths is not None:
         seqlens, source = sequence_lengths(lengths, plan, seed)
@@ -572,6 +647,7 @@ def explain(
                 ],
                 "warnings": warnings,
                 "simulation": None if sim is None else {"lengths": source, **sim},
+                **({} if pools is None else {"async": pools.to_dict()}),
             },
             indent=2,
         )
@@ -585,6 +661,8 @@ def explain(
     agents = format_agents(cfg, plan)
     if agents:
         parts += [_rule("agent loop"), agents]
+    if pools is not None:
+        parts += [_rule("pools and staleness"), format_pools(pools)]
     parts += [_rule("algorithm"), format_algorithm(cfg)]
     parts += [_rule("keys"), format_keys(cfg, rows, overrides)]
     if warnings:

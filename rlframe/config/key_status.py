@@ -1,8 +1,9 @@
 """Which config keys take effect in a given config, and why the others do not.
 
 `key_statuses` lists the batch-relevant keys in effect and every key or section with no effect, with
-a reason; `ignored_key_warnings` picks the ones the user set on the command line, for the launch
-warnings and `rlframe explain`.
+a reason; `ignored_key_warnings` picks the ones the user set on the command line. `launch_warnings` adds the
+sections' own warnings (`Section.warnings`: settings that run but are likely not what the user meant); they
+are what `rlframe train` prints at launch and `rlframe explain` shows.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlframe.config.keys import ACTOR, CRITIC, LOG_PROB_FIELDS, MODEL, REF, ROLLOUT, UPDATE_FIELDS, VALUE_FIELDS
 from rlframe.config.loader import leaves
-from rlframe.config.schema import field_help, inactive_keys
+from rlframe.config.schema import field_help, inactive_keys, section_warnings
 from rlframe.config.verl_keys import ALIASES
 
 # Batch-relevant keys, shown "in effect" (with their declared help) unless a rule says otherwise.
@@ -178,6 +179,20 @@ def ignored_key_warnings(cfg: DictConfig, overrides: list[str]) -> list[str]:
 def warn_ignored_keys(cfg: DictConfig, overrides: list[str], stream: TextIO | None = None) -> list[str]:
     """Print `ignored_key_warnings` (to stderr by default) and return them."""
     lines = ignored_key_warnings(cfg, overrides)
+    for line in lines:
+        print(line, file=stream or sys.stderr)
+    return lines
+
+
+def launch_warnings(cfg: DictConfig, overrides: list[str]) -> list[str]:
+    """The ignored-key lines, then one line per section warning (`Section.warnings`) of this config."""
+    root = OmegaConf.to_object(cfg)
+    return ignored_key_warnings(cfg, overrides) + [f"rlframe: warning: {line}" for line in section_warnings(root)]
+
+
+def warn_at_launch(cfg: DictConfig, overrides: list[str], stream: TextIO | None = None) -> list[str]:
+    """Print `launch_warnings` (to stderr by default) and return them."""
+    lines = launch_warnings(cfg, overrides)
     for line in lines:
         print(line, file=stream or sys.stderr)
     return lines

@@ -9,7 +9,8 @@ A key is declared with `key(default, help, choices=..., check=...)`; from those 
   is generated from it and a test keeps the two equal),
 - type checks and unknown-key errors (OmegaConf merges the composed config into the schema),
 - value checks with the full key in the message (`validate`: `choices`, `check`, `Section.check`),
-- which keys have no effect in a given config (`Section.inactive`, collected by `inactive_keys`).
+- which keys have no effect in a given config (`Section.inactive`, collected by `inactive_keys`),
+- settings that run but are likely not what the user meant (`Section.warnings`, collected by `section_warnings`).
 
 OmegaConf needs `typing.Optional`/`List`/`Dict` annotations, so sections use those, not `X | None`.
 """
@@ -65,6 +66,13 @@ class Section:
         """
         return {}
 
+    def warnings(self, path: str, root: Any) -> list[str]:
+        """Launch warnings for settings of this section that run but are likely not what the user meant.
+
+        Each names the keys, their values and the fix; `rlframe.config.key_status.launch_warnings` prefixes them.
+        """
+        return []
+
 
 def fields_of(node: Any) -> Iterator[dataclasses.Field]:
     """The declared keys of a section, in declaration order."""
@@ -105,6 +113,15 @@ def inactive_keys(root: Any) -> dict[str, str]:
     for key_path, value, _ in walk(root):
         if isinstance(value, Section):
             out.update(value.inactive(key_path, root))
+    return out
+
+
+def section_warnings(root: Any) -> list[str]:
+    """Every section's `warnings` for this config, parents before children."""
+    out = list(root.warnings("", root)) if isinstance(root, Section) else []
+    for key_path, value, _ in walk(root):
+        if isinstance(value, Section):
+            out += value.warnings(key_path, root)
     return out
 
 

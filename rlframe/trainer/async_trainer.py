@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from rlframe.protocol import DataProto
+from rlframe.trainer.config import lookahead, staleness_bound
 from rlframe.trainer.metrics import compute_staleness_metrics
 from rlframe.trainer.ray_trainer import PreparedRun, RayPPOTrainer, timer
 from rlframe.workers.rollout_worker import VERSIONS_KEY
@@ -51,8 +52,7 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
             raise ValueError("trainer.v1.trainer_mode=separate_async needs the rollout pool's worker group")
         self.rollout_wg = groups.rollout
         v1 = self.config.trainer.v1
-        self.max_staleness = v1.sampler.max_off_policy_threshold - 1  # η
-        self.lookahead = min(v1.separate_async.num_warmup_batches, self.max_staleness)  # L
+        self.max_staleness, self.lookahead = staleness_bound(v1), lookahead(v1)  # η, L
         self.published_version = 0  # the weights the rollout pool generates with once its queued calls have run
         self._push: PendingCall | None = None
 

@@ -282,6 +282,16 @@ def _separate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
     ]
 
 
+def staleness_bound(v1: Any) -> int:
+    """η = trainer.v1.sampler.max_off_policy_threshold − 1: the most versions a trained sample may lag behind."""
+    return int(v1.sampler.max_off_policy_threshold) - 1
+
+
+def lookahead(v1: Any) -> int:
+    """L = min(trainer.v1.separate_async.num_warmup_batches, η): the batches generated ahead of training."""
+    return min(int(v1.separate_async.num_warmup_batches), staleness_bound(v1))
+
+
 @dataclass
 class TrainerV1Config(Section):
     trainer_mode: str = key(
@@ -311,6 +321,28 @@ class TrainerV1Config(Section):
         for refused, setting, why in _separate_async_refusals(root):
             if refused:
                 raise ValueError(f"{setting} with {SEPARATE}: {why} (docs/async.md: what is refused)")
+
+    def warnings(self, path: str, root: Any) -> list[str]:
+        if self.trainer_mode != "separate_async" or lookahead(self) < 1:
+            return []
+        correction = root.algorithm.rollout_correction
+        if correction.rollout_is is not None or correction.rollout_rs is not None or correction.bypass_mode:
+            return []
+        rc = "algorithm.rollout_correction"
+        needs_log_probs = (
+            ""
+            if root.actor_rollout_ref.rollout.calculate_log_probs
+            else " with actor_rollout_ref.rollout.calculate_log_probs=true"
+        )
+        return [
+            f"{SEPARATE} trains samples up to L = min({path}.separate_async.num_warmup_batches="
+            f"{self.separate_async.num_warmup_batches}, η = {path}.sampler.max_off_policy_threshold − 1 = "
+            f"{staleness_bound(self)}) = {lookahead(self)} policy version(s) older than the weights their step starts "
+            f"from, with no behaviour correction ({rc}.rollout_is=null, {rc}.rollout_rs=null, {rc}.bypass_mode=false): "
+            f"the update is PPO around π_prox on samples drawn from older weights, which is biased; set "
+            f"{rc}.rollout_is=token{needs_log_probs} (verl's decoupled mode, docs/async.md), or {rc}.rollout_rs for "
+            "rejection"
+        ]
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         if self.trainer_mode == "separate_async":

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from rlframe.batch_plan import BatchPlan, ModelShape, make_batch_plan, read_model_shape
 from rlframe.config import trace
 from rlframe.config.checks import check_model_path, resolve_device
-from rlframe.config.key_status import warn_ignored_keys
+from rlframe.config.key_status import warn_at_launch
 from rlframe.config.loader import config_dir, overrides_from_config
 from rlframe.data.builtin_tasks import resolve_data_files
 from rlframe.data.dataloader import make_dataloader
@@ -128,7 +128,7 @@ def prepare(overrides: list[str]) -> PreparedRun:
     give the same verdict on any config.
     """
     composed, cfg, model_shape, plan = check_config(overrides)
-    warn_ignored_keys(composed, overrides)
+    warn_at_launch(composed, overrides)
     tokenizer, train_loader, val_loader, reward_fn, val_reward_fn = load_data_and_rewards(cfg)
     steps, schedule_steps = step_counts(cfg, train_loader)
     return PreparedRun(

@@ -131,6 +131,7 @@ def test_explain_small_config_prints_flow_and_keys(capsys):
         "after (Karmarkar–Karp)",
     ):
         assert fragment in out
+    assert "pools and staleness" not in out  # sync: no second pool, nothing stale
 
 
 def test_explain_explains_a_multi_turn_config(capsys):
@@ -180,6 +181,43 @@ def test_explain_json_and_warnings(capsys):
     ]
     assert report["simulation"]["balance"]["dp_size"] == 2
     assert report["model"]["hidden_size"] == 64
+    assert "async" not in report  # sync
+
+
+def test_explain_shows_pools_and_staleness_under_separate_async(capsys):
+    overrides = [
+        *SMALL,
+        "trainer.v1.trainer_mode=separate_async",
+        "trainer.v1.sampler.max_off_policy_threshold=3",
+        "trainer.v1.separate_async.num_warmup_batches=1",
+        "trainer.v1.separate_async.parameter_sync_step=2",
+        "actor_rollout_ref.rollout.nnodes=1",
+        "actor_rollout_ref.rollout.n_gpus_per_node=1",
+    ]
+    assert main(overrides) == 0
+    text = capsys.readouterr().out
+    section = text.split("── pools and staleness ")[1].split("── algorithm")[0]
+    for fragment in (
+        "training  nnodes 1 × n_gpus_per_node 2 = 2 processes, each: actor, rollout (validation)",
+        "actor_rollout_ref.rollout.nnodes 1 × n_gpus_per_node 1 = 1 process: hf, tp 1, 1 replica",
+        "η = trainer.v1.sampler.max_off_policy_threshold 3 − 1 = 2",
+        "L = min(trainer.v1.separate_async.num_warmup_batches 1, η 2) = 1: the rollout pool generates up to 1 batch",
+        "in flight ≤ 1 + L = 2 batches × 32 sequences = 64 sequences (sync: 32), each ≤ 64 + 16 tokens",
+        "≈ 176.0 KiB of rollout tensors",  # 64 × 2816 bytes
+        "64 × (32 × 64 + 48 × 16 = 2,816 bytes)",
+        "rollout_log_probs (fp32); rollout_versions (int32)",
+        "126,400 parameters × 4 bytes (actor_rollout_ref.actor.fsdp_config.model_dtype=fp32) = 493.8 KiB per copy",
+        "objective uncorrected",
+    ):
+        assert fragment in section, fragment
+    warnings = text.split("── warnings ")[1]
+    assert "trainer.v1.trainer_mode=separate_async trains samples up to L" in warnings
+    assert main(["--format", "json", *overrides]) == 0
+    report = json.loads(capsys.readouterr().out)
+    pools = report["async"]
+    assert (pools["staleness_bound"], pools["lookahead"], pools["in_flight_sequences"]) == (2, 1, 64)
+    assert (pools["in_flight_bytes"], pools["weight_push_bytes"]) == (64 * 2816, 4 * 126400)
+    assert any("trainer.v1.trainer_mode=separate_async trains samples" in w for w in report["warnings"])
 
 
 @pytest.mark.slow  # a multi-process world or a subprocess: over 6 s on 2 cores (tests/README.md)
