@@ -1,5 +1,8 @@
 """`rlframe explain`: the batch plan of a config, its keys in effect, and a packing simulation.
 
+Under `trainer.v1.trainer_mode=separate_async` it also shows the two pools, the staleness bound and what the
+batches in flight hold (`rlframe.trainer.async_plan`); its warnings are `rlframe train`'s launch warnings.
+
 No Ray and no model weights: it runs `rlframe train`'s launch checks (config, model folder, device,
 datasets; `--plan-only` skips those that need files), then prints the plan. The simulation runs the
 real code path on made-up or recorded lengths:
@@ -394,16 +397,16 @@ def format_pools(ap: AsyncPlan) -> str:
     for name, dtype, _, _ in ROLLOUT_TENSORS:
         if name in ap.rollout_tensors:
             dtypes.setdefault(dtype, []).append(name)
-    counted = "; ".join(f"{', '.join(names)} ({dtype})" for dtype, names in dtypes.items())
+    counted = ", ".join(f"{', '.join(names)} ({dtype})" for dtype, names in dtypes.items())
     if ap.weight_parameters is None:
         weights = (
-            f"{ap.weight_element_bytes} bytes per parameter ({ACTOR}.fsdp_config.model_dtype={ap.weight_dtype}); "
-            "the model's config.json is not readable here, so its parameters are not counted"
+            f"{ap.weight_element_bytes} bytes per parameter ({ACTOR}.fsdp_config.model_dtype={ap.weight_dtype}) per "
+            "copy; the model's config.json is not readable here, so its parameters are not counted"
         )
     else:
         weights = (
             f"{ap.weight_parameters:,} parameters × {ap.weight_element_bytes} bytes ({ACTOR}.fsdp_config.model_dtype="
-            f"{ap.weight_dtype}) = {_size(ap.weight_push_bytes)}"
+            f"{ap.weight_dtype}) = {_size(ap.weight_push_bytes)} per copy"
         )
     return "\n".join(
         [
@@ -426,10 +429,10 @@ def format_pools(ap: AsyncPlan) -> str:
             f"memory    ≈ {_size(ap.in_flight_bytes)} of rollout tensors, on the driver or in Ray's object store "
             f"until trained: {ap.in_flight_sequences} × ({ap.bytes_per_prompt_token} × {ap.max_prompt_length} + "
             f"{ap.bytes_per_response_token} × {ap.max_response_length} = {ap.bytes_per_sequence:,} bytes)",
-            f"          counts {counted}; not what the step adds (log-probs, values, advantages), the non-tensor "
-            "fields, or the prompts on their way to the rollout pool",
+            f"          counted: {counted}. Not counted: what the step adds (log-probs, values, advantages), "
+            "the non-tensor fields, the prompts on their way to the rollout pool",
             "weights   each push sends the actor's full state dict from training rank 0 through the driver to the "
-            f"rollout pool, in Ray's object store (put once for all rollout processes): {weights} per copy",
+            f"rollout pool, in Ray's object store (put once for all rollout processes): {weights}",
             f"objective {OBJECTIVES[ap.objective]}",
         ]
     )

@@ -205,7 +205,8 @@ def test_explain_shows_pools_and_staleness_under_separate_async(capsys):
         "in flight ≤ 1 + L = 2 batches × 32 sequences = 64 sequences (sync: 32), each ≤ 64 + 16 tokens",
         "≈ 176.0 KiB of rollout tensors",  # 64 × 2816 bytes
         "64 × (32 × 64 + 48 × 16 = 2,816 bytes)",
-        "rollout_log_probs (fp32); rollout_versions (int32)",
+        "counted: prompts, responses, input_ids, attention_mask, position_ids, response_mask (int64), "
+        "rollout_log_probs (fp32), rollout_versions (int32). Not counted:",
         "126,400 parameters × 4 bytes (actor_rollout_ref.actor.fsdp_config.model_dtype=fp32) = 493.8 KiB per copy",
         "objective uncorrected",
     ):
@@ -218,6 +219,23 @@ def test_explain_shows_pools_and_staleness_under_separate_async(capsys):
     assert (pools["staleness_bound"], pools["lookahead"], pools["in_flight_sequences"]) == (2, 1, 64)
     assert (pools["in_flight_bytes"], pools["weight_push_bytes"]) == (64 * 2816, 4 * 126400)
     assert any("trainer.v1.trainer_mode=separate_async trains samples" in w for w in report["warnings"])
+
+
+def test_pools_say_the_weight_copy_per_parameter_when_the_model_is_not_readable():
+    from dataclasses import replace
+
+    from rlframe.explain import format_pools
+    from rlframe.trainer.async_plan import make_async_plan
+    from rlframe.trainer.main_ppo import check_config
+
+    async_keys = ["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.nnodes=1"]
+    overrides = [*SMALL, *async_keys, "trainer.v1.separate_async.parameter_sync_step=2"]
+    _, cfg, _, plan = check_config([*overrides, "actor_rollout_ref.actor.fsdp_config.model_dtype=bf16"], False)
+    text = format_pools(replace(make_async_plan(cfg, plan), weight_parameters=None, weight_push_bytes=None))
+    assert (
+        "2 bytes per parameter (actor_rollout_ref.actor.fsdp_config.model_dtype=bf16) per copy; the model's "
+        "config.json is not readable here" in text
+    )
 
 
 @pytest.mark.slow  # a multi-process world or a subprocess: over 6 s on 2 cores (tests/README.md)
