@@ -144,3 +144,10 @@ def test_sync_has_no_async_plan_and_no_staleness_warning():
     assert make_async_plan(cfg, plan) is None
     overrides = [*SMALL, "trainer.v1.sampler.max_off_policy_threshold=3"]
     assert not any("behaviour correction" in line for line in launch_warnings(compose(overrides), overrides))
+
+
+def test_rlframe_train_prints_the_warning_before_ray_starts(capsys):
+    from rlframe.trainer.main_ppo import prepare
+
+    prepare(ASYNC)
+    assert "rlframe: warning: trainer.v1.trainer_mode=separate_async trains samples up to L" in capsys.readouterr().err
