@@ -176,14 +176,6 @@ def ignored_key_warnings(cfg: DictConfig, overrides: list[str]) -> list[str]:
     ]
 
 
-def warn_ignored_keys(cfg: DictConfig, overrides: list[str], stream: TextIO | None = None) -> list[str]:
-    """Print `ignored_key_warnings` (to stderr by default) and return them."""
-    lines = ignored_key_warnings(cfg, overrides)
-    for line in lines:
-        print(line, file=stream or sys.stderr)
-    return lines
-
-
 def launch_warnings(cfg: DictConfig, overrides: list[str]) -> list[str]:
     """The ignored-key lines, then one line per section warning (`Section.warnings`) of this config."""
     root = OmegaConf.to_object(cfg)
