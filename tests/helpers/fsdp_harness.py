@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 
 import torch
+import torch.distributed as dist
 
 from helpers.world import spawned_world
 from rlframe.batch_plan import ForwardPlan, UpdatePlan
@@ -205,31 +206,39 @@ def single_dims(sc: Scenario, dp_group=None, sp_group=None) -> ParallelDims:
 
 
 class RecordingSGD(torch.optim.SGD):
-    """SGD that keeps a full copy of the gradient it is about to apply (a collective under FSDP)."""
+    """SGD that keeps a full copy of the gradient it is about to apply (a collective under FSDP); `keep=False` takes
+    part in the collective and keeps nothing (the ranks whose copy nobody reads: a model's worth of memory each)."""
 
-    def __init__(self, model, lr: float = 1.0):
+    def __init__(self, model, lr: float = 1.0, keep: bool = True):
         super().__init__(model.parameters(), lr=lr)
-        self.model = model
+        self.model, self.keep = model, keep
         self.grads: dict[str, torch.Tensor] = {}
 
     def step(self, closure=None):
-        self.grads = full_grads(self.model)
+        self.grads = full_grads(self.model, self.keep)
         return super().step(closure)
 
 
-def full_grads(model) -> dict[str, torch.Tensor]:
+def full_grads(model, keep: bool = True) -> dict[str, torch.Tensor]:
+    """{name: the full gradient}, one parameter gathered at a time; {} where `keep` is False."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     if isinstance(model, FSDP):
         with FSDP.summon_full_params(model, with_grads=True, writeback=False):
             named = [(n, p.grad) for n, p in model.named_parameters()]
-    else:
-        named = [
-            (n, p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
-            for n, p in model.named_parameters()
-            if p.grad is not None
-        ]
-    return {n.replace("_fsdp_wrapped_module.", ""): g.detach().to("cpu", copy=True) for n, g in named if g is not None}
+            return {_plain(n): g.detach().to("cpu", copy=True) for n, g in named if g is not None and keep}
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+        if keep:
+            grads[_plain(name)] = grad.detach().to("cpu", copy=True)
+    return grads
+
+
+def _plain(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "")
 
 
 def run_scenario(
@@ -254,7 +263,7 @@ def run_scenario(
         model = wrap_fsdp(model, spec, mesh, "cpu")
         if sc.forward_prefetch:
             assert_forward_prefetch(model, sc.strategy)
-    optimizer = RecordingSGD(model)
+    optimizer = RecordingSGD(model, keep=not dist.is_initialized() or dist.get_rank() == 0)
     shard = data.chunk(sc.dp)[dp_rank]
     role = make_role(sc, len(data), model, optimizer, single_dims(sc, dp_group, sp_group))
     if sc.role == "critic":
@@ -317,8 +326,6 @@ def _rank_scenario(rank: int, sc: Scenario, model_path: str, data_path: str) -> 
     dp_group, sp_group = mesh_groups(mesh, sc)
     dp_rank = mesh.get_local_rank("dp")
     result = run_scenario(sc, model_path, DataProto.load_from_disk(data_path), dp_rank, dp_group, sp_group, fsdp_mesh)
-    if rank != 0:
-        result.pop("grads")
     result["dp_rank"], result["sp_rank"] = dp_rank, mesh.get_local_rank("sp")
     return result
 

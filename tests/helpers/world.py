@@ -11,9 +11,10 @@ never meets a world a failure left half way through a collective.
 from __future__ import annotations
 
 import atexit
-import io
+import faulthandler
 import os
 import socket
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -61,30 +62,44 @@ class SpawnedWorld:
             )
             for rank in range(size)
         ]
-        for proc in self.procs:
-            proc.start()
+        arenas = os.environ.get("MALLOC_ARENA_MAX")
+        os.environ["MALLOC_ARENA_MAX"] = "2"  # gloo's and autograd's threads each grow a glibc arena: ~2 GB at the peak
+        try:
+            for proc in self.procs:
+                proc.start()
+        finally:
+            if arenas is None:
+                del os.environ["MALLOC_ARENA_MAX"]
+            else:
+                os.environ["MALLOC_ARENA_MAX"] = arenas
 
     def run(self, fn, *args, timeout: float = JOB_TIMEOUT_S) -> list:
         """fn(rank, *args) on every rank (the default group initialized, one torch thread each): their return values,
-        by rank. A failure on any rank raises here with that rank's traceback."""
+        by rank. A failure on any rank raises here with that rank's traceback; a rank that dies (the OOM killer's
+        SIGKILL, a crash) raises at once, naming its exit code."""
         for queue in self.jobs:
-            queue.put((fn, args))
-        values, errors = [None] * self.size, []
+            queue.put((fn, args, timeout))
+        values, errors, answered = [None] * self.size, [], 0
         deadline = time.monotonic() + timeout
-        for _ in range(self.size):
+        while answered < self.size:
             try:
-                rank, ok, payload = self.results.get(timeout=max(deadline - time.monotonic(), 0.1))
+                rank, ok, payload = self.results.get(timeout=1)
             except Empty:
-                self.close(kill=True)
-                raise TimeoutError(f"{fn.__name__} on {self.size} processes did not finish in {timeout}s") from None
-            if not ok:
+                dead = [f"rank {r} died (exit code {p.exitcode})" for r, p in enumerate(self.procs) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    break
+                continue
+            answered += 1
+            if ok:
+                values[rank] = torch.load(payload, mmap=True, weights_only=False)
+                os.unlink(payload)
+            else:
                 errors.append(f"rank {rank}:\n{payload}")
                 deadline = min(deadline, time.monotonic() + 30)  # the others may wait in a collective: not for long
-                continue
-            values[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-        if errors:
+        if answered < self.size or errors:
             self.close(kill=True)
-            raise RuntimeError(f"{fn.__name__} failed on {self.size} processes:\n" + "\n".join(errors))
+            late = [] if answered == self.size else dead or [f"did not finish in {timeout}s (each rank's stacks above)"]
+            raise RuntimeError(f"{fn.__name__} on {self.size} processes: " + "\n".join(late + errors))
         return values
 
     def close(self, kill: bool = False) -> None:
@@ -136,19 +151,24 @@ def _serve(rank: int, size: int, port: int, jobs, results) -> None:
                 return
             torch.manual_seed(seed)  # every job starts from a fresh process's torch RNG and threads
             torch.set_num_threads(1)
-            results.put(_outcome(rank, *job))
-            del job
+            fn, args, timeout = job
+            faulthandler.dump_traceback_later(max(timeout - 5, 1))  # where a job that hangs hangs, before it is killed
+            results.put(_outcome(rank, fn, args))
+            faulthandler.cancel_dump_traceback_later()
+            del job, fn, args
             _give_back_memory()
     finally:
         dist.destroy_process_group()
 
 
 def _outcome(rank: int, fn, args) -> tuple:
-    """(rank, True, the return value saved by torch) or (rank, False, the traceback)."""
+    """(rank, True, a file holding the return value saved by torch) or (rank, False, the traceback). A file, not the
+    bytes through the queue: a gradient of a whole model would otherwise be held three times in each process."""
     try:
-        buffer = io.BytesIO()
-        torch.save(fn(rank, *args), buffer)
-        return rank, True, buffer.getvalue()
+        value = fn(rank, *args)
+        with tempfile.NamedTemporaryFile(prefix=f"world-rank{rank}-", suffix=".pt", delete=False) as file:
+            torch.save(value, file)
+        return rank, True, file.name
     except BaseException:
         return rank, False, traceback.format_exc()
 
