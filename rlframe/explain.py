@@ -379,6 +379,14 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
 
 
+STALE_STRATEGIES = {
+    "drop": "a finished group older than η is never trained (training/off_policy/evicted_samples counts it); "
+    "groups that finish out of order can fall behind",
+    "regenerate": "a finished group older than η is generated again from its prompt at the current version, so "
+    "every prompt is trained once",
+    "wait": "a step waits for older generating groups whenever training the oldest finished ones would leave one "
+    "past η, so no group is ever evicted",
+}
 OBJECTIVES = {
     "on_policy": "on-policy: L = 0, so every sample comes from the weights its step starts from (σ = 0), as in sync",
     "decoupled": "decoupled (verl's decoupled mode): the PPO ratio is taken against π_prox (the old-log-prob pass) and "
@@ -420,12 +428,16 @@ def format_pools(ap: AsyncPlan) -> str:
             "the step's own (version s − 1)",
             f"lookahead L = min({v1}.separate_async.num_warmup_batches {ap.num_warmup_batches}, η "
             f"{ap.staleness_bound}) = {ap.lookahead}: the rollout pool generates up to "
-            f"{_count(ap.lookahead, 'batch', 'batches')} ahead of training, so a sample is at most L versions old; "
-            f"nothing is generated past the bound ({v1}.sampler.max_off_policy_strategy="
-            f"{ap.max_off_policy_strategy} never drops)",
-            f"in flight ≤ 1 + L = {ap.in_flight_batches} batches × {ap.sequences_per_batch} sequences = "
-            f"{ap.in_flight_sequences} sequences (sync: {ap.sequences_per_batch}), each ≤ {ap.max_prompt_length} + "
-            f"{ap.max_response_length} tokens: the one training and L generated ahead",
+            f"{_count(ap.lookahead, 'batch', 'batches')} ahead of training",
+            f"admission a group starts only while finished-but-untrained plus generating groups stay within "
+            f"(L + 1) × {ap.train_batch_size} = {ap.in_flight_groups} (AReaL's rule); each generate call takes "
+            f"⌈{ap.train_batch_size} / {ap.rollout_replicas}⌉ = {ap.groups_per_call} groups to the replica with "
+            "the fewest calls queued",
+            f"stale     {v1}.sampler.max_off_policy_strategy={ap.max_off_policy_strategy}: "
+            f"{STALE_STRATEGIES[ap.max_off_policy_strategy]}",
+            f"in flight ≤ {ap.in_flight_groups} groups = {ap.in_flight_sequences} sequences (sync: "
+            f"{ap.sequences_per_batch}), each ≤ {ap.max_prompt_length} + {ap.max_response_length} tokens: the step "
+            "training and L batches generated ahead",
             f"memory    ≈ {_size(ap.in_flight_bytes)} of rollout tensors, on the driver or in Ray's object store "
             f"until trained: {ap.in_flight_sequences} × ({ap.bytes_per_prompt_token} × {ap.max_prompt_length} + "
             f"{ap.bytes_per_response_token} × {ap.max_response_length} = {ap.bytes_per_sequence:,} bytes)",

@@ -10,6 +10,7 @@ prints it (docs/async.md shows an example).
 from __future__ import annotations
 
 import os
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -52,7 +53,9 @@ class AsyncPlan:
     staleness_bound: int  # η
     num_warmup_batches: int
     lookahead: int  # L
-    in_flight_batches: int  # 1 + L
+    train_batch_size: int  # B: groups per step
+    in_flight_groups: int  # (L + 1) · B: AReaL's admission bound
+    groups_per_call: int  # ⌈B / rollout replicas⌉: what one generate call on one replica takes
     sequences_per_batch: int
     in_flight_sequences: int
     max_prompt_length: int
@@ -134,10 +137,10 @@ def make_async_plan(cfg: Any, plan: BatchPlan) -> AsyncPlan | None:
     per_prompt_token, per_response_token = sum(t[2] for t in tensors), sum(t[3] for t in tensors)
     per_sequence = per_prompt_token * plan.max_prompt_length + per_response_token * plan.max_response_length
     in_flight = (1 + ahead) * plan.sequences_per_step
+    replicas = rollout.nnodes * rollout.n_gpus_per_node // rollout.tensor_model_parallel_size
     dtype = cfg.actor_rollout_ref.actor.fsdp_config.model_dtype
     element_bytes = ELEMENT_BYTES[DTYPES[dtype]]
     parameters = exported_parameters(model.path, bool(model.trust_remote_code))
-    processes = rollout.nnodes * rollout.n_gpus_per_node
     return AsyncPlan(
         training_nnodes=plan.nnodes,
         training_n_gpus_per_node=plan.n_gpus_per_node,
@@ -146,13 +149,15 @@ def make_async_plan(cfg: Any, plan: BatchPlan) -> AsyncPlan | None:
         rollout_n_gpus_per_node=rollout.n_gpus_per_node,
         rollout_engine=rollout.name,
         rollout_tp=rollout.tensor_model_parallel_size,
-        rollout_replicas=processes // rollout.tensor_model_parallel_size,
+        rollout_replicas=replicas,
         max_off_policy_threshold=v1.sampler.max_off_policy_threshold,
         max_off_policy_strategy=v1.sampler.max_off_policy_strategy,
         staleness_bound=eta,
         num_warmup_batches=v1.separate_async.num_warmup_batches,
         lookahead=ahead,
-        in_flight_batches=1 + ahead,
+        train_batch_size=plan.train_batch_size,
+        in_flight_groups=(1 + ahead) * plan.train_batch_size,
+        groups_per_call=math.ceil(plan.train_batch_size / replicas),
         sequences_per_batch=plan.sequences_per_step,
         in_flight_sequences=in_flight,
         max_prompt_length=plan.max_prompt_length,

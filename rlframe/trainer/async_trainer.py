@@ -1,19 +1,22 @@
-"""AsyncRayPPOTrainer: `trainer.v1.trainer_mode=separate_async` at batch granularity (one-step-off for η = 1).
+"""AsyncRayPPOTrainer: `trainer.v1.trainer_mode=separate_async`, streaming groups through a rollout pool of its own.
 
-A rollout pool of its own (`WorkerGroups.rollout`, `RolloutWorker`s) generates while the training pool trains.
-The driver keeps up to 1 + L loader batches submitted to the rollout pool, where L = min(num_warmup_batches, η)
-and η = max_off_policy_threshold - 1, and trains them in submission order with the sync trainer's own
-`_train_step`. After each update it exports the actor's weights and queues them on the rollout pool as version
+The rollout pool (`WorkerGroups.rollout`, `RolloutWorker`s) generates while the training pool trains. The driver
+admits prompt groups as the staleness core allows (`GroupLedger`: AReaL's rule, at most (L + 1) · B groups
+generating or finished-but-untrained, L = min(num_warmup_batches, η), η = max_off_policy_threshold - 1) and sends
+them in chunks of ⌈B / replicas⌉ groups to the replica with the fewest calls queued. A step starts when the ledger
+says `Take`: the B finished groups with the oldest admission version. Finished groups older than η are evicted
+(`drop`, or `regenerate` their prompts) and `wait` holds the step for older running groups instead. The step runs
+the sync trainer's own `_train_step`, then exports the actor's weights and queues them on every replica as version
 `global_step`; Ray runs an actor's calls in submission order, so a generation already queued finishes with the
 weights it started with and the next one starts with the new ones.
 
-A batch submitted while version v is published and trained in step s has staleness s - 1 - v; submitting at most
-L batches ahead keeps it <= L <= η, and each step checks it. With η = 0 the schedule is the sync loop's, with
-generation moved to the other pool (docs/async.md draws both timelines).
+With η = 0 the schedule is the sync loop's, with generation moved to the other pool (docs/async.md draws the
+timelines).
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections import deque
@@ -22,70 +25,81 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from rlframe.protocol import DataProto
 from rlframe.trainer.config import lookahead, staleness_bound
-from rlframe.trainer.metrics import compute_staleness_metrics
+from rlframe.trainer.metrics import compute_staleness_metrics, reduce_metrics
 from rlframe.trainer.ray_trainer import PreparedRun, RayPPOTrainer, timer
+from rlframe.trainer.staleness import Evict, GroupLedger, Take
 from rlframe.workers.rollout_worker import VERSIONS_KEY
 
 if TYPE_CHECKING:  # Ray is imported only when the groups are created
-    from rlframe.single_controller.ray import PendingCall
+    from rlframe.single_controller.ray import PendingCall, RayWorkerGroup
     from rlframe.trainer.launch import WorkerGroups
 
 
 @dataclass
-class InFlight:
-    """One loader batch on the rollout pool: its generation call, the batch without prompts, its admission version."""
+class Chunk:
+    """Groups generating in one call on one replica: the call, their rows without prompts, their ledger ids."""
 
     call: PendingCall
+    replica: int
     batch: DataProto
-    admitted_version: int
+    groups: list[int]
 
 
 class AsyncRayPPOTrainer(RayPPOTrainer):
-    """separate_async: generation of the next batches on the rollout pool overlaps the training of this one."""
+    """separate_async: generation of the next groups on the rollout pool overlaps the training of this step."""
 
     def __init__(self, run: PreparedRun, groups: WorkerGroups):
         super().__init__(run, groups)
         if groups.rollout is None:
             raise ValueError("trainer.v1.trainer_mode=separate_async needs the rollout pool's worker group")
         self.rollout_wg = groups.rollout
+        self.replicas: list[RayWorkerGroup] = groups.rollout.rank_views()  # TP 1: one replica per process
         v1 = self.config.trainer.v1
-        self.max_staleness, self.lookahead = staleness_bound(v1), lookahead(v1)  # η, L
+        batch_groups = self.plan.train_batch_size
+        self.ledger = GroupLedger(batch_groups, staleness_bound(v1), lookahead(v1), v1.sampler.max_off_policy_strategy)
+        self.groups_per_call = math.ceil(batch_groups / len(self.replicas))
         self.published_version = 0  # the weights the rollout pool generates with once its queued calls have run
         self._push: PendingCall | None = None
+        self._prompts: deque[DataProto] = deque()  # one prompt each, to admit before the loader's next (regenerated)
+        self._prompt_of: dict[int, DataProto] = {}  # group id -> its prompt (to regenerate it)
+        self._rows: dict[int, DataProto] = {}  # group id -> its n generated rows, once finished
+        self._chunks: list[Chunk] = []
+        self._gen_metrics: list[dict] = []  # the rollout's metrics of the calls returned since the last step
+        self._evicted = {"groups": 0, "spans": [], "tokens": 0}
 
     def fit(self) -> dict:
-        """Train until total_training_steps, generating up to `lookahead` batches ahead; returns the last metrics."""
+        """Train until total_training_steps or the end of the data; returns the last metrics."""
         progress, validation = self._start()
         if validation is not None:
             return validation
         if self.global_step > 0:  # resumed: the rollout pool starts from the checkpoint's weights
             self._push_weights()
-        loader = self._loader_batches()
-        in_flight: deque[InFlight] = deque()
+        loader = self._loader_prompts()
         last_metrics: dict = {}
         while self.global_step < self.total_training_steps:
-            self._admit(loader, in_flight)
-            if not in_flight:  # the data ran out
-                break
             self.step_profiler.begin(self.global_step + 1)
             metrics, timings, start = {}, {}, time.perf_counter()
-            oldest = in_flight.popleft()
             with timer("gen", timings):  # verl's meaning here: how long training waited for the samples
-                batch, gen_metrics = self._merge_generated(oldest.batch, oldest.call.result())
-            metrics.update(gen_metrics)
-            metrics["async/in_flight_batches"] = len(in_flight)  # generating on the rollout pool while this trains
+                take = self._wait_for_batch(loader)
+            if take is None:  # the data ran out: fewer than train_batch_size groups are left
+                break
             self.global_step += 1
-            metrics.update(self._staleness(batch, oldest.admitted_version))
+            batch = DataProto.concat([self._rows.pop(gid) for gid in take])
+            metrics.update(self._step_async_metrics(batch, take))
             with timer("reward", timings):
                 self._compute_reward(batch, metrics)
             last_metrics = self._train_step(batch, metrics, timings, start)
+            self.ledger.remove(take)
+            for gid in take:
+                self._prompt_of.pop(gid)
             with timer("update_weights", timings):
                 self._push_weights()
             last_metrics["timing_s/update_weights"] = timings["update_weights"]
-            self._admit(loader, in_flight)  # before validation: the rollout pool generates while it runs
+            self._admit(loader)  # before validation: the rollout pool generates while it runs
             is_last = self.global_step >= self.total_training_steps
             self._end_step(last_metrics, progress, is_last)
         if self._push is not None:
@@ -94,32 +108,103 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
         self.tracker.finish()
         return last_metrics
 
-    def _loader_batches(self) -> Iterator[DataProto]:
-        """Loader batches over at most trainer.total_epochs passes (the sync loop's order)."""
+    def _loader_prompts(self) -> Iterator[DataProto]:
+        """The loader's prompts one at a time, over at most trainer.total_epochs passes (the sync loop's order)."""
         for _ in range(self.config.trainer.total_epochs):
             for batch_dict in self.train_dataloader:
-                yield DataProto.from_single_dict(batch_dict)
+                yield from DataProto.from_single_dict(batch_dict).split(1)
 
-    def _admit(self, loader: Iterator[DataProto], in_flight: deque[InFlight]) -> None:
-        """Submit batches until 1 + lookahead are in flight, never more than the steps left to train."""
-        while len(in_flight) <= self.lookahead and self.global_step + len(in_flight) < self.total_training_steps:
-            batch = next(loader, None)
-            if batch is None:
+    def _wait_for_batch(self, loader: Iterator[DataProto]) -> list[int] | None:
+        """Admit, evict and collect generations until the ledger gives the next step's groups (None: no more)."""
+        step = self.global_step + 1
+        while True:
+            self._admit(loader)
+            decision = self.ledger.decide(step)
+            if isinstance(decision, Take):
+                return decision.groups
+            if isinstance(decision, Evict):
+                self._evict(decision.groups, step)
+            elif self._chunks:
+                self._collect()
+            else:  # nothing generating, nothing left to admit
+                return None
+
+    def _admit(self, loader: Iterator[DataProto]) -> None:
+        """Start as many groups as the ledger has room for and the remaining steps need, a chunk per call."""
+        steps_left = self.total_training_steps - self.global_step
+        while True:
+            wanted = min(self.ledger.room(), steps_left * self.plan.train_batch_size - self.ledger.in_flight)
+            prompts = self._next_prompts(loader, min(wanted, self.groups_per_call))
+            if not prompts:
                 return
+            gids = [self.ledger.admit(self.published_version) for _ in prompts]
+            self._prompt_of.update(zip(gids, prompts))
+            batch = DataProto.concat(prompts)
             batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
             batch, gen_batch = self._generation_inputs(batch.repeat(self.plan.n, interleave=True), validate=False)
-            call = self.rollout_wg.submit("generate_sequences", gen_batch)
-            in_flight.append(InFlight(call, batch, self.published_version))
+            replica = min(range(len(self.replicas)), key=lambda r: sum(c.replica == r for c in self._chunks))
+            call = self.replicas[replica].submit("generate_sequences", gen_batch)
+            self._chunks.append(Chunk(call, replica, batch, gids))
 
-    def _staleness(self, batch: DataProto, admitted_version: int) -> dict:
-        """The trained samples' staleness metrics; the versions leave the batch, which then is the sync loop's."""
+    def _next_prompts(self, loader: Iterator[DataProto], count: int) -> list[DataProto]:
+        prompts = []
+        while len(prompts) < count:
+            prompt = self._prompts.popleft() if self._prompts else next(loader, None)
+            if prompt is None:
+                break
+            prompts.append(prompt)
+        return prompts
+
+    def _collect(self) -> None:
+        """Wait for the first chunk to come back; its groups become finished."""
+        from rlframe.single_controller.ray import wait_any
+
+        call = wait_any([chunk.call for chunk in self._chunks])
+        chunk = next(c for c in self._chunks if c.call is call)
+        self._chunks.remove(chunk)
+        output = call.result()
+        self._gen_metrics.append(output.meta_info.pop("metrics", {}))
+        output.meta_info = {}
+        rows = chunk.batch.union(output).split(self.plan.n)
+        for gid, group_rows in zip(chunk.groups, rows):
+            self._rows[gid] = group_rows
+            self.ledger.finish(gid)
+
+    def _evict(self, groups: list[int], step: int) -> None:
+        """Finished groups past η: never trained; under `regenerate` their prompts are admitted again first."""
+        self._evicted["groups"] += len(groups)
+        self._evicted["spans"] += [self.ledger.staleness(gid, step) + 1 for gid in groups]  # verl's span
+        for gid in groups:
+            self._evicted["tokens"] += int(self._rows.pop(gid).batch["response_mask"].sum())
+        self.ledger.remove(groups)
+        prompts = [self._prompt_of.pop(gid) for gid in groups]
+        if self.ledger.strategy == "regenerate":
+            self._prompts.extendleft(reversed(prompts))
+
+    def _step_async_metrics(self, batch: DataProto, take: list[int]) -> dict:
+        """The step's staleness (checked against η), evictions, occupancy and rollout metrics; the versions
+        leave the batch, which then is the sync loop's."""
         versions = batch.pop(batch_keys=[VERSIONS_KEY]).batch[VERSIONS_KEY]
-        metrics = compute_staleness_metrics(versions, admitted_version, self.global_step)
-        if metrics["training/off_policy/trajectory_staleness/max"] > self.max_staleness:
+        admitted = torch.tensor([self.ledger.finished[gid] for gid in take]).repeat_interleave(self.plan.n)
+        metrics = compute_staleness_metrics(versions, admitted, self.global_step)
+        if metrics["training/off_policy/trajectory_staleness/max"] > self.ledger.max_staleness:
             raise AssertionError(
                 f"step {self.global_step} trains samples of staleness "
-                f"{metrics['training/off_policy/trajectory_staleness/max']:g} > η={self.max_staleness}"
+                f"{metrics['training/off_policy/trajectory_staleness/max']:g} > η={self.ledger.max_staleness}"
             )
+        metrics.update(reduce_metrics(_merged(self._gen_metrics)))
+        self._gen_metrics.clear()
+        evicted = self._evicted
+        metrics["training/off_policy/evicted_samples"] = evicted["groups"]
+        if evicted["spans"]:
+            metrics["training/off_policy/evicted_samples_staleness/mean"] = float(np.mean(evicted["spans"]))
+            metrics["training/off_policy/evicted_samples_staleness/max"] = float(max(evicted["spans"]))
+        metrics["async/tokens_never_trained"] = evicted["tokens"]
+        self._evicted = {"groups": 0, "spans": [], "tokens": 0}
+        # generating or finished on the rollout pool's side while this step trains, and the most at any time
+        metrics["async/in_flight_groups"] = self.ledger.in_flight - len(take)
+        metrics["async/in_flight_groups/max"] = self.ledger.peak_in_flight
+        self.ledger.peak_in_flight = self.ledger.in_flight
         return metrics
 
     def _push_weights(self) -> None:
@@ -129,3 +214,12 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
         weights = self.actor_rollout_wg.export_weights()
         self._push = self.rollout_wg.submit("load_weights", self.global_step, weights)
         self.published_version = self.global_step
+
+
+def _merged(metric_dicts: list[dict]) -> dict:
+    """The rollout calls' metric dicts as one dict of lists, for reduce_metrics (one call: unchanged)."""
+    merged: dict[str, list] = {}
+    for metrics in metric_dicts:
+        for key, value in metrics.items():
+            merged.setdefault(key, []).extend(value if isinstance(value, list) else [value])
+    return merged

@@ -30,6 +30,7 @@ from rlframe.config.schema import Section, key, render_yaml, section, validate, 
 from rlframe.config.verl_keys import ALIASES, NOT_IN_VERL, check_verl_override, followed_key, verl_key_under
 from rlframe.data.config import DataConfig
 from rlframe.reward.config import CustomRewardFunctionConfig
+from rlframe.trainer.staleness import STRATEGIES
 from rlframe.trainer.tracking import check_backends
 from rlframe.workers.config.actor import ActorConfig
 from rlframe.workers.config.critic import CriticConfig
@@ -192,17 +193,11 @@ class SamplerConfig(Section):
     )
     max_off_policy_strategy: str = key(
         "drop",
-        "what happens to a group past the bound: drop (rlframe never generates beyond the bound, so nothing is "
-        "dropped); verl's wait comes later",
-        choices=("drop", "wait"),
+        "a finished group past the bound: drop (verl: never trained) | regenerate (rlframe: its prompt generated "
+        "again at the current version, so each prompt is trained once) | wait (verl: the step waits for older "
+        "running groups instead, so none goes past the bound)",
+        choices=STRATEGIES,
     )
-
-    def check(self, path: str, root: Any) -> None:
-        if self.max_off_policy_strategy != "drop":
-            raise ValueError(
-                f"{path}.max_off_policy_strategy={self.max_off_policy_strategy}: only drop is implemented "
-                "(docs/async.md: what comes next); set it to drop or leave it out"
-            )
 
 
 @dataclass

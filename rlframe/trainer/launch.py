@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlframe.batch_plan import BatchPlan
 from rlframe.config.checks import resolve_device
 from rlframe.trainer.profiling import nsight_runtime_env
+from rlframe.utils.faults import DELAY_ENV
 
 if TYPE_CHECKING:  # Ray is imported only when the groups are created (prepare() runs without it)
     from rlframe.single_controller.ray import RayResourcePool, RayWorkerGroup
@@ -171,6 +172,7 @@ def _create_rollout_group(cfg, plan: BatchPlan, config, groups: WorkerGroups, de
             groups._rollout_pool,
             RayClassWithInitArgs(RolloutWorker, config, plan),
             call_timeout_s=cfg.trainer.worker_timeout_s,
+            runtime_env={"env_vars": {DELAY_ENV: os.environ[DELAY_ENV]}} if os.environ.get(DELAY_ENV) else None,
         )
     except ClusterTooSmallError as err:
         raise ClusterTooSmallError(

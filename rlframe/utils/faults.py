@@ -7,15 +7,22 @@ environment, which Ray workers set). With `RLFRAME_KILL_ONCE=DIR` each kill happ
 it leaves a marker in DIR first, so the processes a restart creates (their counts start at 0 again)
 pass the point. Without the variable a point costs one environment lookup. The points are listed in
 docs/reliability.md.
+
+`RLFRAME_DELAY_AT=NAME:SEED:MIN-MAX` (several separated by commas) makes every process that reaches `NAME` sleep a
+random MIN to MAX seconds first, drawn from its own generator seeded with SEED and its `RANK`: the asynchronous
+tests make replicas of the rollout pool finish out of order, reproducibly (`DelayPoints`).
 """
 
 from __future__ import annotations
 
 import os
+import random
 import signal
+import time
 
 ENV = "RLFRAME_KILL_AT"
 ONCE_ENV = "RLFRAME_KILL_ONCE"
+DELAY_ENV = "RLFRAME_DELAY_AT"
 
 
 def _targets(spec: str) -> list[tuple[str, int, str | None]]:
@@ -67,3 +74,28 @@ def _first_time(name: str, hit: int) -> bool:
             return True
     except FileExistsError:
         return False
+
+
+class DelayPoints:
+    """The delay points of one process: a seeded generator per point, drawn at each hit."""
+
+    def __init__(self):
+        self.generators: dict[str, random.Random] = {}
+
+    def hit(self, name: str) -> None:
+        """Sleep as `RLFRAME_DELAY_AT` says for `name` (nothing without it)."""
+        spec = os.environ.get(DELAY_ENV)
+        for item in spec.split(",") if spec else ():
+            target, seed, span = _delay(item)
+            if target == name:
+                generator = self.generators.setdefault(name, random.Random(f"{seed}:{os.environ.get('RANK')}"))
+                time.sleep(generator.uniform(*span))
+
+
+def _delay(item: str) -> tuple[str, str, tuple[float, float]]:
+    try:
+        name, seed, span = item.split(":")
+        low, high = (float(x) for x in span.split("-"))
+    except ValueError:
+        raise ValueError(f"{DELAY_ENV}={item!r}: expected NAME:SEED:MIN-MAX (seconds)") from None
+    return name, seed, (low, high)

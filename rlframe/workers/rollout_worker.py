@@ -24,6 +24,7 @@ from rlframe.config.checks import resolve_device
 from rlframe.models.builtin import copy_to_shm
 from rlframe.protocol import DataProto
 from rlframe.single_controller import Dispatch, Worker, register
+from rlframe.utils.faults import DelayPoints
 
 VERSIONS_KEY = "rollout_versions"
 
@@ -39,6 +40,7 @@ class RolloutWorker(Worker):
         self.plan = plan
         self.device_type = resolve_device(self.config.trainer.device)
         self.version = 0
+        self.delay_points = DelayPoints()  # tests: RLFRAME_DELAY_AT=rollout.generate:… (utils/faults.py)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, rng_state: torch.Tensor) -> None:
@@ -83,6 +85,7 @@ class RolloutWorker(Worker):
         """Generate this replica's share; stamp the response tokens with the engine's policy version."""
         from rlframe.workers.rollout import generate_in_tp_group
 
+        self.delay_points.hit("rollout.generate")
         output = generate_in_tp_group(self.rollout, prompts.to(self.device_type), None).to("cpu")
         mask = output.batch["response_mask"]
         versions = torch.full(mask.shape, self.version, dtype=torch.int32)

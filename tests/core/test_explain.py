@@ -202,7 +202,9 @@ def test_explain_shows_pools_and_staleness_under_separate_async(capsys):
         "actor_rollout_ref.rollout.nnodes 1 × n_gpus_per_node 1 = 1 process: hf, tp 1, 1 replica",
         "η = trainer.v1.sampler.max_off_policy_threshold 3 − 1 = 2",
         "L = min(trainer.v1.separate_async.num_warmup_batches 1, η 2) = 1: the rollout pool generates up to 1 batch",
-        "in flight ≤ 1 + L = 2 batches × 32 sequences = 64 sequences (sync: 32), each ≤ 64 + 16 tokens",
+        "stay within (L + 1) × 8 = 16 (AReaL's rule); each generate call takes ⌈8 / 1⌉ = 8 groups",
+        "max_off_policy_strategy=drop: a finished group older than η is never trained",
+        "in flight ≤ 16 groups = 64 sequences (sync: 32), each ≤ 64 + 16 tokens",
         "≈ 176.0 KiB of rollout tensors",  # 64 × 2816 bytes
         "64 × (32 × 64 + 48 × 16 = 2,816 bytes)",
         "counted: prompts, responses, input_ids, attention_mask, position_ids, response_mask (int64), "
@@ -217,6 +219,7 @@ def test_explain_shows_pools_and_staleness_under_separate_async(capsys):
     report = json.loads(capsys.readouterr().out)
     pools = report["async"]
     assert (pools["staleness_bound"], pools["lookahead"], pools["in_flight_sequences"]) == (2, 1, 64)
+    assert (pools["in_flight_groups"], pools["groups_per_call"]) == (16, 8)
     assert (pools["in_flight_bytes"], pools["weight_push_bytes"]) == (64 * 2816, 4 * 126400)
     assert any("trainer.v1.trainer_mode=separate_async trains samples" in w for w in report["warnings"])
 

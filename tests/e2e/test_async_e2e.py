@@ -41,7 +41,7 @@ def ray_cluster(tmp_path_factory):
 
     cache = os.environ.get("RLFRAME_CACHE")
     os.environ["RLFRAME_CACHE"] = str(tmp_path_factory.mktemp("rlframe_cache"))
-    init_ray(num_cpus=2, include_dashboard=False)
+    init_ray(num_cpus=3, include_dashboard=False)  # 1 training + up to 2 rollout processes
     yield
     ray.shutdown()
     if cache is None:
@@ -93,7 +93,8 @@ def test_eta0_on_separate_pools_gives_the_sync_run_bitwise(ray_cluster, tmp_path
     assert compared(async_metrics) == compared(sync_metrics)
     assert "val-core/countdown_add/reward/mean@1" in async_metrics[1]  # validation ran (test_freq=2) and agreed
     assert [m[f"{STALENESS}/max"] for m in async_metrics] == [0, 0, 0]
-    assert [m["async/in_flight_batches"] for m in async_metrics] == [0, 0, 0]  # nothing generated ahead
+    assert [m["async/in_flight_groups"] for m in async_metrics] == [0, 0, 0]  # nothing generated ahead
+    assert [m["async/in_flight_groups/max"] for m in async_metrics] == [4, 4, 4]  # (L + 1) · B with L = 0
     assert sync_weights.keys() == async_weights.keys()
     assert all(torch.equal(sync_weights[name], async_weights[name]) for name in sync_weights)
 
@@ -117,7 +118,9 @@ def test_eta1_trains_one_step_off_and_every_prompt_once(ray_cluster, tmp_path):
     assert [m[f"{STALENESS}/mean"] for m in metrics] == [0, 1, 1, 1]
     assert [m[f"{STALENESS}/max"] for m in metrics] == [0, 1, 1, 1]
     # the next batch generates on the rollout pool while each step but the last trains
-    assert [m["async/in_flight_batches"] for m in metrics] == [1, 1, 1, 0]
+    assert [m["async/in_flight_groups"] for m in metrics] == [4, 4, 4, 0]
+    assert max(m["async/in_flight_groups/max"] for m in metrics) == 8  # (L + 1) · B
+    assert sum(m["training/off_policy/evicted_samples"] for m in metrics) == 0
     steps_of = {}
     for step in (1, 2, 3, 4):
         rows = [json.loads(line) for line in (dumps / f"{step}.jsonl").read_text().splitlines()]
@@ -126,3 +129,35 @@ def test_eta1_trains_one_step_off_and_every_prompt_once(ray_cluster, tmp_path):
         for index in counts:
             steps_of.setdefault(index, []).append(step)
     assert len(steps_of) == 16 and all(len(steps) == 1 for steps in steps_of.values())  # each prompt trained once
+
+
+def test_streaming_groups_over_two_replicas_finishing_out_of_order_stay_within_the_bound(
+    ray_cluster, tmp_path, monkeypatch
+):
+    """Two rollout replicas, chunks of 2 groups, each call delayed at random: groups finish out of order, a step
+    trains the oldest finished ones, and under `regenerate` every prompt is still trained exactly once."""
+    monkeypatch.setenv("RLFRAME_DELAY_AT", "rollout.generate:3:0-1.5")
+    dumps = tmp_path / "rollouts"
+    metrics, _ = train_in_process(
+        [
+            *BASE,
+            *SEPARATE,
+            "actor_rollout_ref.rollout.n_gpus_per_node=2",
+            "trainer.total_training_steps=6",
+            "trainer.test_freq=-1",
+            "trainer.v1.sampler.max_off_policy_threshold=2",  # η = 1
+            "trainer.v1.sampler.max_off_policy_strategy=regenerate",
+            f"trainer.rollout_data_dir={dumps}",
+            f"trainer.default_local_dir={tmp_path / 'async'}",
+        ]
+    )
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert max(m[f"{STALENESS}/max"] for m in metrics) <= 1
+    assert max(m["async/in_flight_groups/max"] for m in metrics) <= 8  # (L + 1) · B
+    trained = Counter()
+    for step in range(1, 7):
+        rows = [json.loads(line) for line in (dumps / f"{step}.jsonl").read_text().splitlines()]
+        counts = Counter(row["index"] for row in rows)
+        assert len(counts) == 4 and set(counts.values()) == {2}
+        trained.update(counts.keys())
+    assert len(trained) == 24 and set(trained.values()) == {1}  # an evicted group's prompt is trained later, once

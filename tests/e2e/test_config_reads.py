@@ -24,8 +24,6 @@ pytestmark = pytest.mark.slow
 CHECKED_ONLY = {
     "actor_rollout_ref.hybrid_engine": "must be true: actor, rollout and reference always share processes",
     "actor_rollout_ref.model.fused_kernel_options.impl_backend": "must be torch: triton and liger are refused",
-    "trainer.v1.sampler.max_off_policy_strategy": "must be drop, which never triggers: nothing is generated past "
-    "the bound",
     "trainer.v1.separate_async.parameter_sync_step": "must make train_batch_size = parameter_sync_step × "
     "ppo_mini_batch_size: the weights are pushed once per step",
 }

@@ -48,7 +48,7 @@ def test_under_sync_the_async_keys_are_reported_without_effect():
         (["trainer.v1.trainer_mode=fully_async"], r"trainer.v1.trainer_mode='fully_async' is not one of sync"),
         ([*SEPARATE, "actor_rollout_ref.rollout.nnodes=0"], r"rollout.nnodes=0 with .*separate_async"),
         ([*SEPARATE, "trainer.v1.sampler.max_off_policy_threshold=0"], r"max_off_policy_threshold=0: must be >= 1"),
-        ([*SEPARATE, "trainer.v1.sampler.max_off_policy_strategy=wait"], r"max_off_policy_strategy=wait: only drop"),
+        ([*SEPARATE, "trainer.v1.sampler.max_off_policy_strategy=skip"], r"max_off_policy_strategy='skip' is not one"),
         ([*SEPARATE, "trainer.v1.separate_async.num_warmup_batches=-1"], r"num_warmup_batches=-1: must be >= 0"),
         (
             [*SEPARATE, "trainer.v1.separate_async.parameter_sync_step=2"],

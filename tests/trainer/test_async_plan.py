@@ -49,7 +49,8 @@ def test_the_plan_counts_pools_in_flight_sequences_and_their_bytes():
     ap = async_plan("trainer.v1.sampler.max_off_policy_threshold=3", "trainer.v1.separate_async.num_warmup_batches=2")
     assert (ap.training_processes, ap.training_roles) == (2, ("actor", "rollout (validation)"))
     assert (ap.rollout_processes, ap.rollout_engine, ap.rollout_tp, ap.rollout_replicas) == (1, "hf", 1, 1)
-    assert (ap.staleness_bound, ap.lookahead, ap.in_flight_batches) == (2, 2, 3)
+    assert (ap.staleness_bound, ap.lookahead) == (2, 2)
+    assert (ap.in_flight_groups, ap.groups_per_call) == (3 * ap.train_batch_size, ap.train_batch_size)
     assert ap.in_flight_sequences == 3 * 8 * 4  # (1 + L) × train_batch_size × rollout.n
     assert (ap.bytes_per_prompt_token, ap.bytes_per_response_token) == (32, 48)
     assert ap.bytes_per_sequence == 32 * 64 + 48 * 16

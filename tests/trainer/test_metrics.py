@@ -47,7 +47,7 @@ def test_staleness_counts_versions_behind_the_weights_the_step_starts_from():
 
     # step 3 starts from version 2; rows sampled by versions 2, 1 and (no token) admitted at 1
     versions = torch.tensor([[2, 2, -1], [1, -1, -1], [-1, -1, -1]], dtype=torch.int32)
-    metrics = compute_staleness_metrics(versions, admitted_version=1, step=3)
+    metrics = compute_staleness_metrics(versions, torch.tensor([1, 1, 1]), step=3)
     assert metrics == {
         "training/off_policy/trajectory_staleness/mean": pytest.approx(2 / 3),
         "training/off_policy/trajectory_staleness/max": 1.0,

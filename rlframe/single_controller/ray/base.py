@@ -168,6 +168,19 @@ class RayWorkerGroup(Generic[W]):
             views[role] = view
         return views
 
+    def rank_views(self) -> list[RayWorkerGroup]:
+        """One group per rank over the same processes: a call on view r runs on rank r alone (its whole batch
+        there), so the driver can keep each rollout replica busy on its own."""
+        views = []
+        for rank, worker in enumerate(self._live_workers()):
+            view = RayWorkerGroup.__new__(RayWorkerGroup)
+            view.resource_pool, view.call_timeout_s = self.resource_pool, self.call_timeout_s
+            view.worker_info = [self.worker_info[rank]]
+            view._role_classes, view._rendezvous_file = {}, None  # the parent group owns the file
+            view._setup([worker], self.worker_cls, role=self.role)
+            views.append(view)
+        return views
+
     def shutdown(self) -> None:
         """Kill every worker process (of this group and all groups spawned from it)."""
         for worker in self._workers:

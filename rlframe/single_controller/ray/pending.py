@@ -41,3 +41,18 @@ class PendingCall:
 
     def __repr__(self) -> str:
         return f"PendingCall({self.method}, ranks={self.plan.ranks}, done={self.done()})"
+
+
+def wait_any(calls: list[PendingCall]) -> PendingCall:
+    """The first of `calls` whose ranks have all answered (with results or errors); blocks until one has."""
+    if not calls:
+        raise ValueError("wait_any needs at least one pending call")
+    refs = [ref for call in calls for ref in call.refs]
+    wanted = 1
+    while True:
+        ready, _ = ray.wait(refs, num_returns=wanted)
+        answered = set(ready)
+        for call in calls:
+            if all(ref in answered for ref in call.refs):
+                return call
+        wanted = len(ready) + 1
