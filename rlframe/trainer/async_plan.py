@@ -9,8 +9,8 @@ prints it (docs/async.md shows an example).
 
 from __future__ import annotations
 
-import os
 import math
+import os
 from dataclasses import asdict, dataclass
 from typing import Any
 

@@ -69,7 +69,8 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
         self._rows: dict[int, DataProto] = {}  # group id -> its n generated rows, once finished
         self._chunks: list[Chunk] = []
         self._gen_metrics: list[dict] = []  # the rollout's metrics of the calls returned since the last step
-        self._evicted = {"groups": 0, "spans": [], "tokens": 0}
+        self._evicted = {"groups": 0, "spans": [], "tokens": 0}  # since the last step's metrics
+        self._evicted_total = 0
 
     def fit(self) -> dict:
         """Train until total_training_steps or the end of the data; returns the last metrics."""
@@ -86,6 +87,13 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
             with timer("gen", timings):  # verl's meaning here: how long training waited for the samples
                 take = self._wait_for_batch(loader)
             if take is None:  # the data ran out: fewer than train_batch_size groups are left
+                print(
+                    f"[rlframe] separate_async: the data ran out after step {self.global_step} of "
+                    f"{self.total_training_steps}, with {len(self._rows)} finished groups of data.train_batch_size="
+                    f"{self.plan.train_batch_size} left, not trained on; {self._evicted_total} groups were evicted "
+                    "as older than η (max_off_policy_strategy=drop does not replace them)",
+                    flush=True,
+                )
                 break
             self.global_step += 1
             batch = DataProto.concat([self._rows.pop(gid) for gid in take])
@@ -173,6 +181,7 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
     def _evict(self, groups: list[int], step: int) -> None:
         """Finished groups past η: never trained; under `regenerate` their prompts are admitted again first."""
         self._evicted["groups"] += len(groups)
+        self._evicted_total += len(groups)
         self._evicted["spans"] += [self.ledger.staleness(gid, step) + 1 for gid in groups]  # verl's span
         for gid in groups:
             self._evicted["tokens"] += int(self._rows.pop(gid).batch["response_mask"].sum())
