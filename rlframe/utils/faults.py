@@ -8,9 +8,10 @@ it leaves a marker in DIR first, so the processes a restart creates (their count
 pass the point. Without the variable a point costs one environment lookup. The points are listed in
 docs/reliability.md.
 
-`RLFRAME_DELAY_AT=NAME:SEED:MIN-MAX` (several separated by commas) makes every process that reaches `NAME` sleep a
-random MIN to MAX seconds first, drawn from its own generator seeded with SEED and its `RANK`: the asynchronous
-tests make replicas of the rollout pool finish out of order, reproducibly (`DelayPoints`).
+`RLFRAME_DELAY_AT=NAME:SEED:MIN-MAX[:RANK]` (several separated by commas) makes every process (or the one of that
+`RANK`) that reaches `NAME` sleep a random MIN to MAX seconds first, drawn from its own generator seeded with SEED
+and its rank: the asynchronous tests make replicas of the rollout pool finish out of order, reproducibly
+(`DelayPoints`).
 """
 
 from __future__ import annotations
@@ -85,17 +86,20 @@ class DelayPoints:
     def hit(self, name: str) -> None:
         """Sleep as `RLFRAME_DELAY_AT` says for `name` (nothing without it)."""
         spec = os.environ.get(DELAY_ENV)
+        rank = os.environ.get("RANK")
         for item in spec.split(",") if spec else ():
-            target, seed, span = _delay(item)
-            if target == name:
-                generator = self.generators.setdefault(name, random.Random(f"{seed}:{os.environ.get('RANK')}"))
+            target, seed, span, only_rank = _delay(item)
+            if target == name and only_rank in (None, rank):
+                generator = self.generators.setdefault(name, random.Random(f"{seed}:{rank}"))
                 time.sleep(generator.uniform(*span))
 
 
-def _delay(item: str) -> tuple[str, str, tuple[float, float]]:
+def _delay(item: str) -> tuple[str, str, tuple[float, float], str | None]:
     try:
-        name, seed, span = item.split(":")
+        name, seed, span, *rank = item.split(":")
         low, high = (float(x) for x in span.split("-"))
+        if len(rank) > 1:
+            raise ValueError
     except ValueError:
-        raise ValueError(f"{DELAY_ENV}={item!r}: expected NAME:SEED:MIN-MAX (seconds)") from None
-    return name, seed, (low, high)
+        raise ValueError(f"{DELAY_ENV}={item!r}: expected NAME:SEED:MIN-MAX[:RANK] (seconds)") from None
+    return name, seed, (low, high), rank[0] if rank else None

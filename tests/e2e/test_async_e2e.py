@@ -134,9 +134,10 @@ def test_eta1_trains_one_step_off_and_every_prompt_once(ray_cluster, tmp_path):
 def test_streaming_groups_over_two_replicas_finishing_out_of_order_stay_within_the_bound(
     ray_cluster, tmp_path, monkeypatch
 ):
-    """Two rollout replicas, chunks of 2 groups, each call delayed at random: groups finish out of order, a step
-    trains the oldest finished ones, and under `regenerate` every prompt is still trained exactly once."""
-    monkeypatch.setenv("RLFRAME_DELAY_AT", "rollout.generate:3:0-1.5")
+    """Two rollout replicas, chunks of 2 groups, replica 1 slower by seconds per call: groups finish out of order, a
+    step trains the oldest finished ones, replica 1's older groups fall behind and are evicted, and under
+    `regenerate` their prompts are generated again, so every prompt is still trained exactly once."""
+    monkeypatch.setenv("RLFRAME_DELAY_AT", "rollout.generate:3:2.5-3.5:1")
     dumps = tmp_path / "rollouts"
     metrics, _ = train_in_process(
         [
@@ -161,3 +162,6 @@ def test_streaming_groups_over_two_replicas_finishing_out_of_order_stay_within_t
         assert len(counts) == 4 and set(counts.values()) == {2}
         trained.update(counts.keys())
     assert len(trained) == 24 and set(trained.values()) == {1}  # an evicted group's prompt is trained later, once
+    # how many fall behind depends on the machine's speed (here 8 of 24 in a quiet run); what they cost is logged
+    for m in metrics:
+        assert (m["async/tokens_never_trained"] > 0) == (m["training/off_policy/evicted_samples"] > 0)

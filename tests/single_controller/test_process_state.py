@@ -7,6 +7,7 @@ exit; `KillPoints` objects count on their own.
 
 from __future__ import annotations
 
+import pytest
 from omegaconf import DictConfig, OmegaConf
 
 from rlframe.config.trace import ReadTrace
@@ -58,3 +59,25 @@ def test_kill_points_count_per_object(monkeypatch):
     second.hit("p")
     first.hit("q")  # not named: not counted
     assert first.hits == {"p": 2} and second.hits == {"p": 1}
+
+
+def test_delay_points_sleep_a_seeded_random_time_on_the_ranks_named(monkeypatch):
+    from rlframe.utils import faults
+
+    slept = []
+    monkeypatch.setattr(faults.time, "sleep", slept.append)
+    monkeypatch.setenv(faults.DELAY_ENV, "rollout.generate:7:1-2:1,other:7:5-5")
+    monkeypatch.setenv("RANK", "0")
+    faults.DelayPoints().hit("rollout.generate")
+    assert slept == []  # rank 1 only
+    monkeypatch.setenv("RANK", "1")
+    first, again = faults.DelayPoints(), faults.DelayPoints()
+    for points in (first, again):
+        points.hit("rollout.generate")
+        points.hit("rollout.generate")
+    assert slept[:2] == slept[2:] and all(1 <= s <= 2 for s in slept) and slept[0] != slept[1]
+    faults.DelayPoints().hit("other")
+    assert slept[-1] == 5
+    monkeypatch.setenv(faults.DELAY_ENV, "rollout.generate:7:fast")
+    with pytest.raises(ValueError, match=r"RLFRAME_DELAY_AT='rollout.generate:7:fast': expected NAME:SEED:MIN-MAX"):
+        faults.DelayPoints().hit("rollout.generate")

@@ -311,7 +311,10 @@ def _create_workers(
             workers.append(
                 remote_cls.options(
                     scheduling_strategy=strategy,
-                    runtime_env={**runtime_env, "env_vars": {k: str(v) for k, v in env.items()}},
+                    runtime_env={
+                        **runtime_env,
+                        "env_vars": {**runtime_env.get("env_vars", {}), **{k: str(v) for k, v in env.items()}},
+                    },
                     **pool.actor_resources(),
                 ).remote(*cls_with_init.args, **cls_with_init.kwargs)
             )
