@@ -71,6 +71,7 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
         self._gen_metrics: list[dict] = []  # the rollout's metrics of the calls returned since the last step
         self._evicted = {"groups": 0, "spans": [], "tokens": 0}  # since the last step's metrics
         self._evicted_total = 0
+        self._rollout_idle_s = 0.0  # reported by the generate calls returned since the last step's metrics
 
     def fit(self) -> dict:
         """Train until total_training_steps or the end of the data; returns the last metrics."""
@@ -172,6 +173,7 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
         self._chunks.remove(chunk)
         output = call.result()
         self._gen_metrics.append(output.meta_info.pop("metrics", {}))
+        self._rollout_idle_s += output.meta_info.pop("idle_s")
         output.meta_info = {}
         rows = chunk.batch.union(output).split(self.plan.n)
         for gid, group_rows in zip(chunk.groups, rows):
@@ -214,6 +216,8 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
         metrics["async/in_flight_groups"] = self.ledger.in_flight - len(take)
         metrics["async/in_flight_groups/max"] = self.ledger.peak_in_flight
         self.ledger.peak_in_flight = self.ledger.in_flight
+        metrics["async/rollout_pool/idle_s"] = self._rollout_idle_s
+        self._rollout_idle_s = 0.0
         return metrics
 
     def _push_weights(self) -> None:

@@ -16,6 +16,8 @@ synchronous run on one.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from omegaconf import OmegaConf
 
@@ -41,6 +43,7 @@ class RolloutWorker(Worker):
         self.device_type = resolve_device(self.config.trainer.device)
         self.version = 0
         self.delay_points = DelayPoints()  # tests: RLFRAME_DELAY_AT=rollout.generate:… (utils/faults.py)
+        self._idle_since = time.perf_counter()  # the end of this process's last call (its idle time starts)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, rng_state: torch.Tensor) -> None:
@@ -79,15 +82,20 @@ class RolloutWorker(Worker):
         """Load the full actor tensors of policy version `version` (HF names) into the engine."""
         self.rollout.update_weights(named_tensors.items())
         self.version = int(version)
+        self._idle_since = time.perf_counter()
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Generate this replica's share; stamp the response tokens with the engine's policy version."""
+        """Generate this replica's share; stamp the response tokens with the engine's policy version. The output's
+        meta_info["idle_s"] is how long this process waited for work before the call (since its last call)."""
         from rlframe.workers.rollout import generate_in_tp_group
 
+        idle = time.perf_counter() - self._idle_since
         self.delay_points.hit("rollout.generate")
         output = generate_in_tp_group(self.rollout, prompts.to(self.device_type), None).to("cpu")
         mask = output.batch["response_mask"]
         versions = torch.full(mask.shape, self.version, dtype=torch.int32)
         output.batch[VERSIONS_KEY] = versions.masked_fill(mask == 0, -1)
+        output.meta_info["idle_s"] = idle
+        self._idle_since = time.perf_counter()
         return output

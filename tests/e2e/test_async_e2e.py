@@ -165,3 +165,5 @@ def test_streaming_groups_over_two_replicas_finishing_out_of_order_stay_within_t
     # how many fall behind depends on the machine's speed (here 8 of 24 in a quiet run); what they cost is logged
     for m in metrics:
         assert (m["async/tokens_never_trained"] > 0) == (m["training/off_policy/evicted_samples"] > 0)
+    assert all(m["async/rollout_pool/idle_s"] >= 0 for m in metrics)
+    assert sum(m["async/rollout_pool/idle_s"] for m in metrics) > 0  # replica 0 waits while the step trains
