@@ -80,7 +80,7 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
             return validation
         if self.global_step > 0:  # resumed: the rollout pool starts from the checkpoint's weights
             self._push_weights()
-        loader = self._loader_prompts()
+        loader = self._loader_batches()
         last_metrics: dict = {}
         while self.global_step < self.total_training_steps:
             self.step_profiler.begin(self.global_step + 1)
@@ -117,11 +117,16 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
         self.tracker.finish()
         return last_metrics
 
-    def _loader_prompts(self) -> Iterator[DataProto]:
-        """The loader's prompts one at a time, over at most trainer.total_epochs passes (the sync loop's order)."""
-        for _ in range(self.config.trainer.total_epochs):
+    def _loader_batches(self) -> Iterator[DataProto]:
+        """The loader's batches, pass after pass while steps remain (as the sync loop reads it; a resumed run
+        continues the pass it was in)."""
+        while True:
+            empty = True
             for batch_dict in self.train_dataloader:
-                yield from DataProto.from_single_dict(batch_dict).split(1)
+                empty = False
+                yield DataProto.from_single_dict(batch_dict)
+            if empty:
+                return
 
     def _wait_for_batch(self, loader: Iterator[DataProto]) -> list[int] | None:
         """Admit, evict and collect generations until the ledger gives the next step's groups (None: no more)."""
@@ -156,13 +161,14 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
             self._chunks.append(Chunk(call, replica, batch, gids))
 
     def _next_prompts(self, loader: Iterator[DataProto], count: int) -> list[DataProto]:
-        prompts = []
-        while len(prompts) < count:
-            prompt = self._prompts.popleft() if self._prompts else next(loader, None)
-            if prompt is None:
+        """Up to `count` prompts: the waiting ones first (regenerated, or restored from a checkpoint), then the
+        loader's, a whole loader batch taken into the queue at a time."""
+        while len(self._prompts) < count:
+            batch = next(loader, None)
+            if batch is None:
                 break
-            prompts.append(prompt)
-        return prompts
+            self._prompts.extend(batch.split(1))
+        return [self._prompts.popleft() for _ in range(min(count, len(self._prompts)))]
 
     def _collect(self) -> None:
         """Wait for the first chunk to come back; its groups become finished."""
@@ -220,6 +226,17 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
         self._rollout_idle_s = 0.0
         return metrics
 
+    def _driver_state(self) -> dict:
+        """The sync loop's state plus every prompt not trained yet, oldest first: the groups generating or finished
+        (their responses are not saved: a resumed run generates them again, at its own version) and the prompts
+        waiting for room. The loader's own state is past all of them."""
+        untrained = [self._prompt_of[gid] for gid in sorted(self._prompt_of)] + list(self._prompts)
+        return {**super()._driver_state(), "async_prompts": _plain_rows(untrained)}
+
+    def _restore_driver_state(self, state: dict) -> None:
+        super()._restore_driver_state(state)
+        self._prompts.extend(_rows_from_plain(state["async_prompts"]))
+
     def _push_weights(self) -> None:
         """Queue the actor's weights on the rollout pool as version global_step (after the calls queued there)."""
         if self._push is not None:  # the previous push ran before the generation this step trained on
@@ -236,3 +253,26 @@ def _merged(metric_dicts: list[dict]) -> dict:
         for key, value in metrics.items():
             merged.setdefault(key, []).extend(value if isinstance(value, list) else [value])
     return merged
+
+
+def _plain_rows(rows: list[DataProto]) -> dict:
+    """Prompt rows as plain data for a checkpoint's data.pt: their tensors, and their other fields as lists."""
+    if not rows:
+        return {"tensors": {}, "fields": {}}
+    batch = DataProto.concat(rows)
+    return {
+        "tensors": {key: batch.batch[key] for key in batch.batch_keys},
+        "fields": {key: values.tolist() for key, values in batch.non_tensor_batch.items()},
+    }
+
+
+def _rows_from_plain(plain: dict) -> list[DataProto]:
+    """Inverse of `_plain_rows`: one DataProto per prompt."""
+    if not plain["tensors"]:
+        return []
+    fields = {}
+    for key, values in plain["fields"].items():  # object arrays, as the loader's collate_fn builds them
+        fields[key] = np.empty(len(values), dtype=object)
+        for i, value in enumerate(values):  # element by element: a row's value may itself be a list
+            fields[key][i] = value
+    return DataProto.from_single_dict({**plain["tensors"], **fields}).split(1)

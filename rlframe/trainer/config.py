@@ -245,11 +245,6 @@ def _separate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
             "the rollout pool runs one engine per process (TP 1)",
         ),
         (
-            root.trainer.save_freq > 0,
-            f"trainer.save_freq={root.trainer.save_freq}",
-            "checkpoints do not yet save the samples in flight; set trainer.save_freq=-1",
-        ),
-        (
             root.algorithm.filter_groups.enable,
             "algorithm.filter_groups.enable=true",
             "DAPO's dynamic sampling is not combined with the rollout pool yet",

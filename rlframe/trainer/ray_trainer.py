@@ -199,8 +199,7 @@ class RayPPOTrainer:
         )
         driver_state = self.checkpointer.maybe_resume(self.actor_rollout_wg, self.critic_wg, self.train_dataloader)
         if driver_state is not None:
-            self.global_step = driver_state["global_step"]
-            self.kl_ctrl.value = driver_state["kl_coef"]
+            self._restore_driver_state(driver_state)
         progress = ProgressBar(self.total_training_steps, self.global_step)
         # verl validates before training at any resumed step; rlframe only at step 0, unless val_only asks
         # for the resumed policy's numbers
@@ -336,6 +335,9 @@ class RayPPOTrainer:
 
     def _driver_state(self) -> dict:
         return {"global_step": self.global_step, "kl_coef": self.kl_ctrl.value}
+
+    def _restore_driver_state(self, state: dict) -> None:
+        self.global_step, self.kl_ctrl.value = state["global_step"], state["kl_coef"]
 
     # ------------------------------------------------------------------ the steps
     def _generate(self, batch: DataProto, **meta_info) -> tuple[DataProto, dict]:

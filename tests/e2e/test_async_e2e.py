@@ -167,3 +167,41 @@ def test_streaming_groups_over_two_replicas_finishing_out_of_order_stay_within_t
         assert (m["async/tokens_never_trained"] > 0) == (m["training/off_policy/evicted_samples"] > 0)
     assert all(m["async/rollout_pool/idle_s"] >= 0 for m in metrics)
     assert sum(m["async/rollout_pool/idle_s"] for m in metrics) > 0  # replica 0 waits while the step trains
+
+
+def _trained_prompts(dumps, steps) -> dict[int, set]:
+    """{step: the prompt indices it trained}, from the rollout dumps."""
+    return {s: {json.loads(line)["index"] for line in (dumps / f"{s}.jsonl").read_text().splitlines()} for s in steps}
+
+
+def test_a_checkpoint_keeps_the_prompts_in_flight_and_the_resumed_run_trains_them(ray_cluster, tmp_path):
+    """η = 1: when step 2 saves, the groups of steps 3 and 4 are generating or finished. The checkpoint keeps their
+    prompts (not their responses); a run resumed from it generates them again first and trains exactly the prompts
+    the uninterrupted run trained in steps 3 and 4, none of those of steps 1 and 2."""
+    common = [*BASE, *SEPARATE, "trainer.total_training_steps=4", "trainer.test_freq=-1"]
+    common += ["trainer.v1.sampler.max_off_policy_threshold=2"]  # η = 1
+    first = tmp_path / "first"
+    metrics, _ = train_in_process(
+        [
+            *common,
+            "trainer.save_freq=2",
+            f"trainer.rollout_data_dir={first / 'dumps'}",
+            f"trainer.default_local_dir={first}",
+        ]
+    )
+    assert [m["async/in_flight_groups"] for m in metrics][:2] == [4, 4]  # step 2 saved with groups in flight
+    resumed = tmp_path / "resumed"
+    metrics, _ = train_in_process(
+        [
+            *common,
+            "trainer.resume_mode=resume_path",
+            f"trainer.resume_from_path={first / 'global_step_2'}",
+            f"trainer.rollout_data_dir={resumed / 'dumps'}",
+            f"trainer.default_local_dir={resumed}",
+        ]
+    )
+    assert [m["step"] for m in metrics] == [3, 4]
+    before = _trained_prompts(first / "dumps", (1, 2, 3, 4))
+    after = _trained_prompts(resumed / "dumps", (3, 4))
+    assert after[3] | after[4] == before[3] | before[4] and len(after[3] | after[4]) == 8
+    assert not (after[3] | after[4]) & (before[1] | before[2])

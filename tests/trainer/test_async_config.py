@@ -54,7 +54,6 @@ def test_under_sync_the_async_keys_are_reported_without_effect():
             [*SEPARATE, "trainer.v1.separate_async.parameter_sync_step=2"],
             r"parameter_sync_step=2 with data.train_batch_size=8 .* set .*parameter_sync_step=4",
         ),
-        ([*SEPARATE, "trainer.save_freq=2"], r"trainer.save_freq=2 with trainer.v1.trainer_mode=separate_async"),
         ([*SEPARATE, "actor_rollout_ref.rollout.name=vllm"], r"rollout.name=vllm with .*separate_async: .*hf engine"),
         ([*SEPARATE, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], r"tensor_model_parallel_size=2 with"),
         ([*SEPARATE, "algorithm.filter_groups.enable=true"], r"algorithm.filter_groups.enable=true with"),
