@@ -91,6 +91,7 @@ class RolloutWorker(Worker):
         from rlframe.workers.rollout import generate_in_tp_group
 
         idle = time.perf_counter() - self._idle_since
+        self.kill_points.hit("rollout.generate")
         self.delay_points.hit("rollout.generate")
         output = generate_in_tp_group(self.rollout, prompts.to(self.device_type), None).to("cpu")
         mask = output.batch["response_mask"]
