@@ -70,11 +70,10 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
         self._chunks: list[Chunk] = []
         self._gen_metrics: list[dict] = []  # the rollout's metrics of the calls returned since the last step
         self._evicted = {"groups": 0, "spans": [], "tokens": 0}  # since the last step's metrics
-        self._evicted_total = 0
         self._rollout_idle_s = 0.0  # reported by the generate calls returned since the last step's metrics
 
     def fit(self) -> dict:
-        """Train until total_training_steps or the end of the data; returns the last metrics."""
+        """Train until total_training_steps; returns the last step's metrics."""
         progress, validation = self._start()
         if validation is not None:
             return validation
@@ -87,15 +86,12 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
             metrics, timings, start = {}, {}, time.perf_counter()
             with timer("gen", timings):  # verl's meaning here: how long training waited for the samples
                 take = self._wait_for_batch(loader)
-            if take is None:  # the data ran out: fewer than train_batch_size groups are left
-                print(
-                    f"[rlframe] separate_async: the data ran out after step {self.global_step} of "
-                    f"{self.total_training_steps}, with {len(self._rows)} finished groups of data.train_batch_size="
-                    f"{self.plan.train_batch_size} left, not trained on; {self._evicted_total} groups were evicted "
-                    "as older than η (max_off_policy_strategy=drop does not replace them)",
-                    flush=True,
+            if take is None:  # only an empty pass over the loader leaves nothing to admit and nothing generating
+                raise RuntimeError(
+                    f"separate_async: the training loader gave no batch in a whole pass (step {self.global_step} of "
+                    f"{self.total_training_steps}); data.train_files holds fewer than data.train_batch_size="
+                    f"{self.plan.train_batch_size} prompts?"
                 )
-                break
             self.global_step += 1
             batch = DataProto.concat([self._rows.pop(gid) for gid in take])
             metrics.update(self._step_async_metrics(batch, take))
@@ -129,7 +125,8 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
                 return
 
     def _wait_for_batch(self, loader: Iterator[DataProto]) -> list[int] | None:
-        """Admit, evict and collect generations until the ledger gives the next step's groups (None: no more)."""
+        """Admit, evict and collect generations until the ledger gives the next step's groups (None: the loader
+        is empty)."""
         step = self.global_step + 1
         while True:
             self._admit(loader)
@@ -189,7 +186,6 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
     def _evict(self, groups: list[int], step: int) -> None:
         """Finished groups past η: never trained; under `regenerate` their prompts are admitted again first."""
         self._evicted["groups"] += len(groups)
-        self._evicted_total += len(groups)
         self._evicted["spans"] += [self.ledger.staleness(gid, step) + 1 for gid in groups]  # verl's span
         for gid in groups:
             self._evicted["tokens"] += int(self._rows.pop(gid).batch["response_mask"].sum())
