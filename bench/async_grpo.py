@@ -1,0 +1,126 @@
+"""Asynchronous GRPO (trainer.v1.trainer_mode=separate_async) against the synchronous loop, on the same cores.
+
+    python bench/async_grpo.py                 # 20 steps each, the first 4 skipped
+    python bench/async_grpo.py --steps 40 --response-length 64
+
+The job: GRPO on builtin://add_digits with the quickstart's untrained model (builtin://tiny-quickstart, a
+64-token vocabulary), 16 prompts x 8 samples per step, responses up to --response-length tokens: an untrained
+policy stops at a random place, so the lengths have a long tail (reported: the median over the steps of the mean
+response length, and the longest response).
+One optimizer step per training step, lr 3e-4, fp32, remove-padding.
+
+Rows, all on the same 2 CPU processes of one thread each:
+- sync: both processes generate, then both train (the hybrid engine), the quickstart's layout;
+- separate_async η=0: one training process, one rollout process, no overlap (the sync schedule on two pools);
+- separate_async η=1 (threshold 2, one batch ahead): the rollout process generates the next step's groups while
+  the training process trains, with token-level importance weights for the stale samples (rollout_is=token).
+Step time is the median `timing_s/step` after the warm-up steps: for the async rows the whole cycle, the wait for
+samples included. The ratio is sync's step time over each row's (above 1: faster than sync). The machine is shared,
+so the three runs go one after the other in one process and are compared only with each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+from _common import print_table
+
+ASYNC = [
+    "trainer.n_gpus_per_node=1",
+    "trainer.v1.trainer_mode=separate_async",
+    "actor_rollout_ref.rollout.nnodes=1",
+    "actor_rollout_ref.rollout.n_gpus_per_node=1",
+    "trainer.v1.separate_async.parameter_sync_step=1",
+]
+ROWS = {
+    "sync (2 processes, colocated)": ["trainer.n_gpus_per_node=2"],
+    "separate_async η=0 (1 + 1)": [*ASYNC, "trainer.v1.sampler.max_off_policy_threshold=1"],
+    "separate_async η=1 (1 + 1)": [
+        *ASYNC,
+        "trainer.v1.sampler.max_off_policy_threshold=2",
+        "trainer.v1.separate_async.num_warmup_batches=1",
+        "algorithm.rollout_correction.rollout_is=token",
+    ],
+}
+
+
+def job(steps: int, response_length: int, run_dir: str) -> list[str]:
+    return [
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.model.path=builtin://tiny-quickstart",
+        "data.train_files=builtin://add_digits",
+        "data.val_files=builtin://add_digits",
+        "data.train_batch_size=16",
+        "actor_rollout_ref.rollout.n=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=128",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=128",
+        "actor_rollout_ref.rollout.micro_batch_size=128",
+        "actor_rollout_ref.actor.optim.lr=3e-4",
+        "data.max_prompt_length=16",
+        f"data.max_response_length={response_length}",
+        "data.filter_overlong_prompts=true",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+        "actor_rollout_ref.model.use_remove_padding=true",
+        "trainer.device=cpu",
+        f"trainer.total_training_steps={steps}",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "trainer.logger=[jsonl]",
+        "trainer.resume_mode=disable",
+        f"trainer.default_local_dir={run_dir}",
+    ]
+
+
+def run(overrides: list[str], steps: int, skip: int, response_length: int) -> dict:
+    from rlframe.trainer.main_ppo import run_ppo
+
+    with tempfile.TemporaryDirectory() as run_dir:
+        start = time.perf_counter()
+        run_ppo(job(steps, response_length, run_dir) + overrides)
+        wall = time.perf_counter() - start
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f if "timing_s/step" in line][skip:]
+    return {
+        "step_s": statistics.median(r["timing_s/step"] for r in rows),
+        "gen_s": statistics.median(r["timing_s/gen"] for r in rows),
+        "length_mean": statistics.median(r["response_length/mean"] for r in rows),
+        "length_max": max(r["response_length/max"] for r in rows),
+        "wall_s": wall,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--skip-steps", type=int, default=4)
+    parser.add_argument("--response-length", type=int, default=48)
+    args = parser.parse_args()
+    results = {
+        name: run(overrides, args.steps, args.skip_steps, args.response_length) for name, overrides in ROWS.items()
+    }
+    sync = results["sync (2 processes, colocated)"]["step_s"]
+    print_table(
+        ["layout", "step s (median)", "waiting for samples s", "mean length", "max length", "run wall s", "vs sync"],
+        [
+            [
+                name,
+                f"{r['step_s']:.3f}",
+                f"{r['gen_s']:.3f}",
+                f"{r['length_mean']:.1f}",
+                f"{r['length_max']:.0f}",
+                f"{r['wall_s']:.1f}",
+                f"{sync / r['step_s']:.2f}x",
+            ]
+            for name, r in results.items()
+        ],
+    )
+
+
+if __name__ == "__main__":
+    main()
