@@ -330,6 +330,22 @@ def test_calls_submitted_on_two_groups_run_at_the_same_time_and_one_groups_calls
             pool.remove()
 
 
+def test_rank_views_run_a_call_on_one_rank_each_and_wait_any_returns_the_first_done(group):
+    from rlframe.single_controller.ray import wait_any
+
+    views = group.rank_views()
+    assert [view.world_size for view in views] == [1] * WORLD_SIZE
+    assert [view.whoami("v")[0]["rank"] for view in views] == list(range(WORLD_SIZE))
+    slow, fast = views[0].submit("stamped_sleep", 1.5), views[1].submit("stamped_sleep", 0.1)
+    assert wait_any([slow, fast]) is fast
+    [(_, fast_end)] = fast.result()
+    assert wait_any([slow]) is slow
+    [(_, slow_end)] = slow.result()
+    assert fast_end < slow_end
+    with pytest.raises(ValueError, match="at least one"):
+        wait_any([])
+
+
 def test_a_failure_in_a_submitted_call_surfaces_from_result_with_its_rank(group):
     pending = group.submit("fail_on", 2)
     with pytest.raises(WorkerError) as info:
