@@ -19,6 +19,8 @@ from rlframe.algorithms.masked import lookup, masked_sum, masked_whiten, registe
 ADV_ESTIMATORS: dict[str, Callable] = {}
 # the `algorithm.*` keys the trainer passes every estimator by name; each reads those its signature names
 ALGORITHM_KEYS = ("gamma", "lam", "norm_adv_by_std_in_grpo")
+# the estimators that read π_t and Σπ² of the old-log-prob pass (actor.calculate_sum_pi_squared)
+OTB_ESTIMATORS = ("optimal_token_baseline",)
 
 
 def register_adv_estimator(name: str) -> Callable:
@@ -246,19 +248,23 @@ def _group_rows(index: np.ndarray) -> dict:
 
 @register_adv_estimator("optimal_token_baseline")
 def compute_optimal_token_baseline_advantage(
-    token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, epsilon=1e-8
+    token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, rollout_is_weights=None, epsilon=1e-8
 ):
     """Optimal Token Baseline (verl 0.9.1; Yingru Li, "The Optimal Token Baseline"): a per-step baseline
     B_t = Σ_i G_{i,t} W_{i,t} / (Σ_i W_{i,t} + ε) over the valid tokens of a prompt group, where
-    G_t is the reward-to-go and W_t = Σ_{j≤t} (1 − 2π_j + Σ_v π(v)²) the cumulative path-variance
-    proxy (π_j = exp(old_log_probs), Σπ² = `sum_pi_squared` from the actor's old-log-prob pass).
+    G_t is the reward-to-go and W_t = Σ_{j≤t} ρ̄_j² (1 − 2π_j + Σ_v π(v)²) the cumulative path-variance
+    proxy (π_j = exp(old_log_probs), Σπ² = `sum_pi_squared` from the actor's old-log-prob pass; ρ̄_j the
+    rollout-correction IS weight `rollout_is_weights`, 1 without it). The sum runs over the valid
+    tokens j ≤ t only: a masked position (a hole, a cut prefix) adds nothing to W, and its own W_t
+    does not enter the baseline's sums.
     A_t = G_t − B_t. A group of one has no baseline; in a group whose longest response is longer
     than all others, that response's baseline is 0 beyond the second-longest length.
     Returns (advantages, reward-to-go).
     """
     mask = response_mask.to(token_level_rewards.dtype)
     returns = (token_level_rewards * mask).flip(-1).cumsum(-1).flip(-1)
-    path_variance = ((1 - 2 * old_log_probs.exp() + sum_pi_squared) * mask).cumsum(-1)
+    path_variance = _per_token_path_variance(old_log_probs, sum_pi_squared, rollout_is_weights)
+    path_variance = (path_variance * mask).cumsum(-1)
     baselines = torch.zeros_like(returns)
     for rows in _group_rows(index).values():
         if len(rows) < 2:
@@ -272,3 +278,12 @@ def compute_optimal_token_baseline_advantage(
             baselines[rows[lengths.argmax()], int(second) :] = 0.0
     advantages = (returns - baselines) * mask
     return advantages, returns
+
+
+def _per_token_path_variance(old_log_probs, sum_pi_squared, rollout_is_weights):
+    """‖s_j‖² = 1 − 2π_j + Σπ², scaled by ρ̄_j² under rollout-correction IS weights (verl 0.9.1: the
+    variance of the IS-weighted score, so the baseline minimises the MSE of the truncated-IS gradient)."""
+    variance = 1 - 2 * old_log_probs.exp() + sum_pi_squared
+    if rollout_is_weights is not None:
+        variance = variance * rollout_is_weights.square()
+    return variance

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlframe.algorithms.advantage import ALGORITHM_KEYS, compute_advantage
+from rlframe.algorithms.advantage import ALGORITHM_KEYS, OTB_ESTIMATORS, compute_advantage
 from rlframe.algorithms.config import pf_ppo_applies
 from rlframe.algorithms.kl import apply_kl_penalty, make_kl_controller
 from rlframe.algorithms.masked import masked_mean
@@ -483,9 +483,11 @@ class RayPPOTrainer:
             inputs["values"] = batch.batch["values"]
         if algo.adv_estimator == "remax":
             inputs["reward_baselines"] = batch.batch["reward_baselines"]
-        if algo.adv_estimator == "optimal_token_baseline":  # π_t and Σπ² of the old-log-prob pass
+        if algo.adv_estimator in OTB_ESTIMATORS:  # π_t and Σπ² of the old-log-prob pass
             inputs["old_log_probs"] = batch.batch["old_log_probs"]
             inputs["sum_pi_squared"] = batch.batch["sum_pi_squared"]
+            if "rollout_is_weights" in batch.batch.keys():  # verl: W_t scaled by ρ̄² under decoupled IS
+                inputs["rollout_is_weights"] = batch.batch["rollout_is_weights"]
         advantages, returns = compute_advantage(algo.adv_estimator, **inputs)
         batch.batch["advantages"], batch.batch["returns"] = advantages, returns
 
