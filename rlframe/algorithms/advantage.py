@@ -20,7 +20,7 @@ ADV_ESTIMATORS: dict[str, Callable] = {}
 # the `algorithm.*` keys the trainer passes every estimator by name; each reads those its signature names
 ALGORITHM_KEYS = ("gamma", "lam", "norm_adv_by_std_in_grpo")
 # the estimators that read π_t and Σπ² of the old-log-prob pass (actor.calculate_sum_pi_squared)
-OTB_ESTIMATORS = ("optimal_token_baseline",)
+OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
 
 
 def register_adv_estimator(name: str) -> Callable:
@@ -262,22 +262,78 @@ def compute_optimal_token_baseline_advantage(
     Returns (advantages, reward-to-go).
     """
     mask = response_mask.to(token_level_rewards.dtype)
-    returns = (token_level_rewards * mask).flip(-1).cumsum(-1).flip(-1)
-    path_variance = _per_token_path_variance(old_log_probs, sum_pi_squared, rollout_is_weights)
-    path_variance = (path_variance * mask).cumsum(-1)
+    returns = _reward_to_go(token_level_rewards, mask)
+    path_variance = _path_variance(old_log_probs, sum_pi_squared, rollout_is_weights, mask)
+    baselines = _otb_baselines(returns, path_variance * mask, mask.sum(-1), _group_rows(index).values(), epsilon)
+    advantages = (returns - baselines) * mask
+    return advantages, returns
+
+
+@register_adv_estimator("tir_optimal_token_baseline")
+def compute_tir_optimal_token_baseline_advantage(
+    token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, rollout_is_weights=None, epsilon=1e-8
+):
+    """Optimal Token Baseline for tool-integrated (multi-turn) responses (verl 0.9.1's
+    `tir_optimal_token_baseline`): `optimal_token_baseline` with time counted in the response's own
+    tokens. Each response's valid tokens are packed together (tool-output holes removed), so that B_k
+    averages the group's k-th generated tokens rather than the tokens at one position:
+    B_k = Σ_i G_{i,(k)} W_{i,(k)} / (Σ_i W_{i,(k)} + ε) over the responses that have a k-th valid token, with
+    G the reward-to-go and W the cumulative path variance ρ̄²(1 − 2π + Σπ²) as in `optimal_token_baseline`.
+    A_(k) = G_(k) − B_k. Empty responses join no group; a group of one has no baseline; a unique
+    longest response gets B = 0 from the second-longest's token count on. Returns (advantages, reward-to-go).
+    """
+    mask = response_mask.to(token_level_rewards.dtype)
+    valid = mask.bool()
+    lengths = valid.sum(-1)
+    returns = _reward_to_go(token_level_rewards, mask)
+    packed_returns = _pack_valid(returns, valid)
+    packed_variance = _pack_valid(_path_variance(old_log_probs, sum_pi_squared, rollout_is_weights, mask), valid)
+    groups = [[i for i in rows if lengths[i] > 0] for rows in _group_rows(index).values()]
+    baselines = _otb_baselines(packed_returns, packed_variance, lengths, groups, epsilon)
+    advantages = torch.zeros_like(returns)
+    advantages[valid] = (packed_returns - baselines)[_packed_mask(lengths)]
+    return advantages * mask, returns
+
+
+def _reward_to_go(token_level_rewards, mask):
+    """G_t = Σ_{u≥t} m_u r_u."""
+    return (token_level_rewards * mask).flip(-1).cumsum(-1).flip(-1)
+
+
+def _path_variance(old_log_probs, sum_pi_squared, rollout_is_weights, mask):
+    """W_t = Σ_{j≤t, m_j=1} ρ̄_j² ‖s_j‖²: the cumulative path-variance proxy over the valid tokens."""
+    return (_per_token_path_variance(old_log_probs, sum_pi_squared, rollout_is_weights) * mask).cumsum(-1)
+
+
+def _otb_baselines(returns, weight, lengths, groups, epsilon):
+    """Per-step baselines Σ_i G_i W_i / (Σ_i W_i + ε) within each group of ≥ 2 rows (0 elsewhere).
+
+    `weight` is 0 where a row has no token; in a group whose longest row (by `lengths`) is longer than all
+    others, that row's baseline is 0 from the second-longest length on.
+    """
     baselines = torch.zeros_like(returns)
-    for rows in _group_rows(index).values():
+    for rows in groups:
         if len(rows) < 2:
             continue
         rows = torch.tensor(rows, device=returns.device)
-        weight = path_variance[rows] * mask[rows]
-        baselines[rows] = (returns[rows] * weight).sum(0) / (weight.sum(0) + epsilon)
-        lengths = mask[rows].sum(-1)
-        longest, second = torch.topk(lengths, 2).values.tolist()
+        baselines[rows] = (returns[rows] * weight[rows]).sum(0) / (weight[rows].sum(0) + epsilon)
+        longest, second = torch.topk(lengths[rows], 2).values.tolist()
         if longest > second:
-            baselines[rows[lengths.argmax()], int(second) :] = 0.0
-    advantages = (returns - baselines) * mask
-    return advantages, returns
+            baselines[rows[lengths[rows].argmax()], int(second) :] = 0.0
+    return baselines
+
+
+def _packed_mask(lengths):
+    """[bs, max length]: the first `lengths[i]` positions of row i."""
+    return torch.arange(int(lengths.max()) if len(lengths) else 0, device=lengths.device) < lengths.unsqueeze(-1)
+
+
+def _pack_valid(values, valid):
+    """Each row's values at its valid positions, moved to the front in order (zeros after), [bs, max length]."""
+    packed_mask = _packed_mask(valid.sum(-1))
+    packed = values.new_zeros(packed_mask.shape)
+    packed[packed_mask] = values[valid]
+    return packed
 
 
 def _per_token_path_variance(old_log_probs, sum_pi_squared, rollout_is_weights):

@@ -253,8 +253,41 @@ def test_optimal_token_baseline_with_rollout_is_weights_matches_verl(seed):
     torch.testing.assert_close(direct[0].double(), ref_adv, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_tir_optimal_token_baseline_matches_verl(seed, weighted):
+    """verl 0.9.1's multi-turn OTB: each response's valid tokens packed together, the baseline per token count."""
+    inputs = otb_batch(seed)
+    if not weighted:
+        inputs["rollout_is_weights"] = None
+    fn = verl_core_algos().compute_multi_turn_optimal_token_baseline_advantage
+    verl_adv, verl_returns = fn(**inputs)
+    direct = advantage.compute_tir_optimal_token_baseline_advantage(**inputs)
+    named = advantage.compute_advantage("tir_optimal_token_baseline", **inputs, gamma=1.0, lam=1.0)
+    for adv, returns in (direct, named):
+        torch.testing.assert_close(adv, verl_adv)  # fp32 tolerance
+        torch.testing.assert_close(returns, verl_returns)
+    double = {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    adv64, _ = advantage.compute_tir_optimal_token_baseline_advantage(**double)
+    torch.testing.assert_close(adv64, fn(**double)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_tir_optimal_token_baseline_is_the_otb_on_responses_without_holes():
+    inputs = otb_batch(0, dtype=torch.float64)
+    lengths = torch.arange(len(inputs["index"])) % 5 + 2
+    inputs["response_mask"] = (torch.arange(10) < lengths.unsqueeze(-1)).double()  # no holes, none empty
+    tir, _ = advantage.compute_advantage("tir_optimal_token_baseline", **inputs)
+    otb, _ = advantage.compute_advantage("optimal_token_baseline", **inputs)
+    torch.testing.assert_close(tir, otb, rtol=1e-12, atol=1e-12)
+    holed = otb_batch(0, dtype=torch.float64)
+    tir, _ = advantage.compute_advantage("tir_optimal_token_baseline", **holed)
+    otb, _ = advantage.compute_advantage("optimal_token_baseline", **holed)
+    assert not torch.allclose(tir, otb)
+
+
+@pytest.mark.parametrize("estimator", ["optimal_token_baseline", "tir_optimal_token_baseline"])
 @pytest.mark.parametrize("seed", SEEDS[:2])
-def test_trainer_passes_the_decoupled_is_weights_to_the_optimal_token_baseline(seed):
+def test_trainer_passes_the_decoupled_is_weights_to_the_optimal_token_baseline(seed, estimator):
     """The trainer's advantage step (decoupled rollout correction, token TIS) equals verl's compute_advantage:
     OTB on the batch's response_mask and its `rollout_is_weights`."""
     from types import SimpleNamespace
@@ -268,7 +301,7 @@ def test_trainer_passes_the_decoupled_is_weights_to_the_optimal_token_baseline(s
     rollout_log_probs = inputs["old_log_probs"] + 0.5 * torch.randn(inputs["old_log_probs"].shape, generator=gen)
     config = compose(
         [
-            "algorithm.adv_estimator=optimal_token_baseline",
+            f"algorithm.adv_estimator={estimator}",
             "actor_rollout_ref.actor.calculate_sum_pi_squared=true",
             "algorithm.rollout_correction.rollout_is=token",
         ]
@@ -283,7 +316,7 @@ def test_trainer_passes_the_decoupled_is_weights_to_the_optimal_token_baseline(s
     RayPPOTrainer._compute_advantage(trainer, batch, {})
     weights = batch.batch["rollout_is_weights"]
     assert not torch.all(weights == 1)
-    verl_adv, verl_returns = verl_core_algos().compute_optimal_token_baseline_advantage(
+    verl_adv, verl_returns = verl_core_algos().get_adv_estimator_fn(estimator)(
         **{**inputs, "response_mask": batch.batch["response_mask"], "rollout_is_weights": weights}
     )
     torch.testing.assert_close(batch.batch["advantages"], verl_adv)

@@ -166,6 +166,7 @@ ESTIMATOR_UNREAD = {
     "gpg": {"gamma", "lam", "norm_adv_by_std_in_grpo"},
     "grpo_passk": {"gamma", "lam"},
     "optimal_token_baseline": {"gamma", "lam", "norm_adv_by_std_in_grpo"},
+    "tir_optimal_token_baseline": {"gamma", "lam", "norm_adv_by_std_in_grpo"},
 }
 
 
@@ -177,7 +178,7 @@ def test_each_estimators_unread_algorithm_keys_are_reported_inactive():
     estimator_keys = {"algorithm.gamma", "algorithm.lam", "algorithm.norm_adv_by_std_in_grpo"}
     for name, unread in ESTIMATOR_UNREAD.items():
         overrides = [f"algorithm.adv_estimator={name}"]
-        if name == "optimal_token_baseline":
+        if name in ("optimal_token_baseline", "tir_optimal_token_baseline"):
             overrides.append("actor_rollout_ref.actor.calculate_sum_pi_squared=true")
         inactive = inactive_keys(typed(compose(overrides)))
         assert {k.removeprefix("algorithm.") for k in estimator_keys & set(inactive)} == unread, name
