@@ -107,14 +107,64 @@ def compute_grpo_outcome_advantage(
     A group of size 1 uses mean 0 and std 1, so its advantage is its raw score.
     """
     scores = _sequence_scores(token_level_rewards, response_mask)
+    advantages = _grpo_normalized(scores, index, epsilon, norm_adv_by_std_in_grpo).unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+def _grpo_normalized(scores, index, epsilon, norm_by_std):
+    """(s_i − mean_g) / (std_g + ε) per sample ([bs]); a group of one uses mean 0, std 1."""
     size, _, mean, std = _group_stats(scores, index)
     single = size < 2
     mean, std = mean.masked_fill(single, 0.0), std.masked_fill(single, 1.0)
-    advantages = scores - mean
-    if norm_adv_by_std_in_grpo:
-        advantages = advantages / (std + epsilon)
-    advantages = advantages.unsqueeze(-1) * response_mask
+    return (scores - mean) / (std + epsilon) if norm_by_std else scores - mean
+
+
+@register_adv_estimator("gdpo")
+def compute_gdpo_outcome_advantage(response_mask, index, gdpo_scores, gdpo_reward_weights=None):
+    """GDPO (Group reward-Decoupled normalization Policy Optimization, arXiv 2601.05242, as verl 0.9.1):
+    each reward component k is normalized within its groups on its own, A_k = (s_k − mean_g) / (std_g + 1e-6)
+    (`grpo`'s form; a group of one: s_k), and the batch whitening of Σ_k w_k A_k over the valid tokens is the
+    advantage, so that a dominant component does not drown out the others. `gdpo_scores` [bs, K] are the
+    components named by `algorithm.gdpo_reward_keys` (entries of the scorer's dict), taken in fp32;
+    w = `algorithm.gdpo_reward_weights` (1 each when null). As in verl, every sample's components enter its
+    group's statistics, an empty or fully masked response's too, and std normalization always applies (verl
+    never passes gdpo `norm_adv_by_std_in_grpo`).
+    """
+    scores = gdpo_scores.to(torch.float32)
+    total = scores.new_zeros(scores.shape[0])
+    for k in range(scores.shape[-1]):
+        weight = torch.tensor(1.0 if gdpo_reward_weights is None else float(gdpo_reward_weights[k]))
+        total = total + weight * _grpo_normalized(scores[:, k], index, 1e-6, True)
+    advantages = total.unsqueeze(-1) * response_mask  # verl: the sum of the components' masked advantages
+    advantages = masked_whiten(advantages, response_mask) * response_mask
     return advantages, advantages
+
+
+def gdpo_component_scores(extra_info: dict, keys, batch_size: int) -> torch.Tensor:
+    """[bs, K] fp32: the scorer's per-sample entries named by `algorithm.gdpo_reward_keys`, in that order."""
+    columns = []
+    for key in keys:
+        if key not in extra_info:
+            raise ValueError(
+                f"algorithm.gdpo_reward_keys names {key!r}, which the reward function did not return; it returned "
+                f"{sorted(extra_info) or 'no extra entries'}: return a dict with {key!r} from compute_score "
+                "(or name one of those)"
+            )
+        values = np.asarray(extra_info[key], dtype=np.float32)
+        if values.shape != (batch_size,):
+            raise ValueError(f"algorithm.gdpo_reward_keys: {key!r} has shape {values.shape}, not one value per sample")
+        columns.append(torch.from_numpy(values))
+    return torch.stack(columns, dim=-1)
+
+
+def gdpo_metrics(gdpo_scores: torch.Tensor, keys) -> dict[str, float]:
+    """verl 0.9.1's `gdpo/<key>/{mean,std,max,min}` of each component over the step's batch (population std)."""
+    out = {}
+    for key, column in zip(keys, gdpo_scores.unbind(-1)):
+        values = column.numpy()
+        stats = {"mean": np.mean(values), "std": np.std(values), "max": np.max(values), "min": np.min(values)}
+        out.update({f"gdpo/{key}/{name}": float(value) for name, value in stats.items()})
+    return out
 
 
 @register_adv_estimator("rloo")

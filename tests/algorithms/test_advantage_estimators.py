@@ -323,6 +323,46 @@ def test_trainer_passes_the_decoupled_is_weights_to_the_optimal_token_baseline(s
     torch.testing.assert_close(batch.batch["returns"], verl_returns)
 
 
+def gdpo_batch(seed):
+    """Three reward components per sample; masks with holes, a cut prefix, a masked last token, an empty row."""
+    inputs = otb_batch(seed)
+    gen = torch.Generator().manual_seed(400 + seed)
+    bs, length = inputs["response_mask"].shape
+    attention = (torch.arange(length) < torch.randint(1, length + 1, (bs,), generator=gen).unsqueeze(-1)).long()
+    attention[4] = 0  # an empty response
+    mask = inputs["response_mask"] * attention
+    mask[3, attention[3].sum() - 1] = 0.0  # the last attended token is a tool token
+    scores = torch.randint(0, 3, (bs, 3), generator=gen).float() + 0.5 * torch.rand(bs, 3, generator=gen)
+    scores[9:12, 0] = 1.0  # a group whose samples all score alike in one component
+    return mask, inputs["index"], scores, attention
+
+
+@pytest.mark.parametrize("weights", [None, [1.0, 0.5, 2.0]])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_gdpo_matches_verl(seed, weights):
+    mask, index, scores, attention = gdpo_batch(seed)
+    keys = ["format_reward", "accuracy_reward", "length_reward"]
+    config = OmegaConf.create({"gdpo_reward_keys": keys, "gdpo_reward_weights": weights})
+    prompts = torch.zeros(len(index), 3, dtype=torch.long)
+    verl_adv, verl_returns = verl_core_algos().compute_gdpo_outcome_advantage(
+        token_level_rewards=torch.zeros_like(mask),
+        response_mask=mask,
+        index=index,
+        config=config,
+        non_tensor_batch={key: scores[:, k].numpy().astype(object) for k, key in enumerate(keys)},
+        batch={"prompts": prompts, "attention_mask": torch.cat([torch.ones_like(prompts), attention], -1)},
+    )
+    inputs = {"response_mask": mask, "index": index, "gdpo_scores": scores}
+    direct = advantage.compute_gdpo_outcome_advantage(**inputs, gdpo_reward_weights=weights)
+    named = advantage.compute_advantage(
+        "gdpo", **inputs, gdpo_reward_weights=weights, token_level_rewards=mask, gamma=1.0, lam=1.0
+    )
+    for adv, returns in (direct, named):
+        torch.testing.assert_close(adv, verl_adv)  # fp32, as verl's
+        torch.testing.assert_close(returns, verl_returns)
+    assert not torch.allclose(direct[0], torch.zeros_like(mask))
+
+
 # ───────────────────────────── straight-through KL ─────────────────────────────
 
 
