@@ -54,6 +54,16 @@ RUNS = {  # name -> overrides (loss, estimator, KL type, aggregation)
     "geo_mean": [f"{P}.policy_loss.loss_mode=geo_mean"],
     "clip_cov": [f"{P}.policy_loss.loss_mode=clip_cov", f"{P}.policy_loss.clip_cov_ratio=0.05"],
     "kl_cov+token-sum": [f"{P}.policy_loss.loss_mode=kl_cov", f"{P}.loss_agg_mode=token-sum"],
+    "bypass_mode+tir_optimal_token_baseline": [
+        f"{P}.policy_loss.loss_mode=bypass_mode",
+        "algorithm.adv_estimator=tir_optimal_token_baseline",
+        f"{P}.calculate_sum_pi_squared=true",
+    ],
+    "gdpo": [
+        "algorithm.adv_estimator=gdpo",
+        "algorithm.gdpo_reward_keys=[score,acc]",  # the built-in task's scorer returns both
+        "algorithm.gdpo_reward_weights=[1.0,0.5]",
+    ],
     "gae+pf_ppo_pow": ["algorithm.adv_estimator=gae", "algorithm.use_pf_ppo=true", "critic.ppo_mini_batch_size=2"],
 }
 
