@@ -67,6 +67,11 @@ RUNS = {  # name -> overrides (loss, estimator, KL type, aggregation)
     "gae+pf_ppo_pow": ["algorithm.adv_estimator=gae", "algorithm.use_pf_ppo=true", "critic.ppo_mini_batch_size=2"],
 }
 
+EXPECTED_METRICS = {  # what a run must log besides the loss
+    "bypass_mode+tir_optimal_token_baseline": ["rollout_corr/rollout_is_mean", "rollout_corr/kl"],
+    "gdpo": [f"gdpo/{key}/{stat}" for key in ("score", "acc") for stat in ("mean", "std", "max", "min")],
+}
+
 
 @pytest.fixture(scope="module")
 def ray_cluster(cache_dir):
@@ -91,3 +96,5 @@ def test_trains_one_step(name, ray_cluster, tmp_path):
     metrics = run_ppo([*COMMON, *RUNS[name], f"trainer.default_local_dir={tmp_path}"])
     # finite (a random policy's groups often score alike, so the gradient may be 0)
     assert math.isfinite(metrics["actor/pg_loss"]) and math.isfinite(metrics["actor/grad_norm"])
+    expected = EXPECTED_METRICS.get(name, ())
+    assert set(expected) <= set(metrics), sorted(set(expected) - set(metrics))
