@@ -307,3 +307,25 @@ def test_bypass_mode_loss_matches_verl(agg, per_token_adv):
         assert set(metrics) <= set(ref_metrics), set(metrics) - set(ref_metrics)
         for name, value in metrics.items():
             torch.testing.assert_close(float(value), float(ref_metrics[name]), rtol=1e-7, atol=1e-9, msg=name)
+
+
+@pytest.mark.parametrize(
+    "overrides,shown",
+    [
+        (
+            ["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", "algorithm.adv_estimator=gdpo"],
+            ["policy bypass_mode: verl 0.9.1's `bypass_mode` loss", "advantage gdpo: GDPO"],
+        ),
+        (
+            ["algorithm.adv_estimator=tir_optimal_token_baseline"],
+            ["advantage tir_optimal_token_baseline: Optimal Token Baseline for tool-integrated"],
+        ),
+    ],
+)
+def test_explain_shows_the_verl_names_added_for_issue_29(overrides, shown):
+    from rlframe.explain import format_algorithm
+    from rlframe.trainer.config import compose
+
+    text = format_algorithm(compose(overrides))
+    for line in shown:
+        assert line in " ".join(text.split()), text
