@@ -391,3 +391,40 @@ def test_sum_pi_squared_from_logits_is_the_sum_of_squared_probabilities():
     torch.testing.assert_close(sum_pi_squared_from_logits(logits), expected, rtol=1e-12, atol=1e-15)
     huge = torch.tensor([[1e4, 1e4, -1e4]])  # no overflow: two equally likely tokens
     torch.testing.assert_close(sum_pi_squared_from_logits(huge), torch.tensor([0.5]))
+
+
+def test_trainer_gives_gdpo_the_scorers_components_and_logs_them():
+    """The trainer's reward step keeps the components named by gdpo_reward_keys with the batch; its advantage
+    step equals verl's gdpo on them and logs verl's gdpo/<key>/* metrics."""
+    from types import SimpleNamespace
+
+    from rlframe.protocol import DataProto
+    from rlframe.trainer.config import compose
+    from rlframe.trainer.ray_trainer import RayPPOTrainer
+
+    mask, index, scores, _ = gdpo_batch(0)
+    keys = ["format_reward", "accuracy_reward"]
+    config = compose(["algorithm.adv_estimator=gdpo", f"algorithm.gdpo_reward_keys=[{','.join(keys)}]"])
+    batch = DataProto.from_dict({"response_mask": mask}, non_tensors={"uid": index})
+    extra = {"score": [0.0] * len(index), **{key: scores[:, k].tolist() for k, key in enumerate(keys)}}
+    result = {"reward_tensor": torch.zeros_like(mask), "dropped": torch.zeros(len(index), dtype=torch.bool)}
+    trainer = SimpleNamespace(config=config, use_critic=False, reward_model_wg=None)
+    trainer.reward_fn = lambda b, return_dict: {**result, "reward_extra_info": extra}
+    RayPPOTrainer._compute_reward(trainer, batch, {})
+    metrics = {}
+    RayPPOTrainer._compute_advantage(trainer, batch, metrics)
+    prompt = torch.zeros(len(index), 1, dtype=torch.long)
+    verl_adv, _ = verl_core_algos().compute_gdpo_outcome_advantage(
+        token_level_rewards=torch.zeros_like(mask),
+        response_mask=mask,
+        index=index,
+        config=OmegaConf.create({"gdpo_reward_keys": keys}),
+        non_tensor_batch={key: np.array(extra[key], dtype=object) for key in keys},
+        batch={"prompts": prompt, "attention_mask": torch.cat([torch.ones_like(prompt), mask.long()], -1)},
+    )
+    torch.testing.assert_close(batch.batch["advantages"], verl_adv)
+    assert metrics["gdpo/accuracy_reward/max"] == pytest.approx(float(scores[:, 1].max()))
+    assert metrics["gdpo/format_reward/std"] == pytest.approx(float(np.std(scores[:, 0].numpy())))
+    trainer.reward_fn = lambda b, return_dict: {**result, "reward_extra_info": {"score": extra["score"]}}
+    with pytest.raises(ValueError, match="gdpo_reward_keys names 'format_reward', which the reward function did not"):
+        RayPPOTrainer._compute_reward(trainer, batch, {})
