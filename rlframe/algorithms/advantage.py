@@ -19,6 +19,8 @@ from rlframe.algorithms.masked import lookup, masked_sum, masked_whiten, registe
 ADV_ESTIMATORS: dict[str, Callable] = {}
 # the `algorithm.*` keys the trainer passes every estimator by name; each reads those its signature names
 ALGORITHM_KEYS = ("gamma", "lam", "norm_adv_by_std_in_grpo")
+# the estimators that read π_t and Σπ² of the old-log-prob pass (actor.calculate_sum_pi_squared)
+OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
 
 
 def register_adv_estimator(name: str) -> Callable:
@@ -105,14 +107,64 @@ def compute_grpo_outcome_advantage(
     A group of size 1 uses mean 0 and std 1, so its advantage is its raw score.
     """
     scores = _sequence_scores(token_level_rewards, response_mask)
+    advantages = _grpo_normalized(scores, index, epsilon, norm_adv_by_std_in_grpo).unsqueeze(-1) * response_mask
+    return advantages, advantages
+
+
+def _grpo_normalized(scores, index, epsilon, norm_by_std):
+    """(s_i − mean_g) / (std_g + ε) per sample ([bs]); a group of one uses mean 0, std 1."""
     size, _, mean, std = _group_stats(scores, index)
     single = size < 2
     mean, std = mean.masked_fill(single, 0.0), std.masked_fill(single, 1.0)
-    advantages = scores - mean
-    if norm_adv_by_std_in_grpo:
-        advantages = advantages / (std + epsilon)
-    advantages = advantages.unsqueeze(-1) * response_mask
+    return (scores - mean) / (std + epsilon) if norm_by_std else scores - mean
+
+
+@register_adv_estimator("gdpo")
+def compute_gdpo_outcome_advantage(response_mask, index, gdpo_scores, gdpo_reward_weights=None):
+    """GDPO (Group reward-Decoupled normalization Policy Optimization, arXiv 2601.05242, as verl 0.9.1):
+    each reward component k is normalized within its groups on its own, A_k = (s_k − mean_g) / (std_g + 1e-6)
+    (`grpo`'s form; a group of one: s_k), and the batch whitening of Σ_k w_k A_k over the valid tokens is the
+    advantage, so that a dominant component does not drown out the others. `gdpo_scores` [bs, K] are the
+    components named by `algorithm.gdpo_reward_keys` (entries of the scorer's dict), taken in fp32;
+    w = `algorithm.gdpo_reward_weights` (1 each when null). As in verl, every sample's components enter its
+    group's statistics, an empty or fully masked response's too, and std normalization always applies (verl
+    never passes gdpo `norm_adv_by_std_in_grpo`).
+    """
+    scores = gdpo_scores.to(torch.float32)
+    total = scores.new_zeros(scores.shape[0])
+    for k in range(scores.shape[-1]):
+        weight = torch.tensor(1.0 if gdpo_reward_weights is None else float(gdpo_reward_weights[k]))
+        total = total + weight * _grpo_normalized(scores[:, k], index, 1e-6, True)
+    advantages = total.unsqueeze(-1) * response_mask  # verl: the sum of the components' masked advantages
+    advantages = masked_whiten(advantages, response_mask) * response_mask
     return advantages, advantages
+
+
+def gdpo_component_scores(extra_info: dict, keys, batch_size: int) -> torch.Tensor:
+    """[bs, K] fp32: the scorer's per-sample entries named by `algorithm.gdpo_reward_keys`, in that order."""
+    columns = []
+    for key in keys:
+        if key not in extra_info:
+            raise ValueError(
+                f"algorithm.gdpo_reward_keys names {key!r}, which the reward function did not return; it returned "
+                f"{sorted(extra_info) or 'no extra entries'}: return a dict with {key!r} from compute_score "
+                "(or name one of those)"
+            )
+        values = np.asarray(extra_info[key], dtype=np.float32)
+        if values.shape != (batch_size,):
+            raise ValueError(f"algorithm.gdpo_reward_keys: {key!r} has shape {values.shape}, not one value per sample")
+        columns.append(torch.from_numpy(values))
+    return torch.stack(columns, dim=-1)
+
+
+def gdpo_metrics(gdpo_scores: torch.Tensor, keys) -> dict[str, float]:
+    """verl 0.9.1's `gdpo/<key>/{mean,std,max,min}` of each component over the step's batch (population std)."""
+    out = {}
+    for key, column in zip(keys, gdpo_scores.unbind(-1)):
+        values = column.numpy()
+        stats = {"mean": np.mean(values), "std": np.std(values), "max": np.max(values), "min": np.min(values)}
+        out.update({f"gdpo/{key}/{name}": float(value) for name, value in stats.items()})
+    return out
 
 
 @register_adv_estimator("rloo")
@@ -246,29 +298,98 @@ def _group_rows(index: np.ndarray) -> dict:
 
 @register_adv_estimator("optimal_token_baseline")
 def compute_optimal_token_baseline_advantage(
-    token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, epsilon=1e-8
+    token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, rollout_is_weights=None, epsilon=1e-8
 ):
     """Optimal Token Baseline (verl 0.9.1; Yingru Li, "The Optimal Token Baseline"): a per-step baseline
     B_t = Σ_i G_{i,t} W_{i,t} / (Σ_i W_{i,t} + ε) over the valid tokens of a prompt group, where
-    G_t is the reward-to-go and W_t = Σ_{j≤t} (1 − 2π_j + Σ_v π(v)²) the cumulative path-variance
-    proxy (π_j = exp(old_log_probs), Σπ² = `sum_pi_squared` from the actor's old-log-prob pass).
+    G_t is the reward-to-go and W_t = Σ_{j≤t} ρ̄_j² (1 − 2π_j + Σ_v π(v)²) the cumulative path-variance
+    proxy (π_j = exp(old_log_probs), Σπ² = `sum_pi_squared` from the actor's old-log-prob pass; ρ̄_j the
+    rollout-correction IS weight `rollout_is_weights`, 1 without it). The sum runs over the valid
+    tokens j ≤ t only: a masked position (a hole, a cut prefix) adds nothing to W, and its own W_t
+    does not enter the baseline's sums.
     A_t = G_t − B_t. A group of one has no baseline; in a group whose longest response is longer
     than all others, that response's baseline is 0 beyond the second-longest length.
     Returns (advantages, reward-to-go).
     """
     mask = response_mask.to(token_level_rewards.dtype)
-    returns = (token_level_rewards * mask).flip(-1).cumsum(-1).flip(-1)
-    path_variance = ((1 - 2 * old_log_probs.exp() + sum_pi_squared) * mask).cumsum(-1)
+    returns = _reward_to_go(token_level_rewards, mask)
+    path_variance = _path_variance(old_log_probs, sum_pi_squared, rollout_is_weights, mask)
+    baselines = _otb_baselines(returns, path_variance * mask, mask.sum(-1), _group_rows(index).values(), epsilon)
+    advantages = (returns - baselines) * mask
+    return advantages, returns
+
+
+@register_adv_estimator("tir_optimal_token_baseline")
+def compute_tir_optimal_token_baseline_advantage(
+    token_level_rewards, response_mask, index, old_log_probs, sum_pi_squared, rollout_is_weights=None, epsilon=1e-8
+):
+    """Optimal Token Baseline for tool-integrated (multi-turn) responses (verl 0.9.1's
+    `tir_optimal_token_baseline`): `optimal_token_baseline` with time counted in the response's own
+    tokens. Each response's valid tokens are packed together (tool-output holes removed), so that B_k
+    averages the group's k-th generated tokens rather than the tokens at one position:
+    B_k = Σ_i G_{i,(k)} W_{i,(k)} / (Σ_i W_{i,(k)} + ε) over the responses that have a k-th valid token, with
+    G the reward-to-go and W the cumulative path variance ρ̄²(1 − 2π + Σπ²) as in `optimal_token_baseline`.
+    A_(k) = G_(k) − B_k. Empty responses join no group; a group of one has no baseline; a unique
+    longest response gets B = 0 from the second-longest's token count on. Returns (advantages, reward-to-go).
+    """
+    mask = response_mask.to(token_level_rewards.dtype)
+    valid = mask.bool()
+    lengths = valid.sum(-1)
+    returns = _reward_to_go(token_level_rewards, mask)
+    packed_returns = _pack_valid(returns, valid)
+    packed_variance = _pack_valid(_path_variance(old_log_probs, sum_pi_squared, rollout_is_weights, mask), valid)
+    groups = [[i for i in rows if lengths[i] > 0] for rows in _group_rows(index).values()]
+    baselines = _otb_baselines(packed_returns, packed_variance, lengths, groups, epsilon)
+    advantages = torch.zeros_like(returns)
+    advantages[valid] = (packed_returns - baselines)[_packed_mask(lengths)]
+    return advantages * mask, returns
+
+
+def _reward_to_go(token_level_rewards, mask):
+    """G_t = Σ_{u≥t} m_u r_u."""
+    return (token_level_rewards * mask).flip(-1).cumsum(-1).flip(-1)
+
+
+def _path_variance(old_log_probs, sum_pi_squared, rollout_is_weights, mask):
+    """W_t = Σ_{j≤t, m_j=1} ρ̄_j² ‖s_j‖²: the cumulative path-variance proxy over the valid tokens."""
+    return (_per_token_path_variance(old_log_probs, sum_pi_squared, rollout_is_weights) * mask).cumsum(-1)
+
+
+def _otb_baselines(returns, weight, lengths, groups, epsilon):
+    """Per-step baselines Σ_i G_i W_i / (Σ_i W_i + ε) within each group of ≥ 2 rows (0 elsewhere).
+
+    `weight` is 0 where a row has no token; in a group whose longest row (by `lengths`) is longer than all
+    others, that row's baseline is 0 from the second-longest length on.
+    """
     baselines = torch.zeros_like(returns)
-    for rows in _group_rows(index).values():
+    for rows in groups:
         if len(rows) < 2:
             continue
         rows = torch.tensor(rows, device=returns.device)
-        weight = path_variance[rows] * mask[rows]
-        baselines[rows] = (returns[rows] * weight).sum(0) / (weight.sum(0) + epsilon)
-        lengths = mask[rows].sum(-1)
-        longest, second = torch.topk(lengths, 2).values.tolist()
+        baselines[rows] = (returns[rows] * weight[rows]).sum(0) / (weight[rows].sum(0) + epsilon)
+        longest, second = torch.topk(lengths[rows], 2).values.tolist()
         if longest > second:
-            baselines[rows[lengths.argmax()], int(second) :] = 0.0
-    advantages = (returns - baselines) * mask
-    return advantages, returns
+            baselines[rows[lengths[rows].argmax()], int(second) :] = 0.0
+    return baselines
+
+
+def _packed_mask(lengths):
+    """[bs, max length]: the first `lengths[i]` positions of row i."""
+    return torch.arange(int(lengths.max()) if len(lengths) else 0, device=lengths.device) < lengths.unsqueeze(-1)
+
+
+def _pack_valid(values, valid):
+    """Each row's values at its valid positions, moved to the front in order (zeros after), [bs, max length]."""
+    packed_mask = _packed_mask(valid.sum(-1))
+    packed = values.new_zeros(packed_mask.shape)
+    packed[packed_mask] = values[valid]
+    return packed
+
+
+def _per_token_path_variance(old_log_probs, sum_pi_squared, rollout_is_weights):
+    """‖s_j‖² = 1 − 2π_j + Σπ², scaled by ρ̄_j² under rollout-correction IS weights (verl 0.9.1: the
+    variance of the IS-weighted score, so the baseline minimises the MSE of the truncated-IS gradient)."""
+    variance = 1 - 2 * old_log_probs.exp() + sum_pi_squared
+    if rollout_is_weights is not None:
+        variance = variance * rollout_is_weights.square()
+    return variance

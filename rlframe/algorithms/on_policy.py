@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlframe.algorithms.advantage import OTB_ESTIMATORS
 from rlframe.algorithms.loss import TOKEN_SELECTORS
 from rlframe.config.keys import ACTOR
 
@@ -35,8 +36,8 @@ def old_log_prob_pass_reason(actor: Any, algorithm: Any) -> str | None:
         return f"{ACTOR}.ppo_epochs={actor.ppo_epochs}: later epochs reuse the old log-probs of every mini-batch"
     if algorithm.use_kl_in_reward:
         return "algorithm.use_kl_in_reward=true: the reward's KL penalty reads the old log-probs"
-    if algorithm.adv_estimator == "optimal_token_baseline":
-        return "algorithm.adv_estimator=optimal_token_baseline: the advantage reads the old log-probs and Σπ²"
+    if algorithm.adv_estimator in OTB_ESTIMATORS:
+        return f"algorithm.adv_estimator={algorithm.adv_estimator}: the advantage reads the old log-probs and Σπ²"
     loss_mode = actor.policy_loss.loss_mode
     if loss_mode in TOKEN_SELECTORS:
         return f"{ACTOR}.policy_loss.loss_mode={loss_mode}: its token choice reads the old log-probs"

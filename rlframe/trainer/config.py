@@ -132,6 +132,27 @@ class AlgorithmConfig(Section):
     )
     use_pf_ppo: bool = key(False, "PF-PPO: after GAE, resample the batch with replacement by score (algorithm.pf_ppo)")
     pf_ppo: PfPpoConfig = section(PfPpoConfig, "PF-PPO's resampling weights (docs/algorithms.md)")
+    gdpo_reward_keys: Optional[list[str]] = key(
+        None, "gdpo: the reward components, entries of compute_score's dict, each normalized in its groups on its own"
+    )
+    gdpo_reward_weights: Optional[list[float]] = key(
+        None, "gdpo: one weight per gdpo_reward_keys entry (null = 1 each)"
+    )
+
+    def check(self, path: str, root: Any) -> None:
+        if self.adv_estimator != "gdpo":
+            return
+        keys, weights = self.gdpo_reward_keys, self.gdpo_reward_weights
+        if not keys:
+            raise ValueError(
+                f"{path}.adv_estimator=gdpo needs {path}.gdpo_reward_keys={keys!r} to name the reward components "
+                "(entries of compute_score's returned dict), e.g. [format_reward,accuracy_reward] (as verl 0.9.1)"
+            )
+        if weights is not None and len(weights) != len(keys):
+            raise ValueError(
+                f"{path}.gdpo_reward_weights={list(weights)}: give one weight per gdpo_reward_keys entry "
+                f"({len(keys)}: {list(keys)}), or null for 1 each"
+            )
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = {}
@@ -144,6 +165,9 @@ class AlgorithmConfig(Section):
                 out[f"{path}.{name}"] = (
                     f"{path}.adv_estimator={self.adv_estimator}: only {' and '.join(readers)} {verb} it"
                 )
+        if self.adv_estimator != "gdpo":
+            why = f"{path}.adv_estimator={self.adv_estimator}: only gdpo reads it"
+            out.update({f"{path}.{name}": why for name in ("gdpo_reward_keys", "gdpo_reward_weights")})
         if not pf_ppo_applies(self):
             why = f"{path}.use_pf_ppo=false" if not self.use_pf_ppo else f"{path}.adv_estimator={self.adv_estimator}"
             out[f"{path}.pf_ppo"] = why

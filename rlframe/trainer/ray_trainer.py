@@ -19,7 +19,13 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlframe.algorithms.advantage import ALGORITHM_KEYS, compute_advantage
+from rlframe.algorithms.advantage import (
+    ALGORITHM_KEYS,
+    OTB_ESTIMATORS,
+    compute_advantage,
+    gdpo_component_scores,
+    gdpo_metrics,
+)
 from rlframe.algorithms.config import pf_ppo_applies
 from rlframe.algorithms.kl import apply_kl_penalty, make_kl_controller
 from rlframe.algorithms.masked import masked_mean
@@ -412,11 +418,15 @@ class RayPPOTrainer:
         elif result["dropped"].any():  # custom_reward_function.on_scorer_error=drop
             drop_failed_samples(batch, result["dropped"])
         metrics.update(result.get("metrics", {}))
-        for key, values in result.get("reward_extra_info", {}).items():
+        extra_info = result.get("reward_extra_info", {})
+        for key, values in extra_info.items():
             values = np.asarray(values, dtype=float)
             if np.isfinite(values).any():
                 metrics[f"reward/{key}/mean"] = float(np.nanmean(values))
-        return result.get("reward_extra_info", {})
+        if self.config.algorithm.adv_estimator == "gdpo":  # the components travel with their samples
+            keys = self.config.algorithm.gdpo_reward_keys
+            batch.batch["gdpo_scores"] = gdpo_component_scores(extra_info, keys, len(batch))
+        return extra_info
 
     def _dump_rollouts(self, batch: DataProto, folder: str) -> None:
         """One jsonl file per step: prompt, response, score and uid of every sample."""
@@ -485,9 +495,15 @@ class RayPPOTrainer:
             inputs["values"] = batch.batch["values"]
         if algo.adv_estimator == "remax":
             inputs["reward_baselines"] = batch.batch["reward_baselines"]
-        if algo.adv_estimator == "optimal_token_baseline":  # π_t and Σπ² of the old-log-prob pass
+        if algo.adv_estimator == "gdpo":
+            inputs["gdpo_scores"] = batch.batch["gdpo_scores"]
+            inputs["gdpo_reward_weights"] = algo.gdpo_reward_weights
+            metrics.update(gdpo_metrics(batch.batch["gdpo_scores"], algo.gdpo_reward_keys))
+        if algo.adv_estimator in OTB_ESTIMATORS:  # π_t and Σπ² of the old-log-prob pass
             inputs["old_log_probs"] = batch.batch["old_log_probs"]
             inputs["sum_pi_squared"] = batch.batch["sum_pi_squared"]
+            if "rollout_is_weights" in batch.batch.keys():  # verl: W_t scaled by ρ̄² under decoupled IS
+                inputs["rollout_is_weights"] = batch.batch["rollout_is_weights"]
         advantages, returns = compute_advantage(algo.adv_estimator, **inputs)
         batch.batch["advantages"], batch.batch["returns"] = advantages, returns
 

@@ -328,7 +328,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """Old log-probs under the current actor (and their entropy, for the metrics)."""
         data = self._with_rollout_temperature(self._to_device(self._gather_sp(data)))
-        # Σπ² per token for algorithm.adv_estimator=optimal_token_baseline (actor.calculate_sum_pi_squared)
+        # Σπ² per token for the OTB estimators (advantage.OTB_ESTIMATORS; actor.calculate_sum_pi_squared)
         sum_pi_squared = bool(self.config.actor_rollout_ref.actor.calculate_sum_pi_squared)
         stats = self.actor.compute_token_stats(data, calculate_entropy=True, calculate_sum_pi_squared=sum_pi_squared)
         names = {"log_probs": "old_log_probs", "entropy": "entropys", "sum_pi_squared": "sum_pi_squared"}

@@ -87,8 +87,11 @@ def reference_passk(scores, index, norm):
     return adv
 
 
-def reference_otb(rewards, mask, index, old_log_probs, sum_pi_squared):
-    """Optimal token baseline: B_t = Σ_i G_it W_it / Σ_i W_it over the group's valid tokens at t."""
+def reference_otb(rewards, mask, index, old_log_probs, sum_pi_squared, is_weights=None):
+    """Optimal token baseline: B_t = Σ_i G_it W_it / Σ_i W_it over the group's valid tokens at t.
+
+    With rollout IS weights ρ̄, each valid token adds ρ̄_j² (1 − 2π_j + Σπ²) to W.
+    """
     bs, length = rewards.shape
     returns = [[sum(rewards[i, u] * mask[i, u] for u in range(t, length)) for t in range(length)] for i in range(bs)]
     w = [[0.0] * length for _ in range(bs)]
@@ -96,7 +99,8 @@ def reference_otb(rewards, mask, index, old_log_probs, sum_pi_squared):
         running = 0.0
         for t in range(length):
             if mask[i, t]:
-                running += 1 - 2 * float(old_log_probs[i, t].exp()) + float(sum_pi_squared[i, t])
+                rho_sq = 1.0 if is_weights is None else float(is_weights[i, t]) ** 2
+                running += rho_sq * (1 - 2 * float(old_log_probs[i, t].exp()) + float(sum_pi_squared[i, t]))
             w[i][t] = running
     adv = torch.zeros(bs, length, dtype=torch.float64)
     for rows in rows_of(index).values():
@@ -199,6 +203,166 @@ def test_optimal_token_baseline_matches_its_definition_and_verl(seed):
     torch.testing.assert_close(returns, verl_returns, rtol=1e-12, atol=1e-12)
 
 
+def otb_batch(seed, dtype=torch.float32):
+    """OTB inputs with rollout IS weights, on masks with holes (tool tokens) and masks that cut a prefix.
+
+    Rows alternate: a plain response, one with holes inside, one whose first tokens are masked; IS
+    weights span [0, 3] with some exact zeros (IcePop's rejected tokens) and random values at masked
+    positions (which must not count).
+    """
+    rewards, _, index = random_batch(seed)
+    gen = torch.Generator().manual_seed(200 + seed)
+    bs, length = rewards.shape[0], 10
+    lengths = torch.randint(2, length + 1, (bs,), generator=gen)
+    mask = (torch.arange(length) < lengths.unsqueeze(-1)).to(dtype)
+    for i in range(bs):
+        if i % 3 == 1:  # holes: tool-output tokens inside the response
+            mask[i, torch.rand(length, generator=gen) < 0.3] = 0.0
+        elif i % 3 == 2:  # a prefix cut off
+            mask[i, : int(torch.randint(1, 4, (1,), generator=gen))] = 0.0
+    mask[4] = 0.0  # an empty response
+    rewards = torch.randn(bs, length, generator=gen).to(dtype) * (torch.rand(bs, length, generator=gen) < 0.3)
+    probs = torch.rand(bs, length, generator=gen).clamp(0.05, 0.95).to(dtype)
+    sum_pi_squared = probs**2 + (1 - probs) ** 2 * torch.rand(bs, length, generator=gen).to(dtype)
+    weights = (3 * torch.rand(bs, length, generator=gen)).to(dtype)
+    weights[torch.rand(bs, length, generator=gen) < 0.1] = 0.0
+    return {
+        "token_level_rewards": rewards,
+        "response_mask": mask,
+        "index": index,
+        "old_log_probs": probs.log(),
+        "sum_pi_squared": sum_pi_squared,
+        "rollout_is_weights": weights,
+    }
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_optimal_token_baseline_with_rollout_is_weights_matches_verl(seed):
+    """verl 0.9.1 scales each token's path variance by ρ̄² before the masked cumulative sum (issue 29)."""
+    inputs = otb_batch(seed)
+    verl_adv, verl_returns = verl_core_algos().compute_optimal_token_baseline_advantage(**inputs)
+    direct = advantage.compute_optimal_token_baseline_advantage(**inputs)
+    named = advantage.compute_advantage("optimal_token_baseline", **inputs, gamma=1.0, lam=1.0)
+    for adv, returns in (direct, named):
+        torch.testing.assert_close(adv, verl_adv)  # fp32 tolerance
+        torch.testing.assert_close(returns, verl_returns)
+    without, _ = advantage.compute_advantage("optimal_token_baseline", **{**inputs, "rollout_is_weights": None})
+    assert not torch.allclose(without, verl_adv), "the weights must change the baseline"
+    double = {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    ref_adv, _ = reference_otb(*(double[k] for k in list(double)[:5]), is_weights=double["rollout_is_weights"])
+    torch.testing.assert_close(direct[0].double(), ref_adv, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_tir_optimal_token_baseline_matches_verl(seed, weighted):
+    """verl 0.9.1's multi-turn OTB: each response's valid tokens packed together, the baseline per token count."""
+    inputs = otb_batch(seed)
+    if not weighted:
+        inputs["rollout_is_weights"] = None
+    fn = verl_core_algos().compute_multi_turn_optimal_token_baseline_advantage
+    verl_adv, verl_returns = fn(**inputs)
+    direct = advantage.compute_tir_optimal_token_baseline_advantage(**inputs)
+    named = advantage.compute_advantage("tir_optimal_token_baseline", **inputs, gamma=1.0, lam=1.0)
+    for adv, returns in (direct, named):
+        torch.testing.assert_close(adv, verl_adv)  # fp32 tolerance
+        torch.testing.assert_close(returns, verl_returns)
+    double = {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    adv64, _ = advantage.compute_tir_optimal_token_baseline_advantage(**double)
+    torch.testing.assert_close(adv64, fn(**double)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_tir_optimal_token_baseline_is_the_otb_on_responses_without_holes():
+    inputs = otb_batch(0, dtype=torch.float64)
+    lengths = torch.arange(len(inputs["index"])) % 5 + 2
+    inputs["response_mask"] = (torch.arange(10) < lengths.unsqueeze(-1)).double()  # no holes, none empty
+    tir, _ = advantage.compute_advantage("tir_optimal_token_baseline", **inputs)
+    otb, _ = advantage.compute_advantage("optimal_token_baseline", **inputs)
+    torch.testing.assert_close(tir, otb, rtol=1e-12, atol=1e-12)
+    holed = otb_batch(0, dtype=torch.float64)
+    tir, _ = advantage.compute_advantage("tir_optimal_token_baseline", **holed)
+    otb, _ = advantage.compute_advantage("optimal_token_baseline", **holed)
+    assert not torch.allclose(tir, otb)
+
+
+@pytest.mark.parametrize("estimator", ["optimal_token_baseline", "tir_optimal_token_baseline"])
+@pytest.mark.parametrize("seed", SEEDS[:2])
+def test_trainer_passes_the_decoupled_is_weights_to_the_optimal_token_baseline(seed, estimator):
+    """The trainer's advantage step (decoupled rollout correction, token TIS) equals verl's compute_advantage:
+    OTB on the batch's response_mask and its `rollout_is_weights`."""
+    from types import SimpleNamespace
+
+    from rlframe.protocol import DataProto
+    from rlframe.trainer.config import compose
+    from rlframe.trainer.ray_trainer import RayPPOTrainer
+
+    inputs = otb_batch(seed)
+    gen = torch.Generator().manual_seed(300 + seed)
+    rollout_log_probs = inputs["old_log_probs"] + 0.5 * torch.randn(inputs["old_log_probs"].shape, generator=gen)
+    config = compose(
+        [
+            f"algorithm.adv_estimator={estimator}",
+            "actor_rollout_ref.actor.calculate_sum_pi_squared=true",
+            "algorithm.rollout_correction.rollout_is=token",
+        ]
+    )
+    tensors = {k: inputs[k] for k in ("response_mask", "old_log_probs", "sum_pi_squared")}
+    batch = DataProto.from_dict(
+        {**tensors, "token_level_scores": inputs["token_level_rewards"], "rollout_log_probs": rollout_log_probs},
+        non_tensors={"uid": inputs["index"]},
+    )
+    trainer = SimpleNamespace(config=config, use_critic=False)
+    trainer._rollout_correction = lambda b, m: RayPPOTrainer._rollout_correction(trainer, b, m)
+    RayPPOTrainer._compute_advantage(trainer, batch, {})
+    weights = batch.batch["rollout_is_weights"]
+    assert not torch.all(weights == 1)
+    verl_adv, verl_returns = verl_core_algos().get_adv_estimator_fn(estimator)(
+        **{**inputs, "response_mask": batch.batch["response_mask"], "rollout_is_weights": weights}
+    )
+    torch.testing.assert_close(batch.batch["advantages"], verl_adv)
+    torch.testing.assert_close(batch.batch["returns"], verl_returns)
+
+
+def gdpo_batch(seed):
+    """Three reward components per sample; masks with holes, a cut prefix, a masked last token, an empty row."""
+    inputs = otb_batch(seed)
+    gen = torch.Generator().manual_seed(400 + seed)
+    bs, length = inputs["response_mask"].shape
+    attention = (torch.arange(length) < torch.randint(1, length + 1, (bs,), generator=gen).unsqueeze(-1)).long()
+    attention[4] = 0  # an empty response
+    mask = inputs["response_mask"] * attention
+    mask[3, attention[3].sum() - 1] = 0.0  # the last attended token is a tool token
+    scores = torch.randint(0, 3, (bs, 3), generator=gen).float() + 0.5 * torch.rand(bs, 3, generator=gen)
+    scores[9:12, 0] = 1.0  # a group whose samples all score alike in one component
+    return mask, inputs["index"], scores, attention
+
+
+@pytest.mark.parametrize("weights", [None, [1.0, 0.5, 2.0]])
+@pytest.mark.parametrize("seed", SEEDS)
+def test_gdpo_matches_verl(seed, weights):
+    mask, index, scores, attention = gdpo_batch(seed)
+    keys = ["format_reward", "accuracy_reward", "length_reward"]
+    config = OmegaConf.create({"gdpo_reward_keys": keys, "gdpo_reward_weights": weights})
+    prompts = torch.zeros(len(index), 3, dtype=torch.long)
+    verl_adv, verl_returns = verl_core_algos().compute_gdpo_outcome_advantage(
+        token_level_rewards=torch.zeros_like(mask),
+        response_mask=mask,
+        index=index,
+        config=config,
+        non_tensor_batch={key: scores[:, k].numpy().astype(object) for k, key in enumerate(keys)},
+        batch={"prompts": prompts, "attention_mask": torch.cat([torch.ones_like(prompts), attention], -1)},
+    )
+    inputs = {"response_mask": mask, "index": index, "gdpo_scores": scores}
+    direct = advantage.compute_gdpo_outcome_advantage(**inputs, gdpo_reward_weights=weights)
+    named = advantage.compute_advantage(
+        "gdpo", **inputs, gdpo_reward_weights=weights, token_level_rewards=mask, gamma=1.0, lam=1.0
+    )
+    for adv, returns in (direct, named):
+        torch.testing.assert_close(adv, verl_adv)  # fp32, as verl's
+        torch.testing.assert_close(returns, verl_returns)
+    assert not torch.allclose(direct[0], torch.zeros_like(mask))
+
+
 # ───────────────────────────── straight-through KL ─────────────────────────────
 
 
@@ -227,3 +391,40 @@ def test_sum_pi_squared_from_logits_is_the_sum_of_squared_probabilities():
     torch.testing.assert_close(sum_pi_squared_from_logits(logits), expected, rtol=1e-12, atol=1e-15)
     huge = torch.tensor([[1e4, 1e4, -1e4]])  # no overflow: two equally likely tokens
     torch.testing.assert_close(sum_pi_squared_from_logits(huge), torch.tensor([0.5]))
+
+
+def test_trainer_gives_gdpo_the_scorers_components_and_logs_them():
+    """The trainer's reward step keeps the components named by gdpo_reward_keys with the batch; its advantage
+    step equals verl's gdpo on them and logs verl's gdpo/<key>/* metrics."""
+    from types import SimpleNamespace
+
+    from rlframe.protocol import DataProto
+    from rlframe.trainer.config import compose
+    from rlframe.trainer.ray_trainer import RayPPOTrainer
+
+    mask, index, scores, _ = gdpo_batch(0)
+    keys = ["format_reward", "accuracy_reward"]
+    config = compose(["algorithm.adv_estimator=gdpo", f"algorithm.gdpo_reward_keys=[{','.join(keys)}]"])
+    batch = DataProto.from_dict({"response_mask": mask}, non_tensors={"uid": index})
+    extra = {"score": [0.0] * len(index), **{key: scores[:, k].tolist() for k, key in enumerate(keys)}}
+    result = {"reward_tensor": torch.zeros_like(mask), "dropped": torch.zeros(len(index), dtype=torch.bool)}
+    trainer = SimpleNamespace(config=config, use_critic=False, reward_model_wg=None)
+    trainer.reward_fn = lambda b, return_dict: {**result, "reward_extra_info": extra}
+    RayPPOTrainer._compute_reward(trainer, batch, {})
+    metrics = {}
+    RayPPOTrainer._compute_advantage(trainer, batch, metrics)
+    prompt = torch.zeros(len(index), 1, dtype=torch.long)
+    verl_adv, _ = verl_core_algos().compute_gdpo_outcome_advantage(
+        token_level_rewards=torch.zeros_like(mask),
+        response_mask=mask,
+        index=index,
+        config=OmegaConf.create({"gdpo_reward_keys": keys}),
+        non_tensor_batch={key: np.array(extra[key], dtype=object) for key in keys},
+        batch={"prompts": prompt, "attention_mask": torch.cat([torch.ones_like(prompt), mask.long()], -1)},
+    )
+    torch.testing.assert_close(batch.batch["advantages"], verl_adv)
+    assert metrics["gdpo/accuracy_reward/max"] == pytest.approx(float(scores[:, 1].max()))
+    assert metrics["gdpo/format_reward/std"] == pytest.approx(float(np.std(scores[:, 0].numpy())))
+    trainer.reward_fn = lambda b, return_dict: {**result, "reward_extra_info": {"score": extra["score"]}}
+    with pytest.raises(ValueError, match="gdpo_reward_keys names 'format_reward', which the reward function did not"):
+        RayPPOTrainer._compute_reward(trainer, batch, {})

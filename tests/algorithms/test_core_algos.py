@@ -53,7 +53,9 @@ def test_masked_whiten_zero_mean_unit_var_and_shift_mean_option():
 
 
 def test_registry_lists_valid_names_on_unknown():
-    with pytest.raises(ValueError, match="gae, gpg, grpo, grpo_passk, grpo_vectorized, opo, optimal_token_baseline, "):
+    with pytest.raises(
+        ValueError, match="gae, gdpo, gpg, grpo, grpo_passk, grpo_vectorized, opo, optimal_token_baseline, "
+    ):
         advantage.get_adv_estimator_fn("ppo")
     with pytest.raises(
         ValueError, match="cispo, clip_cov, dppo_kl, dppo_tv, dro, geo_mean, gpg, gspo, kl_cov, sapo, vanilla"
@@ -176,6 +178,7 @@ def test_compute_advantage_passes_only_the_inputs_each_estimator_needs():
         norm_adv_by_std_in_grpo=True,
         old_log_probs=torch.full((2, 3), -1.0),
         sum_pi_squared=torch.full((2, 3), 0.5),
+        gdpo_scores=torch.tensor([[1.0, 0.0], [0.0, 1.0]]),
     )
     for name in advantage.ADV_ESTIMATORS:
         adv, ret = advantage.compute_advantage(name, **inputs)

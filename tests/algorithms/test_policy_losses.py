@@ -288,3 +288,44 @@ def test_explain_shows_the_loss_estimator_and_kl_terms_with_their_formulas():
     assert "loss_agg_mode token-sum" in text
     assert "k3+: the value of k3" in text and "the gradient of k2" in text
     assert "kl reward" not in text  # use_kl_in_reward=false
+
+
+@pytest.mark.parametrize("per_token_adv", [False, True])
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_bypass_mode_loss_matches_verl(agg, per_token_adv):
+    """loss_mode=bypass_mode: verl 0.9.1's loss at its default policy_loss.rollout_correction (sequence IS
+    weights for the metrics, no rejection, ppo_clip); loss, gradient and the metrics rlframe reports."""
+    for seed in SEEDS:
+        old, log_prob, adv, mask = random_inputs(seed, per_token_adv)
+        ref_loss, ref_grad, ref_metrics = verls("bypass_mode", old, log_prob, adv, mask, agg)
+        loss, grad, metrics = ours("bypass_mode", old, log_prob, adv, mask, agg)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-12)
+        vanilla, _, _ = ours("vanilla", old, log_prob, adv, mask, agg)
+        torch.testing.assert_close(loss, vanilla, rtol=0, atol=0)  # ppo_clip: the weights are only reported
+        assert {"pg_clipfrac", "ppo_kl", "pg_clipfrac_lower", "rollout_corr/rollout_is_mean"} <= set(metrics)
+        assert set(metrics) <= set(ref_metrics), set(metrics) - set(ref_metrics)
+        for name, value in metrics.items():
+            torch.testing.assert_close(float(value), float(ref_metrics[name]), rtol=1e-7, atol=1e-9, msg=name)
+
+
+@pytest.mark.parametrize(
+    "overrides,shown",
+    [
+        (
+            ["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", "algorithm.adv_estimator=gdpo"],
+            ["policy bypass_mode: verl 0.9.1's `bypass_mode` loss", "advantage gdpo: GDPO"],
+        ),
+        (
+            ["algorithm.adv_estimator=tir_optimal_token_baseline"],
+            ["advantage tir_optimal_token_baseline: Optimal Token Baseline for tool-integrated"],
+        ),
+    ],
+)
+def test_explain_shows_the_verl_names_added_for_issue_29(overrides, shown):
+    from rlframe.explain import format_algorithm
+    from rlframe.trainer.config import compose
+
+    text = format_algorithm(compose(overrides))
+    for line in shown:
+        assert line in " ".join(text.split()), text

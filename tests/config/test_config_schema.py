@@ -166,6 +166,8 @@ ESTIMATOR_UNREAD = {
     "gpg": {"gamma", "lam", "norm_adv_by_std_in_grpo"},
     "grpo_passk": {"gamma", "lam"},
     "optimal_token_baseline": {"gamma", "lam", "norm_adv_by_std_in_grpo"},
+    "tir_optimal_token_baseline": {"gamma", "lam", "norm_adv_by_std_in_grpo"},
+    "gdpo": {"gamma", "lam", "norm_adv_by_std_in_grpo"},  # verl 0.9.1 never passes gdpo norm_adv_by_std_in_grpo
 }
 
 
@@ -177,8 +179,10 @@ def test_each_estimators_unread_algorithm_keys_are_reported_inactive():
     estimator_keys = {"algorithm.gamma", "algorithm.lam", "algorithm.norm_adv_by_std_in_grpo"}
     for name, unread in ESTIMATOR_UNREAD.items():
         overrides = [f"algorithm.adv_estimator={name}"]
-        if name == "optimal_token_baseline":
+        if name in ("optimal_token_baseline", "tir_optimal_token_baseline"):
             overrides.append("actor_rollout_ref.actor.calculate_sum_pi_squared=true")
+        if name == "gdpo":
+            overrides.append("algorithm.gdpo_reward_keys=[format_reward,accuracy_reward]")
         inactive = inactive_keys(typed(compose(overrides)))
         assert {k.removeprefix("algorithm.") for k in estimator_keys & set(inactive)} == unread, name
 
@@ -246,3 +250,13 @@ def test_gradients_are_clipped_by_optim_clip_grad_as_in_verl():
     root = typed(cfg)
     assert root.actor_rollout_ref.actor.optim.clip_grad == 0.5  # what PPOUpdater clips by
     assert root.critic.optim.clip_grad == 0.25
+
+
+def test_gdpo_needs_its_reward_keys_and_one_weight_each():
+    gdpo = ["algorithm.adv_estimator=gdpo"]
+    with pytest.raises(ValueError, match=r"adv_estimator=gdpo needs algorithm.gdpo_reward_keys=None"):
+        typed(compose(gdpo))
+    gdpo.append("algorithm.gdpo_reward_keys=[a,b]")
+    with pytest.raises(ValueError, match=r"gdpo_reward_weights=\[1.0\]: give one weight per gdpo_reward_keys"):
+        typed(compose([*gdpo, "algorithm.gdpo_reward_weights=[1.0]"]))
+    typed(compose([*gdpo, "algorithm.gdpo_reward_weights=[1.0,2]"]))

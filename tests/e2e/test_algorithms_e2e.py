@@ -54,7 +54,22 @@ RUNS = {  # name -> overrides (loss, estimator, KL type, aggregation)
     "geo_mean": [f"{P}.policy_loss.loss_mode=geo_mean"],
     "clip_cov": [f"{P}.policy_loss.loss_mode=clip_cov", f"{P}.policy_loss.clip_cov_ratio=0.05"],
     "kl_cov+token-sum": [f"{P}.policy_loss.loss_mode=kl_cov", f"{P}.loss_agg_mode=token-sum"],
+    "bypass_mode+tir_optimal_token_baseline": [
+        f"{P}.policy_loss.loss_mode=bypass_mode",
+        "algorithm.adv_estimator=tir_optimal_token_baseline",
+        f"{P}.calculate_sum_pi_squared=true",
+    ],
+    "gdpo": [
+        "algorithm.adv_estimator=gdpo",
+        "algorithm.gdpo_reward_keys=[score,acc]",  # the built-in task's scorer returns both
+        "algorithm.gdpo_reward_weights=[1.0,0.5]",
+    ],
     "gae+pf_ppo_pow": ["algorithm.adv_estimator=gae", "algorithm.use_pf_ppo=true", "critic.ppo_mini_batch_size=2"],
+}
+
+EXPECTED_METRICS = {  # what a run must log besides the loss
+    "bypass_mode+tir_optimal_token_baseline": ["rollout_corr/rollout_is_mean", "rollout_corr/kl"],
+    "gdpo": [f"gdpo/{key}/{stat}" for key in ("score", "acc") for stat in ("mean", "std", "max", "min")],
 }
 
 
@@ -81,3 +96,5 @@ def test_trains_one_step(name, ray_cluster, tmp_path):
     metrics = run_ppo([*COMMON, *RUNS[name], f"trainer.default_local_dir={tmp_path}"])
     # finite (a random policy's groups often score alike, so the gradient may be 0)
     assert math.isfinite(metrics["actor/pg_loss"]) and math.isfinite(metrics["actor/grad_norm"])
+    expected = EXPECTED_METRICS.get(name, ())
+    assert set(expected) <= set(metrics), sorted(set(expected) - set(metrics))

@@ -40,6 +40,7 @@ PREFIXES = (
     "timing_per_token_ms",
     "perf",
     "val-core",
+    "gdpo",
 )
 NAME = re.compile(rf"^(?:{'|'.join(re.escape(p) for p in PREFIXES)})/[A-Za-z0-9_@<>{{}},/.\-]+$")
 ROW_FIELDS = {"step", "time"}  # every jsonl row's own fields, not metrics

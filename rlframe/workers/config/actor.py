@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from rlframe.algorithms.advantage import OTB_ESTIMATORS
 from rlframe.algorithms.kl import get_kl_penalty_fn
 from rlframe.algorithms.loss import (
     LOSS_AGG_MODES,
@@ -86,7 +87,9 @@ class ActorConfig(Section):
     tau_pos: float = key(1.0, "sapo: gate temperature where the advantage is positive")
     tau_neg: float = key(1.05, "sapo: gate temperature where the advantage is not positive")
     calculate_sum_pi_squared: bool = key(
-        False, "the old-log-prob pass also returns Σπ² per token (algorithm.adv_estimator=optimal_token_baseline)"
+        False,
+        "the old-log-prob pass also returns Σπ² per token (algorithm.adv_estimator=optimal_token_baseline, "
+        "tir_optimal_token_baseline)",
     )
     loss_agg_mode: str = key("token-mean", " | ".join(LOSS_AGG_MODES), choices=LOSS_AGG_MODES)
     entropy_coeff: float = key(0.0, "entropy bonus coefficient")
@@ -115,7 +118,7 @@ class ActorConfig(Section):
 
     def check(self, path: str, root: Any) -> None:
         estimator = root.algorithm.adv_estimator
-        if estimator == "optimal_token_baseline" and not self.calculate_sum_pi_squared:
+        if estimator in OTB_ESTIMATORS and not self.calculate_sum_pi_squared:
             raise ValueError(
                 f"algorithm.adv_estimator={estimator} needs the policy's Σπ² per token: set "
                 f"{path}.calculate_sum_pi_squared=true (as verl 0.9.1 requires)"
@@ -143,7 +146,7 @@ class ActorConfig(Section):
         reason = old_log_prob_pass_reason(self, root.algorithm)
         if self.skip_on_policy_old_log_prob and reason is not None:
             out[f"{path}.skip_on_policy_old_log_prob"] = f"the separate old-log-prob pass runs: {reason}"
-        if reason is None:  # only optimal_token_baseline reads Σπ², and it keeps the pass
+        if reason is None:  # only the OTB estimators read Σπ², and they keep the pass
             out[f"{path}.calculate_sum_pi_squared"] = (
                 f"the update computes the old log-probs ({path}.skip_on_policy_old_log_prob): no pass returns Σπ²"
             )
