@@ -342,6 +342,9 @@ def test_rank_views_run_a_call_on_one_rank_each_and_wait_any_returns_the_first_d
     assert wait_any([slow]) is slow
     [(_, slow_end)] = slow.result()
     assert fast_end < slow_end
+    first, second = views[0].submit("stamped_sleep", 0.0), views[1].submit("stamped_sleep", 0.0)
+    first.result(), second.result()  # both long done: list order decides, not the order Ray reports them
+    assert wait_any([first, second]) is first and wait_any([second, first]) is second
     with pytest.raises(ValueError, match="at least one"):
         wait_any([])
 

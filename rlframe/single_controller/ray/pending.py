@@ -44,15 +44,16 @@ class PendingCall:
 
 
 def wait_any(calls: list[PendingCall]) -> PendingCall:
-    """The first of `calls` whose ranks have all answered (with results or errors); blocks until one has."""
+    """The first of `calls`, in list order, whose ranks have all answered (with results or errors); blocks until
+    one has. List order, not the order `ray.wait` reports: it returns any `num_returns` of the ready refs, so a
+    call that finished long ago could otherwise be passed over again and again."""
     if not calls:
         raise ValueError("wait_any needs at least one pending call")
     refs = [ref for call in calls for ref in call.refs]
-    wanted = 1
     while True:
-        ready, _ = ray.wait(refs, num_returns=wanted)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         answered = set(ready)
         for call in calls:
             if all(ref in answered for ref in call.refs):
                 return call
-        wanted = len(ready) + 1
+        ray.wait(refs, num_returns=min(len(ready) + 1, len(refs)))  # until one more has answered
