@@ -50,6 +50,7 @@ class AsyncPlan:
     rollout_replicas: int
     max_off_policy_threshold: int
     max_off_policy_strategy: str
+    partial_rollout: bool  # actor_rollout_ref.rollout.partial_rollout: a push cuts the generations it finds running
     staleness_bound: int  # η
     num_warmup_batches: int
     lookahead: int  # L
@@ -152,6 +153,7 @@ def make_async_plan(cfg: Any, plan: BatchPlan) -> AsyncPlan | None:
         rollout_replicas=replicas,
         max_off_policy_threshold=v1.sampler.max_off_policy_threshold,
         max_off_policy_strategy=v1.sampler.max_off_policy_strategy,
+        partial_rollout=bool(rollout.partial_rollout),
         staleness_bound=eta,
         num_warmup_batches=v1.separate_async.num_warmup_batches,
         lookahead=ahead,

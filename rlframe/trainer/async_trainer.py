@@ -10,6 +10,12 @@ the sync trainer's own `_train_step`, then exports the actor's weights and queue
 `global_step`; Ray runs an actor's calls in submission order, so a generation already queued finishes with the
 weights it started with and the next one starts with the new ones.
 
+With `actor_rollout_ref.rollout.partial_rollout` (the default), a push first announces the new version on a
+`VersionBoard`: the generations running on older weights stop at their next decoding step, and the rows they cut
+are sent again as continuations (`rollout/partial.py`), which run after the new weights on every replica. A group is
+finished when all its rows are; its admission version still bounds its staleness, so every token of a trained
+sample is at most η versions old.
+
 With η = 0 the schedule is the sync loop's, with generation moved to the other pool (docs/async.md draws the
 timelines).
 """
@@ -32,7 +38,8 @@ from rlframe.trainer.config import lookahead, staleness_bound
 from rlframe.trainer.metrics import compute_staleness_metrics, reduce_metrics
 from rlframe.trainer.ray_trainer import PreparedRun, RayPPOTrainer, timer
 from rlframe.trainer.staleness import Evict, GroupLedger, Take
-from rlframe.workers.rollout_worker import VERSIONS_KEY
+from rlframe.workers.rollout.base import SEED_KEY
+from rlframe.workers.rollout.partial import INTERRUPTED_KEY, VERSIONS_KEY
 
 if TYPE_CHECKING:  # Ray is imported only when the groups are created
     from rlframe.single_controller.ray import PendingCall, RayWorkerGroup
@@ -41,12 +48,14 @@ if TYPE_CHECKING:  # Ray is imported only when the groups are created
 
 @dataclass
 class Chunk:
-    """Groups generating in one call on one replica: the call, their rows without prompts, their ledger ids."""
+    """Rows generating in one call on one replica: the call, the rows' fields the rollout does not see (their
+    batch without prompts), and each row's slot: (group id, sample index in the group)."""
 
     call: PendingCall
     replica: int
     batch: DataProto
-    groups: list[int]
+    slots: list[tuple[int, int]]
+    meta_info: dict  # the call's sampling settings, which a continuation of its rows keeps
 
 
 class AsyncRayPPOTrainer(RayPPOTrainer):
@@ -67,7 +76,17 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
         self._prompts: deque[DataProto] = deque()  # one prompt each, to admit before the loader's next (regenerated)
         self._prompt_of: dict[int, DataProto] = {}  # group id -> its prompt (to regenerate it)
         self._rows: dict[int, DataProto] = {}  # group id -> its n generated rows, once finished
+        self._samples: dict[int, dict[int, DataProto]] = {}  # group id -> its rows finished so far, by sample index
         self._chunks: list[Chunk] = []
+        self._board = None  # partial rollout: where a push announces its version first (a VersionBoard actor)
+        if self.config.actor_rollout_ref.rollout.partial_rollout:
+            import ray
+
+            from rlframe.workers.rollout_worker import VersionBoard
+
+            self._board = ray.remote(num_cpus=0)(VersionBoard).remote()
+            self.rollout_wg.watch_versions(self._board)
+        self._interrupted = 0  # rows cut by a push since the last step's metrics
         self._gen_metrics: list[dict] = []  # the rollout's metrics of the calls returned since the last step
         self._evicted = {"groups": 0, "spans": [], "tokens": 0}  # since the last step's metrics
         self._rollout_idle_s = 0.0  # reported by the generate calls returned since the last step's metrics
@@ -153,9 +172,14 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
             batch = DataProto.concat(prompts)
             batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
             batch, gen_batch = self._generation_inputs(batch.repeat(self.plan.n, interleave=True), validate=False)
-            replica = min(range(len(self.replicas)), key=lambda r: sum(c.replica == r for c in self._chunks))
-            call = self.replicas[replica].submit("generate_sequences", gen_batch)
-            self._chunks.append(Chunk(call, replica, batch, gids))
+            slots = [(gid, j) for gid in gids for j in range(self.plan.n)]
+            self._submit("generate_sequences", gen_batch, batch, slots)
+
+    def _submit(self, method: str, rollout_rows: DataProto, batch: DataProto, slots: list[tuple[int, int]]) -> None:
+        """Send rows to the replica with the fewest calls queued."""
+        replica = min(range(len(self.replicas)), key=lambda r: sum(c.replica == r for c in self._chunks))
+        call = self.replicas[replica].submit(method, rollout_rows)
+        self._chunks.append(Chunk(call, replica, batch, slots, dict(rollout_rows.meta_info)))
 
     def _next_prompts(self, loader: Iterator[DataProto], count: int) -> list[DataProto]:
         """Up to `count` prompts: the waiting ones first (regenerated, or restored from a checkpoint), then the
@@ -167,21 +191,37 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
             self._prompts.extend(batch.split(1))
         return [self._prompts.popleft() for _ in range(min(count, len(self._prompts)))]
 
-    def _collect(self) -> None:
-        """Wait for the first chunk to come back; its groups become finished."""
+    def _collect(self, chunk: Chunk | None = None) -> None:
+        """Wait for `chunk` (default: the first call to come back): its cut rows go out again as continuations, and
+        a group whose n rows are all back becomes finished."""
         from rlframe.single_controller.ray import wait_any
 
-        call = wait_any([chunk.call for chunk in self._chunks])
-        chunk = next(c for c in self._chunks if c.call is call)
+        if chunk is None:
+            call = wait_any([chunk.call for chunk in self._chunks])
+            chunk = next(c for c in self._chunks if c.call is call)
         self._chunks.remove(chunk)
-        output = call.result()
+        output = chunk.call.result()
         self._gen_metrics.append(output.meta_info.pop("metrics", {}))
         self._rollout_idle_s += output.meta_info.pop("idle_s")
         output.meta_info = {}
-        rows = chunk.batch.union(output).split(self.plan.n)
-        for gid, group_rows in zip(chunk.groups, rows):
-            self._rows[gid] = group_rows
-            self.ledger.finish(gid)
+        cut = output.pop(batch_keys=[INTERRUPTED_KEY]).batch[INTERRUPTED_KEY]
+        again = torch.nonzero(cut).flatten()
+        fields = chunk.batch.select_idxs(again)  # before the union below adds the generated keys to chunk.batch
+        rows = chunk.batch.union(output)
+        if len(again):
+            self._interrupted += len(again)
+            resend = rows.select_idxs(again)
+            resend.meta_info = dict(chunk.meta_info)
+            self._submit("continue_sequences", resend, fields, [chunk.slots[i] for i in again])
+        rows.pop(non_tensor_batch_keys=[SEED_KEY])
+        done = torch.nonzero(~cut).flatten().tolist()
+        for i, row in zip(done, rows.select_idxs(done).split(1) if done else []):
+            gid, j = chunk.slots[i]
+            self._samples.setdefault(gid, {})[j] = row
+            if len(self._samples[gid]) == self.plan.n:
+                group = self._samples.pop(gid)
+                self._rows[gid] = DataProto.concat([group[k] for k in range(self.plan.n)])
+                self.ledger.finish(gid)
 
     def _evict(self, groups: list[int], step: int) -> None:
         """Finished groups past η: never trained; under `regenerate` their prompts are admitted again first."""
@@ -200,10 +240,10 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
         versions = batch.pop(batch_keys=[VERSIONS_KEY]).batch[VERSIONS_KEY]
         admitted = torch.tensor([self.ledger.finished[gid] for gid in take]).repeat_interleave(self.plan.n)
         metrics = compute_staleness_metrics(versions, admitted, self.global_step)
-        if metrics["training/off_policy/trajectory_staleness/max"] > self.ledger.max_staleness:
+        worst = metrics["training/off_policy/trajectory_staleness_worst/max"]  # from each sample's oldest token
+        if worst > self.ledger.max_staleness:
             raise AssertionError(
-                f"step {self.global_step} trains samples of staleness "
-                f"{metrics['training/off_policy/trajectory_staleness/max']:g} > η={self.ledger.max_staleness}"
+                f"step {self.global_step} trains tokens of staleness {worst:g} > η={self.ledger.max_staleness}"
             )
         metrics.update(reduce_metrics(_merged(self._gen_metrics)))
         self._gen_metrics.clear()
@@ -220,6 +260,8 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
         self.ledger.peak_in_flight = self.ledger.in_flight
         metrics["async/rollout_pool/idle_s"] = self._rollout_idle_s
         self._rollout_idle_s = 0.0
+        metrics["async/interrupted_samples"] = self._interrupted  # cut by a push and continued, since the last step
+        self._interrupted = 0
         return metrics
 
     def _driver_state(self) -> dict:
@@ -238,8 +280,16 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
         if self._push is not None:  # the previous push ran before the generation this step trained on
             self._push.result()
         weights = self.actor_rollout_wg.export_weights()
+        if self._board is not None:  # running generations stop now; what they cut continues on these weights
+            self._board.announce.remote(self.global_step)
         self._push = self.rollout_wg.submit("load_weights", self.global_step, weights)
         self.published_version = self.global_step
+        if self._board is not None:
+            # every call queued before the weights returns at its next decoding step (or at once, not started), so
+            # the cut rows are sent again now: their continuations run first on the new weights, before any group
+            # admitted after this push, which would otherwise overtake them and leave them to go stale
+            for chunk in list(self._chunks):
+                self._collect(chunk)
 
 
 def _merged(metric_dicts: list[dict]) -> dict:

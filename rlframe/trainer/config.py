@@ -368,6 +368,7 @@ class TrainerV1Config(Section):
             f"{path}.separate_async": why,
             f"{rollout}.nnodes": why,
             f"{rollout}.n_gpus_per_node": why,
+            f"{rollout}.partial_rollout": why,
         }
 
 

@@ -105,6 +105,7 @@ def test_eta1_trains_one_step_off_and_every_prompt_once(ray_cluster, tmp_path):
         [
             *BASE,
             *SEPARATE,
+            "actor_rollout_ref.rollout.partial_rollout=false",  # a push waits for the generation running
             "trainer.total_training_steps=4",
             "trainer.test_freq=-1",
             "trainer.v1.sampler.max_off_policy_threshold=2",  # η = 1
@@ -129,6 +130,41 @@ def test_eta1_trains_one_step_off_and_every_prompt_once(ray_cluster, tmp_path):
         for index in counts:
             steps_of.setdefault(index, []).append(step)
     assert len(steps_of) == 16 and all(len(steps) == 1 for steps in steps_of.values())  # each prompt trained once
+
+
+def test_partial_rollout_cuts_the_generation_a_push_finds_running_and_trains_every_token_within_the_bound(
+    ray_cluster, tmp_path, monkeypatch
+):
+    """η = 1, partial rollout on, responses of 24 tokens at ~0.12 s a token: the groups of step k + 1 are still
+    generating when step k pushes its weights, so their rows are cut and continued on the new weights. Every trained
+    token is at most η versions old, cut rows span two versions, and every prompt is trained exactly once."""
+    monkeypatch.setenv("RLFRAME_DELAY_AT", "rollout.decode:5:0.1-0.14")
+    dumps = tmp_path / "rollouts"
+    metrics, _ = train_in_process(
+        [
+            *BASE,
+            *SEPARATE,
+            "data.max_response_length=24",
+            "trainer.total_training_steps=4",
+            "trainer.test_freq=-1",
+            "trainer.v1.sampler.max_off_policy_threshold=2",  # η = 1
+            f"trainer.rollout_data_dir={dumps}",
+            f"trainer.default_local_dir={tmp_path / 'async'}",
+        ]
+    )
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert max(m[f"{STALENESS}_worst/max"] for m in metrics) <= 1
+    assert sum(m["async/interrupted_samples"] for m in metrics) > 0
+    assert max(m["training/off_policy/trajectory_spans/max"] for m in metrics) == 2
+    # a cut row's newest tokens come from the weights its step starts from
+    assert min(m[f"{STALENESS}/min"] for m in metrics[1:]) == 0
+    trained = Counter()
+    for step in (1, 2, 3, 4):
+        rows = [json.loads(line) for line in (dumps / f"{step}.jsonl").read_text().splitlines()]
+        counts = Counter(row["index"] for row in rows)
+        assert len(counts) == 4 and set(counts.values()) == {2}
+        trained.update(counts.keys())
+    assert len(trained) == 16 and set(trained.values()) == {1}
 
 
 def test_streaming_groups_over_two_replicas_finishing_out_of_order_stay_within_the_bound(

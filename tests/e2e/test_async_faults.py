@@ -38,7 +38,9 @@ def test_a_dead_rollout_worker_restarts_both_pools_and_each_prompt_is_trained_on
         f"trainer.rollout_data_dir={dumps}",
         f"trainer.default_local_dir={run_dir}",
     ]
-    # the third generate call (step 3's groups) dies; Ray's memory monitor off, so the only death is the test's
+    # the third generate call (step 3's groups, admitted after step 1's push) dies as it starts; Ray's memory monitor
+    # off, so the only death is the test's. With partial rollout (the default) a push first collects every call
+    # submitted before it, so the driver learns of the death at step 2's push, before step 2's checkpoint
     env = {ENV: "rollout.generate:3", ONCE_ENV: str(once), "RAY_memory_monitor_refresh_ms": "0"}
     out = run_main(overrides, cache_dir, extra_env=env)
     log = out.stdout + out.stderr
@@ -46,11 +48,11 @@ def test_a_dead_rollout_worker_restarts_both_pools_and_each_prompt_is_trained_on
     assert os.listdir(once) == ["killed-rollout.generate-3"]
     assert "died during RolloutWorker.generate_sequences" in log, log[-4000:]
     assert "restart 1 of trainer.max_restarts=1" in log
-    assert f"[rlframe] resuming from {run_dir / 'global_step_2'}" in log
+    assert f"[rlframe] resuming from {run_dir / 'global_step_1'}" in log
     steps = {m["training/global_step"]: m["training/num_restarts"] for m in read_metrics(run_dir)}
-    assert steps == {1: 0, 2: 0, 3: 1, 4: 1}
+    assert steps == {1: 0, 2: 1, 3: 1, 4: 1}
     trained = Counter()
-    for step in (1, 2, 3, 4):  # the dumps of the kept steps (3 and 4 written by the resumed run)
+    for step in (1, 2, 3, 4):  # the dumps of the kept steps (2 to 4 written by the resumed run)
         rows = [json.loads(line) for line in (dumps / f"{step}.jsonl").read_text().splitlines()]
         assert len({row["index"] for row in rows}) == 4
         trained.update({row["index"] for row in rows})

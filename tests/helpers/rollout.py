@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -52,3 +54,41 @@ def load_tokenizer(path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+@contextlib.contextmanager
+def one_process_rollout_worker(model_path: str, rendezvous: str, *overrides: str):
+    """A RolloutWorker in this process, joined to a one-process group through a rendezvous file, as its worker
+    group sets it up (the group is destroyed and the environment restored on exit)."""
+    import os
+
+    import torch.distributed as dist
+
+    from rlframe.single_controller.worker import RENDEZVOUS_FILE_ENV
+    from rlframe.trainer.main_ppo import check_config
+    from rlframe.workers.rollout_worker import RolloutWorker
+
+    from .small_config import SMALL
+
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", RENDEZVOUS_FILE_ENV: rendezvous}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    _, cfg, _, plan = check_config(
+        [
+            *SMALL,
+            f"actor_rollout_ref.model.path={model_path}",
+            f"data.max_prompt_length={PROMPT_LEN}",
+            f"data.max_response_length={RESPONSE_LEN}",
+            "trainer.device=cpu",
+            *overrides,
+        ],
+        check_files=False,
+    )
+    worker = RolloutWorker(OmegaConf.to_object(cfg), plan)
+    worker.init_model(torch.get_rng_state())
+    try:
+        yield worker
+    finally:
+        dist.destroy_process_group()
+        for key, value in saved.items():
+            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)

@@ -45,10 +45,18 @@ def test_clip_ratio_counts_full_length_responses_even_when_they_end_with_eos():
 def test_staleness_counts_versions_behind_the_weights_the_step_starts_from():
     from rlframe.trainer.metrics import compute_staleness_metrics
 
-    # step 3 starts from version 2; rows sampled by versions 2, 1 and (no token) admitted at 1
-    versions = torch.tensor([[2, 2, -1], [1, -1, -1], [-1, -1, -1]], dtype=torch.int32)
-    metrics = compute_staleness_metrics(versions, torch.tensor([1, 1, 1]), step=3)
+    # step 3 starts from version 2; rows sampled by versions 2, 1, (no token) admitted at 1, and a row a partial
+    # rollout cut: its first two tokens from version 0, the rest from version 2
+    versions = torch.tensor([[2, 2, -1], [1, -1, -1], [-1, -1, -1], [0, 0, 2]], dtype=torch.int32)
+    metrics = compute_staleness_metrics(versions, torch.tensor([1, 1, 1, 0]), step=3)
     assert metrics == {
-        "training/off_policy/trajectory_staleness/mean": pytest.approx(2 / 3),
+        "training/off_policy/trajectory_staleness/mean": pytest.approx(2 / 4),
         "training/off_policy/trajectory_staleness/max": 1.0,
+        "training/off_policy/trajectory_staleness/min": 0.0,
+        "training/off_policy/trajectory_staleness_worst/mean": pytest.approx((0 + 1 + 1 + 2) / 4),
+        "training/off_policy/trajectory_staleness_worst/max": 2.0,
+        "training/off_policy/trajectory_staleness_worst/min": 0.0,
+        "training/off_policy/trajectory_spans/mean": pytest.approx((1 + 1 + 1 + 3) / 4),
+        "training/off_policy/trajectory_spans/max": 3.0,
+        "training/off_policy/trajectory_spans/min": 1.0,
     }

@@ -290,6 +290,11 @@ class RolloutConfig(Section):
         "devices per node of the standalone rollout pool (on CPU: rollout processes per node)",
         check=_check_positive,
     )
+    partial_rollout: bool = key(
+        True,
+        "rlframe, separate_async: a weight push interrupts the generations running on older weights; their rows "
+        "continue from the tokens so far on the new weights (verl V1 always does this); false: they finish first",
+    )
     gpu_memory_utilization: float = key(
         0.5, "vllm, sglang: fraction of GPU memory for weights + KV cache", check=_check_memory_fraction
     )

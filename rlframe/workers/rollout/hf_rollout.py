@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -85,8 +85,34 @@ class _SeededSampler:
         return torch.full_like(scores, float("-inf")).scatter_(1, tokens, 0.0)
 
 
+class _StopRows:
+    """Stopping criterion: a row stops once it spent its own token budget; every row stops once `interrupt()`.
+
+    Hugging Face pads a stopped row from then on, so a row's generated count is min(steps, budget).
+    """
+
+    def __init__(self, budgets: torch.Tensor | None, interrupt: Callable[[], bool] | None, start_width: int):
+        self.budgets, self.interrupt, self.start_width, self.fired = budgets, interrupt, start_width, False
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        if self.budgets is not None:
+            done |= self.budgets.to(input_ids.device) <= input_ids.shape[1] - self.start_width
+        if self.interrupt is not None and self.interrupt():
+            self.fired = True
+            done[:] = True
+        return done
+
+
 class HFRollout(BaseRollout):
-    """`model.generate` over micro-batches, on a replica that `update_weights` keeps in sync with the actor."""
+    """`model.generate` over micro-batches, on a replica that `update_weights` keeps in sync with the actor.
+
+    `interrupt`, when set (the rollout pool's partial rollout, `rollout/partial.py`), is asked at every decoding
+    step: once it says True, the running generation stops every unfinished row and the micro-batches not started
+    yet generate nothing; the caller tells the cut rows by their missing EOS.
+    """
+
+    interrupt: Callable[[], bool] | None = None
 
     def __init__(self, config: RolloutConfig, served: ServedModel, tokenizer, device_type: str, tp_group=None):
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -153,6 +179,19 @@ class HFRollout(BaseRollout):
 
     # ------------------------------------------------------------------ generation
     def _generate(self, prompts: DataProto, params: SamplingParams, eos_ids: list[int], pad_id: int, seeds):
+        return self.generate_tokens(prompts, params, eos_ids, pad_id, seeds)
+
+    def generate_tokens(
+        self,
+        prompts: DataProto,
+        params: SamplingParams,
+        eos_ids: list[int],
+        pad_id: int,
+        seeds: list[int],
+        budgets: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`_generate`, with an optional token budget per row (`budgets` [B], at most params.response_length):
+        the continuation of cut rows, whose prompts may be wider than `prompt_length`."""
         if self._released or self._missing:
             missing = sorted(self._missing)
             raise RuntimeError(
@@ -160,7 +199,7 @@ class HFRollout(BaseRollout):
                 f"missing, e.g. {missing[:3]}); call resume() and update_weights() with the full "
                 "actor state before generating"
             )
-        from transformers import GenerationConfig, LogitsProcessorList
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
         input_ids = prompts.batch["input_ids"].to(self.device)
         attention_mask = prompts.batch["attention_mask"].to(self.device)
@@ -175,10 +214,20 @@ class HFRollout(BaseRollout):
         )
         temperature = 1.0 if params.greedy else params.temperature
         tokens, lengths, log_probs, size = [], [], [], self.config.micro_batch_size
+        interrupted = False
         for start in range(0, len(prompts), size):
             ids, mask = input_ids[start : start + size], attention_mask[start : start + size]
+            row_budgets = None if budgets is None else budgets[start : start + size].to(torch.long)
+            if interrupted or (self.interrupt is not None and self.interrupt()):
+                interrupted = True  # this micro-batch's rows come back cut, with no token
+                tokens.append(torch.full((len(ids), params.response_length), pad_id, device=self.device))
+                lengths.append(torch.zeros(len(ids), dtype=torch.long))
+                if self.config.calculate_log_probs:
+                    log_probs.append(torch.zeros(len(ids), params.response_length, device=self.device))
+                continue
             first = int(mask.any(0).long().argmax())  # columns padded in every row cost compute, not results
             ids, mask = ids[:, first:], mask[:, first:]
+            stop = _StopRows(row_budgets, self.interrupt, ids.shape[1])
             recorder = _LogProbRecorder(temperature) if self.config.calculate_log_probs else None
             processors = [recorder] if recorder else []  # the recorder sees the raw logits, before sampling
             if not params.greedy:
@@ -188,11 +237,14 @@ class HFRollout(BaseRollout):
                 attention_mask=mask,
                 generation_config=generation_config,
                 logits_processor=LogitsProcessorList(processors),
+                stopping_criteria=StoppingCriteriaList([stop]) if budgets is not None or self.interrupt else None,
                 **self._shared_prompt_cache(ids, mask),
             )
+            interrupted = stop.fired
             new = out.sequences[:, ids.shape[1] :]
             tokens.append(_pad_right(new, params.response_length, pad_id))
-            lengths.append(torch.full((new.shape[0],), new.shape[1], dtype=torch.long))
+            count = torch.full((new.shape[0],), new.shape[1], dtype=torch.long)
+            lengths.append(count if row_budgets is None else torch.minimum(count, row_budgets))
             if recorder is not None:
                 log_probs.append(_pad_right(recorder.finish(out.sequences), params.response_length, 0.0))
         return torch.cat(tokens), torch.cat(lengths), torch.cat(log_probs) if log_probs else None
