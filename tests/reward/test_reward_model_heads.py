@@ -24,6 +24,8 @@ def tiny_config(arch: str, vocab_size: int):
 def save_reward_model(arch: str, tokenizer_path, out_dir):
     """A random-init sequence classifier of `arch` saved with the tiny tokenizer, as a trained reward model is."""
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    if arch == "gpt2":  # GPT-2's tokenizer has no pad token either
+        tokenizer.pad_token = None
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_config(tiny_config(arch, len(tokenizer)))
     torch.nn.init.normal_(model.score.weight, std=1.0)  # a head far from any other random draw
@@ -33,7 +35,8 @@ def save_reward_model(arch: str, tokenizer_path, out_dir):
 
 
 def padded_batch(tokenizer, texts):
-    """Right-padded ids and mask, padded with EOS where the tokenizer has no pad token (as the worker does)."""
+    """Right-padded ids and mask, padded with EOS where the tokenizer has no pad token (as the worker does): the
+    score is read under the attention mask, so the pad id never matters (transformers needs one for batches)."""
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     encoded = tokenizer(texts, return_tensors="pt", padding=True)
