@@ -153,3 +153,29 @@ def test_encoder_classifier_that_pools_is_refused(tmp_path):
     BertForSequenceClassification(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"BertForSequenceClassification is not scored at its last token.*pools"):
         check_reward_checkpoint(str(tmp_path))
+
+
+def test_sharded_and_pickled_checkpoints_are_read_for_the_head(tiny_model_path, tmp_path):
+    """A sharded safetensors checkpoint (read through its index) and a `pytorch_model.bin` are checked alike."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from rlframe.models.reward_head import check_reward_checkpoint
+
+    sharded, pickled = tmp_path / "sharded", tmp_path / "pickled"
+    model = save_reward_model("gpt2", tiny_model_path, tmp_path / "whole")
+    model.save_pretrained(sharded, max_shard_size="30KB")
+    check_reward_checkpoint(str(sharded))  # the head is in one of the shards: taken
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    shard = sharded / index["weight_map"].pop("score.weight")
+    save_file({k: v for k, v in load_file(shard).items() if k != "score.weight"}, shard, metadata={"format": "pt"})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"score\.weight \[1, 32\] is missing from model-00001-of-"):
+        check_reward_checkpoint(str(sharded))
+
+    model.config.save_pretrained(pickled)
+    state = {("classifier.weight" if k == "score.weight" else k): v for k, v in model.state_dict().items()}
+    torch.save(state, pickled / "pytorch_model.bin")
+    with pytest.raises(ValueError, match=r"classifier\.weight in pytorch_model\.bin is not a weight of GPT2For"):
+        check_reward_checkpoint(str(pickled))
