@@ -113,8 +113,8 @@ class RayClassWithInitArgs(Generic[W]):
             )
 
     def remote_class(self):
-        """The Ray actor class: the worker class with the user's `ray.remote` options but placement and
-        `runtime_env` (which `runtime_env` merges with the group's)."""
+        """The Ray actor class: the worker class with the user's `ray.remote` options, less placement and
+        `runtime_env` (merged with the group's by `runtime_env`)."""
         options = {k: v for k, v in self.ray_options.items() if k not in (*_PLACEMENT_OPTIONS, "runtime_env")}
         return ray.remote(**options)(self.cls) if options else ray.remote(self.cls)
 
