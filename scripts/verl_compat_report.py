@@ -43,6 +43,7 @@ CORPUS = Path(__file__).resolve().parent.parent / "tests" / "assets" / "verl_exa
 # Stand-ins for what this machine lacks (the scripts name hub models and data files of their own
 # cluster): a model folder whose heads every tp/sp degree of the corpus divides, and a built-in task.
 MODEL_KEYS = re.compile(r"(^|\.)(model\.path|tokenizer_path|input_tokenizer|tokenizer)$")
+REWARD_MODEL_KEY = re.compile(r"^(reward_model\.model\.path|reward\.reward_model\.model_path)$")
 DATA_KEYS = re.compile(r"^data\.(train_files|val_files)$")
 DATA_BATCH_KEY = re.compile(r"^data\.\w*batch_size$")  # train, gen (DAPO) and val batch sizes
 STAND_IN_HEADS = {"num_attention_heads": 64, "num_key_value_heads": 16, "hidden_size": 1024}
@@ -155,6 +156,19 @@ def make_stand_in_model(folder: Path) -> str:
     return str(folder)
 
 
+def make_stand_in_reward_model(model: str, folder: Path) -> str:
+    """The stand-in model as a one-label sequence classifier: `lm_head` swapped for a `score` head of the
+    stand-in's hidden size (the launch checks compare the head's names and shapes in the safetensors header)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, folder, dirs_exist_ok=True)
+    weights = {name: w for name, w in load_file(folder / "model.safetensors").items() if name != "lm_head.weight"}
+    weights["score.weight"] = torch.zeros(1, STAND_IN_HEADS["hidden_size"])
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return str(folder)
+
+
 def stand_in_rows(overrides: list[str]) -> int:
     """Twice the script's largest `data.*batch_size` (verl's train batch where it sets none): the launch checks
     compare the data set's size with the batches, and every row is tokenized, so no more than that."""
@@ -205,6 +219,7 @@ class StandIns:
 
     folder: Path
     model: str
+    reward_model: str
 
 
 def with_stand_ins(overrides: list[str], stand_ins: StandIns) -> tuple[list[str], list[str]]:
@@ -215,7 +230,9 @@ def with_stand_ins(overrides: list[str], stand_ins: StandIns) -> tuple[list[str]
         key, _, value = override.partition("=")
         bare = key.lstrip("+~")
         if value and value.lower() not in ("null", "none") and not Path(value).exists():
-            if MODEL_KEYS.search(bare):
+            if REWARD_MODEL_KEY.match(bare):
+                override = f"{key}={stand_ins.reward_model}"
+            elif MODEL_KEYS.search(bare):
                 override = f"{key}={stand_ins.model}"
             elif DATA_KEYS.match(bare):  # the corpus writes a built-in task where the script named its files
                 override = f"{key}={make_stand_in_data(stand_ins.folder, stand_in_rows(overrides))}"
@@ -414,7 +431,8 @@ def report(examples: list[Example]) -> tuple[list[ScriptResult], dict]:
     known = config_keys()
     with tempfile.TemporaryDirectory(prefix="verl_compat_") as tmp:
         folder = Path(tmp)
-        stand_ins = StandIns(folder, make_stand_in_model(folder / "stand_in_model"))
+        model = make_stand_in_model(folder / "stand_in_model")
+        stand_ins = StandIns(folder, model, make_stand_in_reward_model(model, folder / "stand_in_reward_model"))
         results = [check_script(example, known, stand_ins) for example in examples]
     return results, summarize(results, examples)
 

@@ -23,6 +23,7 @@ from rlframe.data.builtin_tasks import resolve_data_files
 from rlframe.data.dataloader import make_dataloader
 from rlframe.data.dataset import RLHFDataset
 from rlframe.models.builtin import resolve_model_path
+from rlframe.models.reward_head import check_reward_checkpoint
 from rlframe.reward.manager import load_reward_manager
 from rlframe.single_controller.errors import WorkerDiedError, WorkerGroupError, WorkerTimeoutError
 from rlframe.trainer.config import PPOTrainerConfig, compose, typed
@@ -57,11 +58,12 @@ def normalize_config(cfg: DictConfig) -> DictConfig:
 
 
 def check_environment(cfg: DictConfig) -> None:
-    """What the config's own checks cannot see: model folders on disk and the device."""
+    """What the config's own checks cannot see: model folders on disk (the reward model's head) and the device."""
     check_model_path(cfg.actor_rollout_ref.model.path)
     resolve_device(cfg.trainer.device)  # trainer.device=cuda without a visible GPU fails here
     if cfg.reward_model.enable:
         check_model_path(cfg.reward_model.model.path, key="reward_model.model.path")
+        check_reward_checkpoint(cfg.reward_model.model.path)  # its trained head, or no run
 
 
 def build_data(cfg: DictConfig, tokenizer):

@@ -1,8 +1,8 @@
 """Reward model worker: a sequence-classification model scores each (prompt, response).
 
-The model is loaded as token classification with one label: a sequence-classification checkpoint's
-`score` head loads into it unchanged, and the per-token logits let us read the score at each row's
-last valid token whatever the padding side. The score goes on the last valid response token
+The checkpoint is loaded as the sequence classifier it was saved as, its trained head run at every token
+(`rlframe.models.reward_head`): the per-token scores let us read each row's score at its last valid token
+whatever the padding side. The score goes on the last valid response token
 (`rm_scores` [bs, response_length]), the same place rule-based rewards go. With
 `reward_model.model.use_remove_padding` the valid tokens of a micro-batch are packed into one row
 (each sequence attending only to itself through `cu_seqlens`): the same scores without computing the
@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from rlframe.distributed.padding import position_ids_from_mask
+from rlframe.models.reward_head import load_token_score_model
 from rlframe.protocol import DataProto
 from rlframe.single_controller import Dispatch, register
 from rlframe.workers.fsdp_utils import FSDPSpec, resolve_dtype, wrap_fsdp
@@ -50,16 +51,11 @@ def last_token_scores(
 
 
 def load_reward_model(path: str, use_remove_padding: bool):
-    """The checkpoint as token classification with one label, in fp32, eval mode, without gradients."""
-    from transformers import AutoConfig, AutoModelForTokenClassification
-
+    """The checkpoint's sequence classifier scoring every token (`TokenScoreModel`), fp32, eval, no gradients."""
     from rlframe.distributed.attention import register_varlen_attention
 
-    config = AutoConfig.from_pretrained(path, num_labels=1)
     attn = register_varlen_attention() if use_remove_padding else "sdpa"
-    model = AutoModelForTokenClassification.from_pretrained(
-        path, config=config, dtype=torch.float32, attn_implementation=attn
-    )
+    model = load_token_score_model(path, dtype=torch.float32, attn_implementation=attn)
     return model.requires_grad_(False).eval()
 
 

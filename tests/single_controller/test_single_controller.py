@@ -6,6 +6,7 @@ import sys
 import time
 
 import pytest
+import ray
 import torch
 from helpers.ray_workers import EchoWorker
 
@@ -354,3 +355,66 @@ def test_a_failure_in_a_submitted_call_surfaces_from_result_with_its_rank(group)
     with pytest.raises(WorkerError) as info:
         pending.result()
     assert info.value.rank == 2 and "boom from 2" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------- verl's ray.remote classes
+@ray.remote
+class Accumulator(Worker):
+    """verl's docs' worker, as they write it: decorated with ray.remote, calling Worker.__init__."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.value = torch.zeros(size=(1,)) + self.rank
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def add(self, x):
+        self.value += x
+        return self.value.cpu()
+
+
+class EnvReader(Worker):
+    @register(Dispatch.ONE_TO_ALL)
+    def env(self, name):
+        return os.environ.get(name), self.rank
+
+
+def test_a_ray_remote_worker_class_runs_as_verls_docs_write_it(ray_cluster):
+    from rlframe.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+
+    resource_pool = RayResourcePool([2], num_cpus_per_process=0.25)
+    class_with_args = RayClassWithInitArgs(cls=Accumulator)
+    worker_group = RayWorkerGroup(resource_pool, class_with_args)
+    try:
+        assert [v.item() for v in worker_group.add(x=2)] == [2.0, 3.0]
+        assert [v.item() for v in worker_group.add(x=1)] == [3.0, 4.0]  # the same actors, state kept
+    finally:
+        worker_group.shutdown()
+        resource_pool.remove()
+
+
+def test_ray_remote_options_other_than_placement_reach_every_worker(ray_cluster):
+    """`ray.remote(cls, runtime_env=...)` as verl's main_ppo writes `ray.remote(ActorRolloutRefWorker)`."""
+    from rlframe.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
+
+    remote_cls = ray.remote(runtime_env={"env_vars": {"RLFRAME_TEST_TAG": "kept"}}, max_concurrency=2)(EnvReader)
+    pool = small_pool(1)
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(cls=remote_cls))
+    try:
+        assert wg.env("RLFRAME_TEST_TAG") == [("kept", 0)]
+        assert wg.env("WORLD_SIZE") == [("1", 0)]  # the group's own variables are still set
+    finally:
+        wg.shutdown()
+        pool.remove()
+
+
+def test_ray_remote_placement_options_other_than_the_pools_are_refused():
+    from rlframe.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
+
+    pool = small_pool(2)  # 0.25 CPU per process
+    RayClassWithInitArgs(ray.remote(num_cpus=0.25, num_gpus=0)(EnvReader)).check_placement(pool)  # the same: taken
+    with pytest.raises(ValueError, match=r"ray.remote\(EnvReader\) was given \{'num_cpus': 2\}.*num_cpus_per_process"):
+        RayWorkerGroup(pool, RayClassWithInitArgs(ray.remote(num_cpus=2)(EnvReader)))
+    with pytest.raises(ValueError, match="colocated roles share one Ray actor"):
+        create_colocated_worker_cls({"env": RayClassWithInitArgs(ray.remote(max_restarts=1)(EnvReader))})
+    with pytest.raises(TypeError, match="subclass of rlframe.single_controller.Worker"):
+        RayClassWithInitArgs(ray.remote(type("NotAWorker", (), {})))

@@ -57,19 +57,72 @@ def init_ray(
     ray.init(address=address, **init_kwargs)
 
 
+# Where and with what each worker runs is the resource pool's: one bundle per process
+_PLACEMENT_OPTIONS = (
+    "num_cpus",
+    "num_gpus",
+    "resources",
+    "memory",
+    "accelerator_type",
+    "scheduling_strategy",
+    "placement_group",
+    "placement_group_bundle_index",
+    "placement_group_capture_child_tasks",
+    "name",
+    "get_if_exists",
+)
+
+
 class RayClassWithInitArgs(Generic[W]):
-    """A Worker subclass plus its constructor arguments (resources come from the pool)."""
+    """A Worker subclass plus its constructor arguments (resources come from the pool).
+
+    `cls` is the class, or the class wrapped in `ray.remote(...)` as verl writes it: then its options other
+    than placement (`max_concurrency`, `max_restarts`, `runtime_env`, ...) apply to every worker. Placement
+    is the pool's, one bundle per process: `num_cpus`/`num_gpus` equal to the pool's bundle are accepted,
+    any other placement option is refused when the group is built (`check_placement`).
+    """
 
     def __init__(self, cls: type[W], *args, **kwargs):
+        self.ray_options: dict[str, Any] = {}  # the options of a `ray.remote(...)` class, as the user passed them
+        if isinstance(cls, ray.actor.ActorClass):
+            self.ray_options = dict(cls._default_options)
+            cls = cls.__ray_actor_class__
         if not (isinstance(cls, type) and issubclass(cls, Worker)):
             raise TypeError(
-                f"RayClassWithInitArgs needs a subclass of rlframe.single_controller.Worker (the "
-                f"plain class, not a @ray.remote one), got {cls!r}"
+                f"RayClassWithInitArgs needs a subclass of rlframe.single_controller.Worker (or one wrapped "
+                f"in ray.remote), got {cls!r}"
             )
         self.cls = cls
         self.args = args
         self.kwargs = kwargs
         self.roles: dict[str, type[Worker]] = {}  # role -> class, for create_colocated_worker_cls
+
+    def check_placement(self, pool: RayResourcePool) -> None:
+        """Refuse `ray.remote` placement options that differ from the pool's bundle (they would never apply)."""
+        bundle = pool.actor_resources()
+        wrong = {
+            name: value
+            for name, value in self.ray_options.items()
+            if name in _PLACEMENT_OPTIONS and not (name in bundle and value == bundle[name])
+        }
+        if wrong:
+            raise ValueError(
+                f"ray.remote({self.cls.__name__}) was given {wrong}: each worker of a RayWorkerGroup runs in "
+                f"one bundle of its RayResourcePool ({bundle}); set the CPUs and GPUs on the pool "
+                "(num_cpus_per_process, use_gpu) and drop these options from ray.remote"
+            )
+
+    def remote_class(self):
+        """The Ray actor class: the worker class with the user's `ray.remote` options, less placement and
+        `runtime_env` (merged with the group's by `runtime_env`)."""
+        options = {k: v for k, v in self.ray_options.items() if k not in (*_PLACEMENT_OPTIONS, "runtime_env")}
+        return ray.remote(**options)(self.cls) if options else ray.remote(self.cls)
+
+    def runtime_env(self, group_env: dict) -> dict:
+        """The user's `ray.remote(runtime_env=...)` under the group's (its keys and env_vars win)."""
+        user_env = self.ray_options.get("runtime_env") or {}
+        env_vars = {**user_env.get("env_vars", {}), **group_env.get("env_vars", {})}
+        return {**user_env, **group_env, "env_vars": env_vars}
 
 
 @ray.remote(num_cpus=0)
@@ -281,6 +334,7 @@ def _create_workers(
     Rank order follows the pool's nodes, then the slots on each node. `runtime_env` adds to each
     actor's Ray runtime_env (e.g. `nsight`: run the worker under nsys).
     """
+    cls_with_init.check_placement(pool)  # before any placement group is reserved
     pgs = pool.placement_groups()
     node_of_rank0 = ray.util.placement_group_table(pgs[0])["bundles_to_node_id"][0]
     master_addr, master_port, store_file = ray.get(
@@ -291,7 +345,8 @@ def _create_workers(
     if len(pool.process_on_nodes) == 1:  # every rank on rank 0's node: no network listener for the rendezvous
         master_addr = "127.0.0.1"
         rendezvous = {RENDEZVOUS_FILE_ENV: store_file}
-    remote_cls = ray.remote(cls_with_init.cls)
+    remote_cls = cls_with_init.remote_class()
+    runtime_env = cls_with_init.runtime_env(runtime_env)
     workers = []
     for pg, count in zip(pgs, pool.process_on_nodes):
         for local_rank in range(count):

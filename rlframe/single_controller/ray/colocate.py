@@ -42,6 +42,11 @@ def create_colocated_worker_cls(class_dict: dict[str, RayClassWithInitArgs]) -> 
     for role, cls_with_init in class_dict.items():
         if not isinstance(cls_with_init, RayClassWithInitArgs):
             raise TypeError(f"role {role!r} must be a RayClassWithInitArgs, got {type(cls_with_init).__name__}")
+        if cls_with_init.ray_options:  # the roles share one actor: there is no per-role actor to give them to
+            raise ValueError(
+                f"role {role!r}: ray.remote({cls_with_init.cls.__name__}) was given {cls_with_init.ray_options}; "
+                "colocated roles share one Ray actor, so pass ray.remote(cls) without options or the plain class"
+            )
     specs = {role: (c.cls, c.args, c.kwargs) for role, c in class_dict.items()}
     colocated = RayClassWithInitArgs(ColocatedWorker, specs)
     colocated.roles = {role: c.cls for role, c in class_dict.items()}
