@@ -12,8 +12,11 @@ One optimizer step per training step, lr 3e-4, fp32, remove-padding.
 Rows, all on the same 2 CPU processes of one thread each:
 - sync: both processes generate, then both train (the hybrid engine), the quickstart's layout;
 - separate_async η=0: one training process, one rollout process, no overlap (the sync schedule on two pools);
-- separate_async η=1 (threshold 2, one batch ahead): the rollout process generates the next step's groups while
-  the training process trains, with token-level importance weights for the stale samples (rollout_is=token).
+- one-step-off, separate_async η=1 (threshold 2, one batch ahead, partial_rollout=false): the rollout process
+  generates the next step's groups while the training process trains, with token-level importance weights for the
+  stale samples (rollout_is=token); a push waits for the generation running;
+- separate_async η=2 with partial rollout (threshold 3, two batches ahead): the same, streaming, and a push cuts the
+  generation running, whose rows continue on the new weights.
 Step time is the median `timing_s/step` after the warm-up steps: for the async rows the whole cycle, the wait for
 samples included. The ratio is sync's step time over each row's (above 1: faster than sync). The machine is shared,
 so the three runs go one after the other in one process and are compared only with each other.
@@ -40,10 +43,17 @@ ASYNC = [
 ROWS = {
     "sync (2 processes, colocated)": ["trainer.n_gpus_per_node=2"],
     "separate_async η=0 (1 + 1)": [*ASYNC, "trainer.v1.sampler.max_off_policy_threshold=1"],
-    "separate_async η=1 (1 + 1)": [
+    "one-step-off: separate_async η=1, no partial rollout (1 + 1)": [
         *ASYNC,
         "trainer.v1.sampler.max_off_policy_threshold=2",
         "trainer.v1.separate_async.num_warmup_batches=1",
+        "algorithm.rollout_correction.rollout_is=token",
+        "actor_rollout_ref.rollout.partial_rollout=false",
+    ],
+    "separate_async η=2, partial rollout (1 + 1)": [
+        *ASYNC,
+        "trainer.v1.sampler.max_off_policy_threshold=3",
+        "trainer.v1.separate_async.num_warmup_batches=2",
         "algorithm.rollout_correction.rollout_is=token",
     ],
 }
@@ -91,6 +101,7 @@ def run(overrides: list[str], steps: int, skip: int, response_length: int) -> di
         "gen_s": statistics.median(r["timing_s/gen"] for r in rows),
         "length_mean": statistics.median(r["response_length/mean"] for r in rows),
         "length_max": max(r["response_length/max"] for r in rows),
+        "push_s": statistics.median(r.get("timing_s/update_weights", 0.0) for r in rows),
         "wall_s": wall,
     }
 
@@ -106,12 +117,22 @@ def main() -> None:
     }
     sync = results["sync (2 processes, colocated)"]["step_s"]
     print_table(
-        ["layout", "step s (median)", "waiting for samples s", "mean length", "max length", "run wall s", "vs sync"],
+        [
+            "layout",
+            "step s (median)",
+            "waiting for samples s",
+            "weight push s",
+            "mean length",
+            "max length",
+            "run wall s",
+            "vs sync",
+        ],
         [
             [
                 name,
                 f"{r['step_s']:.3f}",
                 f"{r['gen_s']:.3f}",
+                f"{r['push_s']:.3f}",
                 f"{r['length_mean']:.1f}",
                 f"{r['length_max']:.0f}",
                 f"{r['wall_s']:.1f}",

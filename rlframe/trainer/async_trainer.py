@@ -276,7 +276,8 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
         self._prompts.extend(_rows_from_plain(state["async_prompts"]))
 
     def _push_weights(self) -> None:
-        """Queue the actor's weights on the rollout pool as version global_step (after the calls queued there)."""
+        """Queue the actor's weights on the rollout pool as version global_step (after the calls queued there). With
+        partial rollout the version is announced first, and the calls submitted before it are collected after."""
         if self._push is not None:  # the previous push ran before the generation this step trained on
             self._push.result()
         weights = self.actor_rollout_wg.export_weights()
@@ -284,7 +285,7 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
             self._board.announce.remote(self.global_step)
         self._push = self.rollout_wg.submit("load_weights", self.global_step, weights)
         self.published_version = self.global_step
-        if self._board is not None:
+        if self._board is not None and self.global_step < self.total_training_steps:
             # every call queued before the weights returns at its next decoding step (or at once, not started), so
             # the cut rows are sent again now: their continuations run first on the new weights, before any group
             # admitted after this push, which would otherwise overtake them and leave them to go stale
