@@ -34,6 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlframe.workers.rollout.sandbox import SandboxLimits, resolve_mode, run_python
+
 TOOL_CONFIG_KEY = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
 FUNCTION_TOOL_KEY = "actor_rollout_ref.rollout.multi_turn.function_tool_path"
 
@@ -178,13 +180,25 @@ class CalculatorTool(BaseTool):
 
 
 class PythonTool(BaseTool):
-    """`python(code)`: runs code in a fresh interpreter with CPU-time, memory and output limits.
+    """`python(code)`: runs code in a fresh isolated interpreter (`-I`, empty environment, a temporary folder).
 
-    The child gets an empty environment and a temporary working directory, in isolated mode (`-I`: no
-    site-packages of the user, no PYTHON* variables). It is a resource sandbox, not a security boundary:
-    without OS namespaces it can still open sockets; run untrusted policies in a container without network.
-    Limits come from the tool's `config`: `timeout_s` (default 5), `memory_mb` (256), `max_output_chars` (4096).
+    `rlframe.workers.rollout.sandbox` contains it: bubblewrap namespaces where available (`sandbox: auto`), rlimits
+    set by a launcher, a pids cgroup where one can be made, the whole process tree killed on every exit path and
+    the output read in chunks and capped. Keys of the tool's `config`: `timeout_s` (5), `memory_mb` (256),
+    `max_output_chars` (4096), `max_processes` (64, processes + threads), `sandbox` (auto | bwrap | none).
     """
+
+    def __init__(self, config: dict, tool_schema: dict | None):
+        super().__init__(config, tool_schema)
+        where = f"{type(self).__name__} config"
+        self.limits = SandboxLimits(
+            timeout_s=_positive(self.config, "timeout_s", 5, float, where),
+            memory_mb=_positive(self.config, "memory_mb", 256, int, where),
+            max_output_bytes=4 * _positive(self.config, "max_output_chars", 4096, int, where),  # UTF-8: <= 4 B/char
+            max_processes=_positive(self.config, "max_processes", 64, int, where),
+        )
+        self.max_output_chars = self.limits.max_output_bytes // 4
+        self.sandbox = resolve_mode(str(self.config.get("sandbox", "auto")), where)
 
     def default_schema(self) -> dict:
         return string_function_schema("python", "Run Python code and return what it prints.", "code", "the program")
@@ -192,40 +206,31 @@ class PythonTool(BaseTool):
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[Any, float, dict]:
         import tempfile
 
-        timeout = float(self.config.get("timeout_s", 5))
-        memory = int(self.config.get("memory_mb", 256)) * 2**20
-        limit = int(self.config.get("max_output_chars", 4096))
+        with tempfile.TemporaryDirectory(prefix="rlframe_python_tool_", ignore_cleanup_errors=True) as folder:
+            folder = os.path.realpath(folder)
+            result = await run_python(str(parameters.get("code", "")), folder, self.limits, self.sandbox)
+        text = result.output.decode("utf-8", errors="replace")
+        truncated = result.truncated or len(text) > self.max_output_chars
+        text = text[: self.max_output_chars]
+        if truncated:
+            text += f"\n(output truncated to {self.max_output_chars} characters)"
+        if result.timed_out:
+            text += f"\nerror: the program ran longer than {self.limits.timeout_s:g} s and was killed"
+        elif result.exit_status:
+            text += f"\n(exit status {result.exit_status})"
+        return ToolResponse(text=text.lstrip("\n")), 0.0, {}
 
-        def limits() -> None:  # runs in the child before exec
-            import resource
 
-            resource.setrlimit(resource.RLIMIT_CPU, (int(timeout) + 1, int(timeout) + 1))
-            resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-            resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
-
-        with tempfile.TemporaryDirectory(prefix="rlframe_python_tool_") as cwd:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-I",
-                "-c",
-                str(parameters.get("code", "")),
-                cwd=cwd,
-                env={},
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                preexec_fn=limits,
-            )
-            try:
-                out, _ = await asyncio.wait_for(process.communicate(), timeout)
-            except asyncio.TimeoutError:
-                process.kill()
-                await process.wait()
-                return ToolResponse(text=f"error: the program ran longer than {timeout:g} s"), 0.0, {}
-        text = out.decode("utf-8", errors="replace")[:limit]
-        if process.returncode:
-            text += f"\n(exit status {process.returncode})"
-        return ToolResponse(text=text), 0.0, {}
+def _positive(config: dict, key: str, default, kind: type, where: str):
+    """`config[key]` as a positive `kind`, or a ValueError naming the key and the value."""
+    value = config.get(key, default)
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        number = None
+    if number is None or number <= 0 or isinstance(value, bool):
+        raise ValueError(f"{where}: {key}={value!r} must be a positive {kind.__name__}")
+    return number
 
 
 class Gsm8kAnswerTool(BaseTool):
