@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 SANDBOX_MODES = ("auto", "bwrap", "none")
 READ_CHUNK_BYTES = 64 * 1024
+EXIT_POLL_S = 0.01
 MAX_FILE_BYTES = 2**20  # RLIMIT_FSIZE: a program may write files of at most 1 MiB
 
 # Runs in the child before anything of the user's: argv = cpu_s memory_bytes file_bytes processes cgroup_procs cmd...
@@ -140,7 +141,7 @@ def bwrap_command(folder: str) -> list[str]:
             command += ["--ro-bind", prefix, prefix]
     if sys.prefix != os.path.realpath(sys.prefix):  # a venv reached through a symlink keeps its own path
         command += ["--ro-bind", sys.prefix, sys.prefix]
-    command += ["--bind", folder, folder, "--chdir", folder, "--setenv", "HOME", folder, "--setenv", "TMPDIR", folder]
+    command += ["--bind", folder, folder, "--chdir", folder]  # bwrap also sets PWD (to `folder`)
     return command
 
 
@@ -257,9 +258,6 @@ async def run_python(code: str, folder: str, limits: SandboxLimits, mode: str) -
         timed_out = True
     finally:  # also on cancellation by an outer timeout
         _kill_tree(process, cgroup)
-    if timed_out:
-        with contextlib.suppress(ProcessLookupError):
-            await process.wait()
     return SandboxResult(bytes(sink.kept), sink.truncated, process.returncode, timed_out)
 
 
@@ -283,7 +281,9 @@ async def _collect(process: asyncio.subprocess.Process, sink: _CappedSink, cgrou
     """Read the output while the program runs; when it exits, kill what it left (which may hold the pipe open)."""
     reader = asyncio.ensure_future(_pump(process.stdout, sink))
     try:
-        await process.wait()
+        # not process.wait(): in Python 3.11 it also waits for the pipe, which a leftover child may hold open
+        while process.returncode is None:
+            await asyncio.sleep(EXIT_POLL_S)
         _kill_tree(process, cgroup)
         await reader
     finally:

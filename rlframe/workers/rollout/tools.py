@@ -25,6 +25,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import math
 import operator
 import os
 import sys
@@ -143,29 +144,72 @@ _OPERATORS = {
     ast.USub: operator.neg,
     ast.UAdd: operator.pos,
 }
-MAX_EXPONENT = 64  # keeps 9**9**9 from eating the worker
+MAX_RESULT_BITS = 4096  # default cap on every integer an expression computes (about 1,233 decimal digits)
+MAX_EXPRESSION_CHARS = 2000  # with the bit cap, bounds the time of one evaluation
 
 
-def evaluate_arithmetic(expression: str) -> int | float:
-    """The value of an arithmetic expression (numbers, + - * / // % **, parentheses); anything else raises."""
+def evaluate_arithmetic(expression: str, max_bits: int = MAX_RESULT_BITS) -> int | float:
+    """The value of an arithmetic expression (numbers, + - * / // % **, parentheses); anything else raises.
+
+    Every intermediate integer is bounded: its size is estimated *before* it is computed (`(2**64)**64` would
+    otherwise allocate gigabytes and hold the thread for seconds), and an expression that would pass `max_bits`
+    is refused. Floats overflow to an OverflowError on their own.
+    """
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise ValueError(f"expression of {len(expression)} characters is too long (at most {MAX_EXPRESSION_CHARS})")
 
     def value(node: ast.AST):
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return node.value
+            return _bounded(node.value, _bits(node.value), max_bits)
         if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
             left, right = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
-                raise ValueError(f"exponent {right} is too large (at most {MAX_EXPONENT})")
+            _bounded(None, _result_bits(node.op, left, right), max_bits)
             return _OPERATORS[type(node.op)](left, right)
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
             return _OPERATORS[type(node.op)](value(node.operand))
         raise ValueError(f"not an arithmetic expression: {ast.unparse(node)!r}")
 
-    return value(ast.parse(expression.strip(), mode="eval").body)
+    try:
+        return value(ast.parse(expression.strip(), mode="eval").body)
+    except RecursionError:
+        raise ValueError("expression is nested too deeply") from None
+
+
+def _bits(number: int | float) -> int:
+    return abs(number).bit_length() if isinstance(number, int) else 0
+
+
+def _result_bits(op: ast.operator, left: int | float, right: int | float) -> int:
+    """An upper bound on the bit length of `left op right` when both are integers (0 when the result is a float)."""
+    if not (isinstance(left, int) and isinstance(right, int)):
+        return 0
+    if isinstance(op, (ast.Add, ast.Sub)):
+        return max(_bits(left), _bits(right)) + 1
+    if isinstance(op, ast.Mult):
+        return _bits(left) + _bits(right)
+    if isinstance(op, ast.Pow):
+        if right < 0 or abs(left) <= 1:
+            return 1  # a float, or 0 / 1 / -1
+        return int(right * math.log2(abs(left))) + 1
+    return _bits(left)  # / // %: never larger than the dividend
+
+
+def _bounded(number, bits: int, max_bits: int):
+    if bits > max_bits:
+        raise ValueError(f"the result would have about {bits} bits, more than the limit of {max_bits}")
+    return number
 
 
 class CalculatorTool(BaseTool):
-    """`calculator(expression)`: evaluates arithmetic exactly (integers stay integers)."""
+    """`calculator(expression)`: evaluates arithmetic exactly (integers stay integers).
+
+    Every integer it computes is capped at `config.max_bits` (default 4096), and it runs on a worker thread, so
+    the event loop of the agent loop stays free and the tool timeout can answer.
+    """
+
+    def __init__(self, config: dict, tool_schema: dict | None):
+        super().__init__(config, tool_schema)
+        self.max_bits = _positive(self.config, "max_bits", MAX_RESULT_BITS, int, f"{type(self).__name__} config")
 
     def default_schema(self) -> dict:
         return string_function_schema(
@@ -173,7 +217,8 @@ class CalculatorTool(BaseTool):
         )
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[Any, float, dict]:
-        result = evaluate_arithmetic(str(parameters.get("expression", "")))
+        expression = str(parameters.get("expression", ""))
+        result = await asyncio.to_thread(evaluate_arithmetic, expression, self.max_bits)
         if isinstance(result, float) and result.is_integer():
             result = int(result)
         return ToolResponse(text=str(result)), 0.0, {}
