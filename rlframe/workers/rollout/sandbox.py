@@ -73,7 +73,7 @@ class SandboxLimits:
 
 @dataclass
 class SandboxResult:
-    """What one run gave back: its output (cut to the cap), whether it was cut, its exit status, whether it timed out."""
+    """What one run gave back: its output (cut to the cap), whether it was cut, its exit status, its timeout."""
 
     output: bytes
     truncated: bool
