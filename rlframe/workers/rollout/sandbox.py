@@ -3,9 +3,9 @@
 Three layers, each doing one job (what each contains is in docs/multi_turn.md, Tools):
 
 - **bubblewrap** (`bwrap`, when present and it passes a self-check): new PID, network, IPC, UTS and user
-  namespaces, a root file system of read-only binds (`/usr`, the interpreter's prefixes) plus the call's temporary
-  folder as the only writable place, `--die-with-parent`, `--new-session`. When the program ends or is killed, the
-  PID namespace dies with it, so even a grandchild that called `setsid` is gone.
+  namespaces; a root file system of read-only binds (`/usr`, the interpreter's prefixes); the call's folder a
+  tmpfs of `disk_mb`, the only writable place; `--die-with-parent`, `--new-session`. When the program ends or is
+  killed, the PID namespace dies with it, so even a grandchild that called `setsid` is gone.
 - **a launcher** (`python -I -c LAUNCHER`): joins the pids cgroup, sets the rlimits (CPU, address space, file
   size, processes, no core) and execs bwrap or the program. It replaces `preexec_fn`, which Python documents as
   unsafe in a process with threads (the agent loop has them).
@@ -69,6 +69,7 @@ class SandboxLimits:
     memory_mb: int
     max_output_bytes: int
     max_processes: int
+    disk_mb: int = 64
 
 
 @dataclass
@@ -125,8 +126,9 @@ def _bwrap_path() -> str | None:
     return which("bwrap")
 
 
-def bwrap_command(folder: str) -> list[str]:
-    """The bwrap prefix: read-only system and interpreter, `folder` the only writable place, no network."""
+def bwrap_command(folder: str, disk_mb: int = 64) -> list[str]:
+    """The bwrap prefix: read-only system and interpreter, no network, and at `folder` a tmpfs of `disk_mb` (the
+    only writable place, so a program cannot fill the host's disk) holding a read-only copy of `program.py`."""
     command = [_bwrap_path() or "bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
     command += ["--proc", "/proc", "--dev", "/dev", "--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
@@ -141,7 +143,11 @@ def bwrap_command(folder: str) -> list[str]:
             command += ["--ro-bind", prefix, prefix]
     if sys.prefix != os.path.realpath(sys.prefix):  # a venv reached through a symlink keeps its own path
         command += ["--ro-bind", sys.prefix, sys.prefix]
-    command += ["--bind", folder, folder, "--chdir", folder]  # bwrap also sets PWD (to `folder`)
+    command += ["--size", str(disk_mb * 2**20), "--tmpfs", folder]
+    program = os.path.join(folder, "program.py")
+    if os.path.exists(program):
+        command += ["--ro-bind", program, program]
+    command += ["--chdir", folder]  # bwrap also sets PWD (to `folder`)
     return command
 
 
@@ -235,7 +241,7 @@ async def run_python(code: str, folder: str, limits: SandboxLimits, mode: str) -
     launcher = [sys.executable, "-I", "-c", LAUNCHER, str(cpu_s), str(limits.memory_mb * 2**20), str(MAX_FILE_BYTES)]
     launcher += [str(limits.max_processes), cgroup.procs if cgroup else ""]
     target = [sys.executable, "-I", program]
-    command = launcher + (bwrap_command(folder) + target if mode == "bwrap" else target)
+    command = launcher + (bwrap_command(folder, limits.disk_mb) + target if mode == "bwrap" else target)
     try:
         process = await asyncio.create_subprocess_exec(
             *command,

@@ -230,7 +230,8 @@ class PythonTool(BaseTool):
     `rlframe.workers.rollout.sandbox` contains it: bubblewrap namespaces where available (`sandbox: auto`), rlimits
     set by a launcher, a pids cgroup where one can be made, the whole process tree killed on every exit path and
     the output read in chunks and capped. Keys of the tool's `config`: `timeout_s` (5), `memory_mb` (256),
-    `max_output_chars` (4096), `max_processes` (64, processes + threads), `sandbox` (auto | bwrap | none).
+    `max_output_chars` (4096), `max_processes` (64, processes + threads), `disk_mb` (64, the writable tmpfs under
+    bubblewrap), `sandbox` (auto | bwrap | none).
     """
 
     def __init__(self, config: dict, tool_schema: dict | None):
@@ -241,6 +242,7 @@ class PythonTool(BaseTool):
             memory_mb=_positive(self.config, "memory_mb", 256, int, where),
             max_output_bytes=4 * _positive(self.config, "max_output_chars", 4096, int, where),  # UTF-8: <= 4 B/char
             max_processes=_positive(self.config, "max_processes", 64, int, where),
+            disk_mb=_positive(self.config, "disk_mb", 64, int, where),
         )
         self.max_output_chars = self.limits.max_output_bytes // 4
         self.sandbox = resolve_mode(str(self.config.get("sandbox", "auto")), where)

@@ -87,7 +87,10 @@ def test_a_fork_bomb_is_capped_and_nothing_of_it_survives():
     )
     text = run_code(marked(bomb, marker), timeout_s=1, max_processes=16, sandbox="bwrap")
     # as root the kernel ignores RLIMIT_NPROC: the cap is the pids cgroup, which this machine must allow
-    assert PidsCgroup.create(16) is not None or os.getuid() != 0, "no pids cgroup: a root fork bomb is unbounded"
+    probe = PidsCgroup.create(16)
+    assert probe is not None or os.getuid() != 0, "no pids cgroup here: as root, a fork bomb is then unbounded"
+    if probe:
+        probe.remove()
     forked = int(text.split("forked ")[1].split()[0])
     assert forked < 16 and "longer than 1 s" in text
     assert processes_with(marker) == []
@@ -152,6 +155,15 @@ def test_sockets_reach_nothing_under_bubblewrap():
         )
         text = run_code(code, sandbox="bwrap")
     assert text.startswith("refused"), text
+
+
+def test_writes_fill_only_a_small_tmpfs_under_bubblewrap():
+    code = (
+        "import os\ntry:\n    for i in range(100):\n        with open(f'f{i}', 'wb') as handle:\n"
+        "            handle.write(b'x' * 2**20)\nexcept OSError as err:\n    print('stopped at', i, err.strerror)"
+    )
+    text = run_code(code, sandbox="bwrap", disk_mb=8)
+    assert "No space left on device" in text and int(text.split("stopped at ")[1].split()[0]) <= 8
 
 
 @pytest.mark.parametrize(
