@@ -8,6 +8,7 @@ without it fails them (PythonTool refuses `sandbox: bwrap` where bwrap cannot ru
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import sys
@@ -17,6 +18,7 @@ import uuid
 
 import pytest
 
+from rlframe.workers.rollout import sandbox
 from rlframe.workers.rollout import tools as tools_module
 from rlframe.workers.rollout.sandbox import PidsCgroup
 from rlframe.workers.rollout.tools import CalculatorTool, PythonTool, ToolRunner
@@ -179,6 +181,20 @@ def test_writes_fill_only_a_small_tmpfs_under_bubblewrap():
 def test_deep_recursion_and_huge_numbers_in_python_end_in_an_error_text(code, answers):
     text = run_code(code)
     assert any(answer in text for answer in answers), text
+
+
+def test_without_bubblewrap_auto_falls_back_with_one_warning_and_bwrap_is_refused(monkeypatch, caplog):
+    monkeypatch.setattr(sandbox, "_bwrap_path", lambda: None)
+    sandbox.bwrap_problem.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=sandbox.__name__):
+            assert PythonTool({}, None).sandbox == PythonTool({"sandbox": "auto"}, None).sandbox == "none"
+        warnings = [record.getMessage() for record in caplog.records if "without bubblewrap" in record.getMessage()]
+        assert len(warnings) == 1 and "open network connections" in warnings[0], warnings
+        with pytest.raises(ValueError, match="sandbox='bwrap' but bubblewrap cannot run here: bwrap is not installed"):
+            PythonTool({"sandbox": "bwrap"}, None)
+    finally:
+        sandbox.bwrap_problem.cache_clear()
 
 
 def test_an_unknown_sandbox_mode_is_refused_naming_the_key():
