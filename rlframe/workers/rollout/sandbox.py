@@ -177,23 +177,21 @@ class PidsCgroup:
         return cls(path)
 
     def kill_all(self) -> None:
-        """SIGKILL every member (repeated: a member may fork while the list is read, up to pids.max)."""
-        for _ in range(100):
-            try:
-                with open(self.procs) as handle:
-                    pids = [int(line) for line in handle if line.strip()]
-            except OSError:
-                return
-            if not pids:
-                return
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.005)
+        """SIGKILL every member listed now."""
+        try:
+            with open(self.procs) as handle:
+                pids = [int(line) for line in handle if line.strip()]
+        except OSError:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
 
-    def remove(self) -> None:
-        """Kill the members and delete the cgroup (the kernel refuses while a dying member is still listed)."""
-        for _ in range(200):
+    def remove(self, wait_s: float = 2.0) -> None:
+        """Kill the members and delete the cgroup; repeated while members fork or die (the kernel refuses to
+        remove a cgroup that still lists one), for at most `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        while True:
             self.kill_all()
             try:
                 os.rmdir(self.path)
@@ -201,8 +199,10 @@ class PidsCgroup:
             except FileNotFoundError:
                 return
             except OSError:
+                if time.monotonic() > deadline:
+                    logger.warning("could not remove the sandbox cgroup %s: a member did not die", self.path)
+                    return
                 time.sleep(0.005)
-        logger.warning("could not remove the sandbox cgroup %s", self.path)
 
 
 @functools.cache
