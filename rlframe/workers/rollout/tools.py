@@ -371,7 +371,10 @@ def load_tool_config(path: str) -> list[BaseTool]:
         if kind != "native":
             raise ValueError(f"{where}: tools[{index}].config.type={kind!r}; only 'native' tools are supported")
         tool_class = _import_class(str(entry["class_name"]), f"{where}: tools[{index}]")
-        tools.append(tool_class(config, entry.get("tool_schema")))
+        try:
+            tools.append(tool_class(config, entry.get("tool_schema")))
+        except ValueError as err:  # a bad config value: name the file and the entry
+            raise ValueError(f"{where}: tools[{index}]: {err}") from None
     return tools
 
 

@@ -21,7 +21,7 @@ import pytest
 from rlframe.workers.rollout import sandbox
 from rlframe.workers.rollout import tools as tools_module
 from rlframe.workers.rollout.sandbox import PidsCgroup
-from rlframe.workers.rollout.tools import CalculatorTool, PythonTool, ToolRunner
+from rlframe.workers.rollout.tools import CalculatorTool, PythonTool, ToolRunner, load_tool_config
 
 
 def run_code(code: str, **config) -> str:
@@ -197,7 +197,15 @@ def test_without_bubblewrap_auto_falls_back_with_one_warning_and_bwrap_is_refuse
         sandbox.bwrap_problem.cache_clear()
 
 
-def test_an_unknown_sandbox_mode_is_refused_naming_the_key():
+def test_an_unknown_sandbox_mode_is_refused_naming_the_key(tmp_path):
+    config = tmp_path / "tools.yaml"
+    config.write_text(
+        "tools:\n  - class_name: rlframe.workers.rollout.tools.PythonTool\n    config: {type: native, sandbox: docker}\n"
+    )
+    with pytest.raises(
+        ValueError, match=r"tool_config_path=.*tools.yaml: tools\[0\]: PythonTool config: sandbox='docker'"
+    ):
+        load_tool_config(str(config))
     with pytest.raises(ValueError, match=r"sandbox='docker' is not one of \['auto', 'bwrap', 'none'\]"):
         PythonTool({"sandbox": "docker"}, None)
     with pytest.raises(ValueError, match=r"max_processes=0 must be a positive int"):
