@@ -200,7 +200,8 @@ def test_without_bubblewrap_auto_falls_back_with_one_warning_and_bwrap_is_refuse
 def test_an_unknown_sandbox_mode_is_refused_naming_the_key(tmp_path):
     config = tmp_path / "tools.yaml"
     config.write_text(
-        "tools:\n  - class_name: rlframe.workers.rollout.tools.PythonTool\n    config: {type: native, sandbox: docker}\n"
+        "tools:\n  - class_name: rlframe.workers.rollout.tools.PythonTool\n"
+        "    config: {type: native, sandbox: docker}\n"
     )
     with pytest.raises(
         ValueError, match=r"tool_config_path=.*tools.yaml: tools\[0\]: PythonTool config: sandbox='docker'"
