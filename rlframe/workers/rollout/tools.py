@@ -256,16 +256,16 @@ class PythonTool(BaseTool):
         with tempfile.TemporaryDirectory(prefix="rlframe_python_tool_", ignore_cleanup_errors=True) as folder:
             folder = os.path.realpath(folder)
             result = await run_python(str(parameters.get("code", "")), folder, self.limits, self.sandbox)
-        text = result.output.decode("utf-8", errors="replace")
-        truncated = result.truncated or len(text) > self.max_output_chars
-        text = text[: self.max_output_chars]
-        if truncated:
-            text += f"\n(output truncated to {self.max_output_chars} characters)"
+        output = result.output.decode("utf-8", errors="replace")
+        notes = []
+        if result.truncated or len(output) > self.max_output_chars:
+            notes.append(f"(output truncated to {self.max_output_chars} characters)")
         if result.timed_out:
-            text += f"\nerror: the program ran longer than {self.limits.timeout_s:g} s and was killed"
+            notes.append(f"error: the program ran longer than {self.limits.timeout_s:g} s and was killed")
         elif result.exit_status:
-            text += f"\n(exit status {result.exit_status})"
-        return ToolResponse(text=text.lstrip("\n")), 0.0, {}
+            notes.append(f"(exit status {result.exit_status})")
+        text = "\n".join([output[: self.max_output_chars], *notes]) if output else "\n".join(notes)
+        return ToolResponse(text=text), 0.0, {}
 
 
 def _positive(config: dict, key: str, default, kind: type, where: str):
