@@ -8,6 +8,7 @@ without it fails them (PythonTool refuses `sandbox: bwrap` where bwrap cannot ru
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -211,6 +212,30 @@ def test_an_unknown_sandbox_mode_is_refused_naming_the_key(tmp_path):
         PythonTool({"sandbox": "docker"}, None)
     with pytest.raises(ValueError, match=r"max_processes=0 must be a positive int"):
         PythonTool({"max_processes": 0}, None)
+
+
+def test_a_hostile_program_in_a_trajectory_is_answered_and_the_trajectory_goes_on(tiny_model_path):
+    from helpers.multi_turn import PROMPT_LEN, ScriptedEngine, make_prompts, rollout_cfg
+    from transformers import AutoTokenizer
+
+    from rlframe.workers.rollout.multi_turn import build_multi_turn
+
+    marker = new_marker()
+    child = f"import time; time.sleep(120)  # {marker}"
+    code = f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {child!r}])\nprint('x' * 10**7)"
+    code += "\ntime.sleep(120)"
+    tool_call = json.dumps({"name": "python", "arguments": {"code": code}})
+    script = {"Q": [f"<tool_call>{tool_call}</tool_call>", "done"]}
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    overrides = ["actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent", "data.max_response_length=1024"]
+    cfg = rollout_cfg(*overrides, "actor_rollout_ref.rollout.multi_turn.tool_timeout_s=1")
+    rollout = build_multi_turn(ScriptedEngine(cfg, tokenizer, tiny_model_path, script), tokenizer)
+    rollout.runner.tools["python"] = PythonTool({"timeout_s": 60}, None)
+    out = rollout.generate_sequences(make_prompts(tokenizer, ["Q"]))
+    text = tokenizer.decode(out.batch["responses"][0][out.batch["attention_mask"][0, PROMPT_LEN:].bool()])
+    assert "timed out after 1 s" in text and text.endswith("done<|im_end|>")
+    assert out.meta_info["metrics"]["multi_turn/tool_errors_per_trajectory"] == 1.0
+    assert processes_with(marker) == []
 
 
 # ----------------------------------------------------------------------------------------- calculator
