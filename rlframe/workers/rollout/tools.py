@@ -190,8 +190,8 @@ def _result_bits(op: ast.operator, left: int | float, right: int | float) -> int
     if isinstance(op, ast.Pow):
         if right < 0 or abs(left) <= 1:
             return 1  # a float, or 0 / 1 / -1
-        return int(right * math.log2(abs(left))) + 1
-    return _bits(left)  # / // %: never larger than the dividend
+        return int(min(right, 2**62) * math.log2(abs(left))) + 1  # |left| >= 2: 2**62 is past any cap
+    return max(_bits(left), _bits(right))  # / // %: never larger than the larger operand
 
 
 def _bounded(number, bits: int, max_bits: int):

@@ -245,6 +245,7 @@ def test_the_calculator_refuses_huge_intermediate_results_and_deep_nesting():
         "(((2**64)**64)**64)**64": "more than the limit of 4096",
         "((((((2**64)**64)**64)**64)**64)**64)": "more than the limit of 4096",
         "9**9**9": "more than the limit of 4096",
+        "2**(2**4000)": "more than the limit of 4096",
         "(10**1000) * (10**1000)": "more than the limit of 4096",
         "-" * 1900 + "1": "nested too deeply",
         "1+" * 3000 + "1": "too long",
