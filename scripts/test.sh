@@ -22,6 +22,14 @@ if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/
         || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends chromium >/dev/null; } \
         || echo "[test] chromium could not be installed: the rendering test will say so and skip" >&2
 fi
+# tests/workers/rollout/test_tool_sandbox.py runs PythonTool under bubblewrap (sandbox: bwrap) and fails without it
+if ! command -v bwrap >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "[test] installing bubblewrap (Debian's package) for the tool sandbox tests"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q --no-install-recommends bubblewrap >/dev/null \
+        || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends bubblewrap >/dev/null; } \
+        || echo "[test] bubblewrap could not be installed: the tool sandbox tests will fail" >&2
+fi
 # the vLLM environment (~3.5 GB of wheels) installs in the background while the main suite runs
 VLLM_SETUP_LOG="$VLLM_VENV.setup.log"
 if [ "$WITH_VLLM" != 0 ]; then

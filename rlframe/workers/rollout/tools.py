@@ -25,6 +25,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import math
 import operator
 import os
 import sys
@@ -33,6 +34,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from rlframe.workers.rollout.sandbox import SandboxLimits, resolve_mode, run_python
 
 TOOL_CONFIG_KEY = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
 FUNCTION_TOOL_KEY = "actor_rollout_ref.rollout.multi_turn.function_tool_path"
@@ -141,29 +144,72 @@ _OPERATORS = {
     ast.USub: operator.neg,
     ast.UAdd: operator.pos,
 }
-MAX_EXPONENT = 64  # keeps 9**9**9 from eating the worker
+MAX_RESULT_BITS = 4096  # default cap on every integer an expression computes (about 1,233 decimal digits)
+MAX_EXPRESSION_CHARS = 2000  # with the bit cap, bounds the time of one evaluation
 
 
-def evaluate_arithmetic(expression: str) -> int | float:
-    """The value of an arithmetic expression (numbers, + - * / // % **, parentheses); anything else raises."""
+def evaluate_arithmetic(expression: str, max_bits: int = MAX_RESULT_BITS) -> int | float:
+    """The value of an arithmetic expression (numbers, + - * / // % **, parentheses); anything else raises.
+
+    Every intermediate integer is bounded: its size is estimated *before* it is computed (`(2**64)**64` would
+    otherwise allocate gigabytes and hold the thread for seconds), and an expression that would pass `max_bits`
+    is refused. Floats overflow to an OverflowError on their own.
+    """
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise ValueError(f"expression of {len(expression)} characters is too long (at most {MAX_EXPRESSION_CHARS})")
 
     def value(node: ast.AST):
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return node.value
+            return _bounded(node.value, _bits(node.value), max_bits)
         if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
             left, right = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
-                raise ValueError(f"exponent {right} is too large (at most {MAX_EXPONENT})")
+            _bounded(None, _result_bits(node.op, left, right), max_bits)
             return _OPERATORS[type(node.op)](left, right)
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
             return _OPERATORS[type(node.op)](value(node.operand))
         raise ValueError(f"not an arithmetic expression: {ast.unparse(node)!r}")
 
-    return value(ast.parse(expression.strip(), mode="eval").body)
+    try:
+        return value(ast.parse(expression.strip(), mode="eval").body)
+    except RecursionError:
+        raise ValueError("expression is nested too deeply") from None
+
+
+def _bits(number: int | float) -> int:
+    return abs(number).bit_length() if isinstance(number, int) else 0
+
+
+def _result_bits(op: ast.operator, left: int | float, right: int | float) -> int:
+    """An upper bound on the bit length of `left op right` when both are integers (0 when the result is a float)."""
+    if not (isinstance(left, int) and isinstance(right, int)):
+        return 0
+    if isinstance(op, (ast.Add, ast.Sub)):
+        return max(_bits(left), _bits(right)) + 1
+    if isinstance(op, ast.Mult):
+        return _bits(left) + _bits(right)
+    if isinstance(op, ast.Pow):
+        if right < 0 or abs(left) <= 1:
+            return 1  # a float, or 0 / 1 / -1
+        return int(min(right, 2**62) * math.log2(abs(left))) + 1  # |left| >= 2: 2**62 is past any cap
+    return max(_bits(left), _bits(right))  # / // %: never larger than the larger operand
+
+
+def _bounded(number, bits: int, max_bits: int):
+    if bits > max_bits:
+        raise ValueError(f"the result would have about {bits} bits, more than the limit of {max_bits}")
+    return number
 
 
 class CalculatorTool(BaseTool):
-    """`calculator(expression)`: evaluates arithmetic exactly (integers stay integers)."""
+    """`calculator(expression)`: evaluates arithmetic exactly (integers stay integers).
+
+    Every integer it computes is capped at `config.max_bits` (default 4096), and it runs on a worker thread, so
+    the event loop of the agent loop stays free and the tool timeout can answer.
+    """
+
+    def __init__(self, config: dict, tool_schema: dict | None):
+        super().__init__(config, tool_schema)
+        self.max_bits = _positive(self.config, "max_bits", MAX_RESULT_BITS, int, f"{type(self).__name__} config")
 
     def default_schema(self) -> dict:
         return string_function_schema(
@@ -171,20 +217,35 @@ class CalculatorTool(BaseTool):
         )
 
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[Any, float, dict]:
-        result = evaluate_arithmetic(str(parameters.get("expression", "")))
+        expression = str(parameters.get("expression", ""))
+        result = await asyncio.to_thread(evaluate_arithmetic, expression, self.max_bits)
         if isinstance(result, float) and result.is_integer():
             result = int(result)
         return ToolResponse(text=str(result)), 0.0, {}
 
 
 class PythonTool(BaseTool):
-    """`python(code)`: runs code in a fresh interpreter with CPU-time, memory and output limits.
+    """`python(code)`: runs code in a fresh isolated interpreter (`-I`, empty environment, a temporary folder).
 
-    The child gets an empty environment and a temporary working directory, in isolated mode (`-I`: no
-    site-packages of the user, no PYTHON* variables). It is a resource sandbox, not a security boundary:
-    without OS namespaces it can still open sockets; run untrusted policies in a container without network.
-    Limits come from the tool's `config`: `timeout_s` (default 5), `memory_mb` (256), `max_output_chars` (4096).
+    `rlframe.workers.rollout.sandbox` contains it: bubblewrap namespaces where available (`sandbox: auto`), rlimits
+    set by a launcher, a pids cgroup where one can be made, the whole process tree killed on every exit path and
+    the output read in chunks and capped. Keys of the tool's `config`: `timeout_s` (5), `memory_mb` (256),
+    `max_output_chars` (4096), `max_processes` (64, processes + threads), `disk_mb` (64, the writable tmpfs under
+    bubblewrap), `sandbox` (auto | bwrap | none).
     """
+
+    def __init__(self, config: dict, tool_schema: dict | None):
+        super().__init__(config, tool_schema)
+        where = f"{type(self).__name__} config"
+        self.limits = SandboxLimits(
+            timeout_s=_positive(self.config, "timeout_s", 5, float, where),
+            memory_mb=_positive(self.config, "memory_mb", 256, int, where),
+            max_output_bytes=4 * _positive(self.config, "max_output_chars", 4096, int, where),  # UTF-8: <= 4 B/char
+            max_processes=_positive(self.config, "max_processes", 64, int, where),
+            disk_mb=_positive(self.config, "disk_mb", 64, int, where),
+        )
+        self.max_output_chars = self.limits.max_output_bytes // 4
+        self.sandbox = resolve_mode(str(self.config.get("sandbox", "auto")), where)
 
     def default_schema(self) -> dict:
         return string_function_schema("python", "Run Python code and return what it prints.", "code", "the program")
@@ -192,40 +253,31 @@ class PythonTool(BaseTool):
     async def execute(self, instance_id: str, parameters: dict[str, Any], **kwargs) -> tuple[Any, float, dict]:
         import tempfile
 
-        timeout = float(self.config.get("timeout_s", 5))
-        memory = int(self.config.get("memory_mb", 256)) * 2**20
-        limit = int(self.config.get("max_output_chars", 4096))
-
-        def limits() -> None:  # runs in the child before exec
-            import resource
-
-            resource.setrlimit(resource.RLIMIT_CPU, (int(timeout) + 1, int(timeout) + 1))
-            resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-            resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
-
-        with tempfile.TemporaryDirectory(prefix="rlframe_python_tool_") as cwd:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-I",
-                "-c",
-                str(parameters.get("code", "")),
-                cwd=cwd,
-                env={},
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                preexec_fn=limits,
-            )
-            try:
-                out, _ = await asyncio.wait_for(process.communicate(), timeout)
-            except asyncio.TimeoutError:
-                process.kill()
-                await process.wait()
-                return ToolResponse(text=f"error: the program ran longer than {timeout:g} s"), 0.0, {}
-        text = out.decode("utf-8", errors="replace")[:limit]
-        if process.returncode:
-            text += f"\n(exit status {process.returncode})"
+        with tempfile.TemporaryDirectory(prefix="rlframe_python_tool_", ignore_cleanup_errors=True) as folder:
+            folder = os.path.realpath(folder)
+            result = await run_python(str(parameters.get("code", "")), folder, self.limits, self.sandbox)
+        output = result.output.decode("utf-8", errors="replace")
+        notes = []
+        if result.truncated or len(output) > self.max_output_chars:
+            notes.append(f"(output truncated to {self.max_output_chars} characters)")
+        if result.timed_out:
+            notes.append(f"error: the program ran longer than {self.limits.timeout_s:g} s and was killed")
+        elif result.exit_status:
+            notes.append(f"(exit status {result.exit_status})")
+        text = "\n".join([output[: self.max_output_chars], *notes]) if output else "\n".join(notes)
         return ToolResponse(text=text), 0.0, {}
+
+
+def _positive(config: dict, key: str, default, kind: type, where: str):
+    """`config[key]` as a positive `kind`, or a ValueError naming the key and the value."""
+    value = config.get(key, default)
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        number = None
+    if number is None or number <= 0 or isinstance(value, bool):
+        raise ValueError(f"{where}: {key}={value!r} must be a positive {kind.__name__}")
+    return number
 
 
 class Gsm8kAnswerTool(BaseTool):
@@ -319,7 +371,10 @@ def load_tool_config(path: str) -> list[BaseTool]:
         if kind != "native":
             raise ValueError(f"{where}: tools[{index}].config.type={kind!r}; only 'native' tools are supported")
         tool_class = _import_class(str(entry["class_name"]), f"{where}: tools[{index}]")
-        tools.append(tool_class(config, entry.get("tool_schema")))
+        try:
+            tools.append(tool_class(config, entry.get("tool_schema")))
+        except ValueError as err:  # a bad config value: name the file and the entry
+            raise ValueError(f"{where}: tools[{index}]: {err}") from None
     return tools
 
 
