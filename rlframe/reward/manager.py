@@ -224,19 +224,20 @@ def extra_info_metrics(reward_extra_info: dict) -> dict[str, float]:
     for key, values in reward_extra_info.items():
         if not all(value is None or isinstance(value, (numbers.Real, np.bool_)) for value in values):
             continue
-        present = [number for number in map(_as_float, values) if not math.isnan(number)]
+        present = [number for number in map(as_float, values) if not math.isnan(number)]
         if present:
             metrics[f"reward/{key}/mean"] = float(np.mean(present))
     return metrics
 
 
-def _as_float(value) -> float:
-    if value is None:
+def as_float(value) -> float:
+    """An extra-info value as a float: NaN for None and anything not a number, +-inf beyond float64."""
+    if not isinstance(value, (numbers.Real, np.bool_)):
         return math.nan
     try:
         return float(value)
     except OverflowError:  # an int beyond float64
-        return math.copysign(math.inf, value)
+        return math.inf if value > 0 else -math.inf
 
 
 def drop_failed_samples(batch: DataProto, dropped: torch.Tensor) -> None:
