@@ -235,3 +235,53 @@ def test_dapo_reads_an_acc_that_is_not_a_number_as_missing(tokenizer, acc):
     out = DAPORewardManager(tokenizer, compute_score=compute_score)(batch_of(tokenizer, 2), return_dict=True)
     expected = acc if acc == 10**400 else 0.5
     assert out["reward_extra_info"]["acc"] == [expected, expected]
+
+
+def trainer_reward_step(reward_fn, *overrides):
+    """The trainer's reward step (`RayPPOTrainer._compute_reward`) on a batch of 4 responses, without workers."""
+    from types import SimpleNamespace
+
+    from rlframe.trainer.config import compose
+    from rlframe.trainer.ray_trainer import RayPPOTrainer
+
+    trainer = SimpleNamespace(config=compose(list(overrides)), reward_model_wg=None, reward_fn=reward_fn)
+    batch, metrics = batch_of(reward_fn.tokenizer, 4), {}
+    RayPPOTrainer._compute_reward(trainer, batch, metrics)
+    return batch, metrics
+
+
+def test_the_trainer_logs_a_scorers_text_extras_without_stopping(tokenizer):
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        return {"score": 1.0, "pred": "x = 7", "acc": 1.0}  # "x = 7" used to stop the step (its float)
+
+    _, metrics = trainer_reward_step(NaiveRewardManager(tokenizer, compute_score=compute_score))
+    assert metrics["reward/score/mean"] == 1.0 and metrics["reward/acc/mean"] == 1.0
+    assert "reward/pred/mean" not in metrics
+
+
+def test_a_failed_sample_gives_gdpo_a_zero_component_not_a_nan_batch(tokenizer, caplog):
+    """A failed sample has no components (NaN in the extra info); a NaN would spread to every advantage."""
+    from rlframe.algorithms.advantage import compute_gdpo_outcome_advantage
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        if extra_info["index"] == 1:
+            raise RuntimeError("scorer bug")
+        return {"score": 1.0, "acc": float(extra_info["index"] % 2 == 0), "format": 0.5}
+
+    manager = NaiveRewardManager(tokenizer, compute_score=compute_score)
+    with caplog.at_level(logging.WARNING):
+        batch, _ = trainer_reward_step(
+            manager, "algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[acc,format]"
+        )
+    assert batch.batch["gdpo_scores"][1].tolist() == [0.0, 0.0]
+    assert "1 of 4 samples have no finite 'acc'" in caplog.text
+    index = np.array(["a", "a", "b", "b"], dtype=object)
+    advantages, _ = compute_gdpo_outcome_advantage(batch.batch["response_mask"], index, batch.batch["gdpo_scores"])
+    assert torch.isfinite(advantages).all()
+
+
+def test_a_text_gdpo_component_is_named():
+    from rlframe.algorithms.advantage import gdpo_component_scores
+
+    with pytest.raises(ValueError, match=r"'acc' of sample 1 is str 'yes'; a reward component must be a number"):
+        gdpo_component_scores({"acc": [1.0, "yes"]}, ["acc"], 2)
