@@ -5,7 +5,7 @@ rejected before any training work starts, and `__getitem__` only pads. A row of 
 
     input_ids, attention_mask, position_ids   [max_prompt_length] tensors, left-padded
     raw_prompt                                the chat messages (only with data.return_raw_chat)
-    index                                     extra_info["index"] when present, else the row number
+    index                                     extra_info["index"] (an int or a str) when set, else the row number
     every other column                        as read (data_source, reward_model, extra_info, ...)
 """
 
@@ -105,6 +105,18 @@ def check_row(row: dict, where: str, prompt_key: str, reward_fn_key: str) -> Non
         raise ValueError(
             f"{where}, column 'reward_model': expected a dict with a 'ground_truth' key, got {_describe(reward_model)}"
         )
+    index = _extra_index(row)
+    if index is not None and (isinstance(index, bool) or not isinstance(index, (int, str))):
+        raise ValueError(
+            f"{where}, column 'extra_info': 'index' is {_describe(index)}; expected an int or a str naming the "
+            "prompt, or null for the row number (pandas writes a column of ints with gaps as floats: cast it to int)"
+        )
+
+
+def _extra_index(row: dict):
+    """extra_info["index"] of a row; None when the row has no extra_info dict or no index in it."""
+    extra_info = row.get("extra_info")
+    return extra_info.get("index") if isinstance(extra_info, dict) else None
 
 
 def _describe(value) -> str:
@@ -237,8 +249,8 @@ class RLHFDataset(torch.utils.data.Dataset):
         )
         if self.return_raw_chat:
             out["raw_prompt"] = messages
-        extra_info = out.get("extra_info")
-        out["index"] = extra_info["index"] if isinstance(extra_info, dict) and "index" in extra_info else item
+        index = _extra_index(out)
+        out["index"] = item if index is None else index
         return out
 
 

@@ -453,7 +453,7 @@ class RayPPOTrainer:
                         {
                             "step": self.global_step,
                             "uid": uid,
-                            "index": int(index),
+                            "index": index if isinstance(index, str) else int(index),  # int(): numpy ints
                             "prompt": prompt,
                             "response": response,
                             "score": score,

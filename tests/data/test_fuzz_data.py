@@ -294,3 +294,52 @@ def test_ground_truths_the_built_in_scorers_cannot_read_stop_the_run_before_ray(
     scorer = tmp_path / "scorer.py"
     scorer.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
     load(tiny_model_path, path, f"custom_reward_function.path={scorer}")  # a custom scorer reads what it likes
+
+
+# ---------------------------------------------------------------------------------- extra_info index
+@FUZZ
+@given(
+    index=st.none()
+    | st.integers(-(2**63), 2**63 - 1)
+    | text
+    | st.floats()
+    | st.booleans()
+    | st.lists(st.integers(), min_size=1, max_size=2)
+)
+def test_an_index_of_any_type_is_used_or_named(folder, tokenizer, data_config, index):
+    """extra_info.index names a prompt in the rollout dumps: an int or a str; null means the row number."""
+    rows = [{**good_row(0), "extra_info": {"index": None}}, {**good_row(1), "extra_info": {"index": index}}]
+    path = write(folder, rows)
+    if index is None or (isinstance(index, (int, str)) and not isinstance(index, bool)):
+        dataset = RLHFDataset(path, tokenizer, data_config)
+        assert [dataset[0]["index"], dataset[1]["index"]] == [0, 1 if index is None else index]
+        return
+    with pytest.raises(ValueError, match=rf"data file {path}, row 1, column 'extra_info': 'index' is "):
+        RLHFDataset(path, tokenizer, data_config)
+
+
+def test_rollout_dumps_write_text_and_missing_indexes(folder, tokenizer, data_config, tmp_path):
+    """A str index, and a null one (a row without it in a file whose other rows have one), used to stop the step
+    that dumps rollouts (`int(index)`)."""
+    import json
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from rlframe.data.dataset import collate_fn
+    from rlframe.protocol import DataProto
+    from rlframe.trainer.ray_trainer import RayPPOTrainer
+
+    rows = [{**good_row(i), "extra_info": {"index": index}} for i, index in enumerate(["q-17", None])]
+    dataset = RLHFDataset(write(folder, rows), tokenizer, data_config)
+    batch = DataProto.from_single_dict(collate_fn([dataset[0], dataset[1]]))
+    responses = torch.full((2, 3), tokenizer.eos_token_id)
+    batch.batch["input_ids"] = torch.cat([batch.batch["input_ids"], responses], dim=-1)
+    batch.batch["attention_mask"] = torch.cat([batch.batch["attention_mask"], torch.ones_like(responses)], dim=-1)
+    batch.batch["responses"], batch.batch["token_level_scores"] = responses, torch.zeros(2, 3)
+    batch.non_tensor_batch["uid"] = np.array(["a", "b"], dtype=object)
+    trainer = SimpleNamespace(tokenizer=tokenizer, global_step=1)
+    RayPPOTrainer._dump_rollouts(trainer, batch, str(tmp_path))
+    lines = (tmp_path / "1.jsonl").read_text().splitlines()
+    assert [json.loads(line)["index"] for line in lines] == ["q-17", 1]
