@@ -285,3 +285,28 @@ def test_a_text_gdpo_component_is_named():
 
     with pytest.raises(ValueError, match=r"'acc' of sample 1 is str 'yes'; a reward component must be a number"):
         gdpo_component_scores({"acc": [1.0, "yes"]}, ["acc"], 2)
+
+
+@pytest.mark.slow  # starts a scoring process (spawn)
+def test_with_a_time_limit_a_batch_scorer_returning_none_fails_its_batch_too(tmp_path, tokenizer):
+    """`custom_reward_function.timeout_s` scores in a child process; a malformed batch result is counted there
+    as in the driver, so the two paths agree."""
+    from rlframe.config.loader import load_config
+    from rlframe.reward import load_reward_manager
+
+    path = tmp_path / "scorer.py"
+    path.write_text("def compute_scores(data_sources, solution_strs, ground_truths, extra_infos):\n    return None\n")
+    config = load_config(
+        [
+            f"custom_reward_function.path={path}",
+            "custom_reward_function.name=compute_scores",
+            "custom_reward_function.timeout_s=60",
+            "reward_model.reward_manager=batch",
+        ]
+    )
+    manager = load_reward_manager(config, tokenizer)
+    try:
+        out = manager(batch_of(tokenizer, 3), return_dict=True)
+    finally:
+        manager._isolated.close()
+    assert out["metrics"]["reward/num_scorer_errors"] == 3 and out["metrics"]["reward/num_scorer_timeouts"] == 0
