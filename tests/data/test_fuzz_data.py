@@ -343,3 +343,34 @@ def test_rollout_dumps_write_text_and_missing_indexes(folder, tokenizer, data_co
     RayPPOTrainer._dump_rollouts(trainer, batch, str(tmp_path))
     lines = (tmp_path / "1.jsonl").read_text().splitlines()
     assert [json.loads(line)["index"] for line in lines] == ["q-17", 1]
+
+
+# ----------------------------------------------------------------------------------------- loader
+@FUZZ
+@given(
+    sizes=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+    batch_size=st.integers(1, 4),
+    shuffle=st.booleans(),
+)
+def test_the_loader_hands_out_every_row_of_files_with_different_columns_once(
+    folder, tokenizer, data_config, sizes, batch_size, shuffle
+):
+    """Files with different optional columns: every row comes once per epoch, a missing column as None."""
+    from rlframe.data.dataloader import make_dataloader
+
+    files, expected = [], []
+    for number, size in enumerate(sizes):
+        optional = {f"column_{number}": "x"}  # each file has an optional column of its own
+        rows = [
+            {**good_row(len(expected) + i), **optional, "extra_info": {"index": f"{number}-{i}"}} for i in range(size)
+        ]
+        files.append(write(folder, rows))
+        expected += [f"{number}-{i}" for i in range(size)]
+    dataset = RLHFDataset(files, tokenizer, data_config)
+    loader = make_dataloader(dataset, batch_size, shuffle=shuffle, seed=0, drop_last=False)
+    seen = [index for batch in loader for index in batch["index"]]
+    assert sorted(seen) == sorted(expected)
+    for batch in loader:
+        for column in (f"column_{number}" for number in range(len(sizes))):
+            for index, value in zip(batch["index"], batch[column]):
+                assert value == ("x" if index.startswith(f"{column[-1]}-") else None)
