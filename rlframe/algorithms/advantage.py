@@ -20,6 +20,7 @@ import torch
 from rlframe.algorithms.masked import lookup, masked_sum, masked_whiten, register
 
 logger = logging.getLogger(__name__)
+
 ADV_ESTIMATORS: dict[str, Callable] = {}
 # the `algorithm.*` keys the trainer passes every estimator by name; each reads those its signature names
 ALGORITHM_KEYS = ("gamma", "lam", "norm_adv_by_std_in_grpo")

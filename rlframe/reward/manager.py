@@ -9,7 +9,7 @@ Output: `reward_tensor` [bs, response_len] (zeros except the score at the last v
 `reward_extra_info` (per-sample lists: "score" always, plus the other keys of dict scores; NaN where
 a sample lacks a key), `dropped` (a bool per sample) and `metrics` (`reward/num_scorer_errors`,
 `reward/num_scorer_timeouts`; with `drop` also `reward/num_dropped_samples`). A sample whose scorer
-raises, returns a non-finite or malformed score, or runs out of time is *failed*; the run goes on and
+raises, returns a non-finite, beyond-float32 or malformed score, or runs out of time is *failed*; the run goes on and
 it is counted.
 `custom_reward_function.on_scorer_error` says what a failed sample gets: `zero` scores it 0 (trained
 on like any other sample); `drop` marks it in `dropped` (the trainer gives it no weight in the
@@ -315,7 +315,8 @@ class BatchRewardManager(RewardManager):
             )
         except Exception as error:  # noqa: BLE001 - counted and logged by the caller
             return [error] * len(data_sources)
-        if not isinstance(results, (list, tuple, np.ndarray)) or len(results) != len(data_sources):
+        one_dimensional = isinstance(results, (list, tuple)) or (isinstance(results, np.ndarray) and results.ndim == 1)
+        if not one_dimensional or len(results) != len(data_sources):
             # a result per sample cannot be told apart: the batch fails as if the call had raised
             error = ValueError(
                 f"the batch reward function returned {abbreviate(results)}; expected a list of "

@@ -107,7 +107,14 @@ def test_any_value_a_scorer_returns_is_scored_or_counted(tokenizer, returned, on
 
 
 @FUZZ
-@given(returned=st.lists(results, min_size=1, max_size=6) | not_numbers | numbers | extras, size=st.integers(1, 5))
+@given(
+    returned=st.lists(results, min_size=1, max_size=6)
+    | not_numbers
+    | numbers
+    | extras
+    | st.sampled_from([np.float64(1.0), np.array(1.0), np.ones((2, 2)), np.ones(3)]),
+    size=st.integers(1, 5),
+)
 def test_any_value_a_batch_scorer_returns_is_scored_or_counted(tokenizer, returned, size):
     """One result per sample is scored as the naive manager scores it; anything else fails the whole batch."""
 
@@ -116,7 +123,8 @@ def test_any_value_a_batch_scorer_returns_is_scored_or_counted(tokenizer, return
 
     data = batch_of(tokenizer, size)
     out = BatchRewardManager(tokenizer, compute_score=compute_scores)(data, return_dict=True)
-    if isinstance(returned, list) and len(returned) == size:
+    one_dimensional = isinstance(returned, list) or (isinstance(returned, np.ndarray) and returned.ndim == 1)
+    if one_dimensional and len(returned) == size:
         check_scored(out, data, [expected_score(result) for result in returned], "zero")
     else:
         check_scored(out, data, [None] * size, "zero")
