@@ -140,6 +140,8 @@ def test_a_batch_scorer_returning_none_fails_its_batch_with_a_clear_message(toke
         out = BatchRewardManager(tokenizer, compute_score=compute_scores)(data, return_dict=True)
     assert out["metrics"]["reward/num_scorer_errors"] == 3 and out["reward_tensor"].abs().sum() == 0
     assert "the batch reward function returned NoneType None; expected a list of 3 results" in caplog.text
+    out = BatchRewardManager(tokenizer, compute_score=lambda **columns: np.array(1.0))(data, return_dict=True)
+    assert out["metrics"]["reward/num_scorer_errors"] == 3  # a 0-d array has no len(): it used to stop the step
 
 
 @pytest.mark.parametrize(
