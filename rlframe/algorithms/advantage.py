@@ -9,12 +9,17 @@ transparent to the backward recursions: they neither add a time step nor reset t
 from __future__ import annotations
 
 import inspect
+import logging
+import math
+import numbers
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from rlframe.algorithms.masked import lookup, masked_sum, masked_whiten, register
+
+logger = logging.getLogger(__name__)
 
 ADV_ESTIMATORS: dict[str, Callable] = {}
 # the `algorithm.*` keys the trainer passes every estimator by name; each reads those its signature names
@@ -150,11 +155,39 @@ def gdpo_component_scores(extra_info: dict, keys, batch_size: int) -> torch.Tens
                 f"{sorted(extra_info) or 'no extra entries'}: return a dict with {key!r} from compute_score "
                 "(or name one of those)"
             )
-        values = np.asarray(extra_info[key], dtype=np.float32)
-        if values.shape != (batch_size,):
-            raise ValueError(f"algorithm.gdpo_reward_keys: {key!r} has shape {values.shape}, not one value per sample")
-        columns.append(torch.from_numpy(values))
+        if len(extra_info[key]) != batch_size:
+            raise ValueError(
+                f"algorithm.gdpo_reward_keys: {key!r} has {len(extra_info[key])} values, not one per sample"
+            )
+        values = np.array([_component(value, key, row) for row, value in enumerate(extra_info[key])])
+        missing = ~np.isfinite(values)
+        if missing.any():  # NaN would spread through the group's mean and the batch whitening to every sample
+            logger.warning(
+                "algorithm.gdpo_reward_keys: %d of %d samples have no finite %r (their scorer failed, or returned "
+                "no such key, NaN or inf); it counts as 0 for them, as a failed sample's score does",
+                int(missing.sum()),
+                batch_size,
+                key,
+            )
+            values[missing] = 0.0
+        columns.append(torch.from_numpy(values.astype(np.float32)))
     return torch.stack(columns, dim=-1)
+
+
+def _component(value, key: str, row: int) -> float:
+    """One sample's reward component as a float (NaN when absent); text or other values are an error."""
+    if value is None:
+        return math.nan
+    if isinstance(value, (numbers.Real, np.bool_)):
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond float64
+            return math.inf
+    text = repr(value)
+    raise ValueError(
+        f"algorithm.gdpo_reward_keys: {key!r} of sample {row} is {type(value).__name__} {text[:60]}; "
+        "a reward component must be a number"
+    )
 
 
 def gdpo_metrics(gdpo_scores: torch.Tensor, keys) -> dict[str, float]:

@@ -7,7 +7,7 @@ from typing import Any, Dict, Optional
 
 from rlframe.config.schema import Section, key
 
-TRUNCATION_MODES = ("error", "left", "right")
+TRUNCATION_MODES = ("error", "left", "right", "middle")
 # apply_chat_template arguments rlframe sets itself: the prompt is rendered as text with the generation
 # prompt, then tokenized; the tools come from the rollout's tool config
 RESERVED_TEMPLATE_KWARGS = (
@@ -47,7 +47,9 @@ class DataConfig(Section):
     seed: int = key(1, "seed for shuffling and the built-in task generator")
     filter_overlong_prompts: bool = key(False, "drop prompts longer than max_prompt_length (count reported)")
     truncation: str = key(
-        "error", "prompts over max_prompt_length (when not filtered): error|left|right", choices=TRUNCATION_MODES
+        "error",
+        "prompts over max_prompt_length (when not filtered): error|left|right|middle",
+        choices=TRUNCATION_MODES,
     )
     trust_remote_code: bool = key(False, "passed to the tokenizer's from_pretrained")
     apply_chat_template_kwargs: Dict[str, Any] = key(

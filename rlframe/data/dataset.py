@@ -5,7 +5,7 @@ rejected before any training work starts, and `__getitem__` only pads. A row of 
 
     input_ids, attention_mask, position_ids   [max_prompt_length] tensors, left-padded
     raw_prompt                                the chat messages (only with data.return_raw_chat)
-    index                                     extra_info["index"] when present, else the row number
+    index                                     extra_info["index"] (an int or a str) when set, else the row number
     every other column                        as read (data_source, reward_model, extra_info, ...)
 """
 
@@ -17,11 +17,10 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from rlframe.data.config import TRUNCATION_MODES
 from rlframe.distributed.padding import position_ids_from_mask
 
 logger = logging.getLogger(__name__)
-
-TRUNCATION_MODES = ("error", "left", "right")
 
 
 def _read_table(path: str, required_columns: list[str]):
@@ -106,6 +105,18 @@ def check_row(row: dict, where: str, prompt_key: str, reward_fn_key: str) -> Non
         raise ValueError(
             f"{where}, column 'reward_model': expected a dict with a 'ground_truth' key, got {_describe(reward_model)}"
         )
+    index = _extra_index(row)
+    if index is not None and (isinstance(index, bool) or not isinstance(index, (int, str))):
+        raise ValueError(
+            f"{where}, column 'extra_info': 'index' is {_describe(index)}; expected an int or a str naming the "
+            "prompt, or null for the row number (pandas writes a column of ints with gaps as floats: cast it to int)"
+        )
+
+
+def _extra_index(row: dict):
+    """extra_info["index"] of a row; None when the row has no extra_info dict or no index in it."""
+    extra_info = row.get("extra_info")
+    return extra_info.get("index") if isinstance(extra_info, dict) else None
 
 
 def _describe(value) -> str:
@@ -145,26 +156,34 @@ class RLHFDataset(torch.utils.data.Dataset):
         self.truncation = config.truncation
         self.chat_template_kwargs = OmegaConf.to_container(config.apply_chat_template_kwargs)
         filter_overlong = bool(config.filter_overlong_prompts)
+        if self.max_prompt_length < 1:
+            raise ValueError(f"data.max_prompt_length={self.max_prompt_length}; must be >= 1 token")
         if self.truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation={self.truncation!r}; expected one of {', '.join(TRUNCATION_MODES)}")
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set one (e.g. tokenizer.pad_token = tokenizer.eos_token)")
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template; RLHFDataset applies one to every prompt")
+            raise ValueError(
+                "the tokenizer has no chat template; RLHFDataset applies one to every prompt. Use a tokenizer "
+                "that has one (an instruct model's, via data.tokenizer) or set tokenizer.chat_template"
+            )
 
         rows, origins = read_parquet_rows(self.files, [self.prompt_key, config.reward_fn_key, "reward_model"])
         for row, (path, row_number) in zip(rows, origins):  # every row before tokenizing any
             check_row(row, f"data file {path}, row {row_number}", self.prompt_key, config.reward_fn_key)
-        self.rows, self.prompt_ids, self.num_filtered = [], [], 0
+        # origins: each kept row's (file, row number), for errors found later (e.g. by the reward checks)
+        self.rows, self.prompt_ids, self.origins, self.num_filtered = [], [], [], 0
         for row, (path, row_number) in zip(rows, origins):
-            ids = self._tokenize(row[self.prompt_key])
+            where = f"data file {path}, row {row_number}, column {self.prompt_key!r}"
+            ids = self._tokenize(row[self.prompt_key], where)
             if len(ids) > self.max_prompt_length:
                 if filter_overlong:
                     self.num_filtered += 1
                     continue
-                ids = self._truncate(ids, f"data file {path}, row {row_number}, column {self.prompt_key!r}")
+                ids = self._truncate(ids, where)
             self.rows.append(row)
             self.prompt_ids.append(ids)
+            self.origins.append((path, row_number))
         if self.num_filtered:
             logger.warning(
                 "filtered %d of %d prompts longer than data.max_prompt_length=%d tokens (%s)",
@@ -179,23 +198,43 @@ class RLHFDataset(torch.utils.data.Dataset):
                 f"data.max_prompt_length={self.max_prompt_length}"
             )
 
-    def _tokenize(self, messages) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
-        )
+    def _tokenize(self, messages, where: str) -> list[int]:
+        """The templated prompt's token ids; a template that fails or renders nothing is an error naming the row."""
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
+            )
+        except Exception as e:  # jinja's TemplateError (raise_exception), or any error inside the template
+            raise ValueError(
+                f"{where}: the tokenizer's chat template failed on this prompt ({type(e).__name__}: {e}); "
+                f"the prompt was {_describe(messages)}"
+            ) from e
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: the chat template returned {_describe(text)}, not text")
         # The template already wrote every special token; do not let the tokenizer add a BOS again.
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if not ids:  # an all-padding prompt: nothing to condition on, an all-masked row in every forward
+            raise ValueError(
+                f"{where}: the chat template rendered this prompt as no tokens at all (text {text!r}); "
+                f"the prompt was {_describe(messages)}"
+            )
+        return ids
 
     def _truncate(self, ids: list[int], where: str) -> list[int]:
+        """Cut a prompt to max_prompt_length tokens as data.truncation says (verl's modes)."""
+        length = self.max_prompt_length
         if self.truncation == "left":  # keep the end: the question and the generation prompt
-            return ids[-self.max_prompt_length :]
+            return ids[-length:]
         if self.truncation == "right":
-            return ids[: self.max_prompt_length]
+            return ids[:length]
+        if self.truncation == "middle":  # keep the start (system prompt) and the end (generation prompt)
+            head = length // 2
+            return ids[:head] + ids[len(ids) - (length - head) :]
         raise ValueError(
             f"{where}: the prompt is {len(ids)} tokens long, over "
-            f"data.max_prompt_length={self.max_prompt_length} with data.truncation=error; "
+            f"data.max_prompt_length={length} with data.truncation=error; "
             "raise data.max_prompt_length, set data.filter_overlong_prompts=true, "
-            "or set data.truncation=left|right"
+            "or set data.truncation=left|right|middle"
         )
 
     def __len__(self) -> int:
@@ -210,8 +249,8 @@ class RLHFDataset(torch.utils.data.Dataset):
         )
         if self.return_raw_chat:
             out["raw_prompt"] = messages
-        extra_info = out.get("extra_info")
-        out["index"] = extra_info["index"] if isinstance(extra_info, dict) and "index" in extra_info else item
+        index = _extra_index(out)
+        out["index"] = item if index is None else index
         return out
 
 

@@ -22,7 +22,7 @@ import math
 import torch
 
 from rlframe.protocol import DataProto
-from rlframe.reward.manager import REWARD_MANAGERS, NaiveRewardManager, response_lengths
+from rlframe.reward.manager import REWARD_MANAGERS, NaiveRewardManager, as_float, response_lengths
 
 
 def overlong_penalty(lengths: torch.Tensor, max_resp_len: int, buffer_len: int, penalty_factor: float) -> torch.Tensor:
@@ -60,7 +60,8 @@ class DAPORewardManager(NaiveRewardManager):
         reward_tensor, extra = result["reward_tensor"], result["reward_extra_info"]
         scores = extra["score"]
         own_acc = extra.get("acc", [math.nan] * len(scores))  # NaN where a dict score has no "acc"
-        extra["acc"] = [score if math.isnan(acc) else acc for score, acc in zip(scores, own_acc)]
+        # a sample whose "acc" is missing or not a number (None, text) gets its score as acc
+        extra["acc"] = [score if math.isnan(as_float(acc)) else acc for score, acc in zip(scores, own_acc)]
         if self.overlong.get("enable"):
             lengths = response_lengths(data)
             penalty = overlong_penalty(

@@ -9,7 +9,7 @@ Output: `reward_tensor` [bs, response_len] (zeros except the score at the last v
 `reward_extra_info` (per-sample lists: "score" always, plus the other keys of dict scores; NaN where
 a sample lacks a key), `dropped` (a bool per sample) and `metrics` (`reward/num_scorer_errors`,
 `reward/num_scorer_timeouts`; with `drop` also `reward/num_dropped_samples`). A sample whose scorer
-raises, returns a non-finite or malformed score, or runs out of time is *failed*; the run goes on and
+raises, returns a non-finite, beyond-float32 or malformed score, or runs out of time is *failed*; the run goes on and
 it is counted.
 `custom_reward_function.on_scorer_error` says what a failed sample gets: `zero` scores it 0 (trained
 on like any other sample); `drop` marks it in `dropped` (the trainer gives it no weight in the
@@ -35,21 +35,35 @@ from rlframe.reward.scorers import default_compute_score
 logger = logging.getLogger(__name__)
 
 
+# the reward tensor is float32: a larger score would be stored as +-inf (torch refuses the assignment)
+MAX_ABS_SCORE = float(torch.finfo(torch.float32).max)
+
+
+def abbreviate(value, limit: int = 60) -> str:
+    """`type repr` of a value, its repr cut to `limit` characters (a 10**400 score, a long string)."""
+    text = repr(value)
+    return f"{type(value).__name__} {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
 def normalize_score(result) -> tuple[float, dict]:
     """A scorer's result (number, or dict with "score") -> (score, extra info); raises on anything else."""
     extras = {}
     if isinstance(result, dict):
         if "score" not in result:
-            raise ValueError(f"a dict score needs a 'score' key, got keys {sorted(result)}")
+            raise ValueError(f"a dict score needs a 'score' key, got a dict with keys {sorted(map(str, result))}")
         extras = {k: v for k, v in result.items() if k != "score"}
         result = result["score"]
     if isinstance(result, torch.Tensor) and result.numel() == 1:
         result = result.item()
     if not isinstance(result, numbers.Real):
-        raise TypeError(f"a score must be a number or a dict with a 'score' key, got {type(result).__name__}")
-    if not math.isfinite(result):
-        raise ValueError(f"score {result} is not finite")
-    return float(result), extras
+        raise TypeError(f"a score must be a number or a dict with a 'score' key, got {abbreviate(result)}")
+    try:
+        score = float(result)
+    except OverflowError:  # an int beyond float64
+        score = math.inf
+    if not math.isfinite(score) or abs(score) > MAX_ABS_SCORE:
+        raise ValueError(f"score {abbreviate(result)} is not a finite float32 (|score| <= {MAX_ABS_SCORE:.3g})")
+    return score, extras
 
 
 def response_lengths(data: DataProto) -> torch.Tensor:
@@ -135,7 +149,7 @@ class RewardManager:
                 score, extra = 0.0, {}
             scores.append(score)
             extras.append(extra)
-        self._report_errors(errors, data_sources)
+        self._report_errors(errors, data_sources, data.non_tensor_batch.get("index"))
         dropped = torch.zeros(len(data), dtype=torch.bool)
         if self.on_scorer_error == "drop":
             dropped[[i for i, _ in errors]] = True
@@ -160,11 +174,14 @@ class RewardManager:
             "metrics": metrics,
         }
 
-    def _report_errors(self, errors: list, data_sources: list) -> None:
+    def _report_errors(self, errors: list, data_sources: list, indices) -> None:
+        """Log the failures: the first batch with any shows a traceback, later ones a line."""
         if not errors:
             return
         first_index, first_error = errors[0]
-        where = f"sample {first_index}, data_source={data_sources[first_index]!r}"
+        where = f"sample {first_index} of the batch, data_source={data_sources[first_index]!r}"
+        if indices is not None:  # the dataset's `index`: extra_info["index"] or the prompt's row
+            where += f", index={indices[first_index]!r}"
         if not self._logged_traceback:
             self._logged_traceback = True
             logger.error(
@@ -195,6 +212,32 @@ class RewardManager:
             if shown.get(source, 0) < self.num_examine:
                 shown[source] = shown.get(source, 0) + 1
                 logger.info("[%s] response=%r ground_truth=%r score=%s", source, solution, truth, score)
+
+
+def extra_info_metrics(reward_extra_info: dict) -> dict[str, float]:
+    """`reward/<key>/mean` of every extra-info entry whose values are all numbers (or None), NaN left out.
+
+    NaN or None marks a sample without the entry (or a dropped one); entries holding text or other
+    values (a scorer's "pred") stay in the extra info but are not averaged (they used to stop the step).
+    """
+    metrics = {}
+    for key, values in reward_extra_info.items():
+        if not all(value is None or isinstance(value, (numbers.Real, np.bool_)) for value in values):
+            continue
+        present = [number for number in map(as_float, values) if not math.isnan(number)]
+        if present:
+            metrics[f"reward/{key}/mean"] = float(np.mean(present))
+    return metrics
+
+
+def as_float(value) -> float:
+    """An extra-info value as a float: NaN for None and anything not a number, +-inf beyond float64."""
+    if not isinstance(value, (numbers.Real, np.bool_)):
+        return math.nan
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond float64
+        return math.inf if value > 0 else -math.inf
 
 
 def drop_failed_samples(batch: DataProto, dropped: torch.Tensor) -> None:
@@ -271,6 +314,14 @@ class BatchRewardManager(RewardManager):
                 extra_infos=extra_infos,
             )
         except Exception as error:  # noqa: BLE001 - counted and logged by the caller
+            return [error] * len(data_sources)
+        one_dimensional = isinstance(results, (list, tuple)) or (isinstance(results, np.ndarray) and results.ndim == 1)
+        if not one_dimensional or len(results) != len(data_sources):
+            # a result per sample cannot be told apart: the batch fails as if the call had raised
+            error = ValueError(
+                f"the batch reward function returned {abbreviate(results)}; expected a list of "
+                f"{len(data_sources)} results (one number or dict with 'score' per sample)"
+            )
             return [error] * len(data_sources)
         return list(results)
 

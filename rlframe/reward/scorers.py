@@ -176,3 +176,28 @@ def default_compute_score(data_source: str, solution_str: str, ground_truth, ext
             f"{', '.join(KNOWN_DATA_SOURCES)}. Set custom_reward_function.path to score others"
         )
     return scorer(solution_str, ground_truth)
+
+
+def check_builtin_scoring(rows: list[dict], origins: list[tuple[str, int]], reward_fn_key: str) -> None:
+    """Rows the built-in scorers will score: a known data source and a non-empty text or number ground truth.
+
+    Run on the datasets before Ray starts when no custom scorer is set: a row failing here could only
+    ever score 0 (an unknown source fails every time; str(None), b'..' or "" compare wrongly).
+    """
+    for row, (path, row_number) in zip(rows, origins):
+        where = f"data file {path}, row {row_number}"
+        source = row[reward_fn_key]
+        if source not in _SCORERS:
+            raise ValueError(
+                f"{where}, column {reward_fn_key!r}: no built-in scorer for data_source={source!r} (known: "
+                f"{', '.join(KNOWN_DATA_SOURCES)}); set custom_reward_function.path to score it"
+            )
+        truth = row["reward_model"]["ground_truth"]
+        text = repr(truth)
+        if isinstance(truth, bool) or not isinstance(truth, (str, int, float)) or not str(truth).strip():
+            raise ValueError(
+                f"{where}, column 'reward_model': ground_truth is {type(truth).__name__} "
+                f"{text[:60]}{'...' if len(text) > 60 else ''}; the built-in scorer of {source!r} compares "
+                "against non-empty text or a number. Fix the data, or set custom_reward_function.path to a "
+                "scorer that reads this ground truth"
+            )

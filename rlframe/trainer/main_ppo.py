@@ -25,6 +25,7 @@ from rlframe.data.dataset import RLHFDataset
 from rlframe.models.builtin import resolve_model_path
 from rlframe.models.reward_head import check_reward_checkpoint
 from rlframe.reward.manager import load_reward_manager
+from rlframe.reward.scorers import check_builtin_scoring
 from rlframe.single_controller.errors import WorkerDiedError, WorkerGroupError, WorkerTimeoutError
 from rlframe.trainer.config import PPOTrainerConfig, compose, typed
 from rlframe.trainer.launch import create_worker_groups
@@ -117,6 +118,9 @@ def load_data_and_rewards(cfg: DictConfig) -> tuple:
     )
     train_loader, val_loader = build_data(cfg, tokenizer)
     reward_fn = load_reward_manager(cfg, tokenizer, num_examine=0)
+    if reward_fn.compute_score is None and not cfg.reward_model.enable:  # the built-in scorers give the reward
+        for dataset in (train_loader.dataset, val_loader.dataset):
+            check_builtin_scoring(dataset.rows, dataset.origins, cfg.data.reward_fn_key)
     val_reward_fn = load_reward_manager(
         cfg, tokenizer, num_examine=cfg.trainer.log_val_generations, compute_score=reward_fn.compute_score
     )  # the user's file runs once

@@ -35,7 +35,7 @@ from rlframe.algorithms.rollout_correction import probs_diff_metrics, rollout_co
 from rlframe.batch_plan import BatchPlan
 from rlframe.config.checks import resolve_device
 from rlframe.protocol import DataProto
-from rlframe.reward.manager import drop_failed_samples, group_index
+from rlframe.reward.manager import drop_failed_samples, extra_info_metrics, group_index
 from rlframe.seqpack import balance_dp_partitions, packing_metrics
 from rlframe.trainer.checkpointing import TrainerCheckpointer
 from rlframe.trainer.dynamic_sampling import DynamicSampler
@@ -419,10 +419,7 @@ class RayPPOTrainer:
             drop_failed_samples(batch, result["dropped"])
         metrics.update(result.get("metrics", {}))
         extra_info = result.get("reward_extra_info", {})
-        for key, values in extra_info.items():
-            values = np.asarray(values, dtype=float)
-            if np.isfinite(values).any():
-                metrics[f"reward/{key}/mean"] = float(np.nanmean(values))
+        metrics.update(extra_info_metrics(extra_info))
         if self.config.algorithm.adv_estimator == "gdpo":  # the components travel with their samples
             keys = self.config.algorithm.gdpo_reward_keys
             batch.batch["gdpo_scores"] = gdpo_component_scores(extra_info, keys, len(batch))
@@ -456,7 +453,7 @@ class RayPPOTrainer:
                         {
                             "step": self.global_step,
                             "uid": uid,
-                            "index": int(index),
+                            "index": index if isinstance(index, str) else int(index),  # int(): numpy ints
                             "prompt": prompt,
                             "response": response,
                             "score": score,

@@ -216,8 +216,8 @@ def test_truncation_keeps_the_chosen_end(mixed_length_file, tokenizer, data_conf
 
 
 def test_unknown_truncation_mode_is_rejected(mixed_length_file, tokenizer, data_config):
-    with pytest.raises(ValueError, match="error, left, right"):
-        RLHFDataset(mixed_length_file, tokenizer, with_overrides(data_config, truncation="middle"))
+    with pytest.raises(ValueError, match="data.truncation='center'; expected one of error, left, right, middle"):
+        RLHFDataset(mixed_length_file, tokenizer, with_overrides(data_config, truncation="center"))
 
 
 def test_missing_column_error_names_column_file_and_present_columns(tmp_path, tokenizer, data_config):
