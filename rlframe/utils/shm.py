@@ -2,9 +2,10 @@
 
 `shm_dir()` is `/dev/shm` unless `RLFRAME_SHM_DIR` names another folder (a small tmpfs in the tests, or a
 larger mount than a container's 64 MB `/dev/shm`). Files there hold RAM until removed, so what a process
-makes there it registers with `remove_at_exit` (removed at interpreter exit, or earlier by its owner with
-`remove_now`); what a killed process leaves is named after its pid, and `remove_stale` clears it when the
-next process sets up.
+makes there it registers with `remove_at_exit`: removed at interpreter exit, earlier by its owner with
+`remove_now`, or when its worker group asks it to `remove_registered` before killing it (a killed process
+runs no exit handler). What a process killed anyway leaves is named after its pid, and `remove_stale`
+clears it when the next process sets up.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def _remove(path: str) -> None:
 
 
 @atexit.register
-def _remove_all() -> None:
+def remove_registered() -> None:
+    """Remove every path registered with `remove_at_exit` now."""
     for path in list(_to_remove):
         remove_now(path)
