@@ -11,12 +11,15 @@ clears it when the next process sets up.
 from __future__ import annotations
 
 import atexit
+import fcntl
 import os
 import shutil
+from typing import IO
 
 SHM_DIR_ENV = "RLFRAME_SHM_DIR"
 
 _to_remove: set[str] = set()
+_shared: dict[str, IO] = {}  # a copy several processes use -> this process's file holding a shared lock on it
 
 
 def shm_dir() -> str:
@@ -33,6 +36,12 @@ def remove_now(path: str) -> None:
     """Remove `path` now and forget it."""
     _to_remove.discard(path)
     _remove(path)
+
+
+def hold_shared(path: str, lock: IO) -> None:
+    """`path` is used by this process while `lock` holds a shared flock: when this process exits (or its group
+    releases it) and no other process holds one, `path` is removed."""
+    _shared[path] = lock
 
 
 def remove_stale(folder: str, prefix: str) -> None:
@@ -72,3 +81,12 @@ def remove_registered() -> None:
     """Remove every path registered with `remove_at_exit` now."""
     for path in list(_to_remove):
         remove_now(path)
+    for path, lock in list(_shared.items()):
+        del _shared[path]
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # only when no other process still uses it
+            _remove(path)
+        except BlockingIOError:
+            pass
+        finally:
+            lock.close()

@@ -134,3 +134,34 @@ def test_files_registered_for_removal_go_when_the_process_exits(small_shm):
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "['adapter']"  # there while the process ran
     assert os.listdir(small_shm) == []
+
+
+def _copy_in_another_process(model_path: str, shm: str) -> str:
+    script = f"from rlframe.models.builtin import copy_to_shm; print(copy_to_shm({model_path!r}, {shm!r}))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True).stdout
+
+
+def test_a_model_copy_is_removed_by_the_last_process_that_uses_it(small_shm, tiny_model_path):
+    from rlframe.models.builtin import copy_to_shm
+    from rlframe.utils.shm import remove_registered
+
+    copy = copy_to_shm(tiny_model_path, small_shm)
+    assert sorted(os.listdir(copy)) == sorted(os.listdir(tiny_model_path))
+    assert _copy_in_another_process(tiny_model_path, small_shm).strip() == copy  # it exited: we still use it
+    assert os.path.isdir(copy)
+    remove_registered()  # what this process's exit (or its worker group's teardown) does
+    assert not os.path.exists(copy)
+    copy_to_shm.cache_clear()
+
+
+def test_a_model_copy_that_does_not_fit_loads_from_the_folder_itself(small_shm, tiny_model_path):
+    from rlframe.models.builtin import copy_to_shm
+
+    with open(os.path.join(small_shm, "filler"), "wb") as filler:
+        filler.write(b"\0" * ((TMPFS_MB << 20) - (64 << 10)))  # 64 KB left
+    with pytest.warns(UserWarning, match="model.use_shm: cannot copy"):
+        assert copy_to_shm(tiny_model_path, small_shm) == tiny_model_path
+    assert sorted(os.listdir(small_shm)) == ["filler", "rlframe-models"]
+    assert [name for name in os.listdir(os.path.join(small_shm, "rlframe-models")) if not name.endswith(".lock")] == []
+    copy_to_shm.cache_clear()
