@@ -126,8 +126,10 @@ def generate_pooled(rollout: BaseRollout, prompts: DataProto, group) -> DataProt
 class _Heartbeat:
     """Rank 0's beats and "ready" mark for one pooled generation, in the group's store (see the module).
 
-    Keys are per call (`add` reads a counter without blocking, and creates it at 0); a call removes the
-    previous call's keys, which every rank has passed since (they all took part in this call's gathers).
+    Keys are per call (`add` reads the beat counter without blocking, `check` whether "ready" is set); a call
+    removes the previous call's keys, which every rank has passed since (they all took part in this call's
+    gathers). The waiters poll at growing intervals, 5 ms to 0.5 s: a short generation is not held up by a
+    long sleep, a long one costs a few polls a second.
     """
 
     calls: dict[str, int] = {}  # pooled generations so far, per group name
@@ -157,14 +159,14 @@ class _Heartbeat:
         finally:  # ready with rows or with an error: either way the others enter the scatter
             stop.set()
             thread.join()
-            self.store.add(self.ready_key, 1)
+            self.store.set(self.ready_key, b"1")
 
     def wait_for_rank_0(self, doing: str) -> None:
         """The other ranks: poll until rank 0 is ready, however long; raise once it stopped beating."""
-        beats, last_beat = 0, time.monotonic()
+        beats, last_beat, pause = 0, time.monotonic(), 0.005
         while True:
             try:
-                if self.store.add(self.ready_key, 0):
+                if self.store.check([self.ready_key]):
                     return
                 now_beats = self.store.add(self.beat_key, 0)
             except RuntimeError as error:  # the store went with rank 0's process (DistError is one)
@@ -179,7 +181,8 @@ class _Heartbeat:
                     f"{MISSED_HEARTBEATS} heartbeats of {HEARTBEAT_S:g} s missed, so it died or hangs "
                     "(see its log for why)"
                 )
-            time.sleep(min(HEARTBEAT_S / 2, 1.0))
+            time.sleep(pause)
+            pause = min(2 * pause, 0.5, HEARTBEAT_S / 2)
 
 
 @contextlib.contextmanager
