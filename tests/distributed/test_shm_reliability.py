@@ -89,6 +89,8 @@ def _dying_before_mapping(rank: int, store_path: str, shm: str, results) -> None
         results.put("no error")
     except RuntimeError as error:
         results.put(f"{type(error).__name__}: {error}")
+    results.close()
+    results.join_thread()  # the message is through before the process ends
     os._exit(0)  # not destroy_process_group: its peer is gone
 
 

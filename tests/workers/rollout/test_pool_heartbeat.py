@@ -63,6 +63,8 @@ def _dying_rank(rank: int, store_path: str, model_path: str, results) -> None:
         results.put("no error")
     except RuntimeError as error:
         results.put(str(error))
+    results.close()
+    results.join_thread()  # the message is through before the process ends
     os._exit(0)  # not destroy_process_group: its peer is gone
 
 
