@@ -125,7 +125,8 @@ class Worker:
             raise WorkerError(self.rank, f"{type(target).__name__}.{method}", traceback.format_exc()) from None
 
     def _rlframe_release(self) -> None:
-        """Remove this process's files in shared memory (LoRA adapters): the group calls it before killing it."""
+        """Remove this process's files in shared memory (LoRA adapters, its hold on a model copy): the group calls it
+        before killing it."""
         remove_registered()
 
     def _rlframe_info(self) -> dict:
