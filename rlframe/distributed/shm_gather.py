@@ -12,8 +12,16 @@ same `nbytes`, writes its own bytes of the half it returns, calls `dist.barrier(
 byte of it. The buffer has two halves used in turn, so that one barrier per call is enough: a rank writes call
 k + 1 into the other half while its peers may still read call k, and cannot come back to call k's half before
 every peer has passed call k + 1's barrier, which each reaches only after it has read call k. So what a rank
-reads stays intact until its next call but one. The file is unlinked as soon as every rank has mapped it:
-nothing is left in /dev/shm even when a process is killed.
+reads stays intact until its next call but one.
+
+Two things must not end a run. A file in /dev/shm whose pages the tmpfs cannot supply kills the process that
+touches them with SIGBUS, and /dev/shm may fill after the group measured it (another process, a model
+copy): so rank 0 reserves every page when it creates the buffer, or grows it (`os.posix_fallocate`, which on
+tmpfs allocates them or fails with ENOSPC), and when it cannot, every rank of the group gathers through its
+backend from then on (one warning says so). And a rank killed while the group sets the buffer up must not
+leave the file: rank 0 unlinks it as soon as it has created it, and the others open it through rank 0's open
+descriptor (`/proc/<pid>/fd/<fd>`, all ranks run on this machine), so the file never has a name for a
+killed process to leave behind. The folder is `rlframe.utils.shm.shm_dir()` ($RLFRAME_SHM_DIR, else /dev/shm).
 """
 
 from __future__ import annotations
@@ -22,36 +30,79 @@ import mmap
 import os
 import socket
 import tempfile
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-SHM_DIR = "/dev/shm"
+from rlframe.utils.shm import shm_dir
 
 
 class _SharedBuffer:
-    """One mapping of a /dev/shm file by every rank of `group`: two halves of `half_bytes`."""
+    """One mapping of a shared-memory file by every rank of `group`: two halves of `half_bytes`."""
 
-    def __init__(self, group, half_bytes: int):
-        self.half_bytes, self.calls = half_bytes, 0
-        path = [None]
-        if dist.get_rank(group) == 0:
-            fd, path[0] = tempfile.mkstemp(prefix="rlframe-gather-", dir=SHM_DIR)
-            os.ftruncate(fd, 2 * half_bytes)
-            os.close(fd)
-        dist.broadcast_object_list(path, group_src=0, group=group)
-        with open(path[0], "r+b") as file:
-            self.map = mmap.mmap(file.fileno(), 2 * half_bytes)
-        dist.barrier(group=group)
-        if dist.get_rank(group) == 0:
-            os.unlink(path[0])
-        self.halves = torch.frombuffer(self.map, dtype=torch.uint8).view(2, half_bytes)
+    def __init__(self, map: mmap.mmap, half_bytes: int):
+        self.map, self.half_bytes, self.calls = map, half_bytes, 0
+        self.halves = torch.frombuffer(map, dtype=torch.uint8).view(2, half_bytes)
 
     def next_half(self, nbytes: int) -> torch.Tensor:
         half = self.halves[self.calls % 2, :nbytes]
         self.calls += 1
         return half
+
+
+def _map_for_group(group, nbytes: int) -> mmap.mmap | None:
+    """`nbytes` of shared memory mapped by every rank of `group`, every page reserved; None on every rank
+    when rank 0 could not reserve them or a rank could not map them. A collective (see the module)."""
+    rank, fd, offer = dist.get_rank(group), None, [None]
+    if rank == 0:
+        fd, offer[0] = _reserve(nbytes)
+    try:
+        dist.broadcast_object_list(offer, group_src=0, group=group)
+        mapped, problem = None, offer[0] if isinstance(offer[0], str) else None
+        if problem is None:
+            pid, their_fd = offer[0]
+            try:
+                if rank == 0:
+                    mapped = mmap.mmap(fd, nbytes)
+                else:
+                    with open(f"/proc/{pid}/fd/{their_fd}", "r+b") as file:
+                        mapped = mmap.mmap(file.fileno(), nbytes)
+            except OSError as error:
+                problem = f"rank {dist.get_rank()} could not map it: {error}"
+        problems = [None] * dist.get_world_size(group)  # also the barrier: every rank has mapped it
+        dist.all_gather_object(problems, problem, group=group)
+    finally:
+        if fd is not None:
+            os.close(fd)  # the mappings keep the pages; the file had no name left
+    problem = next((p for p in problems if p is not None), None)
+    if problem is None:
+        return mapped
+    if mapped is not None:
+        mapped.close()
+    warnings.warn(
+        f"a shared-memory buffer of {nbytes} bytes in {shm_dir()}: {problem}; this process group gathers "
+        "through its backend from now on (slower, the same results)",
+        stacklevel=3,
+    )
+    return None
+
+
+def _reserve(nbytes: int) -> tuple[int | None, tuple[int, int] | str]:
+    """Rank 0: an open, already unlinked file of `nbytes` whose pages are all allocated, and (pid, fd) for
+    the others to open it by; or (None, why not)."""
+    try:
+        fd, path = tempfile.mkstemp(prefix=f"rlframe-gather-{os.getpid()}-", dir=shm_dir())
+    except OSError as error:
+        return None, f"cannot create a file there: {error}"
+    os.unlink(path)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)  # tmpfs allocates the pages now, or says ENOSPC: never a SIGBUS later
+    except OSError as error:
+        os.close(fd)
+        return None, f"cannot reserve its pages: {error}"
+    return fd, (os.getpid(), fd)
 
 
 @dataclass
@@ -61,6 +112,7 @@ class _GroupMemory:
     one_machine: bool
     capacity: int  # the least free /dev/shm bytes any rank saw, the same number on every rank
     buffer: _SharedBuffer | None = None
+    failed: bool = False  # a buffer could not be reserved or mapped: the backend gathers from then on
 
 
 class SharedMemoryGroups:
@@ -78,8 +130,8 @@ class SharedMemoryGroups:
         """Asked once per group (a collective the first time): host, boot and free /dev/shm of every rank."""
         if group not in self._groups:
             free = 0
-            if os.path.isdir(SHM_DIR):
-                stat = os.statvfs(SHM_DIR)
+            if os.path.isdir(shm_dir()):
+                stat = os.statvfs(shm_dir())
                 free = stat.f_bavail * stat.f_frsize
             here = (socket.gethostname(), _boot_id())
             everyone = [None] * dist.get_world_size(group)
@@ -95,20 +147,26 @@ class SharedMemoryGroups:
     def shared_half(self, group, nbytes: int) -> torch.Tensor | None:
         """`nbytes` of the group's shared buffer (uint8, see the module for the protocol), or None.
 
-        None when the ranks are not all on this machine or the buffer (two halves) would take more than a
-        quarter of the free /dev/shm they reported: then gather through the group's backend. Every rank
-        decides alike, from numbers the ranks agreed on and the `nbytes` they all pass.
+        None when the ranks are not all on this machine, the buffer (two halves) would take more than a
+        quarter of the free /dev/shm they reported, or it could not be reserved (see the module): then gather
+        through the group's backend. Every rank decides alike, from numbers the ranks agreed on, the `nbytes`
+        they all pass and what rank 0 tells them.
         """
         if dist.get_world_size(group) == 1:
             return None
         memory = self.memory(group)
         half = max(nbytes, 1 << 20)
-        if not memory.one_machine or 2 * half > memory.capacity // 4:
+        if not memory.one_machine or memory.failed or 2 * half > memory.capacity // 4:
             return None
         if memory.buffer is None or memory.buffer.half_bytes < nbytes:
             if memory.buffer is not None:  # every rank grows it at the same call; nobody still reads the old one
                 dist.barrier(group=group)
-            memory.buffer = _SharedBuffer(group, half)
+                memory.buffer = None  # its pages go back once no tensor views them
+            mapped = _map_for_group(group, 2 * half)
+            if mapped is None:
+                memory.failed = True
+                return None
+            memory.buffer = _SharedBuffer(mapped, half)
         return memory.buffer.next_half(nbytes)
 
     def close(self) -> None:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
 import os
+import shutil
+import warnings
 from collections.abc import Callable
 
 from rlframe.models import smollm2
 from rlframe.models.tiny import make_quickstart_model, make_tiny_model
 from rlframe.utils.cache import cache_dir
+from rlframe.utils.shm import hold_shared, shm_dir
 
 PREFIX = "builtin://"
 
@@ -76,34 +81,45 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-SHM_ROOT = "/dev/shm"
-
-
 @functools.cache  # actor, reference and rollout of a worker load the same folder
-def copy_to_shm(path: str, shm_root: str = SHM_ROOT) -> str:
+def copy_to_shm(path: str, shm_root: str | None = None) -> str:
     """A copy of the model folder in shared memory (`model.use_shm`, as verl): later loads read RAM, not disk.
 
-    One copy per folder version and node: the name hashes the path and every file's size and
-    modification time, and a lock makes the other workers of the node wait for the first one's copy
-    instead of making their own (each copy costs the model's size in RAM).
+    One copy per folder version and node, in `shm_root` (default `rlframe.utils.shm.shm_dir()`): the name
+    hashes the path and every file's size and modification time, and a lock makes the other workers of the
+    node wait for the first one's copy instead of making their own (each copy costs the model's size in
+    RAM). Each process then holds a shared lock on it, and the last one to exit removes it. When the copy
+    does not fit, the model loads from `path` itself (a warning says so): the run does not stop for it.
     """
-    import fcntl
-    import hashlib
-    import shutil
-
     source = os.path.abspath(path)
     stamp = [source] + [
         f"{name}:{os.path.getsize(os.path.join(source, name))}:{os.path.getmtime(os.path.join(source, name))}"
         for name in sorted(os.listdir(source))
     ]
-    folder = os.path.join(shm_root, "rlframe-models")
+    folder = os.path.join(shm_root or shm_dir(), "rlframe-models")
     os.makedirs(folder, exist_ok=True)
     target = os.path.join(folder, hashlib.sha1("\n".join(stamp).encode()).hexdigest()[:16])
-    with open(target + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if not os.path.isdir(target):
-            tmp = f"{target}.tmp.{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(source, tmp)
-            os.replace(tmp, target)
+    lock = open(target + ".lock", "w")  # noqa: SIM115 - held while this process runs
+    fcntl.flock(lock, fcntl.LOCK_SH)
+    while not os.path.isdir(target):
+        fcntl.flock(lock, fcntl.LOCK_EX)  # drops the shared lock first: two processes here take turns
+        if not os.path.isdir(target) and not _copy(source, target):
+            lock.close()
+            return source
+        fcntl.flock(lock, fcntl.LOCK_SH)  # not atomic either: a last user may remove it in between, then again
+    hold_shared(target, lock)
     return target
+
+
+def _copy(source: str, target: str) -> bool:
+    """Copy the folder `source` to `target` whole (through a temporary name); False when it does not fit."""
+    tmp = f"{target}.tmp.{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        shutil.copytree(source, tmp)
+    except OSError as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        warnings.warn(f"model.use_shm: cannot copy {source} to {tmp} ({error}); loading it from {source}", stacklevel=3)
+        return False
+    os.replace(tmp, target)
+    return True

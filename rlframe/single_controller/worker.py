@@ -13,6 +13,7 @@ from rlframe.distributed.shm_gather import SharedMemoryGroups
 from rlframe.single_controller.errors import WorkerError
 from rlframe.single_controller.transport import pack_value, unpack_value
 from rlframe.utils.faults import KillPoints
+from rlframe.utils.shm import remove_registered
 
 # Environment a worker group sets on each worker process before its class is constructed.
 # Set for a group whose ranks all run on one node: torch.distributed rendezvouses through this file
@@ -122,6 +123,11 @@ class Worker:
                 return pack_value(getattr(target, method)(*args, **kwargs))
         except Exception:  # noqa: BLE001 - every failure must reach the driver with its rank
             raise WorkerError(self.rank, f"{type(target).__name__}.{method}", traceback.format_exc()) from None
+
+    def _rlframe_release(self) -> None:
+        """Remove this process's files in shared memory (LoRA adapters, its hold on a model copy): the group calls it
+        before killing it."""
+        remove_registered()
 
     def _rlframe_info(self) -> dict:
         """Where this process runs; the group asks once, so constructor failures surface at build time."""

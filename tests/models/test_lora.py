@@ -411,13 +411,17 @@ def test_vllm_rollout_lora_path_with_a_stand_in_engine(monkeypatch, tiny_model_p
     modules["vllm.lora.request"].LoRARequest = LoRARequest
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setenv("RLFRAME_SHM_DIR", str(tmp_path))
+    killed, running = tmp_path / "rlframe-lora" / "999999999-v3", tmp_path / "rlframe-lora" / f"{os.getppid()}-v1"
+    killed.mkdir(parents=True)  # what a killed process left (no process has that pid), and a running one's
+    running.mkdir()
     cfg = rollout_config("actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.free_cache_engine=true")
     rollout = build_rollout(
         "vllm", cfg, ServedModel(tiny_model_path, lora_rank=RANK), load_tokenizer(tiny_model_path), "cuda"
     )
     engine = rollout.engine  # the engine inside the agent loops (rollout.mode=async)
     engine.device = torch.device("cpu")  # where update_weights puts tensors: cuda:0 on a GPU
-    engine._lora_root = str(tmp_path)
+    assert not killed.exists() and running.exists()
     removed = []
     engine.llm.llm_engine = types.SimpleNamespace(remove_lora=removed.append)
     assert {k: record["kwargs"][k] for k in ("enable_lora", "max_loras", "max_lora_rank")} == {
@@ -454,3 +458,6 @@ def test_vllm_rollout_lora_path_with_a_stand_in_engine(monkeypatch, tiny_model_p
     assert sorted(written["target_modules"]) == sorted(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
+    engine.llm.llm_engine.engine_core = types.SimpleNamespace(shutdown=lambda: None)
+    engine.shutdown()  # the last adapter's folder goes with the engine
+    assert not os.path.exists(second.lora_path) and os.listdir(tmp_path / "rlframe-lora") == [running.name]

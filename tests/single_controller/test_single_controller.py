@@ -54,6 +54,17 @@ class CrashWorker(Worker):
         return "unreachable"
 
 
+class ShmWorker(Worker):
+    @register(Dispatch.ONE_TO_ALL)
+    def make_folder_removed_at_exit(self, parent):
+        from rlframe.utils.shm import remove_at_exit
+
+        folder = os.path.join(parent, f"rank{self.rank}")
+        os.makedirs(folder)
+        remove_at_exit(folder)
+        return folder
+
+
 class ActorRole(Worker):
     def __init__(self, scale):
         self.scale = scale
@@ -275,6 +286,20 @@ def test_dead_worker_is_reported_with_its_rank_not_waited_on(ray_cluster):
         pool.remove()
     with pytest.raises(WorkerGroupError, match="shut down"):
         wg.crash_one_while_peers_wait(1)
+
+
+def test_group_shutdown_removes_what_its_workers_registered_in_shared_memory(ray_cluster, tmp_path):
+    from rlframe.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
+
+    pool = small_pool(2)
+    wg = RayWorkerGroup(pool, RayClassWithInitArgs(ShmWorker), call_timeout_s=90)
+    try:
+        folders = wg.make_folder_removed_at_exit(str(tmp_path))
+        assert all(os.path.isdir(folder) for folder in folders)
+    finally:
+        wg.shutdown()  # kills the workers: no exit handler of theirs runs, the group asks them first
+        pool.remove()
+    assert os.listdir(tmp_path) == []
 
 
 # ---------------------------------------------------------------------------------- colocation

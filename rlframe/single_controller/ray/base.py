@@ -235,7 +235,11 @@ class RayWorkerGroup(Generic[W]):
         return views
 
     def shutdown(self) -> None:
-        """Kill every worker process (of this group and all groups spawned from it)."""
+        """Kill every worker process (of this group and all groups spawned from it), once each has removed its
+        files in shared memory (`Worker._rlframe_release`; one dead or busy for 10 s keeps them until the next
+        run on its node clears them)."""
+        with contextlib.suppress(Exception):
+            ray.get([worker._rlframe_release.remote() for worker in self._workers], timeout=10)
         for worker in self._workers:
             ray.kill(worker, no_restart=True)
         self._workers.clear()

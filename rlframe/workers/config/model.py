@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 from rlframe.config.checks import SAVE_CONTENTS, planned_device
 from rlframe.config.keys import REF, ref_enabled
 from rlframe.config.schema import Section, each_of, key, section
-from rlframe.models.builtin import SHM_ROOT
+from rlframe.utils.shm import shm_dir
 
 # the dtype names the keys accept, and the torch dtype each names (rlframe/workers/fsdp_utils.py resolves them)
 DTYPES = {
@@ -38,8 +38,11 @@ def log_prob_pass_switches(path: str, root: Any) -> dict[str, str]:
 
 def check_shm(path: str, use_shm: bool) -> None:
     """use_shm needs the shared-memory mount the model folder is copied to."""
-    if use_shm and not os.path.isdir(SHM_ROOT):
-        raise ValueError(f"{path}.use_shm=true needs {SHM_ROOT} (a Linux shared-memory mount); set it to false")
+    if use_shm and not os.path.isdir(shm_dir()):
+        raise ValueError(
+            f"{path}.use_shm=true needs {shm_dir()} (a Linux shared-memory mount, or the folder RLFRAME_SHM_DIR "
+            "names); set it to false"
+        )
 
 
 def _check_impl_backend(name: str) -> None:

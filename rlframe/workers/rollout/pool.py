@@ -17,12 +17,21 @@ with the rows (`sample_seed`), and a row's tokens depend only on its prompt, its
 (`position_seed`), not on the batch it is generated in. Only the floating-point rounding of the logits
 follows the batch (its padding): `rollout_log_probs` agree to a few ulps, and a token could differ only
 if its uniform draw fell within that rounding of a boundary between two tokens' probabilities.
+
+Generation can take longer than the process group's timeout (`nccl_timeout`, 600 s by default), which bounds
+every collective: so the other ranks do not wait in one. They poll the group's store instead (`_Heartbeat`),
+where rank 0 adds a beat every `HEARTBEAT_S` while it generates and marks its results ready; they enter the
+scatter only then, and it returns at once. A rank 0 that dies or hangs stops beating: after
+`MISSED_HEARTBEATS` beats missed in a row (or at once, when the store itself went with it) the waiting
+ranks raise an error that names rank 0 and what it was doing, instead of hanging or timing out.
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import threading
+import time
 
 import numpy as np
 import torch
@@ -31,6 +40,9 @@ import torch.distributed as dist
 from rlframe.distributed.shm_gather import SharedMemoryGroups
 from rlframe.protocol import DataProto, all_gather_data_proto
 from rlframe.workers.rollout.base import SEED_KEY, BaseRollout, response_metrics
+
+HEARTBEAT_S = 5.0  # rank 0 beats this often while it generates
+MISSED_HEARTBEATS = 6  # beats missed in a row (30 s) before the waiting ranks give rank 0 up
 
 
 def pools_generation(
@@ -81,9 +93,10 @@ def generate_pooled(rollout: BaseRollout, prompts: DataProto, group) -> DataProt
     every = all_gather_data_proto(prompts, group)
     prompts.non_tensor_batch.pop(SEED_KEY)
     shares = [None]
+    heartbeat = _Heartbeat(group)
     if rank == 0:
         try:
-            with _threads(size * torch.get_num_threads()):
+            with heartbeat.beating(), _threads(size * torch.get_num_threads()):
                 output = rollout.generate_sequences(every)
         except BaseException as error:  # the others wait for their rows: tell them, so that no rank hangs
             dist.scatter_object_list(shares, [f"{type(error).__name__}: {error}"] * size, group_src=0, group=group)
@@ -95,6 +108,7 @@ def generate_pooled(rollout: BaseRollout, prompts: DataProto, group) -> DataProt
             part.meta_info = output.meta_info
         dist.scatter_object_list(shares, parts, group_src=0, group=group)
     else:
+        heartbeat.wait_for_rank_0(f"generating the {sum(counts)} rows of the {size} ranks of this machine")
         dist.scatter_object_list(shares, None, group_src=0, group=group)
     share = shares[0]
     if isinstance(share, str):
@@ -107,6 +121,68 @@ def generate_pooled(rollout: BaseRollout, prompts: DataProto, group) -> DataProt
     metrics.update(response_metrics(share.batch["response_mask"], share.batch["responses"], eos_ids))
     share.meta_info = {"metrics": metrics}
     return share
+
+
+class _Heartbeat:
+    """Rank 0's beats and "ready" mark for one pooled generation, in the group's store (see the module).
+
+    Keys are per call (`add` reads the beat counter without blocking, `check` whether "ready" is set); a call
+    removes the previous call's keys, which every rank has passed since (they all took part in this call's
+    gathers). The waiters poll at growing intervals, 5 ms to 0.5 s: a short generation is not held up by a
+    long sleep, a long one costs a few polls a second.
+    """
+
+    calls: dict[str, int] = {}  # pooled generations so far, per group name
+
+    def __init__(self, group):
+        name = group.group_name
+        call = self.calls[name] = self.calls.get(name, 0) + 1
+        self.store = dist.distributed_c10d._get_default_store()  # the rendezvous store every rank reaches
+        self.beat_key, self.ready_key = f"rlframe/pool/{name}/{call}/beat", f"rlframe/pool/{name}/{call}/ready"
+        if dist.get_rank(group) == 0 and call > 1:
+            for key in (f"rlframe/pool/{name}/{call - 1}/beat", f"rlframe/pool/{name}/{call - 1}/ready"):
+                self.store.delete_key(key)
+
+    @contextlib.contextmanager
+    def beating(self):
+        """Rank 0: beat every HEARTBEAT_S inside the block (a thread), then mark the results ready."""
+        stop = threading.Event()
+
+        def beat():
+            while not stop.wait(HEARTBEAT_S):
+                self.store.add(self.beat_key, 1)
+
+        thread = threading.Thread(target=beat, name="rlframe-pool-heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:  # ready with rows or with an error: either way the others enter the scatter
+            stop.set()
+            thread.join()
+            self.store.set(self.ready_key, b"1")
+
+    def wait_for_rank_0(self, doing: str) -> None:
+        """The other ranks: poll until rank 0 is ready, however long; raise once it stopped beating."""
+        beats, last_beat, pause = 0, time.monotonic(), 0.005
+        while True:
+            try:
+                if self.store.check([self.ready_key]):
+                    return
+                now_beats = self.store.add(self.beat_key, 0)
+            except RuntimeError as error:  # the store went with rank 0's process (DistError is one)
+                raise RuntimeError(
+                    f"pooled generation: rank 0 of the machine died while {doing} (its store is gone: {error})"
+                ) from error
+            if now_beats != beats:
+                beats, last_beat = now_beats, time.monotonic()
+            elif time.monotonic() - last_beat > MISSED_HEARTBEATS * HEARTBEAT_S:
+                raise RuntimeError(
+                    f"pooled generation: rank 0 of the machine stopped beating while {doing}: "
+                    f"{MISSED_HEARTBEATS} heartbeats of {HEARTBEAT_S:g} s missed, so it died or hangs "
+                    "(see its log for why)"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.5, HEARTBEAT_S / 2)
 
 
 @contextlib.contextmanager

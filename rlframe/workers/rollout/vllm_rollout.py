@@ -46,7 +46,6 @@ import inspect
 import logging
 import os
 import random
-import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -56,8 +55,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rlframe.models.builtin import SHM_ROOT
 from rlframe.protocol import DataProto
+from rlframe.utils.shm import remove_at_exit, remove_now, remove_stale, shm_dir
 from rlframe.workers.lora import vllm_lora_engine_kwargs
 from rlframe.workers.rollout.base import BaseRollout, SamplingParams, ServedModel, position_seed
 from rlframe.workers.rollout.config import ROLLOUT, RolloutConfig, engine_kwargs_check
@@ -431,7 +430,9 @@ class VLLMRollout(BaseRollout):
         # as verl: a real load_format loads the base from the model folder; dummy (verl's default) waits for it
         self.needs_base_weights = "dummy" in load_format
         self._lora_request = None
-        self._lora_root = os.path.join(SHM_ROOT if os.path.isdir(SHM_ROOT) else tempfile.gettempdir(), "rlframe-lora")
+        shm = shm_dir()
+        self._lora_root = os.path.join(shm if os.path.isdir(shm) else tempfile.gettempdir(), "rlframe-lora")
+        remove_stale(self._lora_root, prefix="")  # adapters "<pid>-v<version>" of killed processes
         if self.takes_lora_adapter and not self.on_cpu:
             self._sleep_level = 1
 
@@ -444,11 +445,12 @@ class VLLMRollout(BaseRollout):
         previous = self._lora_request
         version = 1 if previous is None else previous.lora_int_id + 1
         folder = os.path.join(self._lora_root, f"{os.getpid()}-v{version}")
+        remove_at_exit(folder)  # or at the worker's teardown
         write_adapter_folder(folder, tensors, vllm_adapter_config(peft_config))
         self._lora_request = LoRARequest(lora_name=f"rlframe-v{version}", lora_int_id=version, lora_path=folder)
         if previous is not None:
             self.llm.llm_engine.remove_lora(previous.lora_int_id)
-            shutil.rmtree(previous.lora_path, ignore_errors=True)
+            remove_now(previous.lora_path)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old adapter
 
     # ------------------------------------------------------------------ weights and memory
@@ -509,7 +511,11 @@ class VLLMRollout(BaseRollout):
         return self.llm.collective_rpc(_worker_attention_backends)[0]
 
     def shutdown(self) -> None:
-        """Stop the engine: its memory and vLLM's TP groups go; the default process group (the trainer's) stays."""
+        """Stop the engine: its memory, its adapter folder and vLLM's TP groups go; the default process group (the
+        trainer's) stays."""
+        if self._lora_request is not None:
+            remove_now(self._lora_request.lora_path)
+            self._lora_request = None
         if self.llm is None:
             return
         self.llm.llm_engine.engine_core.shutdown()
