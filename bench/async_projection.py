@@ -1,7 +1,7 @@
 """From phase times measured on a few cores to an 8-GPU node: sync against separate_async with partial rollout.
 
     python bench/async_projection.py                       # the phase times of docs/benchmarks.md §7
-    python bench/async_projection.py --gen-s 0.308 --train-s 0.261 --mean-length 38.7 --max-length 48 --push-s 0.01
+    python bench/async_projection.py --gen-s 0.386 --train-s 0.323 --mean-length 38.7 --max-length 48 --push-s 0.039
 
 A model, not a measurement: it says what the measured phases would give on a node of `--gpus` devices under the
 assumptions below (docs/benchmarks.md §7 states them beside its table).
@@ -36,9 +36,9 @@ def async_step(gen_s: float, train_s: float, push_s: float, tail: float, gpus: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--gen-s", type=float, default=0.308, help="sync: a step's generation (its tail included)")
-    parser.add_argument("--train-s", type=float, default=0.261, help="sync: a step's training (step - generation)")
-    parser.add_argument("--push-s", type=float, default=0.010, help="a weight push (timing_s/update_weights)")
+    parser.add_argument("--gen-s", type=float, default=0.386, help="sync: a step's generation (its tail included)")
+    parser.add_argument("--train-s", type=float, default=0.323, help="sync: a step's training (step - generation)")
+    parser.add_argument("--push-s", type=float, default=0.039, help="a weight push (timing_s/update_weights)")
     parser.add_argument("--mean-length", type=float, default=38.7)
     parser.add_argument("--max-length", type=float, default=48)
     parser.add_argument("--gpus", type=int, default=8)
