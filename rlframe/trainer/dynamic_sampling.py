@@ -17,6 +17,8 @@ The keys are declared in `FilterGroupsConfig` (`rlframe/trainer/config.py`).
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -35,16 +37,34 @@ def sample_metric(batch: DataProto, metric: str, extra_info: dict) -> np.ndarray
             f"algorithm.filter_groups.metric={metric!r} is not a per-sample field of the reward manager's output; "
             f"fields present: {', '.join([*SCORE_METRICS, *sorted(extra_info)])}"
         )
-    return np.asarray(extra_info[metric], dtype=float)
+    values = []
+    for row, value in enumerate(extra_info[metric]):
+        if value is not None and not isinstance(value, (numbers.Real, np.bool_)):
+            raise ValueError(
+                f"algorithm.filter_groups.metric={metric!r}: sample {row} holds {type(value).__name__} "
+                f"{repr(value)[:60]}; the filter metric must be a number per sample (None or NaN: the sample has none)"
+            )
+        values.append(math.nan if value is None else float(value))
+    return np.asarray(values, dtype=float)
 
 
 def informative_rows(uids: np.ndarray, values: np.ndarray) -> tuple[list[int], int]:
-    """(rows of the groups whose values have a non-zero std or a single sample, number of such groups)."""
+    """(rows of the groups whose values have a non-zero std or a single sample, number of such groups).
+
+    NaN marks a sample without a value (its scorer failed): the spread is that of the group's other samples, so one
+    failed sample does not hide a group whose others vary (verl's np.std would be NaN, and the group filtered out).
+    """
     rows_of: dict[Any, list[int]] = {}
     for row, uid in enumerate(uids):
         rows_of.setdefault(uid, []).append(row)
-    kept = {uid for uid, rows in rows_of.items() if len(rows) == 1 or np.std(values[rows]) > 0}
+    kept = {uid for uid, rows in rows_of.items() if len(rows) == 1 or _spread(values[rows]) > 0}
     return [row for row, uid in enumerate(uids) if uid in kept], len(kept)
+
+
+def _spread(values: np.ndarray) -> float:
+    """The std of the finite values (0 when fewer than two)."""
+    finite = values[np.isfinite(values)]
+    return float(np.std(finite)) if len(finite) > 1 else 0.0
 
 
 class DynamicSampler:

@@ -95,6 +95,22 @@ def test_informative_rows_keep_groups_with_a_spread_and_single_samples():
     assert rows == [0, 1, 4] and kept == 2  # a varies, c is a group of one; b and d are constant
 
 
+def test_a_sample_without_a_metric_value_does_not_hide_its_groups_spread():
+    uids = np.array(["a", "a", "a", "b", "b", "c", "c"], dtype=object)
+    values = np.array([1.0, 0.0, np.nan, 1.0, np.nan, np.nan, np.nan])
+    rows, kept = informative_rows(uids, values)
+    assert rows == [0, 1, 2] and kept == 1  # a varies among its scored samples; b has one, c none
+
+
+def test_the_filter_metric_must_be_a_number_per_sample():
+    from rlframe.trainer.dynamic_sampling import sample_metric
+
+    extra = {"acc": [1, None, True, 0.5]}
+    assert np.array_equal(sample_metric(None, "acc", extra), [1.0, np.nan, 1.0, 0.5], equal_nan=True)
+    with pytest.raises(ValueError, match=r"metric='acc': sample 1 holds str 'x = 7'"):
+        sample_metric(None, "acc", {"acc": [1.0, "x = 7"]})
+
+
 def rounds(values_per_round, n=2):
     for r, values in enumerate(values_per_round):
         prompts = len(values) // n
