@@ -214,14 +214,25 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
             resend.meta_info = dict(chunk.meta_info)
             self._submit("continue_sequences", resend, fields, [chunk.slots[i] for i in again])
         rows.pop(non_tensor_batch_keys=[SEED_KEY])
-        done = torch.nonzero(~cut).flatten().tolist()
-        for i, row in zip(done, rows.select_idxs(done).split(1) if done else []):
+        returned: dict[int, list[tuple[int, int]]] = {}  # group id -> (sample index, row) of its rows back now
+        for i in torch.nonzero(~cut).flatten().tolist():
             gid, j = chunk.slots[i]
-            self._samples.setdefault(gid, {})[j] = row
-            if len(self._samples[gid]) == self.plan.n:
-                group = self._samples.pop(gid)
-                self._rows[gid] = DataProto.concat([group[k] for k in range(self.plan.n)])
-                self.ledger.finish(gid)
+            returned.setdefault(gid, []).append((j, i))
+        for gid, members in returned.items():
+            members.sort()
+            if len(members) == self.plan.n:  # the whole group came back in this call: one selection
+                self._finish(gid, rows.select_idxs([i for _, i in members]))
+                continue
+            samples = self._samples.setdefault(gid, {})
+            samples.update(zip((j for j, _ in members), rows.select_idxs([i for _, i in members]).split(1)))
+            if len(samples) == self.plan.n:
+                self._finish(gid, DataProto.concat([samples[k] for k in range(self.plan.n)]))
+
+    def _finish(self, gid: int, rows: DataProto) -> None:
+        """Group `gid`'s n rows, in sample order, are all generated."""
+        self._samples.pop(gid, None)
+        self._rows[gid] = rows
+        self.ledger.finish(gid)
 
     def _evict(self, groups: list[int], step: int) -> None:
         """Finished groups past η: never trained; under `regenerate` their prompts are admitted again first."""
