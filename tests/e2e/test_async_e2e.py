@@ -65,6 +65,18 @@ def train_in_process(overrides: list[str]) -> tuple[list[dict], dict[str, torch.
     return read_metrics(run.cfg.trainer.default_local_dir), weights
 
 
+def times_trained(dumps, steps) -> Counter:
+    """How many of `steps` trained each prompt (by its index), from the rollout dumps; each step must hold
+    train_batch_size = 4 prompts of n = 2 samples."""
+    trained = Counter()
+    for step in steps:
+        rows = [json.loads(line) for line in (dumps / f"{step}.jsonl").read_text().splitlines()]
+        counts = Counter(row["index"] for row in rows)
+        assert len(counts) == 4 and set(counts.values()) == {2}
+        trained.update(counts.keys())
+    return trained
+
+
 def compared(metrics: list[dict]) -> list[dict]:
     return [{k: v for k, v in line.items() if not k.startswith(NOT_COMPARED)} for line in metrics]
 
@@ -158,12 +170,7 @@ def test_partial_rollout_cuts_the_generation_a_push_finds_running_and_trains_eve
     assert max(m["training/off_policy/trajectory_spans/max"] for m in metrics) == 2
     # a cut row's newest tokens come from the weights its step starts from
     assert min(m[f"{STALENESS}/min"] for m in metrics[1:]) == 0
-    trained = Counter()
-    for step in (1, 2, 3, 4):
-        rows = [json.loads(line) for line in (dumps / f"{step}.jsonl").read_text().splitlines()]
-        counts = Counter(row["index"] for row in rows)
-        assert len(counts) == 4 and set(counts.values()) == {2}
-        trained.update(counts.keys())
+    trained = times_trained(dumps, (1, 2, 3, 4))
     assert len(trained) == 16 and set(trained.values()) == {1}
 
 
@@ -191,12 +198,7 @@ def test_streaming_groups_over_two_replicas_finishing_out_of_order_stay_within_t
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
     assert max(m[f"{STALENESS}/max"] for m in metrics) <= 1
     assert max(m["async/in_flight_groups/max"] for m in metrics) <= 8  # (L + 1) · B
-    trained = Counter()
-    for step in range(1, 7):
-        rows = [json.loads(line) for line in (dumps / f"{step}.jsonl").read_text().splitlines()]
-        counts = Counter(row["index"] for row in rows)
-        assert len(counts) == 4 and set(counts.values()) == {2}
-        trained.update(counts.keys())
+    trained = times_trained(dumps, range(1, 7))
     assert len(trained) == 24 and set(trained.values()) == {1}  # an evicted group's prompt is trained later, once
     # how many fall behind depends on the machine's speed (here 8 of 24 in a quiet run); what they cost is logged
     for m in metrics:
