@@ -45,6 +45,7 @@ CORE_PINS = (
     "omegaconf==2.3.1", "hydra-core==1.3.8", "antlr4-python3-runtime==4.9.3", "tensordict==0.15.3", "pyvers==0.2.3",
     "torchdata==0.11.0",
 )  # fmt: skip
+SITE_TREE = "-site.tar.xz"  # an unpacked, stripped package tree in the wheelhouse (ray: 79 MB wheel, 30 MB tree)
 ENGINE_PINS = {"vllm": "vllm==0.33.0", "ray": "ray==2.60.0"}  # the gpu extra's vLLM; too large to carry (336, 79 MB)
 PIP_NAMES = {"flash_attn": "flash-attn", "hydra": "hydra-core"}  # module -> distribution, where they differ
 NOT_INSTALLED_WHY = {  # why a package the check never installs is absent
@@ -79,9 +80,14 @@ class Result:
     log: list[str] = field(default_factory=list)
 
 
-def grpo_overrides(model: str, run_dir: str) -> list[str]:
-    """A few GRPO steps with the vLLM rollout on one GPU (the same sizes as the tiny CPU example)."""
-    return [
+def grpo_overrides(model: str, run_dir: str, engine: str = "vllm") -> list[str]:
+    """A few GRPO steps with the vLLM (or HF) rollout on one GPU (the same sizes as the tiny CPU example)."""
+    vllm_only = (
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
+        "actor_rollout_ref.rollout.enforce_eager=true",
+        "actor_rollout_ref.rollout.max_model_len=128",
+    )
+    overrides = [
         "algorithm.adv_estimator=grpo",
         f"actor_rollout_ref.model.path={model}",
         "data.train_files=builtin://countdown_add",
@@ -95,10 +101,8 @@ def grpo_overrides(model: str, run_dir: str) -> list[str]:
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
         "actor_rollout_ref.model.use_remove_padding=true",
-        "actor_rollout_ref.rollout.name=vllm",
-        "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
-        "actor_rollout_ref.rollout.enforce_eager=true",
-        "actor_rollout_ref.rollout.max_model_len=128",
+        f"actor_rollout_ref.rollout.name={engine}",
+        *(vllm_only if engine == "vllm" else ()),
         "actor_rollout_ref.actor.fsdp_config.param_offload=true",
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
         "trainer.n_gpus_per_node=1",
@@ -109,6 +113,7 @@ def grpo_overrides(model: str, run_dir: str) -> list[str]:
         "trainer.resume_mode=disable",
         f"trainer.default_local_dir={run_dir}",
     ]
+    return overrides
 
 
 def plan(work: str) -> list[Step]:
@@ -192,6 +197,23 @@ def plan(work: str) -> list[Step]:
             requires=("sglang",),
             timeout_s=180,
             figure=r"SGLang log-prob error (\S+), HF bf16 error (\S+)",
+        ),
+        Step(
+            "grpo hf",
+            "the trainer end to end on CUDA without vLLM: HF rollout, nccl, FSDP2 with param + optimizer offload",
+            "command",
+            "-m rlframe.trainer.main_ppo",
+            args=tuple(grpo_overrides(model, os.path.join(work, "grpo_hf"), engine="hf")),
+            requires=("ray",),
+            timeout_s=150,
+            figure=r"jsonl:" + os.path.join(work, "grpo_hf"),
+        ),
+        Step(
+            "activation offload",
+            "model.enable_activation_offload: bitwise gradients, lower peak GPU memory",
+            "pytest",
+            "tests/models/test_activation_offload.py::test_offload_lowers_peak_gpu_memory_with_the_same_gradients",
+            figure=r"(\d+ passed|\d+ failed)",
         ),
         Step(
             "vllm tp2",
@@ -362,6 +384,23 @@ def pip_install(python: str, target: str, specs, seconds: float, *flags: str) ->
     return None
 
 
+def extract_trees(target: str, trees) -> str | None:
+    """Unpack installed package trees (`*-site.tar.xz`, made by scripts/gpu_wheelhouse.sh --with-ray: a wheel too
+    large to carry, unpacked and stripped) into `target`; None, or what went wrong."""
+    import tarfile
+
+    try:
+        for tree in trees:
+            with tarfile.open(tree) as archive:
+                archive.extractall(target, filter="tar")
+    except (OSError, tarfile.TarError) as error:
+        return f"{os.path.basename(tree)}: {error}"
+    if target not in sys.path:
+        sys.path.insert(0, target)
+    importlib.invalidate_caches()
+    return None
+
+
 def registry_problem(python: str, work: str) -> str | None:
     """None when pip reaches its package index (a 10 kB download, bounded), else why not."""
     probe = [python, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps", "--no-cache-dir"]
@@ -408,7 +447,9 @@ def provide_packages(
         error = (
             pip_install(python, target, wheels, bound(120), "--no-index", "--no-deps") if wheels else "no wheels in it"
         )
-        names = ", ".join(os.path.basename(w).split("-")[0] for w in wheels)
+        trees = sorted(os.path.join(wheelhouse, f) for f in os.listdir(wheelhouse) if f.endswith(SITE_TREE))
+        error = error or extract_trees(target, trees)
+        names = ", ".join(os.path.basename(w).split("-")[0] for w in wheels + trees)
         rows.append(("packages", "FAILED: wheelhouse" if error else "wheelhouse", f"{wheelhouse}: {error or names}"))
         site_dirs += [] if error else [target]
     core, engine = missing_modules(CORE_MODULES), missing_modules(ENGINE_PINS)
@@ -680,7 +721,8 @@ def prepare_model(python: str, env: dict, work: str, seconds: float) -> str:
     """SmolLM2 when at hand, else the random-init stand-in of its shape, at work/smollm2 (a link or a folder)."""
     code = (
         "import os, sys\n"
-        "from gpu_models import cached_smollm2, smollm2_stand_in\n"
+        f"sys.path.insert(0, {os.path.join(ROOT, 'tests')!r})\n"
+        "from helpers.gpu_models import cached_smollm2, smollm2_stand_in\n"
         f"target = {os.path.join(work, 'smollm2')!r}\n"
         "real = cached_smollm2()\n"
         "if real: os.symlink(real, target); print('SmolLM2-135M-Instruct')\n"
@@ -788,8 +830,8 @@ def run_check(steps: list[Step], work: str, args) -> int:
     core_missing = core_import_problem(args.python, env)
     if gpus < 2:
         rows.append(("not testable on 1 GPU", "needs 2 GPUs", not_testable_on_one_gpu(steps)))
-    grpo = next((s for s in steps if s.name == "grpo vllm"), None)
-    if grpo and not core_missing and not skip_reason(grpo, gpus, None, why, args.budget_s):  # the model it trains
+    grpo = [s for s in steps if s.name.startswith("grpo ")]
+    if not core_missing and any(not skip_reason(s, gpus, None, why, args.budget_s) for s in grpo):  # the model
         rows.append(("model", prepare_model(args.python, env, work, min(90, deadline - time.monotonic())), ""))
     results = []
     for step in steps:

@@ -93,7 +93,9 @@ def global_counts(mini_batch: TensorDict, dp_group=None) -> GlobalCounts:
     """The GlobalCounts of `mini_batch` (one all-reduce over the DP group)."""
     response_mask = response_mask_of(mini_batch)
     # N_seq counts every row, empty responses included: verl 0.9.1 divides by ppo_mini_batch_size × n
-    counts = torch.stack([response_mask.sum(), torch.tensor(response_mask.shape[0])]).to(torch.float64)
+    counts = torch.stack([response_mask.sum(), torch.tensor(response_mask.shape[0], device=response_mask.device)]).to(
+        torch.float64
+    )
     if spans_ranks(dp_group):
         dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=dp_group)
     return GlobalCounts(counts[0], counts[1], mini_batch["responses"].shape[-1])

@@ -426,3 +426,6 @@ def test_worker_counts_every_row_of_a_mini_batch_as_verl_does():
     assert (float(counts.num_tokens), float(counts.num_seqs)) == (3.0, 3.0)
     loss_mat = T([[1.0, 2.0, 0.0], [0.0, 0.0, 0.0], [6.0, 0.0, 0.0]])
     close(counts.aggregation("seq-mean-token-sum")(loss_mat, mask), (3 + 6) / 3)
+    # on the batch's device (the first GPU run stacked a CPU count with a CUDA mask); meta stands in for CUDA here
+    on_meta = global_counts(mini_batch.to("meta"))
+    assert on_meta.num_tokens.device.type == on_meta.num_seqs.device.type == "meta"

@@ -8,6 +8,7 @@ and the calculator, so every trajectory is known in advance.
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -178,6 +179,9 @@ def test_the_agent_loop_workers_are_started_once_and_survive_an_engine_error(tin
 
 
 # ------------------------------------------------------------------------------------------ vLLM's server
+STEP_S = 0.01  # one engine step of SteppedEngine
+
+
 class SteppedEngine(ScriptedEngine):
     """The scripted engine behind vLLM's `LLMEngine` interface: requests added at any time, one token per step.
 
@@ -214,6 +218,10 @@ class SteppedEngine(ScriptedEngine):
         return bool(self.queue)
 
     def step(self):
+        # a step takes time, as a real engine's does: a trajectory whose tool answered (microseconds to
+        # milliseconds, on another thread) then finds the longer first turns still generating; without it a
+        # whole first turn could finish between two of the agent threads' wake-ups (CI saw no join once)
+        time.sleep(STEP_S)
         self.steps.append(len(self.queue))
         outputs = []
         for request_id, (reply, given, _) in list(self.queue.items()):
