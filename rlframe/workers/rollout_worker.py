@@ -34,7 +34,7 @@ from rlframe.models.builtin import copy_to_shm
 from rlframe.protocol import DataProto
 from rlframe.single_controller import Dispatch, Worker, register
 from rlframe.utils.faults import DelayPoints
-from rlframe.workers.rollout.base import SEED_KEY
+from rlframe.workers.rollout.base import SEED_KEY, call_seed, seeded
 from rlframe.workers.rollout.partial import INTERRUPTED_KEY, VERSIONS_KEY, continue_generation, interrupted_rows
 
 BOARD_POLL_S = 0.02  # how often a running generation asks the board whether newer weights were announced
@@ -137,9 +137,7 @@ class RolloutWorker(Worker):
         self.kill_points.hit("rollout.generate")
         self.delay_points.hit("rollout.generate")
         prompts = prompts.to(self.device_type)
-        seed = int(torch.randint(0, 2**62, ()).item()) + dist.get_rank()
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(call_seed(dist.get_rank())):
             prompts.non_tensor_batch[SEED_KEY] = np.array(self.rollout.sample_seeds(len(prompts)), dtype=object)
             output = self.rollout.generate_sequences(prompts).to("cpu")
         mask = output.batch["response_mask"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 
-import torch
 import torch.distributed as dist
 
 from rlframe.config.checks import ROLLOUT_ENGINES, check_rollout_name
@@ -22,8 +21,10 @@ from rlframe.workers.rollout.base import (
     SamplingParams,
     ServedModel,
     build_rollout_output,
+    call_seed,
     check_prompts,
     response_metrics,
+    seeded,
 )
 from rlframe.workers.rollout.config import RolloutConfig
 from rlframe.workers.rollout.multi_turn import build_multi_turn, uses_tool_agent
@@ -77,13 +78,12 @@ def generate_in_tp_group(rollout: BaseRollout, prompts: DataProto, tp_group=None
     Every TP rank must run the engine on identical input with identical RNG state (TP shards one
     model; different tokens would corrupt the all-reduces and different stopping steps would hang
     them). So the group's prompts are all-gathered in rank order, and generation runs under a seed
-    drawn from TP rank 0's torch RNG plus the group's DP index: every worker's torch RNG starts from
-    `data.seed`, so without the DP index all DP groups would sample with the same random stream.
-    With no group (TP=1) the same seeding applies.
+    drawn by TP rank 0 (`call_seed`, with the group's DP index). With no group (TP=1) the same seeding
+    applies.
     """
     rank, size = group_rank_and_size(tp_group)
     dp_index = dist.get_rank() // size if dist.is_initialized() else 0
-    seed = int(torch.randint(0, 2**62, ()).item()) + dp_index
+    seed = call_seed(dp_index)
     counts = [len(prompts)]
     if size > 1:
         shared = [seed]
@@ -92,9 +92,7 @@ def generate_in_tp_group(rollout: BaseRollout, prompts: DataProto, tp_group=None
         counts = [None] * size
         dist.all_gather_object(counts, len(prompts), group=tp_group)
         prompts = all_gather_data_proto(prompts, tp_group)
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
+    with seeded(seed):
         output = rollout.generate_sequences(prompts)
     if size == 1:
         return output

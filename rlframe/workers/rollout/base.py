@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,23 @@ if TYPE_CHECKING:
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 KEY = "actor_rollout_ref.rollout"
+
+
+def call_seed(dp_index: int) -> int:
+    """The seed of one generate call: one draw of this process's torch RNG plus the DP index. Every worker's RNG
+    starts from `data.seed`, so without the index all DP groups would sample the same stream. Every path draws
+    it here (a TP group's generation, the rollout pool's replicas, pooled CPU generation), so a run's samples do
+    not depend on which of them generated."""
+    return int(torch.randint(0, 2**62, ()).item()) + dp_index
+
+
+@contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Run under `seed` (torch's CPU and CUDA generators), then give the process its own RNG state back."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
 
 
 @dataclass(frozen=True)
@@ -267,7 +285,7 @@ class BaseRollout(ABC):
         return eos, int(meta_info.get("pad_token_id", self.pad_id))
 
     def sample_seeds(self, count: int) -> list[int]:
-        """One seed per row of this call, from one draw of the torch RNG (seeded per call by `generate_in_tp_group`)."""
+        """One seed per row of this call, from one draw of the torch RNG (under `seeded(call_seed(...))`)."""
         draw = int(torch.randint(0, 2**62, ()).item())
         return request_seeds(draw, self.seed, self.dp_rank, count)
 
