@@ -4,6 +4,7 @@
 # THRESHOLD is verl's max_off_policy_threshold: the staleness bound is η = THRESHOLD - 1 versions, and the rollout
 # pool generates up to η batches ahead (num_warmup_batches). The behaviour policy is corrected with token-level
 # importance weights (verl's decoupled mode, rollout_is=token). Extra key=value arguments override the config.
+# At η = 4 (THRESHOLD=5) a smaller step learns better: add actor_rollout_ref.actor.optim.lr=2e-4 (README's table).
 set -euo pipefail
 THRESHOLD="${THRESHOLD:-2}"
 RUN_DIR="${RUN_DIR:-checkpoints/rlframe/tiny_grpo_async_t$THRESHOLD}" exec bash "$(dirname "${BASH_SOURCE[0]}")/grpo_tiny_cpu.sh" \

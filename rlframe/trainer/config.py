@@ -259,9 +259,9 @@ def _separate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
     agent_tools = bool(rollout.multi_turn.tool_config_path or rollout.multi_turn.function_tool_path)
     return [
         (
-            rollout.name != "hf",
+            rollout.name not in ("hf", "vllm"),
             f"actor_rollout_ref.rollout.name={rollout.name}",
-            "the rollout pool runs the hf engine only",
+            "the rollout pool runs the hf and vllm engines (SGLang's weight push and interrupt are not written yet)",
         ),
         (
             rollout.tensor_model_parallel_size != 1,

@@ -83,3 +83,53 @@ def test_grpo_with_the_vllm_rollout_syncs_every_step_and_reruns_the_same(tmp_pat
     first = rollouts(runs["a"] / "rollouts", 1)
     assert len(first) == 16 and len({response for _, response in first}) > 1
     assert rollouts(runs["b"] / "rollouts", 1) == first  # same data.seed: the same prompts and the same tokens
+
+
+def test_separate_async_with_vllm_on_the_rollout_pool_cuts_continues_and_trains_each_prompt_once(tmp_path, cache_dir):
+    """trainer.v1.trainer_mode=separate_async with rollout.name=vllm: one training process, one rollout process
+    whose vLLM engine takes the pushed weights each step. η = 1 with partial rollout; short add_digits prompts keep
+    the training step to seconds, and decoding is slowed to ~0.45 s an engine step (`rollout.decode`) so that each
+    push finds the next batch generating: its rows are cut (the engine's requests aborted) and continued on the new
+    weights. No trained token is older than η, cut rows span two versions, every prompt is trained exactly once."""
+    from collections import Counter
+
+    run_dir = tmp_path / "async"
+    dumps = run_dir / "rollouts"
+    short = {
+        "data.train_files": "builtin://add_digits",
+        "data.val_files": "builtin://add_digits",
+        "data.max_prompt_length": "64",
+        f"{ROLLOUT}.max_model_len": "96",
+        "trainer.n_gpus_per_node": "1",
+    }
+    job = [o for o in JOB if o.split("=")[0] not in short] + [f"{k}={v}" for k, v in short.items()]
+    out = run_main(
+        job
+        + [
+            "trainer.v1.trainer_mode=separate_async",
+            f"{ROLLOUT}.nnodes=1",
+            f"{ROLLOUT}.n_gpus_per_node=1",
+            "trainer.v1.sampler.max_off_policy_threshold=2",  # η = 1
+            "trainer.v1.separate_async.parameter_sync_step=1",
+            "algorithm.rollout_correction.rollout_is=token",
+            "trainer.total_training_steps=3",
+            f"trainer.default_local_dir={run_dir}",
+            f"trainer.rollout_data_dir={dumps}",
+        ],
+        cache_dir,
+        extra_env={"RLFRAME_DELAY_AT": "rollout.decode:5:0.4-0.5"},
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    steps = [m for m in read_metrics(run_dir) if "actor/pg_loss" in m]
+    assert len(steps) == 3
+    staleness = "training/off_policy/trajectory_staleness"
+    assert max(m[f"{staleness}_worst/max"] for m in steps) <= 1
+    assert sum(m["async/interrupted_samples"] for m in steps) > 0
+    assert max(m["training/off_policy/trajectory_spans/max"] for m in steps) == 2
+    trained = Counter()
+    for step in (1, 2, 3):
+        rows = [json.loads(line) for line in (dumps / f"{step}.jsonl").read_text().splitlines()]
+        counts = Counter(row["index"] for row in rows)
+        assert len(counts) == 4 and set(counts.values()) == {4}  # 4 prompts of n = 4 samples
+        trained.update(counts.keys())
+    assert len(trained) == 12 and set(trained.values()) == {1}

@@ -54,7 +54,6 @@ def test_under_sync_the_async_keys_are_reported_without_effect():
             [*SEPARATE, "trainer.v1.separate_async.parameter_sync_step=2"],
             r"parameter_sync_step=2 with data.train_batch_size=8 .* set .*parameter_sync_step=4",
         ),
-        ([*SEPARATE, "actor_rollout_ref.rollout.name=vllm"], r"rollout.name=vllm with .*separate_async: .*hf engine"),
         ([*SEPARATE, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], r"tensor_model_parallel_size=2 with"),
         ([*SEPARATE, "algorithm.filter_groups.enable=true"], r"algorithm.filter_groups.enable=true with"),
         ([*SEPARATE, "algorithm.adv_estimator=remax"], r"algorithm.adv_estimator=remax with"),
@@ -85,3 +84,15 @@ def test_verls_other_v1_keys_are_taken_at_their_defaults_only(override, expected
     compose([f"{key}={str(verl_defaults()[key]).lower()}"])  # verl's default: the same run
     with pytest.raises(ValueError, match=expected):
         compose([override])
+
+
+def test_the_rollout_pool_takes_hf_and_vllm_and_refuses_sglang_by_name():
+    # sglang is refused earlier when it is not installed (here): the pool's own rule, read directly
+    from rlframe.trainer.config import _separate_async_refusals
+
+    cfg = typed(compose(SEPARATE))
+    for name, refused in (("hf", False), ("vllm", False), ("sglang", True)):
+        cfg.actor_rollout_ref.rollout.name = name
+        engine = _separate_async_refusals(cfg)[0]
+        assert engine[0] is refused and engine[1] == f"actor_rollout_ref.rollout.name={name}"
+        assert "hf and vllm engines" in engine[2]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -251,6 +251,10 @@ class BaseRollout(ABC):
     `generate_sequences(prompts)` → `release()` → training. `release()` honours
     `free_cache_engine`: when it is false the engine keeps its memory and `release`/`resume` do nothing.
     """
+
+    # partial rollout on the rollout pool (`rollout/partial.py`): the hf and vllm engines ask it while they generate;
+    # once it says True the generation running stops every unfinished row and what has not started generates nothing
+    interrupt: Callable[[], bool] | None = None
 
     def __init__(self, config: RolloutConfig, served: ServedModel, tokenizer, device_type: str, tp_group=None):
         """`config` is the rollout's section; `tp_group` this rank's rollout TP group (None: TP=1)."""

@@ -112,8 +112,6 @@ class HFRollout(BaseRollout):
     yet generate nothing; the caller tells the cut rows by their missing EOS.
     """
 
-    interrupt: Callable[[], bool] | None = None
-
     def __init__(self, config: RolloutConfig, served: ServedModel, tokenizer, device_type: str, tp_group=None):
         from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 

@@ -43,12 +43,14 @@ from __future__ import annotations
 import dataclasses
 import gc
 import inspect
+import itertools
 import logging
 import os
 import random
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -361,8 +363,13 @@ def _worker_restores_buffers(worker) -> bool:
     return hasattr(worker, "_sleep_saved_buffers")
 
 
+# the completion of a request that an interrupt stopped before its first token
+NO_TOKENS = SimpleNamespace(token_ids=[], logprobs=[], stop_reason=None)
+
+
 class VLLMRollout(BaseRollout):
-    """A vLLM `LLM` engine shard in this process; weights synced from the FSDP actor after each update."""
+    """A vLLM `LLM` engine shard in this process; weights synced from the FSDP actor after each update.
+    `interrupt` (partial rollout) is asked before every engine step."""
 
     def __init__(self, config: RolloutConfig, served: ServedModel, tokenizer, device_type: str, tp_group=None):
         check_vllm_usable(device_type)
@@ -398,6 +405,7 @@ class VLLMRollout(BaseRollout):
         self._tied_aliases = self.llm.collective_rpc(worker_tied_aliases)[0]
         self._released = False
         self._kv_cache_asleep = False
+        self._request_numbers = itertools.count()
         if self.on_cpu and config.free_cache_engine:
             logger.warning(
                 "%s.free_cache_engine=true: vLLM's CPU build has no sleep mode, so the engine keeps its weights and "
@@ -526,18 +534,58 @@ class VLLMRollout(BaseRollout):
 
     # ------------------------------------------------------------------ generation
     def _generate(self, prompts: DataProto, params: SamplingParams, eos_ids: list[int], pad_id: int, seeds):
+        return self.generate_tokens(prompts, params, eos_ids, pad_id, seeds)
+
+    def generate_tokens(
+        self,
+        prompts: DataProto,
+        params: SamplingParams,
+        eos_ids: list[int],
+        pad_id: int,
+        seeds,
+        budgets: torch.Tensor | None = None,
+    ):
+        """`_generate`, with an optional token budget per row (`budgets` [B], a continuation's rest of
+        response_length). With `interrupt` set (the rollout pool's partial rollout), the engine is stepped here and
+        asked before every step: once `interrupt()` is true every unfinished request is aborted and comes back with
+        the tokens it had, and requests not started come back empty (`rollout/partial.py` continues them)."""
         self.wake_for_generation()
         ids, mask = prompts.batch["input_ids"].cpu(), prompts.batch["attention_mask"].cpu().bool()
         prompt_token_ids = [row[keep].tolist() for row, keep in zip(ids, mask)]
-        sampling = [self.request_params(params, eos_ids, seed, len(p)) for p, seed in zip(prompt_token_ids, seeds)]
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": p} for p in prompt_token_ids],
-            sampling_params=sampling,
-            use_tqdm=False,
-            lora_request=self._lora_request,  # None without LoRA
-        )
-        completions = [o.outputs[0] for o in outputs]
+        limits = [None] * len(prompt_token_ids) if budgets is None else [int(b) for b in budgets]
+        sampling = [
+            self.request_params(params, eos_ids, seed, len(p), budget)
+            for p, seed, budget in zip(prompt_token_ids, seeds, limits)
+        ]
+        if self.interrupt is None:
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": p} for p in prompt_token_ids],
+                sampling_params=sampling,
+                use_tqdm=False,
+                lora_request=self._lora_request,  # None without LoRA
+            )
+            completions = [o.outputs[0] for o in outputs]
+        else:
+            completions = self._generate_stepped(prompt_token_ids, sampling)
         return completions_to_tensors(completions, params.response_length, eos_ids, pad_id, self.with_log_probs)
+
+    def _generate_stepped(self, prompt_token_ids: list[list[int]], sampling: list) -> list:
+        """The requests through the engine's own step loop (what `LLM.generate` runs), asking `interrupt` before
+        each step; a request's output is cumulative, so the last one seen holds every token it has."""
+        engine = self.llm.llm_engine
+        request_ids = [f"rlframe-{next(self._request_numbers)}" for _ in prompt_token_ids]
+        for request_id, prompt, params in zip(request_ids, prompt_token_ids, sampling):
+            engine.add_request(request_id, {"prompt_token_ids": prompt}, params, lora_request=self._lora_request)
+        latest, unfinished = {}, set(request_ids)
+        while unfinished:
+            if self.interrupt():
+                engine.abort_request(sorted(unfinished))
+                break
+            for output in engine.step():
+                latest[output.request_id] = output.outputs[0]
+                if output.finished:
+                    unfinished.discard(output.request_id)
+        return [latest.get(request_id, NO_TOKENS) for request_id in request_ids]
 
     @property
     def server_class(self):
@@ -558,11 +606,15 @@ class VLLMRollout(BaseRollout):
             self.llm.wake_up(tags=["kv_cache"])
             self._kv_cache_asleep = False
 
-    def request_params(self, params: SamplingParams, eos_ids: list[int], sample_seed: int, prompt_len: int):
+    def request_params(
+        self, params: SamplingParams, eos_ids: list[int], sample_seed: int, prompt_len: int, budget: int | None = None
+    ):
         """One request's vLLM sampling parameters. Its seed is keyed by the sample's seed and its context length,
         as the HF engine keys every token (`position_seed`): each turn of a trajectory samples afresh, and the
-        synchronous path and the rollout server draw the same tokens."""
+        synchronous path and the rollout server draw the same tokens. `budget` caps the new tokens further (a
+        partial rollout's continuation)."""
         max_tokens = max_tokens_for(prompt_len, params.response_length, self.max_model_len)
+        max_tokens = max_tokens if budget is None else min(max_tokens, budget)
         seed = position_seed(sample_seed, prompt_len) & 0x7FFFFFFF
         return self._sampling_params(params, eos_ids, seed, max_tokens)
 

