@@ -1,8 +1,8 @@
 """A 500-step CPU soak: driver and worker memory stay flat and the Ray object store does not grow.
 
-The run is the real trainer (Ray, 2 CPU workers, GRPO on builtin://tiny), in this process so that
-each step can be sampled right after it ends: the resident set size of the driver and of each
-worker process (/proc/<pid>/status), and the object store's live objects and bytes.
+The run is the real trainer (Ray, 2 CPU workers, GRPO on builtin://tiny), in a fresh interpreter of its own
+(`soak`, this file run as a script) that samples each step right after it ends: the resident set size of the
+driver and of each worker process (/proc/<pid>/status), and the object store's live objects and bytes.
 
 "Flat" (memory): warm-up (allocator pools, lazily built caches) is over by step ~200 on this run,
 so the growth is measured between the medians of steps 201-300 and 401-500 (medians, because
@@ -20,7 +20,9 @@ before training (polling; the deletion takes milliseconds).
 from __future__ import annotations
 
 import functools
+import os
 import statistics
+import sys
 import time
 
 import psutil
@@ -101,16 +103,17 @@ def growth_per_step(samples: dict[int, int], early: range, late: range) -> float
     return (statistics.median(samples[s] for s in late) - statistics.median(samples[s] for s in early)) / distance
 
 
-def test_500_steps_keep_driver_and_worker_memory_flat_and_the_object_store_empty(cache_dir, monkeypatch):
+def soak(out_path: str) -> None:
+    """The sampled 500-step run (in a fresh interpreter: see the test); writes the samples to `out_path` (JSON)."""
+    import json
+
     import ray
 
     from rlframe.trainer.launch import create_worker_groups
     from rlframe.trainer.main_ppo import prepare
     from rlframe.trainer.ray_trainer import RayPPOTrainer
 
-    monkeypatch.setenv("RLFRAME_CACHE", str(cache_dir))
-    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")  # other tests' memory must not kill these workers
-    run = prepare([*OVERRIDES, f"trainer.default_local_dir={cache_dir / 'soak_run'}"])
+    run = prepare([*OVERRIDES, f"trainer.default_local_dir={os.environ['RLFRAME_CACHE']}/soak_run"])
     assert not ray.is_initialized()
     groups = create_worker_groups(run.cfg, run.plan, run.schedule_steps)
     try:
@@ -136,6 +139,34 @@ def test_500_steps_keep_driver_and_worker_memory_flat_and_the_object_store_empty
         SampledTrainer(run, groups).fit()
     finally:
         groups.shutdown()
+    samples = {"rss": rss, "store": store, "store_before": store_before, "batch_bytes": batch_bytes}
+    with open(out_path, "w") as f:
+        json.dump(samples, f)
+
+
+def test_500_steps_keep_driver_and_worker_memory_flat_and_the_object_store_empty(cache_dir, tmp_path):
+    """The run goes in a fresh interpreter, which is the driver measured: in this one (pytest, after every earlier
+    test of the suite) what earlier tests left running would count as the driver's growth (CI once saw 25 KiB/step
+    for pytest's process where the driver alone grows ~2 KiB/step)."""
+    import json
+    import subprocess
+
+    out_path = tmp_path / "samples.json"
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(tests_dir)
+    env = {
+        **os.environ,
+        "RLFRAME_CACHE": str(cache_dir),
+        "RAY_memory_monitor_refresh_ms": "0",  # other tests' memory must not kill these workers
+        "PYTHONPATH": os.pathsep.join([root, tests_dir, os.environ.get("PYTHONPATH", "")]),
+    }
+    run = subprocess.run([sys.executable, __file__, str(out_path)], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-4000:]
+    samples = json.loads(out_path.read_text())
+    rss = {name: {int(step): value for step, value in by_step.items()} for name, by_step in samples["rss"].items()}
+    store = {int(step): tuple(value) for step, value in samples["store"].items()}
+    store_before, batch_bytes = tuple(samples["store_before"]), samples["batch_bytes"]
+    workers = [name for name in rss if name != "driver"]
 
     assert sorted(rss["driver"]) == list(range(1, NUM_STEPS + 1))
     # a driver that kept each step's batch, or a worker that kept its share of it, would fail
@@ -151,3 +182,7 @@ def test_500_steps_keep_driver_and_worker_memory_flat_and_the_object_store_empty
         assert bytes_per_step < MAX_GROWTH_PER_STEP, (name, bytes_per_step)
     for step in DRAIN_CHECKS:  # (objects, bytes): nothing left over from the steps
         assert store[step][0] <= store_before[0] and store[step][1] <= store_before[1], (step, store[step])
+
+
+if __name__ == "__main__":
+    soak(sys.argv[1])
