@@ -116,20 +116,32 @@ def grpo_overrides(model: str, run_dir: str, engine: str = "vllm") -> list[str]:
     return overrides
 
 
+def grpo_step(name: str, catches: str, model: str, run_dir: str, engine: str, timeout_s: int) -> Step:
+    """A run of main_ppo (`grpo_overrides`) whose figure is read from its jsonl metrics."""
+    return Step(
+        name,
+        catches,
+        "command",
+        "-m rlframe.trainer.main_ppo",
+        args=tuple(grpo_overrides(model, run_dir, engine=engine)),
+        requires=("vllm", "ray") if engine == "vllm" else ("ray",),
+        timeout_s=timeout_s,
+        figure="jsonl:" + run_dir,
+    )
+
+
 def plan(work: str) -> list[Step]:
     """The steps in priority order (the end-to-end GRPO step first); `work` is the folder for models and runs."""
     model = os.path.join(work, "smollm2")
     test = "tests/gpu/test_gpu.py::"
     return [
-        Step(
+        grpo_step(
             "grpo vllm",
             "1-9 end to end: 3 GRPO steps, vLLM colocated (sleep/wake, weight sync), param + optimizer offload, 1 GPU",
-            "command",
-            "-m rlframe.trainer.main_ppo",
-            args=tuple(grpo_overrides(model, os.path.join(work, "grpo"))),
-            requires=("vllm", "ray"),
+            model,
+            os.path.join(work, "grpo"),
+            engine="vllm",
             timeout_s=240,
-            figure=r"jsonl:" + os.path.join(work, "grpo"),
         ),
         Step(
             "nccl+offload",
@@ -198,15 +210,13 @@ def plan(work: str) -> list[Step]:
             timeout_s=180,
             figure=r"SGLang log-prob error (\S+), HF bf16 error (\S+)",
         ),
-        Step(
+        grpo_step(
             "grpo hf",
             "the trainer end to end on CUDA without vLLM: HF rollout, nccl, FSDP2 with param + optimizer offload",
-            "command",
-            "-m rlframe.trainer.main_ppo",
-            args=tuple(grpo_overrides(model, os.path.join(work, "grpo_hf"), engine="hf")),
-            requires=("ray",),
+            model,
+            os.path.join(work, "grpo_hf"),
+            engine="hf",
             timeout_s=150,
-            figure=r"jsonl:" + os.path.join(work, "grpo_hf"),
         ),
         Step(
             "activation offload",

@@ -34,7 +34,12 @@ def call_seed(dp_index: int) -> int:
     starts from `data.seed`, so without the index all DP groups would sample the same stream. Every path draws
     it here (a TP group's generation, the rollout pool's replicas, pooled CPU generation), so a run's samples do
     not depend on which of them generated."""
-    return int(torch.randint(0, 2**62, ()).item()) + dp_index
+    return draw_seed() + dp_index
+
+
+def draw_seed() -> int:
+    """One draw of this process's torch RNG, as a seed."""
+    return int(torch.randint(0, 2**62, ()).item())
 
 
 @contextmanager
@@ -290,8 +295,7 @@ class BaseRollout(ABC):
 
     def sample_seeds(self, count: int) -> list[int]:
         """One seed per row of this call, from one draw of the torch RNG (under `seeded(call_seed(...))`)."""
-        draw = int(torch.randint(0, 2**62, ()).item())
-        return request_seeds(draw, self.seed, self.dp_rank, count)
+        return request_seeds(draw_seed(), self.seed, self.dp_rank, count)
 
     def seeds_for(self, prompts: DataProto) -> list[int]:
         """The rows' sample seeds: drawn by the rank that owns them when given (`SEED_KEY`, pooled generation)."""
