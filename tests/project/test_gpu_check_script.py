@@ -200,3 +200,28 @@ def test_setup_builds_flash_attn_for_the_gpus_architecture_only():
     caps = ["8.0", "8.6", "8.9", "9.0", "10.0", "12.0", "7.5"]
     out = subprocess.run(["bash", "-c", script, "-", *caps], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.split() == ["[80]", "[80]", "[80]", "[90]", "[100]", "[120]", "[]"]
+
+
+def test_a_package_tree_in_the_wheelhouse_is_unpacked_beside_the_wheels_and_imports(tmp_path):
+    # what `gpu_wheelhouse.sh --with-ray` packs (ray's wheel, too large to carry, unpacked and stripped)
+    import tarfile
+
+    tree = tmp_path / "tree"
+    (tree / "carried_pkg").mkdir(parents=True)
+    (tree / "carried_pkg" / "__init__.py").write_text("VALUE = 7\n")
+    tool = tree / "carried_pkg" / "tool"
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    archive = tmp_path / f"carried_pkg-1.0{gpu_check.SITE_TREE}"
+    with tarfile.open(archive, "w:xz") as out:
+        out.add(tree, arcname=".")
+    target = tmp_path / "site"
+    try:
+        assert gpu_check.extract_trees(str(target), [str(archive)]) is None
+        import carried_pkg
+
+        assert carried_pkg.VALUE == 7 and os.access(target / "carried_pkg" / "tool", os.X_OK)  # raylet stays runnable
+    finally:
+        sys.path.remove(str(target))
+        sys.modules.pop("carried_pkg", None)
+    assert "broken" in gpu_check.extract_trees(str(target), [str(tmp_path / "broken-site.tar.xz")])
