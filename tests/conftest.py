@@ -76,6 +76,14 @@ def tiny_model_path(tmp_path_factory):
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny_model")))
 
 
+@pytest.fixture(scope="session")
+def tiny_vl_path(tmp_path_factory):
+    """builtin://tiny-vl (a tiny random-init Qwen2-VL with tokenizer and image processor), built once per session."""
+    from rlframe.models.tiny_vl import make_tiny_vl_model
+
+    return make_tiny_vl_model(str(tmp_path_factory.mktemp("tiny_vl")))
+
+
 # Read at import, before any test's monkeypatch: the converted SmolLM2 lives in the machine's own
 # rlframe cache (RLFRAME_CACHE or ~/.cache/rlframe), so repeated runs and CI convert it once.
 PERSISTENT_CACHE = rlframe_cache_dir()

@@ -36,7 +36,7 @@ _ROLLOUT_TRACE = (
     "every step (prompt, response, score) as jsonl"
 )
 _PROFILED_ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "actor_rollout_ref.rollout", "critic")
-_MULTIMODAL = "multimodal inputs are not supported (text-only models)"
+_MULTIMODAL = "videos and audio are not supported; images are (data.image_key, docs/multimodal.md)"
 _MEGATRON_LORA = (
     "model.lora.* configures verl's Megatron-backend LoRA; with FSDP (rlframe's, and verl's) LoRA is "
     "actor_rollout_ref.model.lora_rank, lora_alpha, target_modules, exclude_modules, lora_adapter_path"
@@ -131,12 +131,13 @@ UNSUPPORTED = {
     "actor_rollout_ref.rollout.qat": _QUANT,
     "actor_rollout_ref.rollout.quantization": _QUANT,
     "actor_rollout_ref.rollout.quantization_config_file": _QUANT,
-    "data.image_key": _MULTIMODAL,
     "data.video_key": _MULTIMODAL,
     "data.audio_key": _MULTIMODAL,
-    "data.image_patch_size": _MULTIMODAL,
-    "data.return_multi_modal_inputs": _MULTIMODAL,
-    "data.mm_processor_kwargs": _MULTIMODAL,
+    "data.image_patch_size": "images are resized by the checkpoint's own image processor "
+    "(preprocessor_config.json: patch size, min_pixels, max_pixels)",
+    "data.return_multi_modal_inputs": "rlframe always keeps each row's processed images in the batch (verl's "
+    "default true): the training forward reads them",
+    "data.mm_processor_kwargs": "images are processed with the checkpoint's preprocessor_config.json as saved",
     "actor_rollout_ref.actor.freeze_vision_tower": _MULTIMODAL,
     "trainer.default_hdfs_dir": "HDFS upload is not supported; checkpoints go to trainer.default_local_dir",
     "actor_rollout_ref.rollout.disaggregation": "disaggregated prefill/decode is not supported",

@@ -43,6 +43,9 @@ class DataConfig(Section):
     )
     val_batch_size: Optional[int] = key(None, "prompts per validation batch; null = whole val set at once")
     return_raw_chat: bool = key(True, "keep raw chat messages in non_tensor_batch")
+    image_key: str = key(
+        "images", "column of each row's images (verl's geo3k layout), read when the model has a vision tower"
+    )
     shuffle: bool = key(True, "shuffle the training set each epoch")
     seed: int = key(1, "seed for shuffling and the built-in task generator")
     filter_overlong_prompts: bool = key(False, "drop prompts longer than max_prompt_length (count reported)")

@@ -7,6 +7,14 @@ rejected before any training work starts, and `__getitem__` only pads. A row of 
     raw_prompt                                the chat messages (only with data.return_raw_chat)
     index                                     extra_info["index"] (an int or a str) when set, else the row number
     every other column                        as read (data_source, reward_model, extra_info, ...)
+
+With a vision-language model (a `VisionProcessor`), the `data.image_key` column's images take the places of
+the prompt's `<image>` placeholders (verl's layout), each image's pad token is repeated for its patch grid
+(so prompt lengths count image tokens), `position_ids` are [4, max_prompt_length] (`rlframe.models.vision`),
+and a row also has
+    multi_modal_data     {"image": [PIL images]}: what the rollout engine takes
+    multi_modal_inputs   {"pixel_values", "image_grid_thw"}: what the model's forward takes
+The images are decoded and processed again in `__getitem__`: only their token counts are kept up front.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlframe.data.config import TRUNCATION_MODES
 from rlframe.distributed.padding import position_ids_from_mask
+from rlframe.models.vision import load_image, messages_with_images, mrope_position_ids
 
 logger = logging.getLogger(__name__)
 
@@ -143,13 +152,15 @@ def left_pad(ids: list[int], length: int, pad_token_id: int) -> tuple[torch.Tens
 class RLHFDataset(torch.utils.data.Dataset):
     """Prompts of one or more parquet files, chat-templated and left-padded to `max_prompt_length`."""
 
-    def __init__(self, files, tokenizer, config):
+    def __init__(self, files, tokenizer, config, processor=None):
         if isinstance(config, dict):
             config = OmegaConf.create(config)
         if not isinstance(config, DictConfig):
             raise TypeError(f"config must be the `data` section (DictConfig or dict), got {type(config).__name__}")
         self.files = [files] if isinstance(files, str) else [str(f) for f in files]
         self.tokenizer = tokenizer
+        self.processor = processor  # a rlframe.models.vision.VisionProcessor for a vision-language model
+        self.image_key = config.image_key
         self.prompt_key = config.prompt_key
         self.max_prompt_length = int(config.max_prompt_length)
         self.return_raw_chat = bool(config.return_raw_chat)
@@ -175,12 +186,22 @@ class RLHFDataset(torch.utils.data.Dataset):
         self.rows, self.prompt_ids, self.origins, self.num_filtered = [], [], [], 0
         for row, (path, row_number) in zip(rows, origins):
             where = f"data file {path}, row {row_number}, column {self.prompt_key!r}"
-            ids = self._tokenize(row[self.prompt_key], where)
+            messages, grid = self._with_images(row, f"data file {path}, row {row_number}")
+            ids = self._tokenize(messages, where)
+            if grid is not None:
+                ids = self.processor.expand(ids, grid)
             if len(ids) > self.max_prompt_length:
                 if filter_overlong:
                     self.num_filtered += 1
                     continue
                 ids = self._truncate(ids, where)
+                if grid is not None and sum(token == self.processor.spec.image_token_id for token in ids) != sum(
+                    map(self.processor.spec.tokens_per_image, grid)
+                ):
+                    raise ValueError(
+                        f"{where}: data.truncation={self.truncation} would cut into the prompt's image tokens; "
+                        "raise data.max_prompt_length or set data.filter_overlong_prompts=true"
+                    )
             self.rows.append(row)
             self.prompt_ids.append(ids)
             self.origins.append((path, row_number))
@@ -197,6 +218,24 @@ class RLHFDataset(torch.utils.data.Dataset):
                 f"no prompts left in {self.files} after filtering prompts longer than "
                 f"data.max_prompt_length={self.max_prompt_length}"
             )
+
+    def _images(self, row: dict, where: str) -> list:
+        """The row's images as RGB PIL images (none without a vision processor or an image column)."""
+        images = row.get(self.image_key) if self.processor is not None else None
+        if images is None:
+            return []
+        if not isinstance(images, list):
+            raise ValueError(f"{where}, column {self.image_key!r} (data.image_key): expected a list of images")
+        return [load_image(image, f"{where}, column {self.image_key!r}, image {i}") for i, image in enumerate(images)]
+
+    def _with_images(self, row: dict, where: str):
+        """(the prompt's messages with image parts, the images' patch grids [images, 3] or None without images)."""
+        messages = row[self.prompt_key]
+        if self.processor is None:
+            return messages, None
+        images = self._images(row, where)
+        messages = messages_with_images(messages, len(images), f"{where}, column {self.prompt_key!r}")
+        return messages, (self.processor.images(images)["image_grid_thw"] if images else None)
 
     def _tokenize(self, messages, where: str) -> list[int]:
         """The templated prompt's token ids; a template that fails or renders nothing is an error naming the row."""
@@ -247,6 +286,16 @@ class RLHFDataset(torch.utils.data.Dataset):
         out["input_ids"], out["attention_mask"], out["position_ids"] = left_pad(
             ids, self.max_prompt_length, self.tokenizer.pad_token_id
         )
+        if self.processor is not None:
+            path, row_number = self.origins[item]
+            where = f"data file {path}, row {row_number}"
+            images = self._images(out, where)
+            messages = messages_with_images(messages, len(images), where)
+            out.pop(self.image_key, None)
+            out["multi_modal_data"] = {"image": images}
+            out["multi_modal_inputs"] = self.processor.images(images)
+            grid = out["multi_modal_inputs"].get("image_grid_thw")
+            out["position_ids"] = mrope_position_ids(out["input_ids"], out["attention_mask"], grid, self.processor.spec)
         if self.return_raw_chat:
             out["raw_prompt"] = messages
         index = _extra_index(out)

@@ -2,7 +2,7 @@
 
 A Qwen2-VL vision tower (one block, 14-pixel patches merged 2 x 2 into one image token) feeds a two-layer
 language model with 3-D rotary positions (mrope), exactly the architecture of Qwen2-VL checkpoints, only
-small: ~0.2 M parameters. The folder holds what a Hugging Face Qwen2-VL checkpoint holds (config, weights,
+small: ~1.3 M parameters. The folder holds what a Hugging Face Qwen2-VL checkpoint holds (config, weights,
 tokenizer with the vision tokens and a chat template that renders image parts, `preprocessor_config.json`),
 so rlframe loads it as it loads Qwen2-VL and Qwen2.5-VL (`rlframe.models.vision`).
 
@@ -29,7 +29,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 BUILTIN_MODEL = "builtin://tiny-vl"
-TINY_VL_SHAPE = {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "vocab_size": 64}
+# head_dim 64 (256 / 4): vLLM's CPU attention refuses smaller heads, and the model should run there too
+TINY_VL_SHAPE = {"hidden_size": 256, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "vocab_size": 64}
 # images are resized to between 56 x 56 (4 x 4 patches: 4 image tokens) and 112 x 112 pixels (16 image tokens)
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
 
@@ -66,8 +67,8 @@ def make_tiny_vl_model(out_dir: str, seed: int = 0) -> str:
             "num_attention_heads": shape["num_heads"],
             "num_key_value_heads": shape["num_kv_heads"],
             "max_position_embeddings": 2048,
-            # the rotary half-dimensions (head_dim / 2 = 8) split over time, height and width
-            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+            # the rotary half-dimensions (head_dim / 2 = 32) split over time, height and width
+            "rope_parameters": {"rope_type": "default", "mrope_section": [8, 12, 12], "rope_theta": 10000.0},
             "pad_token_id": tokenizer.pad_token_id,
             "eos_token_id": tokenizer.eos_token_id,
             "bos_token_id": None,

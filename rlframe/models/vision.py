@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+MULTIMODAL_KEYS = ("multi_modal_data", "multi_modal_inputs")  # a batch row's images (non-tensor fields)
 IMAGE_PLACEHOLDER = "<image>"  # verl's marker of an image's place in a prompt's text
 # model types whose images rlframe lays out (Qwen2-VL's 3-D rotary positions and image tokens)
 VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
@@ -36,6 +37,14 @@ def is_vision_model(config) -> bool:
     """Whether a transformers config (or its dict) is a vision-language model's: it has a vision tower."""
     get = config.get if isinstance(config, dict) else lambda name, default=None: getattr(config, name, default)
     return get("vision_config") is not None
+
+
+def causal_lm_class(config):
+    """The transformers auto class that loads a generating model of `config`: image-text-to-text for a vision
+    tower (Qwen2-VL's `...ForConditionalGeneration`), causal LM otherwise."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_model(config) else AutoModelForCausalLM
 
 
 def check_vision_model(model_type: str, where: str) -> None:
@@ -150,6 +159,26 @@ def mrope_position_ids(
     out[0, valid] = torch.arange(int(valid.sum()))
     out[1:, valid] = torch.tensor(rows, dtype=torch.long).view(3, -1)
     return out
+
+
+def model_image_inputs(rows_inputs, input_ids: torch.Tensor, spec_or_config) -> dict[str, torch.Tensor]:
+    """The forward's image arguments for a batch of rows: their `multi_modal_inputs` concatenated in row order
+    (rows without images add nothing), and the image-token types transformers asks for when it computes the
+    3-D positions itself (generation); {} when no row has an image."""
+    present = [inputs for inputs in rows_inputs if inputs]
+    if not present:
+        return {}
+    spec = spec_or_config if isinstance(spec_or_config, VisionSpec) else VisionSpec.from_config(spec_or_config)
+    return {
+        "pixel_values": torch.cat([inputs["pixel_values"] for inputs in present]).to(input_ids.device),
+        "image_grid_thw": torch.cat([inputs["image_grid_thw"] for inputs in present]).to(input_ids.device),
+        "mm_token_type_ids": (input_ids == spec.image_token_id).int(),
+    }
+
+
+def row_images(batch, row: int) -> dict:
+    """A batch row's image fields (`MULTIMODAL_KEYS`) as keyword arguments; {} for a text batch."""
+    return {key: batch.non_tensor_batch[key][row] for key in MULTIMODAL_KEYS if key in batch.non_tensor_batch}
 
 
 def extend_positions(prompt_positions: torch.Tensor, response_length: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ from rlframe.data.dataloader import make_dataloader
 from rlframe.data.dataset import RLHFDataset
 from rlframe.models.builtin import resolve_model_path
 from rlframe.models.reward_head import check_reward_checkpoint
+from rlframe.models.vision import load_vision_processor
 from rlframe.reward.manager import load_reward_manager
 from rlframe.reward.scorers import check_builtin_scoring
 from rlframe.single_controller.errors import WorkerDiedError, WorkerGroupError, WorkerTimeoutError
@@ -72,8 +73,10 @@ def build_data(cfg: DictConfig, tokenizer):
     data = cfg.data
     train_files = resolve_data_files(data.train_files, data.builtin_dir, data.seed, split="train")
     val_files = resolve_data_files(data.val_files, data.builtin_dir, data.seed, split="val")
-    train = RLHFDataset(train_files, tokenizer, data)
-    val = RLHFDataset(val_files, tokenizer, data)
+    # a vision-language model's image processor (None for a text model): prompts then carry their images
+    processor = load_vision_processor(cfg.actor_rollout_ref.model.path, tokenizer, data.trust_remote_code)
+    train = RLHFDataset(train_files, tokenizer, data, processor)
+    val = RLHFDataset(val_files, tokenizer, data, processor)
     # one loader batch is one generation round: gen_batch_size prompts with DAPO's dynamic sampling
     train_loader = make_dataloader(
         train, data.gen_batch_size or data.train_batch_size, shuffle=data.shuffle, seed=data.seed

@@ -32,6 +32,7 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
+from rlframe.models.vision import row_images
 from rlframe.protocol import DataProto
 from rlframe.workers.rollout.base import BaseRollout, build_rollout_output, check_prompts, response_metrics
 from rlframe.workers.rollout.multi_turn import MultiTurnRollout, Trajectory
@@ -79,7 +80,9 @@ class AgentLoopRollout:
     def _single_turn(self, prompts, seeds, server, response_length, eos_ids, pad_id) -> DataProto:
         ids, mask = prompts.batch["input_ids"].cpu(), prompts.batch["attention_mask"].cpu().bool()
         requests = [
-            GenerationRequest(row, ids[row][mask[row]].tolist(), response_length, seeds[row])
+            GenerationRequest(
+                row, ids[row][mask[row]].tolist(), response_length, seeds[row], **row_images(prompts, row)
+            )
             for row in range(len(prompts))
         ]
 
@@ -110,7 +113,9 @@ class AgentLoopRollout:
             row, trajectory = item
             while not trajectory.done:
                 context = trajectory.prompt_ids + trajectory.response_ids
-                request = GenerationRequest(row, context, worker.budget(trajectory), trajectory.seed)
+                request = GenerationRequest(  # every turn's context holds the first turn's images
+                    row, context, worker.budget(trajectory), trajectory.seed, **row_images(prompts, row)
+                )
                 completion = await server.generate(request)
                 worker.take_turn(trajectory, completion.tokens, completion.log_probs, eos_ids)
                 if trajectory.done:

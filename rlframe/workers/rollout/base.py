@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from rlframe.models.vision import MULTIMODAL_KEYS, extend_positions
 from rlframe.protocol import DataProto
 from rlframe.workers.fsdp_utils import resolve_dtype
 from rlframe.workers.rollout.tp import group_rank_and_size
@@ -186,21 +187,21 @@ def build_rollout_output(
     response_mask = response_mask_from_tokens(padded, lengths.to(device), eos_ids)
     padded = torch.where(response_mask.bool(), padded, torch.full_like(padded, pad_id))
     prompt_ids, prompt_mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
-    prompt_pos = prompts.batch["position_ids"]
-    offsets = torch.arange(1, response_length + 1, device=device, dtype=prompt_pos.dtype)
     tensors = {
         "prompts": prompt_ids,
         "responses": padded,
         "input_ids": torch.cat([prompt_ids, padded], dim=-1),
         "attention_mask": torch.cat([prompt_mask, response_mask.to(prompt_mask.dtype)], dim=-1),
-        "position_ids": torch.cat([prompt_pos, prompt_pos[:, -1:] + offsets], dim=-1),
+        "position_ids": extend_positions(prompts.batch["position_ids"], response_length),
         "response_mask": response_mask,
     }
     if log_probs is not None:
         full = torch.zeros(num, response_length, dtype=torch.float32, device=device)
         full[:, : log_probs.shape[1]] = log_probs.to(device, torch.float32)
         tensors["rollout_log_probs"] = full * response_mask
-    return DataProto.from_dict(tensors, dict(prompts.non_tensor_batch))
+    # the images stay with the driver's batch, which has them: only the rollout engine reads them
+    passed = {key: value for key, value in prompts.non_tensor_batch.items() if key not in MULTIMODAL_KEYS}
+    return DataProto.from_dict(tensors, passed)
 
 
 SEED_KEY = "sample_seed"  # a row's sampling seed, when the rank owning the row drew it (rollout/pool.py)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from rlframe.models.vision import causal_lm_class, model_image_inputs
 from rlframe.protocol import DataProto
 from rlframe.workers.rollout.base import BaseRollout, SamplingParams, ServedModel, position_seed
 from rlframe.workers.rollout.config import RolloutConfig
@@ -113,14 +114,14 @@ class HFRollout(BaseRollout):
     """
 
     def __init__(self, config: RolloutConfig, served: ServedModel, tokenizer, device_type: str, tp_group=None):
-        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+        from transformers import AutoConfig, GenerationConfig
 
         super().__init__(config, served, tokenizer, device_type, tp_group)
         model_path, trust_remote_code, override_config = served.path, served.trust_remote_code, served.override_config
         hf_config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
         for key, value in (override_config or {}).items():
             setattr(hf_config, key, value)
-        model = AutoModelForCausalLM.from_pretrained(
+        model = causal_lm_class(hf_config).from_pretrained(
             model_path,
             config=hf_config,
             dtype=self.dtype,
@@ -201,6 +202,7 @@ class HFRollout(BaseRollout):
 
         input_ids = prompts.batch["input_ids"].to(self.device)
         attention_mask = prompts.batch["attention_mask"].to(self.device)
+        images = prompts.non_tensor_batch.get("multi_modal_inputs")  # a vision-language model's rows' images
         # sampling happens in _SeededSampler; HF decodes greedily over the one token it leaves
         generation_config = GenerationConfig(
             max_new_tokens=params.response_length,
@@ -225,6 +227,9 @@ class HFRollout(BaseRollout):
                 continue
             first = int(mask.any(0).long().argmax())  # columns padded in every row cost compute, not results
             ids, mask = ids[:, first:], mask[:, first:]
+            image_inputs = (
+                {} if images is None else model_image_inputs(images[start : start + size], ids, self.model.config)
+            )
             stop = _StopRows(row_budgets, self.interrupt, ids.shape[1])
             recorder = _LogProbRecorder(temperature) if self.config.calculate_log_probs else None
             processors = [recorder] if recorder else []  # the recorder sees the raw logits, before sampling
@@ -236,7 +241,7 @@ class HFRollout(BaseRollout):
                 generation_config=generation_config,
                 logits_processor=LogitsProcessorList(processors),
                 stopping_criteria=StoppingCriteriaList([stop]) if budgets is not None or self.interrupt else None,
-                **self._shared_prompt_cache(ids, mask),
+                **(image_inputs or self._shared_prompt_cache(ids, mask)),  # images: no shared prefill (yet)
             )
             interrupted = stop.fired
             new = out.sequences[:, ids.shape[1] :]

@@ -45,6 +45,9 @@ class GenerationRequest:
     prompt_ids: list[int]
     max_tokens: int
     seed: int  # the sample's seed (`request_seeds`)
+    # a vision-language row's images (rlframe.models.vision): processed for the HF model, as PIL for vLLM
+    multi_modal_inputs: dict | None = None
+    multi_modal_data: dict | None = None
 
 
 @dataclass
@@ -217,8 +220,14 @@ class BatchingServer(RolloutServer):
         for row, request in enumerate(requests):
             ids[row, width - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
             mask[row, width - len(request.prompt_ids) :] = 1
+        images = {}  # the rows' images, when a vision-language model's rows have some
+        if any(r.multi_modal_inputs for r in requests):
+            images = {
+                "multi_modal_inputs": [r.multi_modal_inputs or {} for r in requests],
+                "multi_modal_data": [r.multi_modal_data or {} for r in requests],
+            }
         batch = DataProto.from_dict(
-            {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+            {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}, images
         )
         params = replace(self.params, response_length=max(r.max_tokens for r in requests))
         seeds = [r.seed for r in requests]
