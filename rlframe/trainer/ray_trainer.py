@@ -34,6 +34,7 @@ from rlframe.algorithms.pf_ppo import pf_ppo_resample_index
 from rlframe.algorithms.rollout_correction import probs_diff_metrics, rollout_correction
 from rlframe.batch_plan import BatchPlan
 from rlframe.config.checks import resolve_device
+from rlframe.models.vision import MULTIMODAL_KEYS
 from rlframe.protocol import DataProto
 from rlframe.reward.manager import drop_failed_samples, extra_info_metrics, group_index
 from rlframe.seqpack import balance_dp_partitions, packing_metrics
@@ -357,6 +358,8 @@ class RayPPOTrainer:
         check_agent_rows(batch.non_tensor_batch.get("agent_name"), self.config.actor_rollout_ref.rollout)
         if uses_tool_agent(self.config.actor_rollout_ref.rollout):  # the agent reads the chat and tool arguments
             gen_batch.non_tensor_batch = {k: v for k, v in batch.non_tensor_batch.items() if k in AGENT_INPUT_KEYS}
+        # a vision-language model's images: the engine reads them, and the batch keeps them for training
+        gen_batch.non_tensor_batch.update({k: v for k, v in batch.non_tensor_batch.items() if k in MULTIMODAL_KEYS})
         gen_batch.meta_info = meta_info
         return batch, gen_batch
 

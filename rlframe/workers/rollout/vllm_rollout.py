@@ -552,6 +552,8 @@ class VLLMRollout(BaseRollout):
         self.wake_for_generation()
         ids, mask = prompts.batch["input_ids"].cpu(), prompts.batch["attention_mask"].cpu().bool()
         prompt_token_ids = [row[keep].tolist() for row, keep in zip(ids, mask)]
+        images = prompts.non_tensor_batch.get("multi_modal_data", [None] * len(prompt_token_ids))
+        requests = [engine_prompt(p, data) for p, data in zip(prompt_token_ids, images)]
         limits = [None] * len(prompt_token_ids) if budgets is None else [int(b) for b in budgets]
         sampling = [
             self.request_params(params, eos_ids, seed, len(p), budget)
@@ -559,23 +561,23 @@ class VLLMRollout(BaseRollout):
         ]
         if self.interrupt is None:
             outputs = self.llm.generate(
-                [{"prompt_token_ids": p} for p in prompt_token_ids],
+                requests,
                 sampling_params=sampling,
                 use_tqdm=False,
                 lora_request=self._lora_request,  # None without LoRA
             )
             completions = [o.outputs[0] for o in outputs]
         else:
-            completions = self._generate_stepped(prompt_token_ids, sampling)
+            completions = self._generate_stepped(requests, sampling)
         return completions_to_tensors(completions, params.response_length, eos_ids, pad_id, self.with_log_probs)
 
-    def _generate_stepped(self, prompt_token_ids: list[list[int]], sampling: list) -> list:
+    def _generate_stepped(self, requests: list[dict], sampling: list) -> list:
         """The requests through the engine's own step loop (what `LLM.generate` runs), asking `interrupt` before
         each step; a request's output is cumulative, so the last one seen holds every token it has."""
         engine = self.llm.llm_engine
-        request_ids = [f"rlframe-{next(self._request_numbers)}" for _ in prompt_token_ids]
-        for request_id, prompt, params in zip(request_ids, prompt_token_ids, sampling):
-            engine.add_request(request_id, {"prompt_token_ids": prompt}, params, lora_request=self._lora_request)
+        request_ids = [f"rlframe-{next(self._request_numbers)}" for _ in requests]
+        for request_id, prompt, params in zip(request_ids, requests, sampling):
+            engine.add_request(request_id, prompt, params, lora_request=self._lora_request)
         latest, unfinished = {}, set(request_ids)
         while unfinished:
             if self.interrupt():
@@ -650,6 +652,15 @@ def weight_buckets(
             bucket, size = [], 0
     if bucket:
         yield bucket
+
+
+def engine_prompt(prompt_token_ids: list[int], multi_modal_data: dict | None) -> dict:
+    """vLLM's prompt of one row: its tokens, and a vision-language row's images (PIL) under vLLM's
+    `multi_modal_data`. The tokens already hold each image's pad token repeated for its grid, as vLLM finds them."""
+    prompt = {"prompt_token_ids": prompt_token_ids}
+    if multi_modal_data and multi_modal_data.get("image"):
+        prompt["multi_modal_data"] = {"image": list(multi_modal_data["image"])}
+    return prompt
 
 
 def completions_to_tensors(completions, width: int, eos_ids: list[int], pad_id: int, with_log_probs: bool):

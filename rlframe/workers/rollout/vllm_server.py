@@ -71,6 +71,8 @@ class VLLMServer(RolloutServer):
 
     def _step(self, new: list[GenerationRequest]) -> list:
         """Add the new requests, then one engine step; the requests that finished in it come back."""
+        from rlframe.workers.rollout.vllm_rollout import engine_prompt
+
         engine = self.engine
         engine.wake_for_generation()
         llm_engine = engine.llm.llm_engine
@@ -81,7 +83,7 @@ class VLLMServer(RolloutServer):
         for request in new:
             llm_engine.add_request(
                 request_id(request),
-                {"prompt_token_ids": list(request.prompt_ids)},
+                engine_prompt(list(request.prompt_ids), request.multi_modal_data),
                 engine.request_params(params(request), self.eos_ids, request.seed, len(request.prompt_ids)),
                 lora_request=engine._lora_request,
             )
