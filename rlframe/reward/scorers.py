@@ -114,6 +114,17 @@ def math_score(solution_str: str, ground_truth: str) -> float:
     return 1.0 if normalize_math_answer(answer) == normalize_math_answer(truth) else 0.0
 
 
+# -------------------------------------------------------------------------------------------- geo3k
+def geo3k_score(solution_str: str, ground_truth: str, format_score: float = 0.1) -> float:
+    """verl's hiyouga/geometry3k score: 0.9 x (the last \\boxed{} grades equal to the truth by mathruler) +
+    0.1 x (the response is `<think>...</think>...\\boxed{...}...`), as verl.utils.reward_score.geo3k."""
+    from mathruler.grader import extract_boxed_content, grade_answer
+
+    accurate = 1.0 if grade_answer(extract_boxed_content(solution_str), ground_truth) else 0.0
+    formatted = 1.0 if re.fullmatch(r"<think>.*</think>.*\\boxed\{.*\}.*", solution_str, re.DOTALL) else 0.0
+    return (1.0 - format_score) * accurate + format_score * formatted
+
+
 # ---------------------------------------------------------------------------- builtin countdown_add
 def countdown_add_score(solution_str: str, ground_truth: str) -> dict:
     """Graded reward of the built-in task: a ladder a random policy climbs one rung at a time.
@@ -163,6 +174,7 @@ _SCORERS = {
     "countdown_add": countdown_add_score,
     "add_digits": add_digits_score,
     "gsm8k_arith": gsm8k_score,  # the built-in word problems, graded as GSM8K (strict)
+    "hiyouga/geometry3k": geo3k_score,  # verl's geo3k (examples/data_preprocess/geo3k.py)
     "colour_vl": add_digits_score,  # the built-in image tasks (rlframe.data.image_tasks): one digit, exactly
     "count_vl": add_digits_score,
 }
