@@ -351,11 +351,8 @@ def score_positions(
     device = micro_batch["input_ids"].device
     image_inputs = {} if images is None else images.of(micro_batch[IMAGE_ROW], device)
     laid_out = layout.prepare(model, micro_batch, columns, keep_logits, image_inputs)
-    hooks = contextlib.nullcontext()
-    if image_inputs:
-        sp_group = layout.sp_group if isinstance(layout, PackedLayout) and sp_size_of(layout.sp_group) > 1 else None
-        hooks = vision_hooks(model, sp_group)
-    with spec.output_head(model, laid_out.head_labels), hooks:
+    sp_group = layout.sp_group if isinstance(layout, PackedLayout) and sp_size_of(layout.sp_group) > 1 else None
+    with spec.output_head(model, laid_out.head_labels), vision_hooks(model, bool(image_inputs), sp_group):
         output = model(**laid_out.inputs, use_cache=False)
     return laid_out.restore(spec.score(laid_out.select(output.logits), laid_out.labels))
 
