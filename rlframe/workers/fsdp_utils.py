@@ -52,8 +52,12 @@ def load_hf_model(spec: ModelSpec) -> nn.Module:
     actor and reference load it as `AutoModelForImageTextToText` (its `architectures`' class, tower included);
     a value model of one is refused.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers import AutoModelForTokenClassification
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForTokenClassification,
+    )
 
     from rlframe.distributed.attention import register_varlen_attention
     from rlframe.models.vision import check_vision_model, is_vision_model

@@ -194,9 +194,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         self.tokenizer = AutoTokenizer.from_pretrained(
             self.config.data.tokenizer or cfg.model.path, trust_remote_code=bool(self.config.data.trust_remote_code)
         )
-        model = self._load(
-            cfg.model, "actor", use_rmpad, cfg.actor.fsdp_config, bool(cfg.actor.freeze_vision_tower)
-        )
+        model = self._load(cfg.model, "actor", use_rmpad, cfg.actor.fsdp_config, bool(cfg.actor.freeze_vision_tower))
         self.actor_flops = model_flops_info(model)  # read before sharding
         lora_spec = lora.LoraSpec.from_config(cfg.model)
         if lora_spec is not None:

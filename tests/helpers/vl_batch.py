@@ -51,7 +51,7 @@ def make_vl_batch(model_path: str, seed: int = 0) -> DataProto:
         images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
         row_inputs = processor.images(images)
         ids = text(int(torch.randint(1, 4, (1,), generator=gen)))
-        for grid in row_inputs.get("image_grid_thw", []):
+        for _ in range(len(sizes)):
             ids += [spec.vision_start_token_id, spec.image_token_id, end]
             ids += text(int(torch.randint(0, 3, (1,), generator=gen)))
         prompts.append(processor.expand(ids, row_inputs.get("image_grid_thw")))
