@@ -159,6 +159,9 @@ DISTRIBUTED = {
     "dp2_fsdp2_rows_without_images": Scenario(world=2, micro_batch_size=1),
     "dp2_fsdp1": Scenario(world=2, strategy="fsdp", micro_batch_size=2),
     "dp2_padded": Scenario(world=2, use_remove_padding=False, micro_batch_size=4),
+    "dp2_offload_grad_ckpt_prefetch": Scenario(
+        world=2, micro_batch_size=1, param_offload=True, gradient_checkpointing=True, forward_prefetch=True
+    ),
     "sp2_dp2_dynamic": Scenario(world=4, sp=2, use_dynamic_bsz=True, max_token_len=24),
 }
 
