@@ -4,6 +4,8 @@ Layout of a micro-batch (an RL batch): `input_ids = [prompt (left-padded) | resp
 `attention_mask` marks valid tokens, `position_ids = clip(cumsum(mask) - 1, 0)`, `responses` is the
 last `response_length` columns. Token t's logits predict token t + 1, so response token j is scored
 by the logits at column `seqlen - response_length - 1 + j`.
+A vision-language micro-batch (Qwen2-VL family) has `position_ids` [batch, 4, seqlen] and its rows' images,
+found by the `IMAGE_ROW` each row carries; `rlframe.workers.multimodal` says how both go through each layout.
 
 One forward, two independent choices:
 - what is scored, a frozen `ScoringSpec`: log-probs at a temperature, plus entropy and Σπ² when asked,

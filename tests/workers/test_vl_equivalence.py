@@ -17,6 +17,7 @@ from helpers.vl_batch import ROW_IMAGES, make_vl_batch
 from rlframe.workers.fsdp_utils import ModelSpec, build_optimizer, load_hf_model
 from rlframe.workers.model_forward import PaddedLayout, forward_micro_batch
 from rlframe.workers.multimodal import IMAGE_ROW, RowImages, vision_tower
+from rlframe.workers.reward_model import load_reward_model
 
 assert len(ROW_IMAGES) == NUM_SEQS  # the harness's plans cut NUM_SEQS rows
 
@@ -144,11 +145,13 @@ def test_vl_model_loads_as_image_text_to_text_with_its_tower(tiny_vl_path):
     assert all(p.requires_grad for name, p in model.named_parameters() if ".visual." not in name)
 
 
-def test_vl_critic_and_text_freeze_are_refused_by_key(tiny_vl_path, tiny_model_path):
+def test_vl_critic_reward_model_and_text_freeze_are_refused_by_key(tiny_vl_path, tiny_model_path):
     with pytest.raises(ValueError, match=r"critic\.model\.path=.*vision-language"):
         load_hf_model(ModelSpec(tiny_vl_path, "critic", torch.float32, False))
     with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.freeze_vision_tower=true.*no vision tower"):
         _load(tiny_model_path, freeze_vision_tower=True)
+    with pytest.raises(ValueError, match=r"reward_model\.model\.path=.*vision-language"):
+        load_reward_model(tiny_vl_path, use_remove_padding=False)
 
 
 # ---------------------------------------------------------------- multi-process (gloo + FSDP)
