@@ -138,7 +138,6 @@ UNSUPPORTED = {
     "data.return_multi_modal_inputs": "rlframe always keeps each row's processed images in the batch (verl's "
     "default true): the training forward reads them",
     "data.mm_processor_kwargs": "images are processed with the checkpoint's preprocessor_config.json as saved",
-    "actor_rollout_ref.actor.freeze_vision_tower": _MULTIMODAL,
     "trainer.default_hdfs_dir": "HDFS upload is not supported; checkpoints go to trainer.default_local_dir",
     "actor_rollout_ref.rollout.disaggregation": "disaggregated prefill/decode is not supported",
     "actor_rollout_ref.rollout.checkpoint_engine": "rlframe syncs weights in place, one parameter at a time",

@@ -41,6 +41,7 @@ from rlframe.workers.batching import (
 )
 from rlframe.workers.config.actor import clip_ratio_bounds
 from rlframe.workers.model_forward import ScoringSpec, forward_micro_batch, layout_for
+from rlframe.workers.multimodal import RowImages, row_images
 from rlframe.workers.updater import Batching, PPOUpdater, RoleModel, UpdateContext
 
 
@@ -70,7 +71,14 @@ class PPOActor(PPOUpdater):
         self.token_selector = TOKEN_SELECTORS.get(config.policy_loss.loss_mode)
         self.selection_generator = torch.Generator().manual_seed(seed)
 
-    def _forward(self, micro: dict, temperature: float, calculate_entropy: bool, calculate_sum_pi_squared=False):
+    def _forward(
+        self,
+        micro: dict,
+        temperature: float,
+        calculate_entropy: bool,
+        calculate_sum_pi_squared: bool = False,
+        images: RowImages | None = None,
+    ):
         spec = ScoringSpec(
             temperature=temperature,
             calculate_entropy=calculate_entropy,
@@ -79,11 +87,15 @@ class PPOActor(PPOUpdater):
             use_fused_kernels=self.options.use_fused_kernels,
         )
         layout = layout_for(self.options.use_remove_padding, self.dims.sp_group)
-        return forward_micro_batch(self.module, micro, micro["responses"].shape[-1], spec, layout)
+        return forward_micro_batch(self.module, micro, micro["responses"].shape[-1], spec, layout, images)
 
-    def _score(self, batch: TensorDict, spec: MicroBatchSpec, temperature: float, **wanted) -> dict:
+    def _score(
+        self, batch: TensorDict, spec: MicroBatchSpec, temperature: float, images: RowImages | None, **wanted
+    ) -> dict:
         """The per-token outputs of one forward without gradients over `batch`, cut as `spec`, in its order."""
-        return self._no_grad_outputs(batch, spec, lambda micro: self._forward(micro, temperature, **wanted))
+        return self._no_grad_outputs(
+            batch, spec, lambda micro: self._forward(micro, temperature, images=images, **wanted)
+        )
 
     def compute_log_prob(
         self, data: DataProto, calculate_entropy: bool = False
@@ -98,10 +110,12 @@ class PPOActor(PPOUpdater):
         """Per-response-token `log_probs` [bs, resp_len], and `entropy` / `sum_pi_squared` (Σ_v π(v)²)
         when asked, in the input order."""
         self.module.eval()
+        batch, images = row_images(data.batch, data.non_tensor_batch)
         return self._score(
-            data.batch,
+            batch,
             self.batching.forward,
             data.meta_info.get("temperature", 1.0),
+            images,
             calculate_entropy=calculate_entropy,
             calculate_sum_pi_squared=calculate_sum_pi_squared,
         )
@@ -149,7 +163,7 @@ class PPOActor(PPOUpdater):
         keys = ["advantages"] + (["ref_log_prob"] if self.config.use_kl_loss else [])
         keys += [] if on_policy else ["old_log_probs"]
         keys += [k for k in ("rollout_is_weights",) if k in data.batch.keys()]  # decoupled rollout correction
-        batch = update_inputs(data.batch, *keys)
+        batch, ctx.images = row_images(update_inputs(data.batch, *keys), data.non_tensor_batch)
         if on_policy:  # each row's index, to put the old log-probs back in the input order
             batch["on_policy_row"] = torch.arange(len(batch), device=batch.device)
         metrics = self._train(batch, ctx)
@@ -176,7 +190,7 @@ class PPOActor(PPOUpdater):
         batch["old_log_probs"] = torch.zeros_like(batch["advantages"])
         if len(later) > 0:
             self.module.eval()  # as the separate pass scores them
-            stats = self._score(later, self.batching.forward, ctx.temperature, calculate_entropy=True)
+            stats = self._score(later, self.batching.forward, ctx.temperature, ctx.images, calculate_entropy=True)
             self.module.train()
             batch["old_log_probs"][first:] = stats["log_probs"]
             ctx.on_policy_parts.append((later["on_policy_row"], stats["log_probs"], stats["entropy"]))
@@ -198,7 +212,9 @@ class PPOActor(PPOUpdater):
         micro-batches' losses; the sums are added over the DP group.
         """
         cfg = ctx.bypass
-        log_probs = self._score(mini, self.batching.update, ctx.temperature, calculate_entropy=False)["log_probs"]
+        log_probs = self._score(mini, self.batching.update, ctx.temperature, ctx.images, calculate_entropy=False)[
+            "log_probs"
+        ]
         with torch.no_grad():
             mask = response_mask_of(mini)
             weights, _ = is_weights(
@@ -218,7 +234,9 @@ class PPOActor(PPOUpdater):
         args = PolicyLossArgs(self.clip_ratio_low, self.clip_ratio_high, float(c.clip_ratio_c), agg)
         response_mask = response_mask_of(micro)
         on_policy = "on_policy" in micro.keys() and bool(micro["on_policy"][0])  # a mini-batch is wholly one or other
-        out = self._forward(micro, ctx.temperature, calculate_entropy=c.entropy_coeff != 0 or on_policy)
+        out = self._forward(
+            micro, ctx.temperature, calculate_entropy=c.entropy_coeff != 0 or on_policy, images=ctx.images
+        )
         old_log_probs = self._on_policy_old(micro, out, ctx) if on_policy else micro["old_log_probs"]
         advantages = micro["advantages"]
         if "rollout_is_weights" in micro.keys():  # ℓ(w·A) = w·ℓ(A) for the losses that take them
@@ -279,7 +297,9 @@ class PPOActor(PPOUpdater):
         in rank order (equal row counts and widths: one dispatched batch), selected on every rank
         alike, and each rank keeps its own rows.
         """
-        log_probs = self._score(mini, self.batching.update, ctx.temperature, calculate_entropy=False)["log_probs"]
+        log_probs = self._score(mini, self.batching.update, ctx.temperature, ctx.images, calculate_entropy=False)[
+            "log_probs"
+        ]
         inputs = [mini["old_log_probs"], log_probs, mini["advantages"], response_mask_of(mini).to(log_probs.dtype)]
         rank, world = 0, 1
         if self.dims.reduces_over_dp:

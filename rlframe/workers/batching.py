@@ -19,9 +19,12 @@ from tensordict import TensorDict
 from rlframe.algorithms.loss import Aggregation
 from rlframe.distributed.parallel_dims import spans_ranks
 from rlframe.seqpack import MicroBatchSpec, get_reverse_idx, packing_metrics, rearrange_micro_batches
+from rlframe.workers.multimodal import IMAGE_ROW
 
 # What a model forward reads; a role's update adds its loss keys (update_inputs).
 MODEL_INPUTS = ("responses", "input_ids", "attention_mask", "position_ids")
+# read when the batch carries it: a vision-language row's index into its images (rlframe.workers.multimodal)
+OPTIONAL_MODEL_INPUTS = (IMAGE_ROW,)
 
 
 def micro_batch_spec(plan, token_len_key: str) -> MicroBatchSpec:
@@ -125,10 +128,13 @@ def response_mask_of(batch: TensorDict) -> torch.Tensor:
 
 def forward_inputs(batch: TensorDict) -> TensorDict:
     """The keys a model forward reads (`rlframe.workers.model_forward.forward_micro_batch`)."""
-    return batch.select(*MODEL_INPUTS)
+    return batch.select(*MODEL_INPUTS, *_present(batch, OPTIONAL_MODEL_INPUTS))
 
 
 def update_inputs(batch: TensorDict, *keys: str) -> TensorDict:
     """The model inputs, a role's loss `keys`, and the response mask when the batch carries one."""
-    optional = ["response_mask"] if "response_mask" in batch else []
-    return batch.select(*MODEL_INPUTS, *keys, *optional)
+    return batch.select(*MODEL_INPUTS, *keys, *_present(batch, ("response_mask", *OPTIONAL_MODEL_INPUTS)))
+
+
+def _present(batch: TensorDict, keys: tuple[str, ...]) -> list[str]:
+    return [key for key in keys if key in batch.keys()]

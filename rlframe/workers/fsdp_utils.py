@@ -17,7 +17,7 @@ from torch import nn
 from rlframe.config.checks import STRATEGIES
 from rlframe.distributed.shm_gather import SharedMemoryGroups, use_shared_memory_comms
 from rlframe.workers.config.model import DTYPES
-from rlframe.workers.lora import trainable_parameters, trains_leaf_weight
+from rlframe.workers.lora import is_lora, trainable_parameters, trains_leaf_weight
 
 TORCH_DTYPES = {name: getattr(torch, torch_name) for name, torch_name in DTYPES.items()}
 
@@ -42,20 +42,49 @@ class ModelSpec:
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
     override_config: dict | None = None
+    freeze_vision_tower: bool = False  # a vision-language actor's tower keeps its weights (verl freezes model.visual)
 
 
 def load_hf_model(spec: ModelSpec) -> nn.Module:
-    """Load a causal LM (actor/ref) or a token-classification value model (critic) on CPU."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    """Load a causal LM (actor/ref) or a token-classification value model (critic) on CPU.
+
+    A config with a `vision_config` is a vision-language model (Qwen2-VL family, `rlframe.models.vision`): the
+    actor and reference load it as `AutoModelForImageTextToText` (its `architectures`' class, tower included);
+    a value model of one is refused.
+    """
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForTokenClassification,
+    )
 
     from rlframe.distributed.attention import register_varlen_attention
+    from rlframe.models.vision import check_vision_model, is_vision_model
 
     config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
     for key, value in (spec.override_config or {}).items():
         setattr(config, key, value)
     attn = register_varlen_attention() if spec.use_remove_padding else "sdpa"
     kwargs = dict(config=config, dtype=spec.dtype, attn_implementation=attn, trust_remote_code=spec.trust_remote_code)
-    if spec.role == "critic":
+    vision = is_vision_model(config)
+    if vision and spec.role == "critic":
+        raise ValueError(
+            f"critic.model.path={spec.path} is a vision-language model (its config has a vision_config); a value "
+            "model of one is not implemented: give critic.model.path a text model, or train without a critic "
+            "(algorithm.adv_estimator=grpo)"
+        )
+    if spec.freeze_vision_tower and not vision:
+        raise ValueError(
+            f"actor_rollout_ref.actor.freeze_vision_tower=true, but {spec.path} has no vision tower (no vision_config "
+            "in its config): set it false for a text model"
+        )
+    if vision:
+        check_vision_model(config.model_type, spec.path)
+        model = AutoModelForImageTextToText.from_pretrained(spec.path, **kwargs)
+        if spec.freeze_vision_tower:
+            freeze_vision_tower(model)
+    elif spec.role == "critic":
         config.num_labels = 1
         config.classifier_dropout = 0.0
         model = AutoModelForTokenClassification.from_pretrained(spec.path, **kwargs)
@@ -71,8 +100,21 @@ def load_hf_model(spec: ModelSpec) -> nn.Module:
     return model
 
 
+def freeze_vision_tower(model: nn.Module) -> None:
+    """`actor_rollout_ref.actor.freeze_vision_tower`: the tower's parameters take no gradient and no optimizer step
+    (`build_optimizer` steps the parameters that require one). The merger, the projection into the language
+    model's width, is part of the tower (`visual`) in transformers' Qwen2-VL and is frozen with it, as in verl."""
+    from rlframe.workers.multimodal import vision_tower
+
+    tower = vision_tower(model)
+    if tower is None:
+        raise ValueError("actor_rollout_ref.actor.freeze_vision_tower=true, but the model has no vision tower (visual)")
+    tower.requires_grad_(False)
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks, the unit each FSDP shard gathers at a time."""
+    """The transformer blocks, the unit each FSDP shard gathers at a time: a vision-language model's vision blocks
+    and decoder layers alike (both are in transformers' `_no_split_modules`)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:  # fall back to the conventional HF location
@@ -157,7 +199,7 @@ def _wrap_fsdp1(model, spec, mesh, device_type):
     layer_types = {type(layer) for layer in decoder_layers(model)}
     # With LoRA, each adapter linear is its own unit too, so every flat parameter is all frozen or all
     # trainable and gradients are allocated for the adapter only (verl's LoRA wrap policy)
-    lora = any(not p.requires_grad for p in model.parameters())
+    lora = is_lora(model)  # not any frozen parameter: a frozen vision tower is no adapter
     policy = functools.partial(
         lambda_auto_wrap_policy, lambda_fn=lambda m: type(m) in layer_types or (lora and trains_leaf_weight(m))
     )

@@ -100,7 +100,7 @@ class FSDPWorkerBase(Worker):
         torch.manual_seed(int(self.config.data.seed))  # fresh heads (critic) start equal on every rank
         self.dims = ParallelDims.build(self.device_type, self.world_size, sp, fsdp_size)
 
-    def _load(self, model_cfg, role: str, use_remove_padding: bool, fsdp_cfg):
+    def _load(self, model_cfg, role: str, use_remove_padding: bool, fsdp_cfg, freeze_vision_tower: bool = False):
         """The HF model on CPU in fsdp_config.model_dtype (FSDP's mixed precision casts for compute)."""
         if model_cfg.external_lib:  # registers custom model classes with transformers' Auto* factories
             importlib.import_module(model_cfg.external_lib)
@@ -114,6 +114,7 @@ class FSDPWorkerBase(Worker):
                 gradient_checkpointing=bool(model_cfg.enable_gradient_checkpointing),
                 trust_remote_code=bool(model_cfg.trust_remote_code),
                 override_config=OmegaConf.to_container(model_cfg.override_config),
+                freeze_vision_tower=freeze_vision_tower,
             )
         )
 
@@ -193,7 +194,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         self.tokenizer = AutoTokenizer.from_pretrained(
             self.config.data.tokenizer or cfg.model.path, trust_remote_code=bool(self.config.data.trust_remote_code)
         )
-        model = self._load(cfg.model, "actor", use_rmpad, cfg.actor.fsdp_config)
+        model = self._load(cfg.model, "actor", use_rmpad, cfg.actor.fsdp_config, bool(cfg.actor.freeze_vision_tower))
         self.actor_flops = model_flops_info(model)  # read before sharding
         lora_spec = lora.LoraSpec.from_config(cfg.model)
         if lora_spec is not None:

@@ -4,6 +4,8 @@ Layout of a micro-batch (an RL batch): `input_ids = [prompt (left-padded) | resp
 `attention_mask` marks valid tokens, `position_ids = clip(cumsum(mask) - 1, 0)`, `responses` is the
 last `response_length` columns. Token t's logits predict token t + 1, so response token j is scored
 by the logits at column `seqlen - response_length - 1 + j`.
+A vision-language micro-batch (Qwen2-VL family) has `position_ids` [batch, 4, seqlen] and its rows' images,
+found by the `IMAGE_ROW` each row carries; `rlframe.workers.multimodal` says how both go through each layout.
 
 One forward, two independent choices:
 - what is scored, a frozen `ScoringSpec`: log-probs at a temperature, plus entropy and Σπ² when asked,
@@ -48,6 +50,7 @@ from torch.utils.checkpoint import checkpoint
 from rlframe.distributed.attention import ATTN_IMPLEMENTATION
 from rlframe.distributed.padding import pack_tensor, pad_output, unpad_input
 from rlframe.distributed.ulysses import gather_outputs, pad_packed_for_sp, slice_for_rank, sp_size_of
+from rlframe.workers.multimodal import IMAGE_ROW, RowImages, vision_hooks
 
 ENTROPY_CHUNK_TOKENS = 1024
 
@@ -154,10 +157,19 @@ def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
 class PaddedLayout:
     """The micro-batch as it comes, [batch, seqlen]: the model runs the padding too, under the attention mask."""
 
-    def prepare(self, model, micro_batch: dict[str, torch.Tensor], columns: slice, keep_logits: bool) -> PaddedBatch:
-        """The model's inputs; with `keep_logits` only the scored `columns` go through the output head."""
+    def prepare(
+        self, model, micro_batch: dict[str, torch.Tensor], columns: slice, keep_logits: bool, images: dict
+    ) -> PaddedBatch:
+        """The model's inputs; with `keep_logits` only the scored `columns` go through the output head.
+
+        `images`: the micro-batch's `pixel_values` and `image_grid_thw` ({} for none), passed as they are.
+        """
         input_ids = micro_batch["input_ids"]
-        inputs = {name: micro_batch[name] for name in ("input_ids", "attention_mask", "position_ids")}
+        inputs = {name: micro_batch[name] for name in ("input_ids", "attention_mask")}
+        position_ids = micro_batch["position_ids"]
+        # a vision-language row's [4, seqlen] positions: transformers' Qwen2-VL takes [4, batch, seqlen]
+        inputs["position_ids"] = position_ids.transpose(0, 1) if position_ids.dim() == 3 else position_ids
+        inputs.update(images)
         if keep_logits:
             inputs["logits_to_keep"] = torch.arange(columns.start, columns.stop, device=input_ids.device)
         labels = torch.roll(input_ids, shifts=-1, dims=1)  # the fused head scores every position
@@ -192,12 +204,20 @@ class PackedLayout:
 
     sp_group: dist.ProcessGroup | None = None
 
-    def prepare(self, model, micro_batch: dict[str, torch.Tensor], columns: slice, keep_logits: bool) -> PackedRow:
+    def prepare(
+        self, model, micro_batch: dict[str, torch.Tensor], columns: slice, keep_logits: bool, images: dict
+    ) -> PackedRow:
         """The packed row's inputs; with `keep_logits` only the positions of the scored `columns` go through
-        the output head."""
+        the output head.
+
+        A vision-language micro-batch's positions [batch, 4, seqlen] are packed like the tokens, into
+        [4, 1, total_nnz]; its `images` (`pixel_values`, `image_grid_thw`) go to the model as they are. With
+        Ulysses and images the model gets the whole row and each rank slices the embeddings, once the image
+        features are in them (`rlframe.workers.multimodal.vision_hooks`).
+        """
         input_ids, attention_mask = micro_batch["input_ids"], micro_batch["attention_mask"]
         ids, indices, cu_seqlens, max_seqlen = unpad_input(input_ids, attention_mask)
-        pos = pack_tensor(micro_batch["position_ids"], indices).unsqueeze(0)
+        pos = _pack_positions(micro_batch["position_ids"], indices)
         labels = torch.roll(ids, shifts=-1, dims=1)  # next token in the row; wrong only at sequence ends, never scored
         scored = None  # the packed positions whose results are read, when only they go through the head
         if keep_logits:
@@ -209,19 +229,21 @@ class PackedLayout:
             _check_ulysses_attention(model)
             ids, pos, cu_seqlens, max_seqlen, pad_size = pad_packed_for_sp(ids, pos, cu_seqlens, max_seqlen, sp_size)
             labels = torch.nn.functional.pad(labels, (0, pad_size))
-            ids, pos, labels = (slice_for_rank(x, group, dim=1) for x in (ids, pos, labels))
+            labels = slice_for_rank(labels, group, dim=1)
+            if not images:  # with images the language model's pre-hook slices the embeddings and positions
+                ids, pos = slice_for_rank(ids, group, dim=1), slice_for_rank(pos, group, dim=-1)
             if scored is not None:
                 scored = slice_for_rank(torch.nn.functional.pad(scored, (0, pad_size)), group, dim=1)
             extra["ulysses_group"] = group
-        keep = None
+        labels_length, keep = labels.shape[1], None  # this rank's share of the row
         if scored is not None:
             keep = scored[0].nonzero().flatten()  # this rank's scored positions in its share of the row
             extra["logits_to_keep"] = keep
             labels = labels[:, keep]
         # the sequences' bounds travel under transformers' names for its varlen attention
         inputs = {"input_ids": ids, "position_ids": pos, "cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens}
-        inputs.update(max_length_q=max_seqlen, max_length_k=max_seqlen, **extra)
-        unpack = _Unpack(keep, ids.shape[1], group, pad_size, indices, tuple(input_ids.shape), columns)
+        inputs.update(max_length_q=max_seqlen, max_length_k=max_seqlen, **extra, **images)
+        unpack = _Unpack(keep, labels_length, group, pad_size, indices, tuple(input_ids.shape), columns)
         return PackedRow(inputs, labels, labels[0], unpack)
 
 
@@ -286,6 +308,13 @@ def _check_ulysses_attention(model) -> None:
 PACKED = PackedLayout()  # no sequence parallelism
 
 
+def _pack_positions(position_ids: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """[batch, seqlen] -> [1, total_nnz]; a vision-language batch's [batch, 4, seqlen] -> [4, 1, total_nnz]."""
+    if position_ids.dim() == 2:
+        return pack_tensor(position_ids, indices).unsqueeze(0)
+    return pack_tensor(position_ids.transpose(1, 2), indices).T.unsqueeze(1)
+
+
 # ------------------------------------------------------------------------------------------- the forward
 def forward_micro_batch(
     model: torch.nn.Module,
@@ -293,16 +322,18 @@ def forward_micro_batch(
     response_length: int,
     spec: ScoringSpec = LOG_PROBS,
     layout: PaddedLayout | PackedLayout = PACKED,
+    images: RowImages | None = None,
 ) -> dict[str, torch.Tensor]:
     """Run `model` on one micro-batch and score its responses: `spec`'s results, each [batch, response_length].
 
-    `micro_batch` holds `input_ids`, `attention_mask`, `position_ids` [batch, seqlen] and `responses`
-    [batch, response_length]. `layout` defaults to the packed row without sequence parallelism
-    (`layout_for(use_remove_padding, sp_group)` builds one from the config's two knobs).
+    `micro_batch` holds `input_ids`, `attention_mask`, `position_ids` [batch, seqlen] ([batch, 4, seqlen] for a
+    vision-language model) and `responses` [batch, response_length]. `layout` defaults to the packed row without
+    sequence parallelism (`layout_for(use_remove_padding, sp_group)` builds one from the config's two knobs).
+    `images`: the call's per-row image inputs, found by the micro-batch's `IMAGE_ROW` (rlframe.workers.multimodal).
     """
     seqlen = micro_batch["input_ids"].shape[1]
     scoring_columns = slice(seqlen - response_length - 1, seqlen - 1)  # the logits of column t score token t + 1
-    outputs = score_positions(model, micro_batch, spec, layout, scoring_columns)
+    outputs = score_positions(model, micro_batch, spec, layout, scoring_columns, images)
     response_mask = micro_batch["attention_mask"][:, -response_length:].bool()
     return {name: torch.where(response_mask, x, torch.zeros_like(x)) for name, x in outputs.items()}
 
@@ -313,13 +344,17 @@ def score_positions(
     spec: ScoringSpec,
     layout: PaddedLayout | PackedLayout,
     columns: slice,
+    images: RowImages | None = None,
 ) -> dict[str, torch.Tensor]:
     """The model's forward on `micro_batch` ([batch, seqlen] `input_ids`, `attention_mask`, `position_ids`),
     scored by `spec` at the padded `columns` (the results of column t are from its logits, which predict
     token t + 1): each result [batch, len(columns)]."""
     keep_logits = not spec.use_fused_kernels and _keeps_logits(model, spec.value_head)
-    laid_out = layout.prepare(model, micro_batch, columns, keep_logits)
-    with spec.output_head(model, laid_out.head_labels):
+    device = micro_batch["input_ids"].device
+    image_inputs = {} if images is None else images.of(micro_batch[IMAGE_ROW], device)
+    laid_out = layout.prepare(model, micro_batch, columns, keep_logits, image_inputs)
+    sp_group = layout.sp_group if isinstance(layout, PackedLayout) and sp_size_of(layout.sp_group) > 1 else None
+    with spec.output_head(model, laid_out.head_labels), vision_hooks(model, bool(image_inputs), sp_group):
         output = model(**laid_out.inputs, use_cache=False)
     return laid_out.restore(spec.score(laid_out.select(output.logits), laid_out.labels))
 

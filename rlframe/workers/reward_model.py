@@ -54,9 +54,24 @@ def load_reward_model(path: str, use_remove_padding: bool):
     """The checkpoint's sequence classifier scoring every token (`TokenScoreModel`), fp32, eval, no gradients."""
     from rlframe.distributed.attention import register_varlen_attention
 
+    refuse_vision_reward_model(path)
     attn = register_varlen_attention() if use_remove_padding else "sdpa"
     model = load_token_score_model(path, dtype=torch.float32, attn_implementation=attn)
     return model.requires_grad_(False).eval()
+
+
+def refuse_vision_reward_model(path: str) -> None:
+    """A vision-language reward model would score the text without its images: refused, naming the key."""
+    from transformers import AutoConfig
+
+    from rlframe.models.vision import is_vision_model
+
+    if is_vision_model(AutoConfig.from_pretrained(path)):
+        raise ValueError(
+            f"reward_model.model.path={path} is a vision-language model (its config has a vision_config); a reward "
+            "model of one is not implemented: give reward_model.model.path a text sequence classifier, or score "
+            "with a reward function (custom_reward_function.path)"
+        )
 
 
 def place_on_last_response_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ from rlframe.workers.batching import (
     split_micro_batches,
 )
 from rlframe.workers.fsdp_utils import clip_grad_norm
+from rlframe.workers.multimodal import RowImages
 
 
 @dataclass(frozen=True)
@@ -92,12 +93,14 @@ class UpdateContext:
 
     `temperature` scores the responses as they were sampled; `bypass` is algorithm.rollout_correction in
     bypass mode (None otherwise); `on_policy_parts` collects (rows, old log-probs, entropy) when the update
-    computes the old log-probs itself (None otherwise).
+    computes the old log-probs itself (None otherwise); `images` are a vision-language batch's per-row image
+    inputs (rlframe.workers.multimodal; None for text).
     """
 
     temperature: float = 1.0
     bypass: dict | None = None
     on_policy_parts: list | None = None
+    images: RowImages | None = None
 
 
 class PPOUpdater(ABC):

@@ -74,6 +74,7 @@ class Scenario:
     reshard_after_forward: bool = True  # fsdp_config.reshard_after_forward: False keeps gathers, same numbers
     dtype: torch.dtype = torch.float32  # parameters and compute; float64 tells rounding from math (docs/models.md)
     lora_adapter: str | None = None  # a PEFT adapter folder: train it on the frozen model (lora_adapter_path)
+    freeze_vision_tower: bool = False  # actor.freeze_vision_tower: a vision-language model's tower does not train
     extra: dict = field(default_factory=dict)
 
     @property
@@ -251,6 +252,7 @@ def run_scenario(
         dtype=sc.dtype,
         use_remove_padding=sc.use_remove_padding,
         gradient_checkpointing=sc.gradient_checkpointing,
+        freeze_vision_tower=sc.freeze_vision_tower,
     )
     torch.manual_seed(0)  # the critic's fresh value head must start equal everywhere
     model = load_hf_model(spec)

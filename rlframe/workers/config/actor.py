@@ -103,6 +103,7 @@ class ActorConfig(Section):
     ppo_epochs: int = key(1, "passes over each batch")
     shuffle: bool = key(False, "shuffle sequences before cutting mini-batches")
     ulysses_sequence_parallel_size: int = key(1, "Ulysses SP degree (needs use_remove_padding)")
+    freeze_vision_tower: bool = key(False, "a vision-language model's vision tower (model.visual) is not trained")
     use_torch_compile: bool = key(True, "torch.compile the log-prob and entropy kernels (CUDA)")
     entropy_from_logits_with_chunking: bool = key(False, "verl's memory switch; no effect: rlframe always chunks")
     entropy_checkpointing: bool = key(False, "verl's memory switch; no effect: rlframe always recomputes")
