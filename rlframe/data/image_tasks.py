@@ -20,15 +20,9 @@ from __future__ import annotations
 import io
 import random
 
+from rlframe.models.tiny_vl import COLOUR_PROMPT, COUNT_PROMPT
+
 COLOURS = {1: (220, 40, 40), 2: (40, 200, 60), 3: (50, 80, 230), 4: (240, 220, 40)}
-COLOUR_PROMPT = "<image>Which colour covers the most? 1 red 2 green 3 blue 4 yellow. Answer with the number."
-COUNT_PROMPT = "<image>How many squares? Answer with the number."
-# the tasks' text: the tiny vision-language model's tokenizer learns its vocabulary from it
-TASK_TEXT = [
-    "user\n" + COLOUR_PROMPT.removeprefix("<image>") + "\nassistant\n1",
-    "user\n" + COUNT_PROMPT.removeprefix("<image>") + "\nassistant\n4",
-    "12345 67890",
-]
 
 
 def _png(image) -> bytes:

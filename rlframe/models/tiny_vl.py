@@ -35,13 +35,22 @@ TINY_VL_SHAPE = {"hidden_size": 256, "num_layers": 2, "num_heads": 4, "num_kv_he
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
 
 
+# The built-in image tasks' prompts (rlframe.data.image_tasks draws their pictures): the tokenizer learns its
+# vocabulary from their text
+COLOUR_PROMPT = "<image>Which colour covers the most? 1 red 2 green 3 blue 4 yellow. Answer with the number."
+COUNT_PROMPT = "<image>How many squares? Answer with the number."
+TASK_TEXT = [
+    "user\n" + COLOUR_PROMPT.removeprefix("<image>") + "\nassistant\n1",
+    "user\n" + COUNT_PROMPT.removeprefix("<image>") + "\nassistant\n4",
+    "12345 67890",
+]
+
+
 def build_vl_tokenizer(vocab_size: int = TINY_VL_SHAPE["vocab_size"]):
     """The tiny byte-level tokenizer plus Qwen2-VL's vision tokens, with a chat template that renders images.
 
     Its alphabet is the image tasks' characters (others are dropped when encoding), as the quickstart model's is.
     """
-    from rlframe.data.image_tasks import TASK_TEXT
-
     tokenizer = build_tokenizer(vocab_size, corpus=TASK_TEXT, alphabet=[])
     tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     tokenizer.chat_template = CHAT_TEMPLATE

@@ -70,8 +70,9 @@ def device_peak_tflops(device_name: str, override: float | None = None) -> tuple
 
 
 def model_flops_info(model: torch.nn.Module) -> dict:
-    """What the driver needs to count an actor step's FLOPs (read before FSDP wrapping)."""
-    config = model.config
+    """What the driver needs to count an actor step's FLOPs (read before FSDP wrapping). A vision-language model's
+    attention is its language model's; its vision tower's matmuls count as if they ran on every token (an estimate)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return {
         "matmul_params": matmul_params(model),

@@ -49,6 +49,17 @@ class _LogProbRecorder:
         return torch.stack(self.steps, dim=1) if self.steps else sequences.new_zeros(sequences.shape[0], 0).float()
 
 
+class _Suppress:
+    """Logits processor giving `token_ids` probability 0 (after the log-prob recorder, before sampling)."""
+
+    def __init__(self, token_ids: list[int]):
+        self.token_ids = token_ids
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores[:, self.token_ids] = float("-inf")
+        return scores
+
+
 class _SeededSampler:
     """Logits processor that samples each row's next token itself, from that row's own random number.
 
@@ -138,6 +149,10 @@ class HFRollout(BaseRollout):
         if self.tp_size > 1:
             apply_tensor_parallel(model, tp_mesh_from_group(tp_group, device_type))
         self.model = model
+        # a vision-language model's image and video pad tokens: never sampled (docs/multimodal.md, Rollout)
+        self._never_generated = [
+            int(getattr(hf_config, name)) for name in ("image_token_id", "video_token_id") if hasattr(hf_config, name)
+        ]
         self._targets = dict(model.state_dict(keep_vars=True))
         self._params = dict(model.named_parameters(remove_duplicate=False))  # tied names both listed
         self._storages = _unique_storages(self._params.values())
@@ -233,6 +248,8 @@ class HFRollout(BaseRollout):
             stop = _StopRows(row_budgets, self.interrupt, ids.shape[1])
             recorder = _LogProbRecorder(temperature) if self.config.calculate_log_probs else None
             processors = [recorder] if recorder else []  # the recorder sees the raw logits, before sampling
+            if self._never_generated:  # a generated image pad would be an image token without an image
+                processors.append(_Suppress(self._never_generated))
             if not params.greedy:
                 processors.append(_SeededSampler(params, seeds[start : start + size], (mask == 0).sum(-1)))
             out = self.model.generate(
