@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CORPUS = ROOT / "tests" / "assets" / "verl_examples"
 
 # GRPO, PPO with a critic, sequence balance, Ulysses, split placement, GSPO, DAPO-style, LoRA, sglang
-# rollout, multi-turn, a reward model served by verl's reward loop, a string logger.
+# rollout, multi-turn, a reward model served by verl's reward loop, a string logger, a vision-language model.
 SUBSET = [
     "grpo_trainer__run_qwen2-7b",
     "grpo_trainer__run_qwen3-8b",
@@ -34,6 +34,7 @@ SUBSET = [
     "sglang_multiturn__run_qwen2.5-3b_gsm8k_multiturn",
     "grpo_trainer__run_seed_oss_36b",
     "ppo_trainer__run_qwen2-7b_rm",
+    "grpo_trainer__run_qwen2_5_vl-7b_freeze_vision",  # vision-language: data.image_key, freeze_vision_tower
 ]
 
 # Floors: every script of SUBSET is taken whole and every key use taken (7 of 14 and 0.982 when the floor was
