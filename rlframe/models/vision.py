@@ -47,6 +47,17 @@ def causal_lm_class(config):
     return AutoModelForImageTextToText if is_vision_model(config) else AutoModelForCausalLM
 
 
+def never_generated_tokens(model_path: str, trust_remote_code: bool = False) -> list[int]:
+    """Token ids a rollout must never sample: a vision-language model's image and video pad tokens (a generated one
+    would be an image token without an image, which the training forward cannot run); [] for a text model."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    if not is_vision_model(config):
+        return []
+    return [int(getattr(config, name)) for name in ("image_token_id", "video_token_id") if hasattr(config, name)]
+
+
 def check_vision_model(model_type: str, where: str) -> None:
     if model_type not in VISION_MODEL_TYPES:
         raise ValueError(

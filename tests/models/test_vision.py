@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -172,3 +174,46 @@ def test_hf_rollout_generates_from_images_as_the_model_does_and_scores_as_the_fo
         ).logits[:, 95:-1]
     expected = torch.log_softmax(logits, -1).gather(-1, b["responses"][..., None]).squeeze(-1) * b["response_mask"]
     torch.testing.assert_close(b["rollout_log_probs"], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_rollout_never_samples_an_image_pad_and_its_log_probs_stay_the_actors(vl, tiny_vl_path, tmp_path):
+    """A policy whose most likely token is <|image_pad|> (its head row scaled up): the rollout never generates it,
+    greedy or sampled, since the training forward cannot run an image token without an image; the log-probs it
+    reports are still the actor's whole distribution's."""
+    from helpers.rollout import rollout_config
+
+    from rlframe.protocol import DataProto
+    from rlframe.workers.rollout import build_rollout
+
+    model, tokenizer, processor = vl
+    config = OmegaConf.structured(DataConfig)
+    config.max_prompt_length = 96
+    files = resolve_data_files("builtin://colour_vl", str(tmp_path), 1, "val")
+    rows = collate_fn([RLHFDataset(files, tokenizer, config, processor)[i] for i in range(2)])
+    keys = ("input_ids", "attention_mask", "position_ids", "multi_modal_inputs")
+    cfg = rollout_config(
+        "data.max_prompt_length=96", "data.max_response_length=4", "actor_rollout_ref.rollout.calculate_log_probs=true"
+    )
+    rollout = build_rollout("hf", cfg, tiny_vl_path, tokenizer, "cpu")
+    image_id = processor.spec.image_token_id
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    state["lm_head.weight"][image_id] = 50 * state["lm_head.weight"].abs().max()
+    rollout.update_weights(iter(state.items()))
+    actor = copy.deepcopy(model)
+    actor.load_state_dict(state)
+    for do_sample in (False, True):
+        prompts = DataProto.from_single_dict({k: rows[k] for k in keys}, meta_info={"do_sample": do_sample})
+        out = rollout.generate_sequences(prompts)
+        b = out.batch
+        assert not (b["responses"] == image_id).any()
+        with torch.no_grad():
+            logits = actor(
+                input_ids=b["input_ids"],
+                attention_mask=b["attention_mask"],
+                position_ids=b["position_ids"].transpose(0, 1),
+                pixel_values=torch.cat([r["pixel_values"] for r in rows["multi_modal_inputs"]]),
+                image_grid_thw=torch.cat([r["image_grid_thw"] for r in rows["multi_modal_inputs"]]),
+            ).logits[:, 95:-1]
+        expected = torch.log_softmax(logits, -1).gather(-1, b["responses"][..., None]).squeeze(-1) * b["response_mask"]
+        torch.testing.assert_close(b["rollout_log_probs"], expected, atol=1e-4, rtol=1e-4)
+        assert float(b["rollout_log_probs"].min()) < -20  # where the pad held nearly all the mass: suppressed

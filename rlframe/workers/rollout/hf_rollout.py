@@ -149,10 +149,6 @@ class HFRollout(BaseRollout):
         if self.tp_size > 1:
             apply_tensor_parallel(model, tp_mesh_from_group(tp_group, device_type))
         self.model = model
-        # a vision-language model's image and video pad tokens: never sampled (docs/multimodal.md, Rollout)
-        self._never_generated = [
-            int(getattr(hf_config, name)) for name in ("image_token_id", "video_token_id") if hasattr(hf_config, name)
-        ]
         self._targets = dict(model.state_dict(keep_vars=True))
         self._params = dict(model.named_parameters(remove_duplicate=False))  # tied names both listed
         self._storages = _unique_storages(self._params.values())
@@ -248,8 +244,8 @@ class HFRollout(BaseRollout):
             stop = _StopRows(row_budgets, self.interrupt, ids.shape[1])
             recorder = _LogProbRecorder(temperature) if self.config.calculate_log_probs else None
             processors = [recorder] if recorder else []  # the recorder sees the raw logits, before sampling
-            if self._never_generated:  # a generated image pad would be an image token without an image
-                processors.append(_Suppress(self._never_generated))
+            if self.never_generated:  # a vision-language model's image pads: an image token without an image
+                processors.append(_Suppress(self.never_generated))
             if not params.greedy:
                 processors.append(_SeededSampler(params, seeds[start : start + size], (mask == 0).sum(-1)))
             out = self.model.generate(

@@ -636,6 +636,8 @@ class VLLMRollout(BaseRollout):
             )
         if self.config.calculate_log_probs:
             kwargs["logprobs"] = 0  # the sampled token's log-prob only
+        if self.never_generated:  # vLLM clamps biases to ±100: e^-100 of the mass, as good as never
+            kwargs["logit_bias"] = dict.fromkeys(self.never_generated, -100.0)
         return VLLMSamplingParams(**kwargs)
 
 
