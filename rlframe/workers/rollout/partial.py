@@ -81,7 +81,7 @@ def continue_generation(rollout, rows: DataProto, version: int) -> DataProto:
         {
             "input_ids": rows.batch["prompts"],
             "attention_mask": rows.batch["attention_mask"][:, : rows.batch["prompts"].shape[1]],
-            "position_ids": rows.batch["position_ids"][:, : rows.batch["prompts"].shape[1]],
+            "position_ids": rows.batch["position_ids"][..., : rows.batch["prompts"].shape[1]],  # [B, (4,) P]
         },
         dict(rows.non_tensor_batch),
     )
