@@ -47,6 +47,18 @@ def _data(metrics: list[dict]) -> list[dict]:
             "padded_sync_rollout",
             ["actor_rollout_ref.model.use_remove_padding=false", "actor_rollout_ref.rollout.mode=sync"],
         ),
+        (  # a rollout pool of its own (docs/async.md) at η = 0: its samples are the current weights'
+            "separate_async",
+            [
+                "trainer.n_gpus_per_node=1",
+                "trainer.v1.trainer_mode=separate_async",
+                "actor_rollout_ref.rollout.nnodes=1",
+                "actor_rollout_ref.rollout.n_gpus_per_node=1",
+                "trainer.v1.sampler.max_off_policy_threshold=1",
+                "trainer.v1.separate_async.num_warmup_batches=0",
+                "trainer.v1.separate_async.parameter_sync_step=2",
+            ],
+        ),
     ],
 )
 def test_tiny_vl_grpo_trains_with_images_and_the_rollout_scores_as_the_actor(tmp_path, cache_dir, name, extra):
