@@ -30,7 +30,7 @@ CHAT_TEMPLATE = (
 )
 BUILTIN_MODEL = "builtin://tiny-vl"
 # head_dim 64 (256 / 4): vLLM's CPU attention refuses smaller heads, and the model should run there too
-TINY_VL_SHAPE = {"hidden_size": 256, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "vocab_size": 64}
+TINY_VL_SHAPE = {"hidden_size": 256, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "vocab_size": 96}
 # images are resized to between 56 x 56 (4 x 4 patches: 4 image tokens) and 112 x 112 pixels (16 image tokens)
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
 
@@ -43,6 +43,8 @@ TASK_TEXT = [
     "user\n" + COLOUR_PROMPT.removeprefix("<image>") + "\nassistant\n1",
     "user\n" + COUNT_PROMPT.removeprefix("<image>") + "\nassistant\n4",
     "12345 67890",
+    # a Hermes tool call of the built-in calculator: the agent loop's tests run image rows through tool turns
+    'tool\n<tool_call>{"name": "calculator", "arguments": {"expression": "12*7"}}</tool_call>',
 ]
 
 

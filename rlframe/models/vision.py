@@ -47,15 +47,12 @@ def causal_lm_class(config):
     return AutoModelForImageTextToText if is_vision_model(config) else AutoModelForCausalLM
 
 
-def never_generated_tokens(model_path: str, trust_remote_code: bool = False) -> list[int]:
-    """Token ids a rollout must never sample: a vision-language model's image and video pad tokens (a generated one
-    would be an image token without an image, which the training forward cannot run); [] for a text model."""
+def vision_spec(model_path: str, trust_remote_code: bool = False) -> VisionSpec | None:
+    """The token layout of the model at `model_path`, None for a text model."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    if not is_vision_model(config):
-        return []
-    return [int(getattr(config, name)) for name in ("image_token_id", "video_token_id") if hasattr(config, name)]
+    return VisionSpec.from_config(config) if is_vision_model(config) else None
 
 
 def check_vision_model(model_type: str, where: str) -> None:
@@ -122,7 +119,7 @@ class VisionSpec:
     """What the token layout needs from a Qwen2-VL-family config."""
 
     image_token_id: int
-    vision_start_token_id: int
+    video_token_id: int
     merge_size: int
 
     @classmethod
@@ -130,10 +127,26 @@ class VisionSpec:
         get = config.get if isinstance(config, dict) else lambda name: getattr(config, name)
         vision = get("vision_config")
         merge = vision["spatial_merge_size"] if isinstance(vision, dict) else vision.spatial_merge_size
-        return cls(int(get("image_token_id")), int(get("vision_start_token_id")), int(merge))
+        return cls(int(get("image_token_id")), int(get("video_token_id")), int(merge))
 
     def tokens_per_image(self, grid_thw: torch.Tensor) -> int:
         return int(grid_thw.prod()) // (self.merge_size**2)
+
+    def expand(self, ids: list[int], image_grid_thw: torch.Tensor | None) -> list[int]:
+        """Rendered tokens with each image's one pad token repeated for its grid (what Qwen2-VL's processor does)."""
+        grids = iter([] if image_grid_thw is None else image_grid_thw)
+        out = []
+        for token in ids:
+            if token == self.image_token_id:
+                grid = next(grids, None)
+                if grid is None:
+                    raise ValueError("the prompt has more image tokens than images")
+                out.extend([token] * self.tokens_per_image(grid))
+            else:
+                out.append(token)
+        if next(grids, None) is not None:
+            raise ValueError("the prompt has fewer image tokens than images (does the chat template render images?)")
+        return out
 
 
 def mrope_position_ids(
@@ -187,6 +200,13 @@ def model_image_inputs(rows_inputs, input_ids: torch.Tensor, spec_or_config) -> 
     }
 
 
+def images_of(rows: list[dict]) -> dict:
+    """Non-tensor batch fields of rows' image fields (each a `row_images` dict); {} when no row has an image."""
+    if not any(row.get("multi_modal_inputs") for row in rows):
+        return {}
+    return {key: [row.get(key) or {} for row in rows] for key in MULTIMODAL_KEYS}
+
+
 def row_images(batch, row: int) -> dict:
     """A batch row's image fields (`MULTIMODAL_KEYS`) as keyword arguments; {} for a text batch."""
     return {key: batch.non_tensor_batch[key][row] for key in MULTIMODAL_KEYS if key in batch.non_tensor_batch}
@@ -230,19 +250,7 @@ class VisionProcessor:
 
     def expand(self, ids: list[int], image_grid_thw: torch.Tensor | None) -> list[int]:
         """The templated prompt's tokens with each image's one pad token repeated for its grid."""
-        grids = iter([] if image_grid_thw is None else image_grid_thw)
-        out = []
-        for token in ids:
-            if token == self.spec.image_token_id:
-                grid = next(grids, None)
-                if grid is None:
-                    raise ValueError("the prompt has more image tokens than images")
-                out.extend([token] * self.spec.tokens_per_image(grid))
-            else:
-                out.append(token)
-        if next(grids, None) is not None:
-            raise ValueError("the prompt has fewer image tokens than images (does the chat template render images?)")
-        return out
+        return self.spec.expand(ids, image_grid_thw)
 
 
 def load_vision_processor(model_path: str, tokenizer, trust_remote_code: bool = False) -> VisionProcessor | None:

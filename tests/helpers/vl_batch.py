@@ -38,7 +38,7 @@ def make_vl_batch(model_path: str, seed: int = 0) -> DataProto:
     config = AutoConfig.from_pretrained(model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     processor = VisionProcessor(model_path, tokenizer, config)
-    spec, end = processor.spec, config.vision_end_token_id
+    spec, start, end = processor.spec, config.vision_start_token_id, config.vision_end_token_id
     text_ids = [i for i in range(3, config.text_config.vocab_size) if i not in tokenizer.all_special_ids]
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -52,7 +52,7 @@ def make_vl_batch(model_path: str, seed: int = 0) -> DataProto:
         row_inputs = processor.images(images)
         ids = text(int(torch.randint(1, 4, (1,), generator=gen)))
         for _ in range(len(sizes)):
-            ids += [spec.vision_start_token_id, spec.image_token_id, end]
+            ids += [start, spec.image_token_id, end]
             ids += text(int(torch.randint(0, 3, (1,), generator=gen)))
         prompts.append(processor.expand(ids, row_inputs.get("image_grid_thw")))
         responses.append(text(int(torch.randint(1, RESPONSE_LEN + 1, (1,), generator=gen))))

@@ -114,7 +114,7 @@ class AgentLoopRollout:
             while not trajectory.done:
                 context = trajectory.prompt_ids + trajectory.response_ids
                 request = GenerationRequest(  # every turn's context holds the first turn's images
-                    row, context, worker.budget(trajectory), trajectory.seed, **row_images(prompts, row)
+                    row, context, worker.budget(trajectory), trajectory.seed, **trajectory.images
                 )
                 completion = await server.generate(request)
                 worker.take_turn(trajectory, completion.tokens, completion.log_probs, eos_ids)

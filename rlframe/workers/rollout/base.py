@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from rlframe.models.vision import MULTIMODAL_KEYS, extend_positions, never_generated_tokens
+from rlframe.models.vision import MULTIMODAL_KEYS, extend_positions, vision_spec
 from rlframe.protocol import DataProto
 from rlframe.workers.fsdp_utils import resolve_dtype
 from rlframe.workers.rollout.tp import group_rank_and_size
@@ -273,8 +273,10 @@ class BaseRollout(ABC):
         self.tp_group = tp_group
         _, self.tp_size = group_rank_and_size(tp_group)
         self.seed, self.dp_rank = 0, 0  # mixed into the per-sample seeds (vLLM: rollout.seed and its replica index)
-        # given probability 0 when sampling (after the log-probs are read, so those stay the actor's)
-        self.never_generated = never_generated_tokens(served.path, served.trust_remote_code)
+        self.vision = vision_spec(served.path, served.trust_remote_code)  # a vision-language model's token layout
+        # a vision-language model's image and video pads (an image token without an image): given probability 0
+        # when sampling, after the log-probs are read, so those stay the actor's
+        self.never_generated = [self.vision.image_token_id, self.vision.video_token_id] if self.vision else []
         if self.tp_size != config.tensor_model_parallel_size:
             raise ValueError(
                 f"{KEY}.tensor_model_parallel_size={config.tensor_model_parallel_size} "

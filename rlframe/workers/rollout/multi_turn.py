@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from rlframe.models.vision import MULTIMODAL_KEYS, images_of, mrope_position_ids, row_images
 from rlframe.protocol import DataProto
 from rlframe.workers.rollout.base import BaseRollout, SamplingParams, check_prompts
 from rlframe.workers.rollout.tools import ToolCallResult, ToolRunner
@@ -127,6 +128,7 @@ class Trajectory:
     tool_errors: int = 0
     tool_latency_s: float = 0.0
     single_turn: bool = False  # a single_turn_agent row: one generation, its text never parsed for calls
+    images: dict = field(default_factory=dict)  # a vision-language row's image fields (rlframe.models.vision)
     pending: list[ParsedCall] = field(default_factory=list)  # this turn's tool calls, not yet run
     done: bool = False
     truncated: bool = False
@@ -241,14 +243,24 @@ class MultiTurnRollout:
         agent = str(agents[row]) if agents is not None else str(self.config.agent.default_agent_loop)
         if agent not in ("single_turn_agent", "tool_agent"):
             raise ValueError(f"row {row}: agent_name={agent!r}; rlframe has single_turn_agent and tool_agent")
-        ids = self.turns.prompt_ids(messages)
+        images = row_images(prompts, row)
+        ids = self._with_image_tokens(self.turns.prompt_ids(messages), images)
         if len(ids) > self.config.prompt_length:
             raise ValueError(
                 f"row {row}: the prompt rendered with the tools' schemas is {len(ids)} tokens, more than "
                 f"actor_rollout_ref.rollout.prompt_length={self.config.prompt_length} (= data.max_prompt_length); "
                 "raise data.max_prompt_length or shorten the tool descriptions"
             )
-        return Trajectory(messages, ids, dict(tools_kwargs or {}), seed, single_turn=agent == "single_turn_agent")
+        single = agent == "single_turn_agent"
+        return Trajectory(messages, ids, dict(tools_kwargs or {}), seed, single_turn=single, images=images)
+
+    def _with_image_tokens(self, ids: list[int], images: dict) -> list[int]:
+        """A rendered conversation's ids with each image's pad repeated for its grid, as the dataset lays prompts
+        out (the chat template writes one pad per image)."""
+        inputs = images.get("multi_modal_inputs")
+        if self.engine.vision is None or not inputs:
+            return ids
+        return self.engine.vision.expand(ids, inputs.get("image_grid_thw"))
 
     def _generate_turn(self, active: list[Trajectory], params: SamplingParams, eos_ids: list[int], pad_id: int):
         """One assistant turn for every active trajectory, as one engine batch."""
@@ -261,7 +273,8 @@ class MultiTurnRollout:
             ids[row, width - len(context) :] = torch.tensor(context)
             mask[row, width - len(context) :] = 1
         batch = DataProto.from_dict(
-            {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+            {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)},
+            images_of([t.images for t in active]),  # every turn's context holds the first turn's images
         )
         turn_params = replace(params, response_length=max(budgets))
         seeds = [t.seed for t in active]
@@ -332,7 +345,7 @@ class MultiTurnRollout:
         for t in trajectories:
             if t.truncated or t.messages[-1]["role"] != "assistant":
                 continue  # a cut conversation, or one stopped after a tool turn, has no whole rendering to compare
-            whole = self.turns.whole_conversation_ids(t.messages)
+            whole = self._with_image_tokens(self.turns.whole_conversation_ids(t.messages), t.images)
             turn_by_turn = t.prompt_ids + t.response_ids + self.turns.closing_rest
             mismatches += whole != turn_by_turn
         if mismatches and not self._warned_mismatch:
@@ -370,14 +383,25 @@ class MultiTurnRollout:
             "responses": response,
             "input_ids": torch.cat([prompt, response], dim=-1),
             "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
+            "position_ids": self._positions(torch.cat([prompt, response], dim=-1), attention_mask, trajectories),
             "response_mask": response_mask,
         }
         if self.config.calculate_log_probs:
             tensors["rollout_log_probs"] = log_probs * response_mask
-        non_tensor = {k: v for k, v in prompts.non_tensor_batch.items() if k not in AGENT_INPUT_KEYS}
+        # the driver's batch keeps the agent's inputs and the images
+        non_tensor = {
+            k: v for k, v in prompts.non_tensor_batch.items() if k not in AGENT_INPUT_KEYS and k not in MULTIMODAL_KEYS
+        }
         non_tensor["__num_turns__"] = np.array([t.assistant_turns + t.user_turns + 1 for t in trajectories])
         return DataProto.from_dict({k: v.to(device) for k, v in tensors.items()}, non_tensor)
+
+    def _positions(self, ids: torch.Tensor, attention_mask: torch.Tensor, trajectories: list) -> torch.Tensor:
+        """[B, seqlen] text positions; a vision-language model's rows get [B, 4, seqlen] (tool turns are text)."""
+        if self.engine.vision is None:
+            return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        grids = [(t.images.get("multi_modal_inputs") or {}).get("image_grid_thw") for t in trajectories]
+        rows = zip(ids, attention_mask, grids)
+        return torch.stack([mrope_position_ids(i, m, grid, self.engine.vision) for i, m, grid in rows])
 
     @staticmethod
     def _metrics(trajectories: list[Trajectory], out: DataProto, elapsed: float, mismatches: int) -> dict:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from rlframe.models.vision import images_of
 from rlframe.protocol import DataProto
 from rlframe.workers.rollout.base import BaseRollout, SamplingParams
 
@@ -220,12 +221,7 @@ class BatchingServer(RolloutServer):
         for row, request in enumerate(requests):
             ids[row, width - len(request.prompt_ids) :] = torch.tensor(request.prompt_ids)
             mask[row, width - len(request.prompt_ids) :] = 1
-        images = {}  # the rows' images, when a vision-language model's rows have some
-        if any(r.multi_modal_inputs for r in requests):
-            images = {
-                "multi_modal_inputs": [r.multi_modal_inputs or {} for r in requests],
-                "multi_modal_data": [r.multi_modal_data or {} for r in requests],
-            }
+        images = images_of([vars(r) for r in requests])  # the rows' images, when a vision-language model's have some
         batch = DataProto.from_dict(
             {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}, images
         )
