@@ -144,14 +144,16 @@ def read_corpus(folder: Path, only: list[str] | None = None) -> list[Example]:
     return [read_example(p) for p in paths]
 
 
-def make_stand_in_model(folder: Path) -> str:
-    """The tiny built-in model's files with a config.json of 64 heads / 16 kv heads (divisible by every
-    tp and sp degree in the corpus). The launch checks read only config.json; nothing loads the weights."""
+def make_stand_in_model(folder: Path, builtin: str = "builtin://tiny") -> str:
+    """A tiny built-in model's files with a config.json of 64 heads / 16 kv heads (divisible by every
+    tp and sp degree in the corpus). The launch checks read only config.json (and a vision-language model's
+    preprocessor_config.json); nothing loads the weights. A vision-language config keeps its language model's
+    shape under text_config."""
     from rlframe.models.builtin import resolve_model_path
 
-    shutil.copytree(resolve_model_path("builtin://tiny"), folder, dirs_exist_ok=True)
+    shutil.copytree(resolve_model_path(builtin), folder, dirs_exist_ok=True)
     config = json.loads((folder / "config.json").read_text())
-    config.update(STAND_IN_HEADS)
+    (config["text_config"] if "text_config" in config else config).update(STAND_IN_HEADS)
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     return str(folder)
 
@@ -220,12 +222,15 @@ class StandIns:
     folder: Path
     model: str
     reward_model: str
+    vision_model: str  # for a script with images (data.image_key): the tiny Qwen2-VL, so the images' checks run
 
 
 def with_stand_ins(overrides: list[str], stand_ins: StandIns) -> tuple[list[str], list[str]]:
     """Overrides with model folders, data files and reward files that are not on this machine replaced;
     what was."""
     out, replaced = [], []
+    with_images = any(o.partition("=")[0].lstrip("+~") == "data.image_key" for o in overrides)
+    model = stand_ins.vision_model if with_images else stand_ins.model
     for override in overrides:
         key, _, value = override.partition("=")
         bare = key.lstrip("+~")
@@ -233,7 +238,7 @@ def with_stand_ins(overrides: list[str], stand_ins: StandIns) -> tuple[list[str]
             if REWARD_MODEL_KEY.match(bare):
                 override = f"{key}={stand_ins.reward_model}"
             elif MODEL_KEYS.search(bare):
-                override = f"{key}={stand_ins.model}"
+                override = f"{key}={model}"
             elif DATA_KEYS.match(bare):  # the corpus writes a built-in task where the script named its files
                 override = f"{key}={make_stand_in_data(stand_ins.folder, stand_in_rows(overrides))}"
             elif REWARD_FILE_KEY.match(bare):
@@ -432,7 +437,9 @@ def report(examples: list[Example]) -> tuple[list[ScriptResult], dict]:
     with tempfile.TemporaryDirectory(prefix="verl_compat_") as tmp:
         folder = Path(tmp)
         model = make_stand_in_model(folder / "stand_in_model")
-        stand_ins = StandIns(folder, model, make_stand_in_reward_model(model, folder / "stand_in_reward_model"))
+        reward_model = make_stand_in_reward_model(model, folder / "stand_in_reward_model")
+        vision_model = make_stand_in_model(folder / "stand_in_vision_model", "builtin://tiny-vl")
+        stand_ins = StandIns(folder, model, reward_model, vision_model)
         results = [check_script(example, known, stand_ins) for example in examples]
     return results, summarize(results, examples)
 
