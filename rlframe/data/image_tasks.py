@@ -17,25 +17,19 @@ Both are scored as `add_digits` is (1 for exactly the answer, 0.5 for starting w
 
 from __future__ import annotations
 
-import io
 import random
 
 from rlframe.models.tiny_vl import COLOUR_PROMPT, COUNT_PROMPT
+from rlframe.models.vision import png_bytes
 
 COLOURS = {1: (220, 40, 40), 2: (40, 200, 60), 3: (50, 80, 230), 4: (240, 220, 40)}
-
-
-def _png(image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def _row(name: str, prompt: str, image, answer: int, split: str, index: int, extra: dict) -> dict:
     return {
         "data_source": name,
         "prompt": [{"role": "user", "content": prompt}],
-        "images": [{"bytes": _png(image), "path": None}],
+        "images": [{"bytes": png_bytes(image), "path": None}],
         "ability": "vision",
         "reward_model": {"style": "rule", "ground_truth": str(answer)},
         "extra_info": {"split": split, "index": index, **extra},

@@ -89,6 +89,13 @@ def load_image(image, where: str):
     raise ValueError(f"{where}: an image is {type(image).__name__}; expected a dict with 'bytes' or 'path', or PIL")
 
 
+def png_bytes(image) -> bytes:
+    """A PIL image as PNG bytes (lossless: `load_image` gives the same pixels back)."""
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
 def messages_with_images(messages: list[dict], num_images: int, where: str) -> list[dict]:
     """verl's rule: each `<image>` in a message's text becomes an image part, in order; the count must match."""
     placed, out = 0, []

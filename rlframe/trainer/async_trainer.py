@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from rlframe.models.vision import load_image, png_bytes
 from rlframe.protocol import DataProto
 from rlframe.trainer.config import lookahead, staleness_bound
 from rlframe.trainer.metrics import compute_staleness_metrics, reduce_metrics
@@ -318,18 +319,24 @@ def _plain_rows(rows: list[DataProto]) -> dict:
     if not rows:
         return {"tensors": {}, "fields": {}}
     batch = DataProto.concat(rows)
-    return {
-        "tensors": {key: batch.batch[key] for key in batch.batch_keys},
-        "fields": {key: values.tolist() for key, values in batch.non_tensor_batch.items()},
-    }
+    fields = {key: values.tolist() for key, values in batch.non_tensor_batch.items()}
+    if "multi_modal_data" in fields:  # PIL images as PNG bytes: data.pt holds plain data only
+        fields["multi_modal_data"] = [
+            {"image": [png_bytes(i) for i in d.get("image", [])]} for d in fields["multi_modal_data"]
+        ]
+    return {"tensors": {key: batch.batch[key] for key in batch.batch_keys}, "fields": fields}
 
 
 def _rows_from_plain(plain: dict) -> list[DataProto]:
     """Inverse of `_plain_rows`: one DataProto per prompt."""
     if not plain["tensors"]:
         return []
-    fields = {}
-    for key, values in plain["fields"].items():  # object arrays, as the loader's collate_fn builds them
+    fields, plain_fields = {}, dict(plain["fields"])
+    if "multi_modal_data" in plain_fields:
+        plain_fields["multi_modal_data"] = [
+            {"image": [load_image(b, "data.pt") for b in d["image"]]} for d in plain_fields["multi_modal_data"]
+        ]
+    for key, values in plain_fields.items():  # object arrays, as the loader's collate_fn builds them
         fields[key] = np.empty(len(values), dtype=object)
         for i, value in enumerate(values):  # element by element: a row's value may itself be a list
             fields[key][i] = value

@@ -217,3 +217,29 @@ def test_the_rollout_never_samples_an_image_pad_and_its_log_probs_stay_the_actor
         expected = torch.log_softmax(logits, -1).gather(-1, b["responses"][..., None]).squeeze(-1) * b["response_mask"]
         torch.testing.assert_close(b["rollout_log_probs"], expected, atol=1e-4, rtol=1e-4)
         assert float(b["rollout_log_probs"].min()) < -20  # where the pad held nearly all the mass: suppressed
+
+
+def test_an_async_checkpoint_keeps_image_prompts_as_plain_data(vl, tmp_path):
+    """The rollout pool's checkpoint (data.pt, read with weights_only) holds prompts not yet trained; image rows
+    go in as tensors and PNG bytes and come back with the same pixels and inputs."""
+    import numpy as np
+
+    from rlframe.protocol import DataProto
+    from rlframe.trainer.async_trainer import _plain_rows, _rows_from_plain
+    from rlframe.trainer.checkpointing import load_data
+
+    _, tokenizer, processor = vl
+    config = OmegaConf.structured(DataConfig)
+    config.max_prompt_length = 96
+    files = resolve_data_files("builtin://colour_vl", str(tmp_path), 1, "val")
+    rows = DataProto.from_single_dict(
+        collate_fn([RLHFDataset(files, tokenizer, config, processor)[i] for i in range(3)])
+    )
+    torch.save({"async_prompts": _plain_rows(rows.split(1))}, tmp_path / "data.pt")
+    back = DataProto.concat(_rows_from_plain(load_data(str(tmp_path / "data.pt"))["async_prompts"]))
+    for key in rows.batch_keys:
+        assert torch.equal(back.batch[key], rows.batch[key]), key
+    for before, after in zip(rows.non_tensor_batch["multi_modal_data"], back.non_tensor_batch["multi_modal_data"]):
+        assert [np.asarray(i).tolist() for i in before["image"]] == [np.asarray(i).tolist() for i in after["image"]]
+    for before, after in zip(rows.non_tensor_batch["multi_modal_inputs"], back.non_tensor_batch["multi_modal_inputs"]):
+        assert all(torch.equal(before[k], after[k]) for k in before)
