@@ -41,7 +41,7 @@ from rlframe.workers.batching import (
 )
 from rlframe.workers.config.actor import clip_ratio_bounds
 from rlframe.workers.model_forward import ScoringSpec, forward_micro_batch, layout_for
-from rlframe.workers.multimodal import RowImages, row_images
+from rlframe.workers.multimodal import RowImages, with_image_rows
 from rlframe.workers.updater import Batching, PPOUpdater, RoleModel, UpdateContext
 
 
@@ -110,7 +110,7 @@ class PPOActor(PPOUpdater):
         """Per-response-token `log_probs` [bs, resp_len], and `entropy` / `sum_pi_squared` (Σ_v π(v)²)
         when asked, in the input order."""
         self.module.eval()
-        batch, images = row_images(data.batch, data.non_tensor_batch)
+        batch, images = with_image_rows(data.batch, data.non_tensor_batch)
         return self._score(
             batch,
             self.batching.forward,
@@ -163,7 +163,7 @@ class PPOActor(PPOUpdater):
         keys = ["advantages"] + (["ref_log_prob"] if self.config.use_kl_loss else [])
         keys += [] if on_policy else ["old_log_probs"]
         keys += [k for k in ("rollout_is_weights",) if k in data.batch.keys()]  # decoupled rollout correction
-        batch, ctx.images = row_images(update_inputs(data.batch, *keys), data.non_tensor_batch)
+        batch, ctx.images = with_image_rows(update_inputs(data.batch, *keys), data.non_tensor_batch)
         if on_policy:  # each row's index, to put the old log-probs back in the input order
             batch["on_policy_row"] = torch.arange(len(batch), device=batch.device)
         metrics = self._train(batch, ctx)

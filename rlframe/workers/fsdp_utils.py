@@ -52,15 +52,10 @@ def load_hf_model(spec: ModelSpec) -> nn.Module:
     actor and reference load it as `AutoModelForImageTextToText` (its `architectures`' class, tower included);
     a value model of one is refused.
     """
-    from transformers import (
-        AutoConfig,
-        AutoModelForCausalLM,
-        AutoModelForImageTextToText,
-        AutoModelForTokenClassification,
-    )
+    from transformers import AutoConfig, AutoModelForTokenClassification
 
     from rlframe.distributed.attention import register_varlen_attention
-    from rlframe.models.vision import check_vision_model, is_vision_model
+    from rlframe.models.vision import causal_lm_class, check_vision_model, is_vision_model
 
     config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
     for key, value in (spec.override_config or {}).items():
@@ -81,7 +76,7 @@ def load_hf_model(spec: ModelSpec) -> nn.Module:
         )
     if vision:
         check_vision_model(config.model_type, spec.path)
-        model = AutoModelForImageTextToText.from_pretrained(spec.path, **kwargs)
+        model = causal_lm_class(config).from_pretrained(spec.path, **kwargs)
         if spec.freeze_vision_tower:
             freeze_vision_tower(model)
     elif spec.role == "critic":
@@ -89,7 +84,7 @@ def load_hf_model(spec: ModelSpec) -> nn.Module:
         config.classifier_dropout = 0.0
         model = AutoModelForTokenClassification.from_pretrained(spec.path, **kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(spec.path, **kwargs)
+        model = causal_lm_class(config).from_pretrained(spec.path, **kwargs)
     model.config.use_cache = False
     if spec.gradient_checkpointing:
         # transformers 5 renamed gradient_checkpointing_enable; accept both

@@ -41,7 +41,6 @@ from tensordict import TensorDict
 
 from rlframe.distributed.ulysses import slice_for_rank
 
-MULTI_MODAL_INPUTS = "multi_modal_inputs"  # the non-tensor key of the per-row image inputs (verl's)
 IMAGE_ROW = "multi_modal_row"  # each row's index into the call's multi_modal_inputs
 # the packed text row's keyword arguments (rlframe.workers.model_forward.PackedLayout) the vision tower must not see
 TEXT_ROW_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "ulysses_group")
@@ -65,13 +64,13 @@ class RowImages:
         }
 
 
-def row_images(batch: TensorDict, non_tensor_batch: dict) -> tuple[TensorDict, RowImages | None]:
+def with_image_rows(batch: TensorDict, non_tensor_batch: dict) -> tuple[TensorDict, RowImages | None]:
     """`batch` with its `IMAGE_ROW` index and the call's `RowImages`; as is, and None, for a batch without images."""
-    per_row = non_tensor_batch.get(MULTI_MODAL_INPUTS)
+    per_row = non_tensor_batch.get("multi_modal_inputs")
     if per_row is None:
         return batch, None
     if len(per_row) != len(batch):
-        raise ValueError(f"{MULTI_MODAL_INPUTS} has {len(per_row)} rows, the batch {len(batch)}")
+        raise ValueError(f"multi_modal_inputs has {len(per_row)} rows, the batch {len(batch)}")
     batch = batch.clone(recurse=False)
     batch[IMAGE_ROW] = torch.arange(len(batch), device=batch.device)
     return batch, RowImages(per_row)

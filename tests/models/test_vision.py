@@ -177,7 +177,8 @@ def test_hf_rollout_generates_from_images_as_the_model_does_and_scores_as_the_fo
 
 
 def test_the_rollout_never_samples_an_image_pad_and_its_log_probs_stay_the_actors(vl, tiny_vl_path, tmp_path):
-    """A policy whose most likely token is <|image_pad|> (its head row scaled up): the rollout never generates it,
+    """A policy whose most likely first token is <|image_pad|> (its head row set along the hidden state that
+    predicts it): the rollout never generates it,
     greedy or sampled, since the training forward cannot run an image token without an image; the log-probs it
     reports are still the actor's whole distribution's."""
     from helpers.rollout import rollout_config
@@ -197,7 +198,14 @@ def test_the_rollout_never_samples_an_image_pad_and_its_log_probs_stay_the_actor
     rollout = build_rollout("hf", cfg, tiny_vl_path, tokenizer, "cpu")
     image_id = processor.spec.image_token_id
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    state["lm_head.weight"][image_id] = 50 * state["lm_head.weight"].abs().max()
+    with torch.no_grad():  # the pad's head row along the first prompt's last hidden state: its next token is the pad
+        last = model.model(
+            input_ids=rows["input_ids"][:1],
+            attention_mask=rows["attention_mask"][:1],
+            position_ids=rows["position_ids"][:1].transpose(0, 1),
+            **rows["multi_modal_inputs"][0],
+        ).last_hidden_state[0, -1]
+    state["lm_head.weight"][image_id] = 100 * last / last.norm()
     rollout.update_weights(iter(state.items()))
     actor = copy.deepcopy(model)
     actor.load_state_dict(state)
@@ -216,7 +224,7 @@ def test_the_rollout_never_samples_an_image_pad_and_its_log_probs_stay_the_actor
             ).logits[:, 95:-1]
         expected = torch.log_softmax(logits, -1).gather(-1, b["responses"][..., None]).squeeze(-1) * b["response_mask"]
         torch.testing.assert_close(b["rollout_log_probs"], expected, atol=1e-4, rtol=1e-4)
-        assert float(b["rollout_log_probs"].min()) < -20  # where the pad held nearly all the mass: suppressed
+        assert float(b["rollout_log_probs"][0, 0]) < -20  # the pad held nearly all the mass there: suppressed
 
 
 def test_an_async_checkpoint_keeps_image_prompts_as_plain_data(vl, tmp_path):
