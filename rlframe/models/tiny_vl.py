@@ -30,7 +30,7 @@ CHAT_TEMPLATE = (
 )
 BUILTIN_MODEL = "builtin://tiny-vl"
 # head_dim 64 (256 / 4): vLLM's CPU attention refuses smaller heads, and the model should run there too
-TINY_VL_SHAPE = {"hidden_size": 256, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "vocab_size": 96}
+TINY_VL_SHAPE = {"hidden_size": 256, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "vocab_size": 64}
 # images are resized to between 56 x 56 (4 x 4 patches: 4 image tokens) and 112 x 112 pixels (16 image tokens)
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
 
@@ -43,8 +43,6 @@ TASK_TEXT = [
     "user\n" + COLOUR_PROMPT.removeprefix("<image>") + "\nassistant\n1",
     "user\n" + COUNT_PROMPT.removeprefix("<image>") + "\nassistant\n4",
     "12345 67890",
-    # a Hermes tool call of the built-in calculator: the agent loop's tests run image rows through tool turns
-    'tool\n<tool_call>{"name": "calculator", "arguments": {"expression": "12*7"}}</tool_call>',
 ]
 
 
@@ -53,19 +51,24 @@ def build_vl_tokenizer(vocab_size: int = TINY_VL_SHAPE["vocab_size"]):
 
     Its alphabet is the image tasks' characters (others are dropped when encoding), as the quickstart model's is.
     """
-    tokenizer = build_tokenizer(vocab_size, corpus=TASK_TEXT, alphabet=[])
+    return with_vision_tokens(build_tokenizer(vocab_size, corpus=TASK_TEXT, alphabet=[]))
+
+
+def with_vision_tokens(tokenizer):
+    """`tokenizer` (rlframe.models.tiny's) with Qwen2-VL's vision tokens and a chat template that renders images."""
     tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
 
-def make_tiny_vl_model(out_dir: str, seed: int = 0) -> str:
-    """Write the tiny Qwen2-VL model, its tokenizer and its image processor's config to `out_dir`."""
+def make_tiny_vl_model(out_dir: str, seed: int = 0, tokenizer=None) -> str:
+    """Write the tiny Qwen2-VL model, its tokenizer (by default `build_vl_tokenizer()`; tests pass a wider one
+    through `with_vision_tokens`) and its image processor's config to `out_dir`."""
     import torch
     from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    tokenizer = build_vl_tokenizer()
+    tokenizer = tokenizer or build_vl_tokenizer()
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS}
     shape = TINY_VL_SHAPE
     head_dim = shape["hidden_size"] // shape["num_heads"]

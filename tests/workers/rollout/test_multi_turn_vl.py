@@ -1,6 +1,7 @@
-"""The tool agent with images (builtin://tiny-vl): the first turn's images go with every turn of the trajectory, the
-rendered prompt holds each image's tokens expanded for its grid (as the dataset's prompts do), and the trajectory's
-positions are the 3-D ones over the whole row, tool turns included; sync multi-turn and the agent loop alike."""
+"""The tool agent with images (the tiny Qwen2-VL of builtin://tiny-vl, with a byte-level tokenizer): the first
+turn's images go with every turn of the trajectory, the rendered prompt holds each image's tokens expanded for its
+grid (as the dataset's prompts do), and the trajectory's positions are the 3-D ones over the whole row, tool turns
+included; sync multi-turn and the agent loop alike."""
 
 from __future__ import annotations
 
@@ -46,24 +47,33 @@ def _rows(tokenizer, model_path: str, folder: str) -> DataProto:
     return DataProto.from_single_dict(rows, meta_info={"do_sample": False})
 
 
+@pytest.fixture(scope="module")
+def vl_path(tmp_path_factory):
+    """The tiny Qwen2-VL with a byte-level tokenizer: builtin://tiny-vl's alphabet has no characters of a tool call."""
+    from rlframe.models.tiny import build_tokenizer
+    from rlframe.models.tiny_vl import make_tiny_vl_model, with_vision_tokens
+
+    return make_tiny_vl_model(str(tmp_path_factory.mktemp("vl_bytes")), tokenizer=with_vision_tokens(build_tokenizer()))
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_image_rows_take_tool_turns_with_their_images_and_3d_positions(tiny_vl_path, tmp_path, mode):
+def test_image_rows_take_tool_turns_with_their_images_and_3d_positions(vl_path, tmp_path, mode):
     from transformers import AutoTokenizer
 
     from rlframe.workers.rollout.agent_loop import AgentLoopRollout
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_vl_path)
+    tokenizer = AutoTokenizer.from_pretrained(vl_path)
     cfg = rollout_cfg(
         f"data.max_prompt_length={PROMPT}",
         f"data.max_response_length={RESPONSE}",
         "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
         f"actor_rollout_ref.rollout.mode={mode}",
     )
-    engine = ImageCheckingEngine(cfg, tokenizer, tiny_vl_path, {COUNT: [call("12*7"), "4"]})
+    engine = ImageCheckingEngine(cfg, tokenizer, vl_path, {COUNT: [call("12*7"), "4"]})
     multi_turn = build_multi_turn(engine, tokenizer)
     multi_turn.runner.tools["calculator"] = CalculatorTool({}, None)
     rollout = AgentLoopRollout(engine, 2, multi_turn) if mode == "async" else multi_turn
-    prompts = _rows(tokenizer, tiny_vl_path, str(tmp_path))
+    prompts = _rows(tokenizer, vl_path, str(tmp_path))
     out = rollout.generate_sequences(prompts)
     assert sum(engine.calls) == 3  # rows generated: the tool row's two turns, the single-turn row's one
     b = out.batch
