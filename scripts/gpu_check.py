@@ -236,6 +236,15 @@ def plan(work: str) -> list[Step]:
             figure=r"tp2 log-prob error (\S+), HF bf16 error (\S+)",
         ),
         Step(
+            "vllm vl",
+            "issue 28: vLLM serves the tiny Qwen2-VL with images (multi_modal_data), greedy = HF, sync moves the tower",
+            "pytest",
+            "tests/workers/rollout/test_vllm_vl.py::test_vllm_serves_the_tiny_vl_model_with_images_before_and_after_a_sync",
+            requires=("vllm",),
+            timeout_s=150,
+            figure=r"(\d+ passed|\d+ failed)",
+        ),
+        Step(
             "sglang tp2",
             "SGLang TP=2 with one visible GPU per process: schedulers on the group's GPUs, per-rank IPC handles",
             "pytest",

@@ -20,7 +20,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = (
     "grpo vllm", "nccl+offload", "bf16 packed", "vllm rollout", "vllm async", "vllm lora", "flash-attn", "gpu_mfu",
-    "sglang rollout", "grpo hf", "activation offload", "vllm tp2", "sglang tp2",
+    "sglang rollout", "grpo hf", "activation offload", "vllm tp2", "vllm vl", "sglang tp2",
 )  # fmt: skip
 FAKE_NVIDIA_SMI = """#!/bin/sh
 case "$*" in
