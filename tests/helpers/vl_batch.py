@@ -8,6 +8,8 @@ own image processor. The pixels are noise: the tests compare layouts, not what t
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -78,3 +80,40 @@ def make_vl_batch(model_path: str, seed: int = 0) -> DataProto:
         "advantages": torch.randn(num_seqs, RESPONSE_LEN, generator=gen),
     }
     return DataProto.from_dict(tensors, {"multi_modal_inputs": inputs}, meta_info={"temperature": 1.0})
+
+
+def make_tiny_qwen25_vl(out_dir: str, tiny_vl_path: str) -> str:
+    """A tiny random-init Qwen2.5-VL beside builtin://tiny-vl: its tokenizer and image processor, Qwen2.5-VL's
+    tower (window attention in its first block, full attention in the second) and the same language model shape."""
+    import shutil
+
+    from transformers import AutoConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    vl = AutoConfig.from_pretrained(tiny_vl_path)
+    text = vl.text_config.to_dict()
+    config = Qwen2_5_VLConfig(
+        text_config={k: text[k] for k in Qwen2_5_VLConfig().text_config.to_dict() if k in text},
+        vision_config={
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": vl.text_config.hidden_size,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+        },
+        image_token_id=vl.image_token_id,
+        video_token_id=vl.video_token_id,
+        vision_start_token_id=vl.vision_start_token_id,
+        vision_end_token_id=vl.vision_end_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.float32).save_pretrained(out_dir)
+    for name in os.listdir(tiny_vl_path):  # the tokenizer and the image processor
+        if name not in ("config.json", "model.safetensors", "generation_config.json"):
+            shutil.copy(os.path.join(tiny_vl_path, name), out_dir)
+    return out_dir

@@ -183,3 +183,42 @@ def test_distributed_frozen_tower_matches_single_process(tiny_vl_path, vl_batch,
     )
     sc = Scenario(world=2, sp=2, use_dynamic_bsz=True, max_token_len=24, **frozen)
     assert_matches(run_distributed(sc, tiny_vl_path, vl_batch, str(tmp_path)), ref)
+
+
+# ---------------------------------------------------------------- Qwen2.5-VL: the family's other member
+@pytest.fixture(scope="module")
+def qwen25_vl_path(tiny_vl_path, tmp_path_factory):
+    from helpers.vl_batch import make_tiny_qwen25_vl
+
+    return make_tiny_qwen25_vl(str(tmp_path_factory.mktemp("qwen25_vl")), tiny_vl_path)
+
+
+def test_qwen25_vl_batch_format_and_layouts_match(qwen25_vl_path):
+    """A tiny Qwen2.5-VL (window attention in its tower): the batch format gives transformers' own numbers (its
+    rope index computed from the image tokens), and remove-padding and dynamic micro-batches give the padded
+    reference's log-probs and gradients."""
+    batch = make_vl_batch(qwen25_vl_path)
+    model = _load(qwen25_vl_path).eval()
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    data = batch.batch
+    micro = {**dict(data.items()), IMAGE_ROW: torch.arange(NUM_SEQS)}
+    with torch.no_grad():
+        batched = forward_micro_batch(model, micro, RESPONSE_LEN, layout=PaddedLayout(), images=_images_of(batch))
+    for row, inputs in enumerate(batch.non_tensor_batch["multi_modal_inputs"]):
+        valid = data["attention_mask"][row].bool()
+        ids = data["input_ids"][row][valid][None]
+        with torch.no_grad():
+            types = (ids == model.config.image_token_id).int()
+            logits = model(input_ids=ids, mm_token_type_ids=types, **inputs).logits[0]
+        n = int(data["attention_mask"][row, -RESPONSE_LEN:].sum())
+        prompt = int(valid.sum()) - n
+        alone = torch.log_softmax(logits[prompt - 1 : prompt - 1 + n], -1).gather(-1, ids[0, prompt:, None])[:, 0]
+        torch.testing.assert_close(batched["log_probs"][row, :n], alone, rtol=1e-5, atol=1e-6)
+    reference = run_scenario(
+        Scenario(strategy="none", use_remove_padding=False, micro_batch_size=NUM_SEQS), qwen25_vl_path, batch
+    )
+    for scenario in (
+        Scenario(strategy="none", use_remove_padding=True, micro_batch_size=3),
+        Scenario(strategy="none", use_dynamic_bsz=True, max_token_len=40),
+    ):
+        assert_matches(run_scenario(scenario, qwen25_vl_path, batch), reference)
