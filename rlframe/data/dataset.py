@@ -232,6 +232,12 @@ class RLHFDataset(torch.utils.data.Dataset):
         """(the prompt's messages with image parts, the images' patch grids [images, 3] or None without images)."""
         messages = row[self.prompt_key]
         if self.processor is None:
+            if row.get(self.image_key):
+                raise ValueError(
+                    f"{where}, column {self.image_key!r} (data.image_key): the row has images, but the model has no "
+                    "vision tower (its config has no vision_config): use a vision-language model (Qwen2-VL family) "
+                    "or data without images"
+                )
             return messages, None
         images = self._images(row, where)
         messages = messages_with_images(messages, len(images), f"{where}, column {self.prompt_key!r}")

@@ -251,3 +251,15 @@ def test_an_async_checkpoint_keeps_image_prompts_as_plain_data(vl, tmp_path):
         assert [np.asarray(i).tolist() for i in before["image"]] == [np.asarray(i).tolist() for i in after["image"]]
     for before, after in zip(rows.non_tensor_batch["multi_modal_inputs"], back.non_tensor_batch["multi_modal_inputs"]):
         assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_image_rows_for_a_text_model_are_refused_naming_the_row_and_key(tiny_model_path, tmp_path):
+    from transformers import AutoTokenizer
+
+    config = OmegaConf.structured(DataConfig)
+    config.max_prompt_length = 96
+    files = resolve_data_files("builtin://colour_vl", str(tmp_path), 1, "val")
+    with pytest.raises(
+        ValueError, match=r"row 0, column 'images' \(data.image_key\): the row has images, but the model"
+    ):
+        RLHFDataset(files, AutoTokenizer.from_pretrained(tiny_model_path), config, None)
