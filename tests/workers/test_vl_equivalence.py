@@ -222,3 +222,28 @@ def test_qwen25_vl_batch_format_and_layouts_match(qwen25_vl_path):
         Scenario(strategy="none", use_dynamic_bsz=True, max_token_len=40),
     ):
         assert_matches(run_scenario(scenario, qwen25_vl_path, batch), reference)
+
+
+@pytest.mark.parametrize("use_remove_padding", [False, True])
+def test_fused_head_scores_a_vl_batch_as_the_logits_do(tiny_vl_path, vl_batch, use_remove_padding):
+    """model.use_fused_kernels on a vision-language model: log-probs and entropy from the hidden states a chunk at a
+    time equal those from the logits, padded and packed."""
+    from rlframe.workers.model_forward import PackedLayout, ScoringSpec
+
+    model = _load(tiny_vl_path, use_remove_padding=use_remove_padding).eval()
+    micro = {**dict(vl_batch.batch.items()), IMAGE_ROW: torch.arange(NUM_SEQS)}
+    layout = PackedLayout() if use_remove_padding else PaddedLayout()
+    with torch.no_grad():
+        plain, fused = (
+            forward_micro_batch(
+                model,
+                micro,
+                RESPONSE_LEN,
+                ScoringSpec(calculate_entropy=True, use_fused_kernels=fuse),
+                layout,
+                images=_images_of(vl_batch),
+            )
+            for fuse in (False, True)
+        )
+    for name in ("log_probs", "entropy"):
+        torch.testing.assert_close(fused[name], plain[name], rtol=1e-5, atol=1e-6)
