@@ -26,6 +26,7 @@ import numpy as np
 from rlframe.batch_plan import BatchPlan, ModelShape
 from rlframe.config.key_status import KeyStatus, key_statuses, launch_warnings, override_key
 from rlframe.config.keys import ACTOR, LOG_PROB_FIELDS, UPDATE_FIELDS, VALUE_FIELDS, MicroFields
+from rlframe.models.vision import is_vision_model
 from rlframe.trainer.async_plan import ROLLOUT_TENSORS, AsyncPlan, make_async_plan
 
 LENGTH_FIELDS = ("response_length", "response_lengths", "response_len", "num_response_tokens")
@@ -457,6 +458,21 @@ def format_pools(ap: AsyncPlan) -> str:
     )
 
 
+def _vision_line(model_path: str, cfg) -> list[str]:
+    """A vision-language model's line: where the images come from and what they cost in prompt tokens."""
+    config_file = os.path.join(model_path or "", "config.json")
+    if not os.path.isfile(config_file):
+        return []
+    with open(config_file) as f:
+        config = json.load(f)
+    if not is_vision_model(config):
+        return []
+    return [
+        f"images    {config.get('model_type')} vision tower: each prompt's images from column "
+        f"data.image_key={cfg.data.image_key!r}; their tokens count in data.max_prompt_length (docs/multimodal.md)"
+    ]
+
+
 def format_plan(plan: BatchPlan) -> str:
     """The flow from data.train_batch_size to one GPU's micro-batch, role by role."""
     r = plan.rollout
@@ -679,7 +695,7 @@ def explain(
         if model
         else f"model     {model_path}: no config.json here, head checks skipped"
     )
-    parts = [_rule("batch plan"), model_line, format_plan(plan)]
+    parts = [_rule("batch plan"), model_line, *_vision_line(model_path, cfg), format_plan(plan)]
     agents = format_agents(cfg, plan)
     if agents:
         parts += [_rule("agent loop"), agents]

@@ -263,3 +263,26 @@ def test_image_rows_for_a_text_model_are_refused_naming_the_row_and_key(tiny_mod
         ValueError, match=r"row 0, column 'images' \(data.image_key\): the row has images, but the model"
     ):
         RLHFDataset(files, AutoTokenizer.from_pretrained(tiny_model_path), config, None)
+
+
+def test_explain_says_where_a_vision_language_models_images_come_from(tiny_vl_path, tmp_path, capsys, monkeypatch):
+    from rlframe.explain import main
+
+    monkeypatch.setenv("RLFRAME_CACHE", str(tmp_path))
+    status = main(
+        [
+            "algorithm.adv_estimator=grpo",
+            f"actor_rollout_ref.model.path={tiny_vl_path}",
+            "data.train_files=builtin://colour_vl",
+            "data.val_files=builtin://colour_vl",
+            "data.train_batch_size=16",
+            "data.max_prompt_length=80",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+            "trainer.device=cpu",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "images    qwen2_vl vision tower: each prompt's images from column data.image_key='images'" in out
