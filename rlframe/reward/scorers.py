@@ -120,7 +120,8 @@ def geo3k_score(solution_str: str, ground_truth: str, format_score: float = 0.1)
     0.1 x (the response is `<think>...</think>...\\boxed{...}...`), as verl.utils.reward_score.geo3k."""
     from mathruler.grader import extract_boxed_content, grade_answer
 
-    accurate = 1.0 if grade_answer(extract_boxed_content(solution_str), ground_truth) else 0.0
+    # str(): a number stored as the truth (verl's function fails on one) is graded as its text
+    accurate = 1.0 if grade_answer(extract_boxed_content(solution_str), str(ground_truth)) else 0.0
     formatted = 1.0 if re.fullmatch(r"<think>.*</think>.*\\boxed\{.*\}.*", solution_str, re.DOTALL) else 0.0
     return (1.0 - format_score) * accurate + format_score * formatted
 
