@@ -189,7 +189,7 @@ class RLHFDataset(torch.utils.data.Dataset):
             messages, grid = self._with_images(row, f"data file {path}, row {row_number}")
             ids = self._tokenize(messages, where)
             if grid is not None:
-                ids = self.processor.expand(ids, grid)
+                ids = self.processor.spec.expand(ids, grid)
             if len(ids) > self.max_prompt_length:
                 if filter_overlong:
                     self.num_filtered += 1

@@ -192,19 +192,25 @@ def mrope_position_ids(
     return out
 
 
-def model_image_inputs(rows_inputs, input_ids: torch.Tensor, spec_or_config) -> dict[str, torch.Tensor]:
-    """The forward's image arguments for a batch of rows: their `multi_modal_inputs` concatenated in row order
-    (rows without images add nothing), and the image-token types transformers asks for when it computes the
-    3-D positions itself (generation); {} when no row has an image."""
-    present = [inputs for inputs in rows_inputs if inputs]
+def concat_image_inputs(rows_inputs, device: torch.device) -> dict[str, torch.Tensor]:
+    """Rows' `multi_modal_inputs` as one forward's image arguments: `pixel_values` and `image_grid_thw` concatenated
+    in row order (transformers' Qwen2-VL scatters the features into the batch's image tokens in that order; rows
+    without images add nothing); {} when no row has an image."""
+    present = [inputs for inputs in rows_inputs if inputs and len(inputs.get("image_grid_thw", ())) > 0]
     if not present:
         return {}
-    spec = spec_or_config if isinstance(spec_or_config, VisionSpec) else VisionSpec.from_config(spec_or_config)
     return {
-        "pixel_values": torch.cat([inputs["pixel_values"] for inputs in present]).to(input_ids.device),
-        "image_grid_thw": torch.cat([inputs["image_grid_thw"] for inputs in present]).to(input_ids.device),
-        "mm_token_type_ids": (input_ids == spec.image_token_id).int(),
+        name: torch.cat([inputs[name] for inputs in present]).to(device) for name in ("pixel_values", "image_grid_thw")
     }
+
+
+def generation_image_inputs(rows_inputs, input_ids: torch.Tensor, spec: VisionSpec) -> dict[str, torch.Tensor]:
+    """`concat_image_inputs` plus the image-token types transformers asks for when it computes the 3-D positions
+    itself (generation); {} when no row has an image."""
+    images = concat_image_inputs(rows_inputs, input_ids.device)
+    if images:
+        images["mm_token_type_ids"] = (input_ids == spec.image_token_id).int()
+    return images
 
 
 def images_of(rows: list[dict]) -> dict:
@@ -254,10 +260,6 @@ class VisionProcessor:
             return {}
         out = self.image_processor(images=images, return_tensors="pt")
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
-
-    def expand(self, ids: list[int], image_grid_thw: torch.Tensor | None) -> list[int]:
-        """The templated prompt's tokens with each image's one pad token repeated for its grid."""
-        return self.spec.expand(ids, image_grid_thw)
 
 
 def load_vision_processor(model_path: str, tokenizer, trust_remote_code: bool = False) -> VisionProcessor | None:

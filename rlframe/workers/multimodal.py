@@ -40,6 +40,7 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from rlframe.distributed.ulysses import slice_for_rank
+from rlframe.models.vision import concat_image_inputs
 
 IMAGE_ROW = "multi_modal_row"  # each row's index into the call's multi_modal_inputs
 # the packed text row's keyword arguments (rlframe.workers.model_forward.PackedLayout) the vision tower must not see
@@ -54,14 +55,7 @@ class RowImages:
 
     def of(self, rows: torch.Tensor, device: torch.device) -> dict[str, torch.Tensor]:
         """`pixel_values` and `image_grid_thw` of `rows`, concatenated in their order ({} when none has an image)."""
-        found = [self.per_row[int(row)] for row in rows.tolist()]
-        found = [inputs for inputs in found if inputs and len(inputs.get("image_grid_thw", ())) > 0]
-        if not found:
-            return {}
-        return {
-            name: torch.cat([inputs[name] for inputs in found]).to(device)
-            for name in ("pixel_values", "image_grid_thw")
-        }
+        return concat_image_inputs([self.per_row[int(row)] for row in rows.tolist()], device)
 
 
 def with_image_rows(batch: TensorDict, non_tensor_batch: dict) -> tuple[TensorDict, RowImages | None]:

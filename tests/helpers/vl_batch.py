@@ -56,7 +56,7 @@ def make_vl_batch(model_path: str, seed: int = 0) -> DataProto:
         for _ in range(len(sizes)):
             ids += [start, spec.image_token_id, end]
             ids += text(int(torch.randint(0, 3, (1,), generator=gen)))
-        prompts.append(processor.expand(ids, row_inputs.get("image_grid_thw")))
+        prompts.append(spec.expand(ids, row_inputs.get("image_grid_thw")))
         responses.append(text(int(torch.randint(1, RESPONSE_LEN + 1, (1,), generator=gen))))
         inputs.append(row_inputs)
     prompt_len = max(len(p) for p in prompts)

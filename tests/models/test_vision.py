@@ -35,7 +35,7 @@ def _row(processor, tokenizer, text: str, images: list, pad: int):
     messages = messages_with_images([{"role": "user", "content": text}], len(images), "test")
     ids = tokenizer(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))["input_ids"]
     inputs = processor.images(images)
-    ids = processor.expand(list(ids), inputs.get("image_grid_thw"))
+    ids = processor.spec.expand(list(ids), inputs.get("image_grid_thw"))
     return torch.tensor([0] * pad + ids), torch.tensor([0] * pad + [1] * len(ids)), inputs
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from rlframe.models.vision import causal_lm_class, model_image_inputs
+from rlframe.models.vision import causal_lm_class, generation_image_inputs
 from rlframe.protocol import DataProto
 from rlframe.workers.rollout.base import BaseRollout, SamplingParams, ServedModel, position_seed
 from rlframe.workers.rollout.config import RolloutConfig
@@ -239,7 +239,7 @@ class HFRollout(BaseRollout):
             first = int(mask.any(0).long().argmax())  # columns padded in every row cost compute, not results
             ids, mask = ids[:, first:], mask[:, first:]
             image_inputs = (
-                {} if images is None else model_image_inputs(images[start : start + size], ids, self.model.config)
+                {} if images is None else generation_image_inputs(images[start : start + size], ids, self.vision)
             )
             stop = _StopRows(row_budgets, self.interrupt, ids.shape[1])
             recorder = _LogProbRecorder(temperature) if self.config.calculate_log_probs else None

@@ -377,13 +377,16 @@ class MultiTurnRollout:
             response_attention[row, :length] = 1
             response_mask[row, :length] = torch.tensor(t.response_mask)
             log_probs[row, :length] = torch.tensor(t.log_probs)
-        attention_mask = torch.cat([prompt_mask, response_attention], dim=-1)
+        input_ids, attention_mask = (
+            torch.cat([prompt, response], dim=-1),
+            torch.cat([prompt_mask, response_attention], -1),
+        )
         tensors = {
             "prompts": prompt,
             "responses": response,
-            "input_ids": torch.cat([prompt, response], dim=-1),
+            "input_ids": input_ids,
             "attention_mask": attention_mask,
-            "position_ids": self._positions(torch.cat([prompt, response], dim=-1), attention_mask, trajectories),
+            "position_ids": self._positions(input_ids, attention_mask, trajectories),
             "response_mask": response_mask,
         }
         if self.config.calculate_log_probs:

@@ -59,12 +59,14 @@ def _engine(world, tiny_vl_path, mode: str):
 
 
 def _hf_rows(model, prompts) -> list[list[int]]:
-    from rlframe.models.vision import model_image_inputs
+    from rlframe.models.vision import VisionSpec, generation_image_inputs
 
     rows = []
     for i in range(len(prompts)):
         ids, mask = prompts.batch["input_ids"][i : i + 1], prompts.batch["attention_mask"][i : i + 1]
-        images = model_image_inputs(prompts.non_tensor_batch["multi_modal_inputs"][i : i + 1], ids, model.config)
+        images = generation_image_inputs(
+            prompts.non_tensor_batch["multi_modal_inputs"][i : i + 1], ids, VisionSpec.from_config(model.config)
+        )
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=RESPONSE, do_sample=False, **images)
         rows.append(out[0, PROMPT:].tolist())
@@ -72,11 +74,10 @@ def _hf_rows(model, prompts) -> list[list[int]]:
 
 
 def _actor_log_probs(model, prompts, out) -> torch.Tensor:
-    from rlframe.models.vision import model_image_inputs
+    from rlframe.models.vision import concat_image_inputs
 
     b = out.batch
-    images = model_image_inputs(prompts.non_tensor_batch["multi_modal_inputs"], b["input_ids"], model.config)
-    images.pop("mm_token_type_ids")  # the batch's positions are given
+    images = concat_image_inputs(prompts.non_tensor_batch["multi_modal_inputs"], b["input_ids"].device)
     with torch.no_grad():
         logits = model(
             input_ids=b["input_ids"],
