@@ -22,13 +22,23 @@ if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/
         || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends chromium >/dev/null; } \
         || echo "[test] chromium could not be installed: the rendering test will say so and skip" >&2
 fi
-# tests/workers/rollout/test_tool_sandbox.py runs PythonTool under bubblewrap (sandbox: bwrap) and fails without it
-if ! command -v bwrap >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    echo "[test] installing bubblewrap (Debian's package) for the tool sandbox tests"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -q --no-install-recommends bubblewrap >/dev/null \
-        || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends bubblewrap >/dev/null; } \
-        || echo "[test] bubblewrap could not be installed: the tool sandbox tests will fail" >&2
+# the python tool's sandbox (tests/workers/rollout/test_tool_sandbox.py, test_sandbox_boundary.py) needs bubblewrap and
+# libseccomp, and as root an unprivileged user to run programs as (docs/multi_turn.md): without them it refuses to run
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    missing=()
+    command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
+    ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2' || missing+=(libseccomp2)
+    if [ "${#missing[@]}" -gt 0 ]; then
+        echo "[test] installing ${missing[*]} (Debian's packages) for the tool sandbox"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null \
+            || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null; } \
+            || echo "[test] ${missing[*]} could not be installed: the tool sandbox tests will fail" >&2
+    fi
+fi
+if [ "$(id -u)" = 0 ] && ! id rlframe-sandbox >/dev/null 2>&1; then
+    echo "[test] creating the user rlframe-sandbox: the python tool runs programs as it when the trainer is root"
+    useradd --system --no-create-home --shell /usr/sbin/nologin rlframe-sandbox
 fi
 # the vLLM environment (~3.5 GB of wheels) installs in the background while the main suite runs
 VLLM_SETUP_LOG="$VLLM_VENV.setup.log"

@@ -47,3 +47,14 @@ def test_wheel_contains_package_and_configs(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "rlframe/configs/ppo_trainer.yaml" in names
     assert "rlframe/protocol.py" in names
+    assert "rlframe/workers/rollout/sandbox/launcher.py" in names  # run as a file by the python tool
+
+
+def test_the_image_runs_as_an_unprivileged_user_with_the_sandbox_it_needs():
+    from pathlib import Path
+
+    lines = (Path(__file__).parents[2] / "docker" / "Dockerfile").read_text().splitlines()
+    users = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert users and users[-1] not in ("root", "0"), users
+    text = "\n".join(lines)
+    assert "bubblewrap" in text and "libseccomp2" in text and "rlframe-sandbox" in text

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlframe.workers.rollout.sandbox import SandboxLimits, resolve_mode, run_python
+from rlframe.workers.rollout.sandbox import SandboxLimits, resolve_isolation, run_python
 
 TOOL_CONFIG_KEY = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
 FUNCTION_TOOL_KEY = "actor_rollout_ref.rollout.multi_turn.function_tool_path"
@@ -225,13 +225,15 @@ class CalculatorTool(BaseTool):
 
 
 class PythonTool(BaseTool):
-    """`python(code)`: runs code in a fresh isolated interpreter (`-I`, empty environment, a temporary folder).
+    """`python(code)`: runs code in a fresh isolated interpreter (`-I`, no environment, a temporary folder).
 
-    `rlframe.workers.rollout.sandbox` contains it: bubblewrap namespaces where available (`sandbox: auto`), rlimits
-    set by a launcher, a pids cgroup where one can be made, the whole process tree killed on every exit path and
-    the output read in chunks and capped. Keys of the tool's `config`: `timeout_s` (5), `memory_mb` (256),
-    `max_output_chars` (4096), `max_processes` (64, processes + threads), `disk_mb` (64, the writable tmpfs under
-    bubblewrap), `sandbox` (auto | bwrap | none).
+    `rlframe.workers.rollout.sandbox` contains it: as an unprivileged user (`sandbox_user` when the trainer is
+    root), in bubblewrap's namespaces under a seccomp filter, in pids and memory cgroups where they can be made,
+    with rlimits; the whole process tree killed on every exit path and the output read in chunks and capped. Where
+    that sandbox cannot be had the tool refuses to load, unless `sandbox: none`. Keys of the tool's `config`:
+    `timeout_s` (5), `memory_mb` (256), `max_output_chars` (4096), `max_processes` (64, processes + threads),
+    `disk_mb` (64, the writable tmpfs), `sandbox` (auto | bwrap | none), `sandbox_user` (null: `rlframe-sandbox`
+    when the trainer is root).
     """
 
     def __init__(self, config: dict, tool_schema: dict | None):
@@ -245,7 +247,8 @@ class PythonTool(BaseTool):
             disk_mb=_positive(self.config, "disk_mb", 64, int, where),
         )
         self.max_output_chars = self.limits.max_output_bytes // 4
-        self.sandbox = resolve_mode(str(self.config.get("sandbox", "auto")), where)
+        user = self.config.get("sandbox_user")
+        self.isolation = resolve_isolation(str(self.config.get("sandbox", "auto")), user and str(user), where)
 
     def default_schema(self) -> dict:
         return string_function_schema("python", "Run Python code and return what it prints.", "code", "the program")
@@ -255,13 +258,15 @@ class PythonTool(BaseTool):
 
         with tempfile.TemporaryDirectory(prefix="rlframe_python_tool_", ignore_cleanup_errors=True) as folder:
             folder = os.path.realpath(folder)
-            result = await run_python(str(parameters.get("code", "")), folder, self.limits, self.sandbox)
+            result = await run_python(str(parameters.get("code", "")), folder, self.limits, self.isolation)
         output = result.output.decode("utf-8", errors="replace")
         notes = []
         if result.truncated or len(output) > self.max_output_chars:
             notes.append(f"(output truncated to {self.max_output_chars} characters)")
         if result.timed_out:
             notes.append(f"error: the program ran longer than {self.limits.timeout_s:g} s and was killed")
+        elif result.out_of_memory:
+            notes.append("error: the program used more memory than it may and was killed")
         elif result.exit_status:
             notes.append(f"(exit status {result.exit_status})")
         text = "\n".join([output[: self.max_output_chars], *notes]) if output else "\n".join(notes)
