@@ -99,8 +99,8 @@ def test_python_tool_runs_code_with_a_time_limit():
     response, _, _ = run(tool.execute("i", {"code": "while True: pass"}))
     assert "longer than 1 s" in response.text
     response, _, _ = run(tool.execute("i", {"code": "import os; print(sorted(os.environ))"}))
-    # an empty environment (macOS adds LC_CTYPE, bubblewrap sets PWD to the temporary folder)
-    assert set(eval(response.text)) <= {"LC_CTYPE", "PWD"}
+    # a scrubbed environment: the sandbox's PATH and HOME, PWD (bubblewrap), LC_CTYPE (Python's locale coercion)
+    assert set(eval(response.text)) <= {"LC_CTYPE", "PWD", "PATH", "HOME"}
 
 
 def test_tools_load_from_verl_yaml_and_function_files(tmp_path):
