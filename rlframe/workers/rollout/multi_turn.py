@@ -16,7 +16,8 @@ serve it unchanged. Per row, a turn goes:
 The tool turn's tokens come from the chat template itself: the template renders a fixed conversation that
 ends with an assistant turn, then the same conversation plus the tool messages and the generation prompt;
 the difference is the tool turn (verl's "continuous token" idea). The part of the assistant turn's closing
-that generation does not produce (ChatML's newline after `<|im_end|>`) is found the same way.
+that generation does not produce (ChatML's newline after `<|im_end|>`) is found the same way. What a `tool`
+message holds is tokenized as text (`tool_text`): a tool cannot write chat structure into the trajectory.
 
 `tokenization_sanity_check_mode` (verl's name): `strict` re-renders each finished conversation with the
 chat template in one go and counts the trajectories whose ids differ from the turn-by-turn ids
