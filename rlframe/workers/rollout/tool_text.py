@@ -91,8 +91,23 @@ class AddedTokens:
 
 
 def _alternation(tokens) -> re.Pattern:
-    """A pattern matching any of `tokens`, the longest first (as the tokenizer prefers them); never matches if none."""
-    return re.compile("|".join(re.escape(token) for token in sorted(tokens, key=len, reverse=True)) or "(?!)")
+    """A pattern matching any of `tokens`, the longest where several start at one place (as the tokenizer matches
+    them); built as a trie, so thousands of added tokens cost one branch per character. Never matches if none."""
+    trie: dict = {}
+    for token in tokens:
+        node = trie
+        for char in token:
+            node = node.setdefault(char, {})
+        node[""] = {}  # a token ends here
+
+    def pattern(node: dict) -> str:
+        branches = [re.escape(char) + pattern(child) for char, child in node.items() if char]
+        if not branches:
+            return ""
+        group = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+        return f"(?:{group})?" if "" in node else group  # greedy: the longer token first, the shorter if it fails
+
+    return re.compile(pattern(trie) or "(?!)")
 
 
 def encode_pieces(tokenizer, added: AddedTokens, pieces: list[Piece]) -> list[int]:

@@ -76,6 +76,17 @@ def test_prompts_and_whole_conversations_keep_tool_messages_as_text(chat_model):
     assert turns.prompt_ids(user) == plain(user, True)
 
 
+def test_overlapping_added_tokens_are_matched_as_the_tokenizer_matches_them(tiny_model_path):
+    """Added tokens that start alike or contain each other: the longest at the leftmost place, as the plain encode."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    tokenizer.add_tokens(["<x", "<xy>", "y>", "<xy>z"])
+    turns = turns_of(tokenizer)
+    for text in ("a<xy>b<x y> <xy <xy>z<xy>zz", "<x<xy><xy>"):
+        messages = [{"role": "user", "content": text}]
+        rendered = turns._render_text(messages, add_generation_prompt=True)
+        assert turns.prompt_ids(messages) == tokenizer.encode(rendered, add_special_tokens=False)
+
+
 def tagged_tokenizer(tiny_model_path, tags: list[str]):
     """The tiny tokenizer with non-special added tokens, and a template that wraps tool answers in Qwen2.5's tags."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
