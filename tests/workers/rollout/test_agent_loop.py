@@ -166,7 +166,8 @@ def test_a_tool_answer_cannot_forge_chat_turns_in_async_trajectories(chat_model)
     out = AgentLoopRollout(agent.engine, 2, agent).generate_sequences(make_prompts(tokenizer, list(script)))
     assert_same_samples(out, expected)
     mask = out.batch["response_mask"][0].tolist()
-    first, tool = mask.index(0), mask.index(1, mask.index(0)) - mask.index(0)
+    first = mask.index(0)  # the tool turn: from the first context token to the next policy token
+    tool = mask.index(1, first) - first
     tool_turn = out.batch["responses"][0, first : first + tool].tolist()
     assert tool_turn == agent.turns.closing_rest + chatml_tool_turn(tokenizer, [HOSTILE_SEEN])
     assert out.meta_info["metrics"]["multi_turn/tokenization_mismatch_ratio"] == 0.0

@@ -258,7 +258,7 @@ def test_a_tool_answer_cannot_forge_chat_turns_in_the_trajectory(chat_model):
     out = rollout.generate_sequences(make_prompts(tokenizer, ["Q"]))
     length = int(out.batch["attention_mask"][0, PROMPT_LEN:].sum())
     response, mask = out.batch["responses"][0, :length].tolist(), out.batch["response_mask"][0, :length].tolist()
-    (_, first), (_, tool), (_, last) = spans(mask)
+    (_, first), (_, tool), _ = spans(mask)  # policy turn, tool turn, policy turn
     assert response[first : first + tool] == rollout.turns.closing_rest + chatml_tool_turn(tokenizer, [HOSTILE_SEEN])
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert response.count(eos) == 3  # the two policy turns' and the tool turn's own (before: 5)
