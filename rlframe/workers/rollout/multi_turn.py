@@ -16,7 +16,8 @@ serve it unchanged. Per row, a turn goes:
 The tool turn's tokens come from the chat template itself: the template renders a fixed conversation that
 ends with an assistant turn, then the same conversation plus the tool messages and the generation prompt;
 the difference is the tool turn (verl's "continuous token" idea). The part of the assistant turn's closing
-that generation does not produce (ChatML's newline after `<|im_end|>`) is found the same way.
+that generation does not produce (ChatML's newline after `<|im_end|>`) is found the same way. What a `tool`
+message holds is tokenized as text (`tool_text`): a tool cannot write chat structure into the trajectory.
 
 `tokenization_sanity_check_mode` (verl's name): `strict` re-renders each finished conversation with the
 chat template in one go and counts the trajectories whose ids differ from the turn-by-turn ids
@@ -31,6 +32,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import numpy as np
 import torch
@@ -38,6 +40,7 @@ import torch
 from rlframe.models.vision import MULTIMODAL_KEYS, images_of, mrope_position_ids, row_images
 from rlframe.protocol import DataProto
 from rlframe.workers.rollout.base import BaseRollout, SamplingParams, check_prompts
+from rlframe.workers.rollout.tool_text import AddedTokens, encode_pieces, split_rendering
 from rlframe.workers.rollout.tools import ToolCallResult, ToolRunner
 
 logger = logging.getLogger(__name__)
@@ -46,6 +49,7 @@ TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _PROBE_SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 _PROBE_USER = {"role": "user", "content": "Use the tool."}
 _PROBE_ASSISTANT_TEXT = "Calling the tool."
+_PROBE_TOOL_TEXT = "The answer is 42."
 
 
 # dataset columns a tool agent reads: the chat messages, `extra_info.tools_kwargs`, the row's agent
@@ -140,18 +144,37 @@ class Trajectory:
 
 
 class ChatTemplateTurns:
-    """Token ids of the turns the chat template adds around the policy's own text."""
+    """Token ids of the turns the chat template adds around the policy's own text.
+
+    Every rendering goes through `tool_text`: what a `tool` message holds is tokenized as text (no control token
+    comes out of it), the template's own markers stay special, and the rest is the plain encode of the rendering.
+    """
 
     def __init__(self, tokenizer, tools: list[dict] | None, eos_ids: list[int], template_kwargs: dict | None = None):
         self.tokenizer, self.tools = tokenizer, tools or None
         self.template_kwargs = dict(template_kwargs or {})  # data.apply_chat_template_kwargs
+        source = tokenizer.get_chat_template(self.template_kwargs.get("chat_template"), self.tools)
+        self.added = AddedTokens.of(tokenizer, source)
         probe = [_PROBE_SYSTEM, _PROBE_USER, {"role": "assistant", "content": _PROBE_ASSISTANT_TEXT}]
+        self._probe = probe
+        self._check_exact(probe + [{"role": "tool", "content": _PROBE_TOOL_TEXT}])
         rendered = self._render_text(probe, add_generation_prompt=False)
         after = rendered[rendered.rindex(_PROBE_ASSISTANT_TEXT) + len(_PROBE_ASSISTANT_TEXT) :]
         closing = self.encode(after)  # e.g. ChatML: <|im_end|> "\n"
         # generation stops at an EOS; the rest of the template's closing is context added after it
         self.closing_rest = closing[1:] if closing and closing[0] in eos_ids else closing
-        self._probe = probe
+
+    def _check_exact(self, messages: list[dict]) -> None:
+        """Refuse a tokenizer for which tokenizing the rendering piece by piece is not its plain encode."""
+        pieces = split_rendering(partial(self._render_text, add_generation_prompt=True), messages)
+        text = "".join(piece for piece, _ in pieces)
+        plain = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if encode_pieces(self.tokenizer, self.added, pieces) != plain:
+            raise ValueError(
+                f"{type(self.tokenizer).__name__}: tokenizing a chat rendering between its added tokens gives other "
+                "ids than tokenizing it whole (a pre-tokenizer that adds a prefix space to every piece?), so rlframe "
+                "cannot keep tool answers as plain text with this tokenizer"
+            )
 
     def _render_text(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -162,24 +185,30 @@ class ChatTemplateTurns:
             **self.template_kwargs,
         )
 
+    def _render_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        pieces = split_rendering(partial(self._render_text, add_generation_prompt=add_generation_prompt), messages)
+        return encode_pieces(self.tokenizer, self.added, pieces)
+
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        """The ids of text the template wrote."""
+        return encode_pieces(self.tokenizer, self.added, [(text, False)])
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The first prompt: the conversation so far with the tools and the assistant header."""
-        return self.encode(self._render_text(messages, add_generation_prompt=True))
+        return self._render_ids(messages, add_generation_prompt=True)
 
     def tool_turn_ids(self, tool_messages: list[dict]) -> list[int]:
         """The tokens between the policy's closing and its next turn: tool messages + assistant header."""
         base = self._render_text(self._probe, add_generation_prompt=False)
-        full = self._render_text(self._probe + tool_messages, add_generation_prompt=True)
-        if not full.startswith(base):
+        render = partial(self._render_text, add_generation_prompt=True)
+        (first, _), *rest = split_rendering(render, self._probe + tool_messages)
+        if not first.startswith(base):
             raise ValueError("the chat template renders earlier messages differently once tool messages follow")
-        return self.encode(full[len(base) :])
+        return encode_pieces(self.tokenizer, self.added, [(first[len(base) :], False), *rest])
 
     def whole_conversation_ids(self, messages: list[dict]) -> list[int]:
         """The finished conversation rendered in one go (for the tokenization sanity check)."""
-        return self.encode(self._render_text(messages, add_generation_prompt=False))
+        return self._render_ids(messages, add_generation_prompt=False)
 
 
 class MultiTurnRollout:

@@ -13,7 +13,8 @@ Two kinds, as in verl 0.9.1:
 
 `ToolRunner.call` runs one parsed call: an unknown tool, arguments that are not a JSON object, a tool that
 raises or that runs past `timeout_s` each become an error *message to the model* (and a count in the
-metrics), never an exception that stops the run. Long outputs are cut to `max_tool_response_length`
+metrics), never an exception that stops the run. Every answer loses its ANSI escapes and shows its other control
+characters as escapes (`tool_text.visible_text`). Long outputs are cut to `max_tool_response_length`
 characters on `tool_response_truncate_side` (left | middle | right), as verl does.
 """
 
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlframe.workers.rollout.sandbox import SandboxLimits, resolve_isolation, run_python
+from rlframe.workers.rollout.tool_text import visible_text
 
 TOOL_CONFIG_KEY = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
 FUNCTION_TOOL_KEY = "actor_rollout_ref.rollout.multi_turn.function_tool_path"
@@ -445,7 +447,8 @@ class ToolRunner:
         start = time.perf_counter()
         result = await self._call(name, arguments, tools_kwargs)
         result.latency_s = time.perf_counter() - start
-        result.text = truncate(result.text, self.max_response_chars, self.truncate_side)
+        # cleaned before the cut, so the limit bounds the text the model reads
+        result.text = truncate(visible_text(result.text), self.max_response_chars, self.truncate_side)
         return result
 
     async def _call(self, name: str, arguments: str, tools_kwargs: dict) -> ToolCallResult:

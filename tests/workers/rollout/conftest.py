@@ -24,3 +24,13 @@ def world():
     destroy_distributed_environment()  # the default group included
     for key, value in saved.items():
         os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+
+
+@pytest.fixture(params=["tiny", "smollm2"])
+def chat_model(request):
+    """(model folder, tokenizer) of builtin://tiny and of SmolLM2-135M-Instruct: the two tokenizers and chat templates
+    that tool answers are checked on."""
+    from transformers import AutoTokenizer
+
+    path = request.getfixturevalue("tiny_model_path" if request.param == "tiny" else "smollm2_path")
+    return path, AutoTokenizer.from_pretrained(path)

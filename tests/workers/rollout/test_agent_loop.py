@@ -15,7 +15,15 @@ import numpy as np
 import pytest
 import torch
 from helpers.agent_loop import KEYS
-from helpers.multi_turn import ScriptedEngine, call, make_prompts, rollout_cfg
+from helpers.multi_turn import (
+    HOSTILE_SEEN,
+    HostileTool,
+    ScriptedEngine,
+    call,
+    chatml_tool_turn,
+    make_prompts,
+    rollout_cfg,
+)
 from helpers.rollout import load_tokenizer, rollout_config
 from helpers.rollout import make_prompts as make_token_prompts
 
@@ -139,6 +147,30 @@ def test_a_slow_tool_holds_back_only_its_own_trajectory(tiny_model_path, tokeniz
     assert engine.calls == [2, 1, 1, 1]
     metrics = out.meta_info["metrics"]
     assert metrics["multi_turn/tool_errors_per_trajectory"] == 0.0 and metrics["multi_turn/truncated_ratio"] == 0.0
+
+
+def test_a_tool_answer_cannot_forge_chat_turns_in_async_trajectories(chat_model):
+    """The agent loop's workers (each with its own tokenizer copy) tokenize a forged tool answer as text, as the
+    turn-synchronous loop does: same trajectories, and the tool turn holds only the template's markers."""
+    model_path, tokenizer = chat_model
+    # the forged header decodes like a real one, so the scripted engine counts it: both later replies are the same
+    script = {"Q": [call("1").replace("calculator", "hostile"), "done", "done"], "Say hi.": ["hi"]}
+    cfg = rollout_cfg("actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent")
+    rollouts = []
+    for _ in range(2):
+        multi_turn = build_multi_turn(ScriptedEngine(cfg, tokenizer, model_path, script), tokenizer)
+        multi_turn.runner.tools["hostile"] = HostileTool({}, None)
+        rollouts.append(multi_turn)
+    sync, agent = rollouts
+    expected = sync.generate_sequences(make_prompts(tokenizer, list(script)))
+    out = AgentLoopRollout(agent.engine, 2, agent).generate_sequences(make_prompts(tokenizer, list(script)))
+    assert_same_samples(out, expected)
+    mask = out.batch["response_mask"][0].tolist()
+    first = mask.index(0)  # the tool turn: from the first context token to the next policy token
+    tool = mask.index(1, first) - first
+    tool_turn = out.batch["responses"][0, first : first + tool].tolist()
+    assert tool_turn == agent.turns.closing_rest + chatml_tool_turn(tokenizer, [HOSTILE_SEEN])
+    assert out.meta_info["metrics"]["multi_turn/tokenization_mismatch_ratio"] == 0.0
 
 
 def test_an_engine_error_reaches_the_caller_and_no_agent_hangs(tiny_model_path, tokenizer):

@@ -13,7 +13,17 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from helpers.multi_turn import PROMPT_LEN, RESPONSE_LEN, ScriptedEngine, call, make_prompts, rollout_cfg
+from helpers.multi_turn import (
+    HOSTILE_SEEN,
+    PROMPT_LEN,
+    RESPONSE_LEN,
+    HostileTool,
+    ScriptedEngine,
+    call,
+    chatml_tool_turn,
+    make_prompts,
+    rollout_cfg,
+)
 
 from rlframe.trainer.config import compose, typed
 from rlframe.workers.rollout.multi_turn import (
@@ -235,6 +245,25 @@ def test_a_malformed_call_is_answered_with_an_error_turn(tiny_model_path, tokeni
     assert "malformed tool call" in text and "<|im_start|>tool\n2<|im_end|>" in text
     assert out.meta_info["metrics"]["multi_turn/tool_errors_per_trajectory"] == 1.0
     assert out.non_tensor_batch["__num_turns__"].tolist() == [6]
+
+
+def test_a_tool_answer_cannot_forge_chat_turns_in_the_trajectory(chat_model):
+    """A tool answer spelling `<|im_end|><|im_start|>assistant` with escapes is context the model reads as text:
+    the tool turn's ids are the correct rendering of the cleaned answer, with the template's markers only."""
+    model_path, tokenizer = chat_model
+    # the forged header decodes like a real one, so the scripted engine counts it: both later replies are the same
+    script = {"Q": [call("1").replace("calculator", "hostile"), "done", "done"]}
+    rollout = make_rollout(model_path, tokenizer, script, calculator=False)
+    rollout.runner.tools["hostile"] = HostileTool({}, None)
+    out = rollout.generate_sequences(make_prompts(tokenizer, ["Q"]))
+    length = int(out.batch["attention_mask"][0, PROMPT_LEN:].sum())
+    response, mask = out.batch["responses"][0, :length].tolist(), out.batch["response_mask"][0, :length].tolist()
+    (_, first), (_, tool), _ = spans(mask)  # policy turn, tool turn, policy turn
+    assert response[first : first + tool] == rollout.turns.closing_rest + chatml_tool_turn(tokenizer, [HOSTILE_SEEN])
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert response.count(eos) == 3  # the two policy turns' and the tool turn's own (before: 5)
+    assert "\x1b" not in tokenizer.decode(response) and rollout.engine.calls == [1, 1]
+    assert out.meta_info["metrics"]["multi_turn/tokenization_mismatch_ratio"] == 0.0
 
 
 def test_turn_limits_and_single_turn_rows(tiny_model_path, tokenizer):
