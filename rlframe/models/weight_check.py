@@ -19,14 +19,23 @@ class NonFiniteWeightsError(ValueError):
     """A loaded tensor holds NaN or inf; the message names the file (or folder), the tensor and the fix."""
 
 
+def _local_parts(tensor: object) -> list[torch.Tensor]:
+    """The plain tensors this rank holds of `tensor`: a DTensor's local shard (FSDP2), a ShardedTensor's local
+    shards (FSDP1's sharded state dict), or the tensor itself."""
+    if hasattr(tensor, "to_local"):
+        return [tensor.to_local()]
+    if hasattr(tensor, "local_shards"):
+        return [shard.tensor for shard in tensor.local_shards()]
+    return [tensor] if isinstance(tensor, torch.Tensor) else []
+
+
 def first_non_finite(named_tensors: Iterable[tuple[str, object]]) -> tuple[str, int, int] | None:
     """(name, number of NaN/inf values, size) of the first floating-point tensor holding any, else None."""
     for name, tensor in named_tensors:
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
-        if not isinstance(local, torch.Tensor) or not local.is_floating_point() or local.is_meta:
-            continue
-        if not bool(torch.isfinite(local).all()):
-            return name, int((~torch.isfinite(local)).sum()), local.numel()  # counted on the failure path only
+        parts = [p for p in _local_parts(tensor) if p.is_floating_point() and not p.is_meta]
+        if not all(bool(torch.isfinite(p).all()) for p in parts):
+            bad = sum(int((~torch.isfinite(p)).sum()) for p in parts)  # counted on the failure path only
+            return name, bad, sum(p.numel() for p in parts)
     return None
 
 
