@@ -21,6 +21,8 @@ import os
 import torch
 from torch import nn
 
+from rlframe.models.weight_check import check_pretrained_weights
+
 SEQUENCE_CLASSIFIER = "AutoModelForSequenceClassification"
 
 
@@ -154,4 +156,5 @@ def load_token_score_model(path: str, dtype: torch.dtype, attn_implementation: s
     if any(unmatched.values()):
         details = "; ".join(f"{kind}: {', '.join(map(str, names))}" for kind, names in unmatched.items() if names)
         raise ValueError(f"reward model {path!r} did not load exactly as {type(model).__name__}: {details}")
+    check_pretrained_weights(model, path)
     return TokenScoreModel(model)

@@ -7,24 +7,30 @@ temporary file). Resuming takes the newest `global_step_N` whose files match its
 folder that does not (truncated or corrupted shard, interrupted save, lost file) is skipped with a
 warning naming the file, and the previous complete checkpoint is used.
 
+Nothing outside `trainer.default_local_dir` is written, read or deleted through a symlink
+(`rlframe.utils.safe_files`): a step folder that is a symlink is refused on save and on resume, naming
+it; pruning and the removal of a failed save's `.tmp` unlink a symlink rather than follow it, and refuse
+a path that resolves outside the folder.
+
 `data.pt` holds the dataloader's `state_dict()` and the driver state as tensors and plain
 containers only; it is read with `torch.load(weights_only=True)`, so a crafted file cannot run code.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import pickle
 import re
-import shutil
 
 import torch
 
 from rlframe.protocol import plain_data
 from rlframe.utils.faults import KillPoints
 from rlframe.utils.manifest import CorruptCheckpointError, verify_manifest, write_manifest
+from rlframe.utils.safe_files import UnsafePathError, refuse_symlink, remove_under, write_file_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +75,15 @@ class TrainerCheckpointer:
         state = {"dataloader": dataloader.state_dict(), "driver": driver_state}
         data = plain_data(state, f"checkpoint entry {DATA_FILE}", CHECKPOINT_REFUSAL)
         try:
+            fix = "remove the link (what it points to stays) or give trainer.default_local_dir a folder of its own"
+            refuse_symlink(final, fix)
             self._write_step(tmp, actor_wg, critic_wg, data)
+            remove_under(final, self.root)  # a step saved again (after a resume from an earlier one)
+            os.replace(tmp, final)
         except Exception as error:
-            shutil.rmtree(tmp, ignore_errors=True)  # frees the space a full disk needs back
+            with contextlib.suppress(OSError, UnsafePathError):
+                remove_under(tmp, self.root)  # frees the space a full disk needs back
             raise CheckpointSaveError(self._save_failure(step, tmp, error)) from error
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
         self.kill_points.hit("save.renamed")
         self._write_latest(step)
         self.kill_points.hit("save.latest")
@@ -83,8 +92,9 @@ class TrainerCheckpointer:
         return final
 
     def _write_step(self, tmp: str, actor_wg, critic_wg, data: dict) -> None:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+        remove_under(tmp, self.root)  # a killed save's folder, or a link planted in its place (unlinked)
+        os.makedirs(self.root, exist_ok=True)
+        os.mkdir(tmp)  # never follows a link: one planted since the line above makes it fail
         self.kill_points.hit("save.begin")
         actor_wg.save_checkpoint(os.path.join(tmp, "actor"))
         self.kill_points.hit("save.actor")
@@ -108,13 +118,11 @@ class TrainerCheckpointer:
             cause = f"no space left on the device of {self.root} (trainer.default_local_dir)"
         else:
             cause = f"{type(error).__name__}: {error}"
-        return f"cannot save checkpoint global_step_{step} (written to {tmp}, now removed): {cause}; {kept}"
+        left = f"{tmp} is left behind: remove it by hand" if os.path.lexists(tmp) else f"no {tmp} is left"
+        return f"cannot save checkpoint global_step_{step} ({left}): {cause}; {kept}"
 
     def _write_latest(self, step: int) -> None:
-        path = os.path.join(self.root, LATEST)
-        with open(path + ".tmp", "w") as f:
-            f.write(str(step))
-        os.replace(path + ".tmp", path)
+        write_file_atomically(os.path.join(self.root, LATEST), lambda f: f.write(str(step).encode()))
 
     def _prune(self) -> None:
         """Keep the newest max_*_ckpt_to_keep steps (the actor's limit decides whole step folders)."""
@@ -122,12 +130,19 @@ class TrainerCheckpointer:
         steps = self.saved_steps()
         if keep is not None and keep > 0:
             for step in steps[:-keep]:
-                shutil.rmtree(os.path.join(self.root, f"global_step_{step}"), ignore_errors=True)
+                self._remove(os.path.join(self.root, f"global_step_{step}"))
             steps = steps[-keep:]
         keep_critic = self.max_critic_ckpt_to_keep
         if keep_critic is not None and keep_critic > 0:
             for step in steps[:-keep_critic]:
-                shutil.rmtree(os.path.join(self.root, f"global_step_{step}", "critic"), ignore_errors=True)
+                self._remove(os.path.join(self.root, f"global_step_{step}", "critic"))
+
+    def _remove(self, path: str) -> None:
+        """Prune `path` inside the run folder; what cannot be removed safely is kept, with a warning."""
+        try:
+            remove_under(path, self.root)
+        except (OSError, UnsafePathError) as error:  # the step is saved: a kept old folder is no reason to stop
+            logger.warning("not pruning %s: %s", path, error)
 
     def saved_steps(self) -> list[int]:
         """Steps with a `global_step_N` folder, oldest first (complete or not)."""
@@ -149,6 +164,11 @@ class TrainerCheckpointer:
         skipped = []
         for step in reversed(self.saved_steps()):
             folder = os.path.join(self.root, f"global_step_{step}")
+            refuse_symlink(
+                folder,
+                f"put the checkpoint itself in its place, or resume from it with trainer.resume_mode=resume_path "
+                f"trainer.resume_from_path={os.path.realpath(folder)}",
+            )
             try:
                 verify_manifest(folder)
             except CorruptCheckpointError as error:
@@ -175,6 +195,11 @@ class TrainerCheckpointer:
         folder = str(self.resume_from_path)
         if not os.path.isdir(folder):
             raise ValueError(f"trainer.resume_from_path={folder!r} does not exist")
+        refuse_symlink(
+            folder,
+            f"give the checkpoint's own path, {os.path.realpath(folder)}",
+            f"trainer.resume_from_path={folder!r}",
+        )
         verify_manifest(folder)  # an explicit choice: no fallback, the error names the file
         return folder
 

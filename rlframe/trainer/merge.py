@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 
 from rlframe.utils.manifest import MANIFEST, verify_manifest
+from rlframe.utils.safe_files import replace_folder
 from rlframe.workers.checkpoint import MODEL_DIR, read_full_tensors
 from rlframe.workers.lora import is_adapter_tensor, merge_lora_checkpoint
 
@@ -92,12 +92,13 @@ def merge(checkpoint_dir: str, out_dir: str, role: str = "actor", model: str | N
             f"{unexpected[:5]} (pass --model with the folder the run started from, and --role for the critic)"
         )
     hf_model.tie_weights()
-    tmp = f"{out_dir.rstrip(os.sep)}.tmp.{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    hf_model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+
+    def fill(tmp: str) -> None:
+        hf_model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    replace_folder(out_dir.rstrip(os.sep), fill)
     return out_dir
 
 

@@ -3,7 +3,7 @@
 `manifest.json` = `{"format": 1, "files": {"<relative path>": {"size": N, "sha256": "<hex>"}}}`. It is
 written after every other file of the folder, through a temporary name and an atomic rename, so a
 folder with a manifest was complete when written; `verify_manifest` then finds what happened to it
-since (a truncated or corrupted shard, a missing or added file) and names the file.
+since (a truncated or corrupted shard, a missing or added file, a symlink) and names the file.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import hashlib
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
+
+from rlframe.utils.safe_files import write_file_atomically
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -32,9 +34,16 @@ def sha256_of(path: str) -> str:
 
 
 def _files_under(folder: str) -> list[str]:
-    """Relative paths of every file under `folder` except the manifest, sorted."""
+    """Relative paths of every file under `folder` except the manifest, sorted; a symlink in it is refused."""
     found = []
-    for parent, _, names in os.walk(folder):
+    for parent, dirs, names in os.walk(folder):
+        for name in dirs + names:
+            path = os.path.join(parent, name)
+            if os.path.islink(path):  # a save writes none: reading through one would load files from elsewhere
+                raise CorruptCheckpointError(
+                    f"{path} is a symlink (to {os.readlink(path)}); a checkpoint folder holds only the files its "
+                    "save wrote: put the files themselves there"
+                )
         for name in names:
             rel = os.path.relpath(os.path.join(parent, name), folder)
             if rel != MANIFEST:
@@ -53,12 +62,8 @@ def write_manifest(folder: str) -> dict:
     rel_paths = _files_under(folder)
     digests = _hash_all(folder, rel_paths)
     files = {rel: {"size": os.path.getsize(os.path.join(folder, rel)), "sha256": digests[rel]} for rel in rel_paths}
-    path = os.path.join(folder, MANIFEST)
-    with open(path + ".tmp", "w") as f:
-        json.dump({"format": FORMAT, "files": files}, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    text = json.dumps({"format": FORMAT, "files": files}, indent=1, sort_keys=True)
+    write_file_atomically(os.path.join(folder, MANIFEST), lambda f: f.write(text.encode()))
     return files
 
 

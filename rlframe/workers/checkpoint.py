@@ -17,7 +17,9 @@ Nothing in a checkpoint is loaded by code that can execute it: extra state goes 
 `torch.load(weights_only=True)`, DCP's tensors too, and DCP's two pickles (the `.metadata` index and
 non-tensor values such as the optimizer's hyperparameters) through a restricted unpickler and
 `weights_only=True` instead of torch's defaults (`pickle.load` / `weights_only=False`).
-Atomicity is the caller's: the trainer writes a whole step to a temporary folder and renames it.
+Atomicity is the caller's: the trainer writes a whole step to a temporary folder and renames it. A
+stale folder is removed without following a symlink out of `<dir>` (`rlframe.utils.safe_files`), and
+a loaded model holding NaN/inf is refused, naming the tensor (`rlframe.models.weight_check`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import os
 import pickle
 import random
 import re
-import shutil
 import warnings
 from contextlib import contextmanager
 
@@ -39,7 +40,9 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, F
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from rlframe.config.checks import SAVE_CONTENTS
+from rlframe.models.weight_check import check_checkpoint_weights
 from rlframe.utils.faults import KillPoints
+from rlframe.utils.safe_files import remove_under, replace_folder, write_file_atomically
 from rlframe.workers.fsdp_utils import full_state_dict
 from rlframe.workers.lora import checkpoint_options, export_lora_hf, is_lora, save_adapter_config
 
@@ -274,9 +277,9 @@ def save_checkpoint(
     if unknown:
         raise ValueError(f"checkpoint.save_contents has unknown entries {unknown}; valid: {', '.join(SAVE_CONTENTS)}")
     if rank == 0:  # stale shards or rank files of an earlier save (maybe another world size) must not linger
-        for name in (MODEL_DIR, OPTIMIZER_DIR, EXTRA_DIR):
-            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
         os.makedirs(path, exist_ok=True)
+        for name in (MODEL_DIR, OPTIMIZER_DIR, EXTRA_DIR):
+            remove_under(os.path.join(path, name), path)
     _barrier()
     no_dist = not _distributed()
     if "model" in save_contents:
@@ -302,10 +305,7 @@ def _save_extra(path: str, rank: int, world_size: int, lr_scheduler, generator, 
         "generator": None if generator is None else generator.get_state(),
         "lr_scheduler": None if lr_scheduler is None else lr_scheduler.state_dict(),
     }
-    file = os.path.join(folder, f"rank_{rank}.pt")
-    tmp = f"{file}.tmp.{os.getpid()}"
-    torch.save(extra, tmp)
-    os.replace(tmp, file)
+    write_file_atomically(os.path.join(folder, f"rank_{rank}.pt"), lambda f: torch.save(extra, f))
     if kill_points is not None:
         kill_points.hit("checkpoint.file")
 
@@ -360,11 +360,12 @@ def load_checkpoint(
     if os.path.isdir(optim_dir):
         _require(os.path.join(optim_dir, METADATA), path)
     no_dist = not _distributed()
+    model_state = {}
     if "model" in load_contents:
         options = checkpoint_options(model)  # with LoRA: the adapter only
-        state = get_model_state_dict(model, options=options)  # this rank's shards, filled in place by DCP
-        _dcp_load(state, model_dir, no_dist)
-        set_model_state_dict(model, state, options=options)
+        model_state = get_model_state_dict(model, options=options)  # this rank's shards, filled in place by DCP
+        _dcp_load(model_state, model_dir, no_dist)
+        set_model_state_dict(model, model_state, options=options)
     if "optimizer" in load_contents and optimizer is not None and os.path.isdir(optim_dir):
         state = get_optimizer_state_dict(model, optimizer)
         _dcp_load(state, optim_dir, no_dist)
@@ -382,6 +383,7 @@ def load_checkpoint(
             generator.set_state(extra["generator"])
         if lr_scheduler is not None and extra["lr_scheduler"] is not None:
             lr_scheduler.load_state_dict(extra["lr_scheduler"])
+    check_checkpoint_weights(model_state, model_dir)  # last: a rank raising earlier would leave its peers in DCP
 
 
 def _load_extra(path: str, rank: int) -> dict:
@@ -418,10 +420,10 @@ def export_hf(out_dir: str, model: nn.Module, tokenizer=None, rank: int = 0) -> 
         export_lora_hf(out_dir, model, state, tokenizer)
         return
     inner = getattr(model, "module", model)  # FSDP1 wraps; FSDP2 does not
-    tmp = f"{out_dir}.tmp.{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    inner.save_pretrained(tmp, state_dict=state)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+
+    def fill(tmp: str) -> None:
+        inner.save_pretrained(tmp, state_dict=state)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+
+    replace_folder(out_dir, fill)

@@ -50,12 +50,13 @@ def load_hf_model(spec: ModelSpec) -> nn.Module:
 
     A config with a `vision_config` is a vision-language model (Qwen2-VL family, `rlframe.models.vision`): the
     actor and reference load it as `AutoModelForImageTextToText` (its `architectures`' class, tower included);
-    a value model of one is refused.
+    a value model of one is refused. A tensor holding NaN/inf is refused, naming its file and name.
     """
     from transformers import AutoConfig, AutoModelForTokenClassification
 
     from rlframe.distributed.attention import register_varlen_attention
     from rlframe.models.vision import causal_lm_class, check_vision_model, is_vision_model
+    from rlframe.models.weight_check import check_pretrained_weights
 
     config = AutoConfig.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
     for key, value in (spec.override_config or {}).items():
@@ -85,6 +86,7 @@ def load_hf_model(spec: ModelSpec) -> nn.Module:
         model = AutoModelForTokenClassification.from_pretrained(spec.path, **kwargs)
     else:
         model = causal_lm_class(config).from_pretrained(spec.path, **kwargs)
+    check_pretrained_weights(model, spec.path)
     model.config.use_cache = False
     if spec.gradient_checkpointing:
         # transformers 5 renamed gradient_checkpointing_enable; accept both

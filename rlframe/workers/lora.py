@@ -19,7 +19,6 @@ adapter alone. Around the model:
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -27,6 +26,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from rlframe.utils.safe_files import replace_folder
 
 ADAPTER = "default"  # PEFT's name of the one adapter rlframe trains
 ADAPTER_DIR = "lora_adapter"  # the adapter's folder inside an HF export
@@ -322,14 +323,14 @@ def export_lora_hf(
     adapter = {name: tensor for name, tensor in state.items() if is_adapter_tensor(name)}
     if dtype is not None:
         merged, adapter = ({k: v.to(dtype) for k, v in part.items()} for part in (merged, adapter))
-    tmp = f"{out_dir}.tmp.{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    peft_model.get_base_model().save_pretrained(tmp, state_dict=merged)
-    save_adapter(os.path.join(tmp, ADAPTER_DIR), model, adapter)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+
+    def fill(tmp: str) -> None:
+        peft_model.get_base_model().save_pretrained(tmp, state_dict=merged)
+        save_adapter(os.path.join(tmp, ADAPTER_DIR), model, adapter)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+
+    replace_folder(out_dir, fill)
 
 
 def merge_lora_checkpoint(

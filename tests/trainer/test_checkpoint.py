@@ -328,6 +328,49 @@ def test_incomplete_folder_names_the_folder_and_the_missing_file(plain_checkpoin
         ckpt.load_checkpoint(str(tmp_path / "nowhere"), model)
 
 
+def load_and_report(rank: int, layout: Layout, model_path: str, ckpt_dir: str) -> str | None:
+    """Load the checkpoint at `layout`; the error this rank raised, or None (returning at all: no rank waits)."""
+    model, optimizer, scheduler, generator = build(layout, model_path)
+    try:
+        ckpt.load_checkpoint(ckpt_dir, model, optimizer, scheduler, generator=generator)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp"])
+def test_nan_in_a_loaded_shard_is_named_by_the_rank_holding_it(plain_checkpoint, tiny_model_path, strategy):
+    model, optimizer, scheduler, generator = build(Layout(1, "none"), tiny_model_path)
+    ckpt.load_checkpoint(plain_checkpoint, model, optimizer, scheduler, generator=generator)
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")  # row 0: rank 0's shard at world size 2
+    ckpt.save_checkpoint(plain_checkpoint, model, optimizer, scheduler, generator=generator)
+    reports = spawned_world(2).run(load_and_report, Layout(2, strategy), tiny_model_path, plain_checkpoint)
+    assert reports[1] is None
+    assert reports[0].startswith(f"{plain_checkpoint}/model: tensor 'model.norm.weight' holds 1 NaN/inf value(s)")
+
+
+def test_hf_export_replaces_an_old_folder_and_refuses_a_symlink(tiny_model_path, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from rlframe.utils.safe_files import UnsafePathError
+
+    model, *_ = build(Layout(1, "none"), tiny_model_path)
+    out = tmp_path / "step" / "actor" / "huggingface"
+    out.mkdir(parents=True)
+    (out / "stale.bin").write_text("an earlier export")
+    ckpt.export_hf(str(out), model)
+    exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert all(torch.equal(exported[name], value) for name, value in model.state_dict().items())
+    assert "stale.bin" not in os.listdir(out) and os.listdir(out.parent) == ["huggingface"]
+    shutil.rmtree(out)
+    os.symlink(tmp_path, out)
+    with pytest.raises(UnsafePathError, match=f"{out} is a symlink"):
+        ckpt.export_hf(str(out), model)
+    assert sorted(os.listdir(tmp_path)) == ["step"] and os.listdir(out.parent) == ["huggingface"]
+
+
 def test_old_per_rank_layout_is_refused_with_a_clear_message(tiny_model_path, tmp_path):
     old = tmp_path / "actor"
     old.mkdir()

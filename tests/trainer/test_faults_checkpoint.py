@@ -273,3 +273,170 @@ def test_crafted_pytorch_model_bin_in_a_model_folder_is_refused(tiny_model_path,
     with pytest.raises(Exception, match="(?i)weights.only"):
         load_hf_model(ModelSpec(path=str(folder), role="actor", dtype=torch.float32, use_remove_padding=False))
     assert not marker.exists()
+
+
+# ---------------------------------------------------------------- symlinks: nothing outside the run folder is touched
+def tree_digest(folder: str) -> dict[str, bytes]:
+    """Every file under `folder` and its bytes: what must stay as it was."""
+    found = {}
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(parent, name)
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, folder)] = f.read()
+    return found
+
+
+def link_out(root: str, name: str, elsewhere: str) -> str:
+    """Move `root/name` to `elsewhere` (a checkpoint stored on another disk) and leave a symlink to it."""
+    shutil.move(os.path.join(root, name), elsewhere)
+    os.symlink(elsewhere, os.path.join(root, name))
+    return elsewhere
+
+
+@pytest.mark.parametrize("keep", ["critic", "actor"])
+def test_pruning_never_deletes_through_a_symlinked_step_folder(run_dir, tiny_model_path, tmp_path, caplog, keep):
+    from helpers.faults_harness import LocalRole, checkpointer, make_loader
+
+    root, _ = run_dir
+    target = link_out(root, "global_step_1", str(tmp_path / "elsewhere" / "global_step_1"))
+    before = tree_digest(target)
+    saver = checkpointer(root)
+    if keep == "critic":
+        saver.max_critic_ckpt_to_keep = 1
+    else:
+        saver.max_actor_ckpt_to_keep = 1
+    actor, critic = LocalRole(tiny_model_path, 0), LocalRole(tiny_model_path, 1)
+    with caplog.at_level(logging.WARNING, logger="rlframe"):
+        saver.save(3, actor, critic, make_loader(), {"global_step": 3})
+    assert tree_digest(target) == before  # the checkpoint stored elsewhere keeps every file
+    if keep == "critic":  # the critic under the link is kept, and the warning says why
+        assert f"{root}/global_step_1/critic" in caplog.text and "symlink" in caplog.text
+        assert not os.path.exists(os.path.join(root, "global_step_2", "critic"))
+    else:  # the step is pruned by removing the link alone
+        assert sorted(os.listdir(root)) == ["global_step_3", "latest_checkpointed_iteration.txt"]
+
+
+def test_a_planted_latest_pointer_tmp_symlink_is_not_followed(run_dir, tiny_model_path, tmp_path):
+    root, records = run_dir
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    os.symlink(victim, os.path.join(root, "latest_checkpointed_iteration.txt.tmp"))
+    run_steps(root, tiny_model_path, 3, records)
+    assert victim.read_text() == "precious"
+    pointer = os.path.join(root, "latest_checkpointed_iteration.txt")
+    assert not os.path.islink(pointer) and open(pointer).read() == "3"
+
+
+def test_a_symlinked_next_step_folder_is_refused_naming_it_and_leaves_no_tmp(run_dir, tiny_model_path, tmp_path):
+    from helpers.faults_harness import LocalRole, checkpointer, make_loader
+
+    from rlframe.trainer.checkpointing import CheckpointSaveError
+
+    root, _ = run_dir
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("keep")
+    os.symlink(elsewhere, os.path.join(root, "global_step_3"))  # appears while step 2 trains on
+    actor, critic = LocalRole(tiny_model_path, 0), LocalRole(tiny_model_path, 1)
+    with pytest.raises(CheckpointSaveError) as refused:
+        checkpointer(root).save(3, actor, critic, make_loader(), {"global_step": 3})
+    message = str(refused.value)
+    assert f"{root}/global_step_3 is a symlink (to {elsewhere})" in message and "remove the link" in message
+    assert "the previous checkpoint global_step_2 is intact and still the latest" in message
+    assert sorted(os.listdir(root)) == [
+        "global_step_1",
+        "global_step_2",
+        "global_step_3",
+        "latest_checkpointed_iteration.txt",
+    ]
+    assert os.listdir(elsewhere) == ["keep.txt"]
+
+
+def test_a_planted_tmp_step_symlink_is_removed_not_followed(run_dir, tiny_model_path, tmp_path):
+    root, records = run_dir
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("keep")
+    os.symlink(elsewhere, os.path.join(root, "global_step_3.tmp"))
+    found = run_steps(root, tiny_model_path, 3, records)
+    assert found["resumed"] == 2 and found["matches"]
+    assert os.listdir(elsewhere) == ["keep.txt"]
+    assert sorted(os.listdir(root))[-2:] == ["global_step_3", "latest_checkpointed_iteration.txt"]
+    assert not os.path.islink(os.path.join(root, "global_step_3"))
+
+
+def test_resume_refuses_a_symlinked_step_folder_naming_it(run_dir, tiny_model_path, tmp_path):
+    from helpers.faults_harness import LocalRole, checkpointer, make_loader
+
+    root, records = run_dir
+    target = link_out(root, "global_step_2", str(tmp_path / "elsewhere" / "global_step_2"))
+    link = os.path.join(root, "global_step_2")
+    with pytest.raises(ValueError, match=f"{link} is a symlink \\(to {target}\\)"):
+        run_steps(root, tiny_model_path, 3, records)
+    saver = checkpointer(root)
+    saver.resume_mode, saver.resume_from_path = "resume_path", link
+    with pytest.raises(ValueError, match=f"trainer.resume_from_path={link!r} is a symlink \\(to {target}\\)"):
+        saver.maybe_resume(LocalRole(tiny_model_path, 0), None, make_loader())
+    saver.resume_from_path = target  # the checkpoint's own path is accepted
+    assert saver.maybe_resume(LocalRole(tiny_model_path, 0), None, make_loader())["global_step"] == 2
+
+
+def test_a_symlink_inside_a_step_folder_fails_its_check(run_dir, tiny_model_path, tmp_path, caplog):
+    root, records = run_dir
+    link_out(os.path.join(root, "global_step_2"), "actor", str(tmp_path / "elsewhere" / "actor"))
+    with caplog.at_level(logging.WARNING, logger="rlframe"):
+        found = run_steps(root, tiny_model_path, 2, records)
+    assert found["resumed"] == 1 and found["matches"]
+    assert f"{root}/global_step_2/actor is a symlink" in caplog.text
+
+
+def test_merge_refuses_an_output_folder_that_is_a_symlink(run_dir, tiny_model_path, tmp_path):
+    from rlframe.cli import main
+
+    root, _ = run_dir
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("keep")
+    os.symlink(elsewhere, tmp_path / "hf")
+    step = os.path.join(root, "global_step_2")
+    assert main(["merge", step, str(tmp_path / "hf"), "--model", tiny_model_path]) == 2
+    assert os.listdir(elsewhere) == ["keep.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "elsewhere", "hf"]  # no temporary folder left
+
+
+# ---------------------------------------------------------------- non-finite weights are named when loaded
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_values_in_a_model_file_are_refused_naming_file_and_tensor(tiny_model_path, tmp_path, value):
+    from safetensors.torch import load_file, save_file
+
+    from rlframe.workers.fsdp_utils import ModelSpec, load_hf_model
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_path, folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.weight"][3, 5] = value
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    spec = ModelSpec(path=str(folder), role="actor", dtype=torch.float32, use_remove_padding=False)
+    with pytest.raises(ValueError) as refused:
+        load_hf_model(spec)
+    message = str(refused.value)
+    assert f"{folder}/model.safetensors" in message and "'model.layers.0.mlp.up_proj.weight'" in message
+    assert "1 NaN/inf value(s)" in message
+
+
+def test_non_finite_weights_in_a_checkpoint_are_refused_on_resume_naming_the_tensor(run_dir, tiny_model_path):
+    from helpers.faults_harness import LocalRole
+
+    root, records = run_dir
+    step_dir = os.path.join(root, "global_step_2")
+    diverged = LocalRole(tiny_model_path, 1)
+    with torch.no_grad():
+        diverged.model.model.norm.weight[0] = float("nan")  # a run that diverged, then saved
+    diverged.save_checkpoint(os.path.join(step_dir, "critic"))
+    write_manifest(step_dir)
+    with pytest.raises(ValueError) as refused:
+        run_steps(root, tiny_model_path, 3, records)
+    message = str(refused.value)
+    assert f"{step_dir}/critic/model" in message and "'model.norm.weight'" in message
+    assert "1 NaN/inf value(s)" in message and "trainer.resume_from_path" in message
