@@ -678,22 +678,21 @@ def explain(
         seqlens, source = sequence_lengths(lengths, plan, seed)
         sim = simulate(plan, seqlens, None if model is None else model.hidden_size)
     if fmt == "json":
-        return secrets.scrub(
-            json.dumps(
-                {
-                    "plan": plan.to_dict(),
-                    "model": None if model is None else {"path": model_path, **_asdict(model)},
-                    "keys": [
-                        {"key": r.key, "in_effect": r.in_effect, "reason": r.reason, "set": _user_set(r.key, overrides)}
-                        for r in rows
-                    ],
-                    "warnings": warnings,
-                    "simulation": None if sim is None else {"lengths": source, **sim},
-                    **({} if pools is None else {"async": pools.to_dict()}),
-                },
-                indent=2,
-            )
+        report = json.dumps(
+            {
+                "plan": plan.to_dict(),
+                "model": None if model is None else {"path": model_path, **_asdict(model)},
+                "keys": [
+                    {"key": r.key, "in_effect": r.in_effect, "reason": r.reason, "set": _user_set(r.key, overrides)}
+                    for r in rows
+                ],
+                "warnings": warnings,
+                "simulation": None if sim is None else {"lengths": source, **sim},
+                **({} if pools is None else {"async": pools.to_dict()}),
+            },
+            indent=2,
         )
+        return secrets.scrub(report)
     model_line = (
         f"model     {model_path}: hidden_size {model.hidden_size}, heads {model.num_attention_heads}, "
         f"kv heads {model.num_key_value_heads}"

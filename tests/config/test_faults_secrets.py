@@ -18,6 +18,7 @@ from rlframe.config.secrets import MASK, credential_key, credential_variable, fi
 from rlframe.explain import explain
 from rlframe.trainer import main_ppo
 from rlframe.trainer.config import PPOTrainerConfig
+from rlframe.trainer.merge import model_source
 from rlframe.viz import report
 
 WANDB = "wandbSECRET0123456789abcdef"
@@ -188,3 +189,12 @@ def test_the_report_masks_a_config_saved_unmasked(tmp_path):
     page = out.read_text()
     assert not [secret for secret in (WANDB, TYPED, "pg-pass-4242") if secret in page]
     assert f"run-{MASK}" in page and "prompt_key" in page
+
+
+def test_merge_asks_for_the_model_when_the_runs_model_path_was_masked(tmp_path):
+    step = tmp_path / "run" / "global_step_1" / "actor"
+    step.mkdir(parents=True)
+    OmegaConf.save(OmegaConf.create({"actor_rollout_ref": {"model": {"path": MASK}}}), tmp_path / "run" / "config.yaml")
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.model.path is masked in .*config.yaml; pass --model PATH"):
+        model_source(str(step), "actor", None)
+    assert model_source(str(step), "actor", "/models/base") == "/models/base"
