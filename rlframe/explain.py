@@ -26,6 +26,7 @@ import numpy as np
 from rlframe.batch_plan import BatchPlan, ModelShape
 from rlframe.config.key_status import KeyStatus, key_statuses, launch_warnings, override_key
 from rlframe.config.keys import ACTOR, LOG_PROB_FIELDS, UPDATE_FIELDS, VALUE_FIELDS, MicroFields
+from rlframe.config.secrets import find_secrets
 from rlframe.models.vision import is_vision_model
 from rlframe.trainer.async_plan import ROLLOUT_TENSORS, AsyncPlan, make_async_plan
 
@@ -664,8 +665,10 @@ def explain(
     from rlframe.trainer.main_ppo import check_config, load_data_and_rewards
 
     cfg, resolved, model, plan = check_config(overrides, check_files=not plan_only)
+    secrets = find_secrets(cfg)  # the report and the data's errors show values and paths: never a secret one
     if not plan_only:
-        load_data_and_rewards(resolved)
+        with secrets.hidden_in_errors():
+            load_data_and_rewards(resolved)
     model_path = resolved.actor_rollout_ref.model.path
     rows = key_statuses(cfg)
     warnings = launch_warnings(cfg, overrides)
@@ -675,7 +678,7 @@ def explain(
         seqlens, source = sequence_lengths(lengths, plan, seed)
         sim = simulate(plan, seqlens, None if model is None else model.hidden_size)
     if fmt == "json":
-        return json.dumps(
+        report = json.dumps(
             {
                 "plan": plan.to_dict(),
                 "model": None if model is None else {"path": model_path, **_asdict(model)},
@@ -689,6 +692,7 @@ def explain(
             },
             indent=2,
         )
+        return secrets.scrub(report)
     model_line = (
         f"model     {model_path}: hidden_size {model.hidden_size}, heads {model.num_attention_heads}, "
         f"kv heads {model.num_key_value_heads}"
@@ -707,7 +711,7 @@ def explain(
         parts += [_rule("warnings"), "\n".join(warnings)]
     if sim is not None:
         parts += [_rule("simulation"), format_simulation(sim, source)]
-    return "\n".join(parts).lstrip("\n")
+    return secrets.scrub("\n".join(parts).lstrip("\n"))
 
 
 def _asdict(model: ModelShape) -> dict:

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlframe.config.keys import ACTOR, CRITIC, LOG_PROB_FIELDS, MODEL, REF, ROLLOUT, UPDATE_FIELDS, VALUE_FIELDS
 from rlframe.config.loader import leaves
 from rlframe.config.schema import field_help, inactive_keys, section_warnings
+from rlframe.config.secrets import find_secrets
 from rlframe.config.verl_keys import ALIASES
 
 # Batch-relevant keys, shown "in effect" (with their declared help) unless a rule says otherwise.
@@ -183,8 +184,9 @@ def launch_warnings(cfg: DictConfig, overrides: list[str]) -> list[str]:
 
 
 def warn_at_launch(cfg: DictConfig, overrides: list[str], stream: TextIO | None = None) -> list[str]:
-    """Print `launch_warnings` (to stderr by default) and return them."""
-    lines = launch_warnings(cfg, overrides)
+    """Print `launch_warnings` (to stderr by default) and return them; a warning names values, never a secret."""
+    secrets = find_secrets(cfg)
+    lines = [secrets.scrub(line) for line in launch_warnings(cfg, overrides)]
     for line in lines:
         print(line, file=stream or sys.stderr)
     return lines

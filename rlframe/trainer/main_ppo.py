@@ -19,6 +19,7 @@ from rlframe.config import trace
 from rlframe.config.checks import check_model_path, resolve_device
 from rlframe.config.key_status import warn_at_launch
 from rlframe.config.loader import config_dir, overrides_from_config
+from rlframe.config.secrets import find_secrets
 from rlframe.data.builtin_tasks import resolve_data_files
 from rlframe.data.dataloader import make_dataloader
 from rlframe.data.dataset import RLHFDataset
@@ -31,7 +32,6 @@ from rlframe.single_controller.errors import WorkerDiedError, WorkerGroupError, 
 from rlframe.trainer.config import PPOTrainerConfig, compose, typed
 from rlframe.trainer.launch import create_worker_groups
 from rlframe.trainer.ray_trainer import PreparedRun, RayPPOTrainer
-from rlframe.trainer.redact import redact
 
 # Keys that may name the built-in tiny model (directly or through an interpolation).
 MODEL_PATH_KEYS = (
@@ -105,13 +105,17 @@ def check_config(
 ) -> tuple[DictConfig, DictConfig, ModelShape | None, BatchPlan]:
     """The config checks: (composed, normalized, model shape, plan). `check_files=False` skips the model folder
     and device checks (`rlframe explain --plan-only`)."""
-    composed = compose(overrides)  # unknown keys and wrong types fail here
-    typed(composed)  # every key's and section's check: names, choices, cross-key rules
-    cfg = normalize_config(composed)
-    if check_files:
-        check_environment(cfg)
-    model_shape = read_model_shape(cfg.actor_rollout_ref.model.path)
-    return composed, cfg, model_shape, make_batch_plan(cfg, model_shape)
+    with find_secrets().hidden_in_errors():  # the environment's secrets, until the config is composed
+        composed = compose(overrides)  # unknown keys and wrong types fail here
+    secrets = find_secrets(composed)
+    with secrets.hidden_in_errors():  # a check's message names the value: never a secret one
+        typed(composed)  # every key's and section's check: names, choices, cross-key rules
+        cfg = normalize_config(composed)
+        secrets.check_run_folders(cfg)
+        if check_files:
+            check_environment(cfg)
+        model_shape = read_model_shape(cfg.actor_rollout_ref.model.path)
+        return composed, cfg, model_shape, make_batch_plan(cfg, model_shape)
 
 
 def load_data_and_rewards(cfg: DictConfig) -> tuple:
@@ -137,8 +141,10 @@ def prepare(overrides: list[str]) -> PreparedRun:
     give the same verdict on any config.
     """
     composed, cfg, model_shape, plan = check_config(overrides)
-    warn_at_launch(composed, overrides)
-    tokenizer, train_loader, val_loader, reward_fn, val_reward_fn = load_data_and_rewards(cfg)
+    secrets = find_secrets(composed)
+    with secrets.hidden_in_errors():
+        warn_at_launch(composed, overrides)
+        tokenizer, train_loader, val_loader, reward_fn, val_reward_fn = load_data_and_rewards(cfg)
     steps, schedule_steps = step_counts(cfg, train_loader)
     return PreparedRun(
         cfg=cfg,
@@ -151,6 +157,7 @@ def prepare(overrides: list[str]) -> PreparedRun:
         hidden_size=model_shape.hidden_size,  # check_environment made sure config.json exists
         reward_fn=reward_fn,
         val_reward_fn=val_reward_fn,
+        secrets=secrets,
     )
 
 
@@ -162,7 +169,7 @@ def train(run: PreparedRun, verbose: bool = False, print_config: bool = False) -
     cfg = run.cfg
     os.makedirs(cfg.trainer.default_local_dir, exist_ok=True)
     config_path = os.path.join(cfg.trainer.default_local_dir, "config.yaml")
-    shown_cfg = OmegaConf.create(redact(OmegaConf.to_container(cfg)))  # no secret in the dump or the console
+    shown_cfg = OmegaConf.create(run.secrets.mask(OmegaConf.to_container(cfg)))  # no secret in the dump or console
     OmegaConf.save(shown_cfg, config_path)
     shown = print_config or verbose
     if shown:

@@ -21,6 +21,7 @@ import argparse
 import os
 import sys
 
+from rlframe.config.secrets import MASK
 from rlframe.utils.manifest import MANIFEST, verify_manifest
 from rlframe.utils.safe_files import replace_folder
 from rlframe.workers.checkpoint import MODEL_DIR, read_full_tensors
@@ -61,7 +62,13 @@ def model_source(folder: str, role: str, model: str | None) -> str:
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.load(run_config)
-    return str(cfg.critic.model.path if role == "critic" else cfg.actor_rollout_ref.model.path)
+    key = "critic.model.path" if role == "critic" else "actor_rollout_ref.model.path"
+    source = str(cfg.critic.model.path if role == "critic" else cfg.actor_rollout_ref.model.path)
+    if MASK in source:  # the run's value held a secret (docs/reliability.md), so config.yaml does not have it
+        raise ValueError(
+            f"{key} is masked in {run_config}; pass --model PATH (the Hugging Face folder the run started from)"
+        )
+    return source
 
 
 def merge(checkpoint_dir: str, out_dir: str, role: str = "actor", model: str | None = None, dtype=None) -> str:

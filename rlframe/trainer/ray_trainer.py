@@ -34,6 +34,7 @@ from rlframe.algorithms.pf_ppo import pf_ppo_resample_index
 from rlframe.algorithms.rollout_correction import probs_diff_metrics, rollout_correction
 from rlframe.batch_plan import BatchPlan
 from rlframe.config.checks import resolve_device
+from rlframe.config.secrets import Secrets
 from rlframe.models.vision import MULTIMODAL_KEYS
 from rlframe.protocol import DataProto
 from rlframe.reward.manager import drop_failed_samples, extra_info_metrics, group_index
@@ -47,7 +48,6 @@ from rlframe.trainer.metrics import (
     reduce_metrics,
 )
 from rlframe.trainer.profiling import StepProfiler
-from rlframe.trainer.redact import redact
 from rlframe.trainer.tracking import ProgressBar, Tracking
 from rlframe.utils.faults import KillPoints
 from rlframe.utils.flops import device_peak_tflops, train_flops
@@ -83,6 +83,7 @@ class PreparedRun:
     hidden_size: int  # the model's, for the DP balancing workload
     reward_fn: RewardManager
     val_reward_fn: RewardManager
+    secrets: Secrets  # masked wherever the run shows its config: config.yaml, console, trackers
     kill_points: KillPoints = field(default_factory=KillPoints)  # the driver's, over every restart of the run
 
 
@@ -131,6 +132,7 @@ class RayPPOTrainer:
         self.config, self.plan, self.tokenizer = config, plan, run.tokenizer
         self.train_dataloader, self.val_dataloader = run.train_loader, run.val_loader
         self.reward_fn, self.val_reward_fn = run.reward_fn, run.val_reward_fn
+        self.secrets = run.secrets
         self.actor_rollout_wg = groups.actor_rollout
         self.critic_wg = groups.critic
         self.reward_model_wg = groups.reward_model
@@ -197,12 +199,12 @@ class RayPPOTrainer:
     def _start(self) -> tuple[ProgressBar, dict | None]:
         """Open the trackers, resume, validate before training: (the progress bar, the validation if val_only)."""
         cfg = self.config.trainer
-        self.tracker = Tracking(
-            cfg.project_name,
-            cfg.experiment_name,
+        self.tracker = Tracking(  # no secret in the trackers' project, run name or config
+            self.secrets.shown("trainer.project_name", cfg.project_name),
+            self.secrets.shown("trainer.experiment_name", cfg.experiment_name),
             list(cfg.logger),
             cfg.default_local_dir,
-            redact(OmegaConf.to_container(self.config)),  # no secret in the trackers' config
+            self.secrets.mask(OmegaConf.to_container(self.config)),
         )
         driver_state = self.checkpointer.maybe_resume(self.actor_rollout_wg, self.critic_wg, self.train_dataloader)
         if driver_state is not None:

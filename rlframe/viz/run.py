@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from omegaconf import OmegaConf
 
+from rlframe.config.secrets import find_secrets
+
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
 
@@ -116,6 +118,8 @@ def load_run(path: str, label: str | None = None) -> Run:
         )
     config_path = os.path.join(path, CONFIG_FILE)
     config = OmegaConf.to_container(OmegaConf.load(config_path)) if os.path.isfile(config_path) else None
+    if config is not None:  # rlframe saves it masked; a copy from elsewhere (an older run) may not be
+        config = find_secrets().mask(config)
     return Run(path=path, label=label or run_label(path), rows=read_metrics(metrics_path), config=config)
 
 

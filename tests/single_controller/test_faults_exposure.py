@@ -1,37 +1,12 @@
-"""Exposure: no secret in what a run prints or saves; a local Ray's dashboard off or on localhost only.
+"""Exposure: a local Ray's dashboard off or on localhost only; a single-node group rendezvous over loopback.
 
-A real run's config dump, console and metrics are checked with a wandb key in the environment in
-tests/e2e/test_faults_restart.py; here the rules themselves, the listening sockets of a local Ray, and
-the rendezvous address of a single-node worker group (the loopback interface).
+Secrets in what a run prints or saves: tests/config/test_faults_secrets.py and tests/e2e/test_faults_secrets.py.
 """
 
 from __future__ import annotations
 
 import psutil
 import pytest
-
-from rlframe.trainer.redact import MASK, redact
-
-
-def test_secret_keys_and_secret_env_values_are_masked():
-    env = {"WANDB_API_KEY": "wandb-0123456789abcdef", "HF_TOKEN": "hf_abcdefghijkl", "WANDB_MODE": "offline-mode"}
-    config = {
-        "trainer": {"experiment_name": "run-wandb-0123456789abcdef", "project_name": "p", "logger": ["wandb"]},
-        "actor_rollout_ref": {
-            "model": {"path": "/models/x", "override_config": {"api_key": "k" * 12}},
-            "rollout": {"engine_kwargs": {"vllm": {"hf_token": "anything", "max_num_batched_tokens": 8192}}},
-        },
-        "data": {"tokenizer": None, "max_prompt_length": 512, "urls": ["https://u:hf_abcdefghijkl@host/x"]},
-        "critic": {"ppo_max_token_len_per_gpu": 100, "token": ""},
-    }
-    shown = redact(config, env)
-    assert shown["trainer"]["experiment_name"] == f"run-{MASK}"  # interpolated from the environment
-    assert shown["actor_rollout_ref"]["model"]["override_config"]["api_key"] == MASK
-    vllm = shown["actor_rollout_ref"]["rollout"]["engine_kwargs"]["vllm"]
-    assert vllm == {"hf_token": MASK, "max_num_batched_tokens": 8192}  # *_tokens is not a secret
-    assert shown["data"] == {"tokenizer": None, "max_prompt_length": 512, "urls": [f"https://u:{MASK}@host/x"]}
-    assert shown["critic"] == {"ppo_max_token_len_per_gpu": 100, "token": ""}  # nothing to hide
-    assert shown["trainer"]["logger"] == ["wandb"] and config["trainer"]["experiment_name"].startswith("run-wandb")
 
 
 @pytest.mark.slow
