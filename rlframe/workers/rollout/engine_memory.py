@@ -65,17 +65,30 @@ def check_engine_memory(cfg, environ: Mapping[str, str] = os.environ) -> None:
         pools = [int(cfg.trainer.n_gpus_per_node)]
         if cfg.trainer.v1.trainer_mode == "separate_async" and int(rollout.nnodes) > 0:
             pools.append(int(rollout.n_gpus_per_node))  # the rollout pool's engines, on nodes of their own
+        user = user_kv_cache_bytes(plain_dict(rollout.engine_kwargs.vllm), environ)
         for workers_on_machine in pools:
+            # rlframe's size is refused over the worker's share: the rule the worker applies again
+            cache = (
+                user[0]
+                if user
+                else cpu_kv_cache_bytes(
+                    max_num_seqs=int(rollout.max_num_seqs),
+                    max_model_len=max_model_len,
+                    bytes_per_token=bytes_per_token,
+                    memory_fraction=float(rollout.gpu_memory_utilization),
+                    total_memory=machine_memory_bytes(),
+                    workers_on_machine=workers_on_machine,
+                    job_model_len=int(rollout.prompt_length) + int(rollout.response_length),
+                )
+            )
             check_cpu_engines(
-                user=user_kv_cache_bytes(plain_dict(rollout.engine_kwargs.vllm), environ),
+                cache=cache,
+                source=user[1] if user else None,
                 max_num_seqs=int(rollout.max_num_seqs),
                 max_model_len=max_model_len,
                 bytes_per_token=bytes_per_token,
-                memory_fraction=float(rollout.gpu_memory_utilization),
-                total_memory=machine_memory_bytes(),
                 available_memory=available_memory_bytes(),
                 workers_on_machine=workers_on_machine,
-                job_model_len=int(rollout.prompt_length) + int(rollout.response_length),
             )
     elif torch.cuda.is_available():
         from rlframe.models.reward_head import checkpoint_shapes
@@ -113,50 +126,37 @@ def available_memory_bytes() -> int | None:
 
 def check_cpu_engines(
     *,
-    user: tuple[int, str] | None,
+    cache: int,
+    source: str | None,
     max_num_seqs: int,
     max_model_len: int,
     bytes_per_token: int,
-    memory_fraction: float,
-    total_memory: int,
     available_memory: int | None,
     workers_on_machine: int,
-    job_model_len: int,
-) -> int:
-    """The KV cache each CPU engine will allocate, refused (keys named, a size that fits) where it cannot fit."""
+) -> None:
+    """Refuse CPU engines whose KV cache (the user's, set by `source`, or rlframe's when None) cannot fit: one below
+    a sequence of `max_model_len`, or the node's caches over the memory available; naming the keys and a fit."""
     sequence = sequence_kv_bytes(max_model_len, bytes_per_token)
-    if user is None:
-        cache = cpu_kv_cache_bytes(
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            bytes_per_token=bytes_per_token,
-            memory_fraction=memory_fraction,
-            total_memory=total_memory,
-            workers_on_machine=workers_on_machine,
-            job_model_len=job_model_len,
-        )
-    else:
-        cache, source = user
-        if cache < sequence:
-            shorter = cache // sequence_kv_bytes(1, bytes_per_token) * KV_BLOCK_TOKENS
-            raise ValueError(
-                f"{source} gives each vLLM engine {gib(cache)} of KV cache, less than one sequence of "
-                f"{ROLLOUT}.max_model_len={max_model_len} tokens needs ({gib(sequence)}). A size that fits: a larger "
-                f"{source}" + (f" or {ROLLOUT}.max_model_len={shorter}" if shorter else "")
-            )
-    if available_memory is not None and workers_on_machine * cache > available_memory:
-        each = available_memory // workers_on_machine
-        if user is None:
-            fit = f"{ROLLOUT}.max_num_seqs={each // sequence}" if each >= sequence else "a smaller max_model_len"
-        else:
-            fit = f"{user[1]} of at most {gib(each)}"
+    if source is not None and cache < sequence:
+        shorter = cache // sequence_kv_bytes(1, bytes_per_token) * KV_BLOCK_TOKENS
         raise ValueError(
-            f"{workers_on_machine} vLLM engine(s) on this machine with {gib(cache)} of KV cache each "
-            f"({user[1] if user else f'{ROLLOUT}.max_num_seqs={max_num_seqs} × max_model_len={max_model_len}'}) "
-            f"need {gib(workers_on_machine * cache)}, but the machine has {gib(available_memory)} available now "
-            f"(of {gib(total_memory)}); the training needs its own share besides. A size that fits: {fit}"
+            f"{source} gives each vLLM engine {gib(cache)} of KV cache, less than one sequence of "
+            f"{ROLLOUT}.max_model_len={max_model_len} tokens needs ({gib(sequence)}). A size that fits: a larger "
+            f"{source}" + (f" or {ROLLOUT}.max_model_len={shorter}" if shorter else "")
         )
-    return cache
+    if available_memory is None or workers_on_machine * cache <= available_memory:
+        return
+    each = available_memory // workers_on_machine
+    if source is None:
+        source = f"{ROLLOUT}.max_num_seqs={max_num_seqs} × max_model_len={max_model_len}"
+        fit = f"{ROLLOUT}.max_num_seqs={each // sequence}" if each >= sequence else "a smaller max_model_len"
+    else:
+        fit = f"{source} of at most {gib(each)}"
+    raise ValueError(
+        f"{workers_on_machine} vLLM engine(s) on this machine with {gib(cache)} of KV cache each ({source}) need "
+        f"{gib(workers_on_machine * cache)}, but the machine has {gib(available_memory)} available now; the training "
+        f"needs its own share besides. A size that fits: {fit}"
+    )
 
 
 def check_gpu_engine(

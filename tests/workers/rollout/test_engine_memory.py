@@ -114,39 +114,29 @@ def test_a_cache_the_user_sets_is_used_as_is_and_refused_only_where_the_machine_
         max_num_seqs=1024,  # vLLM schedules within the user's cache: the batch need not fit it at once
         max_model_len=8192,
         bytes_per_token=SMOLLM2_TOKEN,
-        memory_fraction=0.5,
-        total_memory=24 * GiB,
         available_memory=22 * GiB,
         workers_on_machine=2,
-        job_model_len=80,
     )
-    assert check_cpu_engines(user=(4 * GiB, "VLLM_CPU_KVCACHE_SPACE"), **machine) == 4 * GiB
+    check_cpu_engines(cache=4 * GiB, source="VLLM_CPU_KVCACHE_SPACE", **machine)  # accepted
     with pytest.raises(ValueError) as info:
-        check_cpu_engines(user=(40 * GiB, "VLLM_CPU_KVCACHE_SPACE"), **machine)
+        check_cpu_engines(cache=40 * GiB, source="VLLM_CPU_KVCACHE_SPACE", **machine)
     assert str(info.value) == (
         "2 vLLM engine(s) on this machine with 40.00 GiB of KV cache each (VLLM_CPU_KVCACHE_SPACE) need 80.00 GiB, "
-        "but the machine has 22.00 GiB available now (of 24.00 GiB); the training needs its own share besides. "
+        "but the machine has 22.00 GiB available now; the training needs its own share besides. "
         "A size that fits: VLLM_CPU_KVCACHE_SPACE of at most 11.00 GiB"
     )
+    source = f"{ROLLOUT}.engine_kwargs.vllm.kv_cache_memory_bytes"
     with pytest.raises(ValueError, match=r"less than one sequence of .*max_model_len=8192 tokens needs \(360 MiB\)"):
-        check_cpu_engines(user=(100 * 2**20, f"{ROLLOUT}.engine_kwargs.vllm.kv_cache_memory_bytes"), **machine)
+        check_cpu_engines(cache=100 * 2**20, source=source, **machine)
 
 
 def test_rlframes_cache_is_refused_where_the_machine_has_not_that_much_available_now():
+    sizes = dict(max_num_seqs=64, max_model_len=1024, bytes_per_token=SMOLLM2_TOKEN, workers_on_machine=4)
+    cache = cpu_kv_cache_bytes(memory_fraction=0.9, total_memory=24 * GiB, **sizes)  # within the share: 2.81 GiB
     with pytest.raises(
-        ValueError, match=rf"has 1.00 GiB available now .* A size that fits: {ROLLOUT}\.max_num_seqs=5$"
+        ValueError, match=rf"has 1.00 GiB available now; .* A size that fits: {ROLLOUT}\.max_num_seqs=5$"
     ):
-        check_cpu_engines(
-            user=None,
-            max_num_seqs=64,
-            max_model_len=1024,
-            bytes_per_token=SMOLLM2_TOKEN,
-            memory_fraction=0.9,
-            total_memory=24 * GiB,
-            available_memory=1 * GiB,  # a busy machine
-            workers_on_machine=4,
-            job_model_len=1024,
-        )
+        check_cpu_engines(cache=cache, source=None, available_memory=1 * GiB, **sizes)  # a busy machine
 
 
 def test_a_gpu_engine_without_room_for_one_sequence_is_refused_and_the_sizes_it_names_fit():
