@@ -47,11 +47,7 @@ def check_engine_memory(cfg, environ: Mapping[str, str] = os.environ) -> None:
         return
     from transformers import AutoConfig
 
-    from rlframe.workers.rollout.vllm_rollout import (
-        model_max_position_embeddings,
-        plain_dict,
-        resolve_max_model_len,
-    )
+    from rlframe.workers.rollout.vllm_rollout import model_max_position_embeddings, plain_dict, resolve_max_model_len
 
     model = cfg.actor_rollout_ref.model
     hf_config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
@@ -62,34 +58,7 @@ def check_engine_memory(cfg, environ: Mapping[str, str] = os.environ) -> None:
     tp = int(rollout.tensor_model_parallel_size)
     bytes_per_token = kv_bytes_per_token(hf_config, resolve_dtype(rollout.dtype, device), tp)
     if device == "cpu":
-        pools = [int(cfg.trainer.n_gpus_per_node)]
-        if cfg.trainer.v1.trainer_mode == "separate_async" and int(rollout.nnodes) > 0:
-            pools.append(int(rollout.n_gpus_per_node))  # the rollout pool's engines, on nodes of their own
-        user = user_kv_cache_bytes(plain_dict(rollout.engine_kwargs.vllm), environ)
-        for workers_on_machine in pools:
-            # rlframe's size is refused over the worker's share: the rule the worker applies again
-            cache = (
-                user[0]
-                if user
-                else cpu_kv_cache_bytes(
-                    max_num_seqs=int(rollout.max_num_seqs),
-                    max_model_len=max_model_len,
-                    bytes_per_token=bytes_per_token,
-                    memory_fraction=float(rollout.gpu_memory_utilization),
-                    total_memory=machine_memory_bytes(),
-                    workers_on_machine=workers_on_machine,
-                    job_model_len=int(rollout.prompt_length) + int(rollout.response_length),
-                )
-            )
-            check_cpu_engines(
-                cache=cache,
-                source=user[1] if user else None,
-                max_num_seqs=int(rollout.max_num_seqs),
-                max_model_len=max_model_len,
-                bytes_per_token=bytes_per_token,
-                available_memory=available_memory_bytes(),
-                workers_on_machine=workers_on_machine,
-            )
+        _check_cpu_config(cfg, max_model_len, bytes_per_token, environ)
     elif torch.cuda.is_available():
         from rlframe.models.reward_head import checkpoint_shapes
 
@@ -102,6 +71,38 @@ def check_engine_memory(cfg, environ: Mapping[str, str] = os.environ) -> None:
             memory_fraction=float(rollout.gpu_memory_utilization),
             free_memory=free,
             total_memory=total,
+        )
+
+
+def _check_cpu_config(cfg, max_model_len: int, bytes_per_token: int, environ: Mapping[str, str]) -> None:
+    """The CPU checks for each pool of engines: the training processes', and separate_async's rollout pool's."""
+    from rlframe.workers.rollout.vllm_rollout import plain_dict
+
+    rollout = cfg.actor_rollout_ref.rollout
+    pools = [int(cfg.trainer.n_gpus_per_node)]
+    if cfg.trainer.v1.trainer_mode == "separate_async" and int(rollout.nnodes) > 0:
+        pools.append(int(rollout.n_gpus_per_node))
+    user = user_kv_cache_bytes(plain_dict(rollout.engine_kwargs.vllm), environ)
+    for workers_on_machine in pools:
+        sizes = dict(
+            max_num_seqs=int(rollout.max_num_seqs), max_model_len=max_model_len, bytes_per_token=bytes_per_token
+        )
+        if user is None:  # rlframe's size, refused over the worker's share: the rule the worker applies again
+            cache = cpu_kv_cache_bytes(
+                **sizes,
+                memory_fraction=float(rollout.gpu_memory_utilization),
+                total_memory=machine_memory_bytes(),
+                workers_on_machine=workers_on_machine,
+                job_model_len=int(rollout.prompt_length) + int(rollout.response_length),
+            )
+        else:
+            cache = user[0]
+        check_cpu_engines(
+            cache=cache,
+            source=user[1] if user else None,
+            available_memory=available_memory_bytes(),
+            workers_on_machine=workers_on_machine,
+            **sizes,
         )
 
 
