@@ -62,7 +62,7 @@ def check_engine_memory(cfg, environ: Mapping[str, str] = os.environ) -> None:
     elif torch.cuda.is_available():
         from rlframe.models.reward_head import checkpoint_shapes
 
-        num_params = sum(_numel(shape) for shape, _ in checkpoint_shapes(model.path).values())
+        num_params = sum(math.prod(shape) for shape, _ in checkpoint_shapes(model.path).values())
         free, total = torch.cuda.mem_get_info(0)
         check_gpu_engine(
             weight_bytes=num_params * resolve_dtype(rollout.dtype, device).itemsize // tp,
@@ -83,10 +83,8 @@ def _check_cpu_config(cfg, max_model_len: int, bytes_per_token: int, environ: Ma
     if cfg.trainer.v1.trainer_mode == "separate_async" and int(rollout.nnodes) > 0:
         pools.append(int(rollout.n_gpus_per_node))
     user = user_kv_cache_bytes(plain_dict(rollout.engine_kwargs.vllm), environ)
+    sizes = dict(max_num_seqs=int(rollout.max_num_seqs), max_model_len=max_model_len, bytes_per_token=bytes_per_token)
     for workers_on_machine in pools:
-        sizes = dict(
-            max_num_seqs=int(rollout.max_num_seqs), max_model_len=max_model_len, bytes_per_token=bytes_per_token
-        )
         if user is None:  # rlframe's size, refused over the worker's share: the rule the worker applies again
             cache = cpu_kv_cache_bytes(
                 **sizes,
@@ -104,13 +102,6 @@ def _check_cpu_config(cfg, max_model_len: int, bytes_per_token: int, environ: Ma
             workers_on_machine=workers_on_machine,
             **sizes,
         )
-
-
-def _numel(shape) -> int:
-    count = 1
-    for size in shape:
-        count *= int(size)
-    return count
 
 
 def available_memory_bytes() -> int | None:
