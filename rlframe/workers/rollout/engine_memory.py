@@ -12,9 +12,12 @@ that fits; they read the model's config.json, the environment and this machine, 
   memory available now (MemAvailable), and a cache must hold one sequence of `max_model_len` tokens (vLLM's own
   rule). The driver's machine stands for every node of the run.
 - **GPU**: vLLM pages its KV cache, so `max_num_seqs` sequences need not fit at once; it needs room for the weights
-  and one sequence of `max_model_len` tokens within `gpu_memory_utilization` of the device. The driver's view
-  (device 0's free memory now, before any model is loaded) is an upper bound of what an engine gets, so a refusal
-  is certain. A driver without a GPU checks nothing here; the engine's own error then comes from the worker.
+  (per TP rank, in `rollout.dtype`, counted from the checkpoint's headers) and one sequence of `max_model_len`
+  tokens within `gpu_memory_utilization` of the device. The budget taken is min(`gpu_memory_utilization` × the
+  device's memory, the most any visible device has free now, before any model is loaded; on one node only: other
+  nodes' GPUs are not seen from here), an upper bound of what an engine gets, so a refusal is certain. vLLM's
+  activation memory is not counted. A driver without a GPU checks nothing here; the worker's engine then fails
+  with vLLM's own error.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from rlframe.config.checks import planned_device
 from rlframe.config.keys import ROLLOUT
 from rlframe.workers.fsdp_utils import resolve_dtype
 from rlframe.workers.rollout.vllm_cpu import (
-    GPU_KV_BLOCK_TOKENS,
     KV_BLOCK_TOKENS,
     cpu_kv_cache_bytes,
     gib,
@@ -38,6 +40,8 @@ from rlframe.workers.rollout.vllm_cpu import (
     sequence_kv_bytes,
     user_kv_cache_bytes,
 )
+
+GPU_KV_BLOCK_TOKENS = 16  # vLLM's KV block size on a GPU
 
 
 def check_engine_memory(cfg, environ: Mapping[str, str] = os.environ) -> None:
@@ -63,7 +67,9 @@ def check_engine_memory(cfg, environ: Mapping[str, str] = os.environ) -> None:
         from rlframe.models.reward_head import checkpoint_shapes
 
         num_params = sum(math.prod(shape) for shape, _ in checkpoint_shapes(model.path).values())
-        free, total = torch.cuda.mem_get_info(0)
+        free, total = max(torch.cuda.mem_get_info(i) for i in range(torch.cuda.device_count()))
+        if int(cfg.trainer.nnodes) > 1:  # the run's GPUs are on other nodes too: their free memory is not seen
+            free = total
         check_gpu_engine(
             weight_bytes=num_params * resolve_dtype(rollout.dtype, device).itemsize // tp,
             max_model_len=max_model_len,

