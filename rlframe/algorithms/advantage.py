@@ -26,6 +26,13 @@ ADV_ESTIMATORS: dict[str, Callable] = {}
 ALGORITHM_KEYS = ("gamma", "lam", "norm_adv_by_std_in_grpo")
 # the estimators that read π_t and Σπ² of the old-log-prob pass (actor.calculate_sum_pi_squared)
 OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
+# The largest |score| (and gdpo component) whose statistics stay finite in float32. The widest reduction a
+# score enters is a sum of squared deviations: a group's std (grpo, grpo_passk, gdpo) over its n samples, or
+# the batch whitening (gae, reinforce_plus_plus[_baseline], gdpo) over every response token. For N values of
+# magnitude <= M that sum is <= N·M², so N·M² <= float32 max (~2**128) keeps it finite; with M = 2**48 that
+# holds for N up to 2**31 values (8 GiB per float32 tensor, beyond any batch), with a factor 2 to spare for
+# rounding. Sums, means and leave-one-out baselines (rloo, opo, gpg) stay far from overflow at this M.
+MAX_ABS_SCORE = 2.0**48
 
 
 def register_adv_estimator(name: str) -> Callable:
@@ -160,14 +167,18 @@ def gdpo_component_scores(extra_info: dict, keys, batch_size: int) -> torch.Tens
                 f"algorithm.gdpo_reward_keys: {key!r} has {len(extra_info[key])} values, not one per sample"
             )
         values = np.array([_component(value, key, row) for row, value in enumerate(extra_info[key])])
-        missing = ~np.isfinite(values)
-        if missing.any():  # NaN would spread through the group's mean and the batch whitening to every sample
+        # NaN, or a value past MAX_ABS_SCORE (inf or NaN in the group's std), would spread through the group's
+        # statistics and the batch whitening to every sample
+        missing = ~(np.abs(values) <= MAX_ABS_SCORE)
+        if missing.any():
             logger.warning(
-                "algorithm.gdpo_reward_keys: %d of %d samples have no finite %r (their scorer failed, or returned "
-                "no such key, NaN or inf); it counts as 0 for them, as a failed sample's score does",
+                "algorithm.gdpo_reward_keys: %d of %d samples have no usable %r (their scorer failed, or returned "
+                "no such key, NaN, inf or a value beyond ±%.3g = 2**48); it counts as 0 for them, as a failed "
+                "sample's score does",
                 int(missing.sum()),
                 batch_size,
                 key,
+                MAX_ABS_SCORE,
             )
             values[missing] = 0.0
         columns.append(torch.from_numpy(values.astype(np.float32)))

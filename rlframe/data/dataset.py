@@ -20,12 +20,14 @@ The images are decoded and processed again in `__getitem__`: only their token co
 from __future__ import annotations
 
 import logging
+from contextlib import closing
 
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlframe.data.config import TRUNCATION_MODES
+from rlframe.data.template import render_chat_prompts
 from rlframe.distributed.padding import position_ids_from_mask
 from rlframe.models.vision import load_image, messages_with_images, mrope_position_ids
 
@@ -182,29 +184,16 @@ class RLHFDataset(torch.utils.data.Dataset):
         rows, origins = read_parquet_rows(self.files, [self.prompt_key, config.reward_fn_key, "reward_model"])
         for row, (path, row_number) in zip(rows, origins):  # every row before tokenizing any
             check_row(row, f"data file {path}, row {row_number}", self.prompt_key, config.reward_fn_key)
+        # the prompts with their images' places, then every one rendered under the template's bounds
+        where_rows = [f"data file {path}, row {row_number}" for path, row_number in origins]
+        conversations, grids = zip(*(self._with_images(row, where) for row, where in zip(rows, where_rows)))
+        wheres = [f"{where}, column {self.prompt_key!r}" for where in where_rows]
+        texts = render_chat_prompts(tokenizer, list(conversations), self.chat_template_kwargs, wheres)
         # origins: each kept row's (file, row number), for errors found later (e.g. by the reward checks)
         self.rows, self.prompt_ids, self.origins, self.num_filtered = [], [], [], 0
-        for row, (path, row_number) in zip(rows, origins):
-            where = f"data file {path}, row {row_number}, column {self.prompt_key!r}"
-            messages, grid = self._with_images(row, f"data file {path}, row {row_number}")
-            ids = self._tokenize(messages, where)
-            if grid is not None:
-                ids = self.processor.spec.expand(ids, grid)
-            if len(ids) > self.max_prompt_length:
-                if filter_overlong:
-                    self.num_filtered += 1
-                    continue
-                ids = self._truncate(ids, where)
-                if grid is not None and sum(token == self.processor.spec.image_token_id for token in ids) != sum(
-                    map(self.processor.spec.tokens_per_image, grid)
-                ):
-                    raise ValueError(
-                        f"{where}: data.truncation={self.truncation} would cut into the prompt's image tokens; "
-                        "raise data.max_prompt_length or set data.filter_overlong_prompts=true"
-                    )
-            self.rows.append(row)
-            self.prompt_ids.append(ids)
-            self.origins.append((path, row_number))
+        with closing(texts):
+            for row, origin, messages, grid, text, where in zip(rows, origins, conversations, grids, texts, wheres):
+                self._add_row(row, origin, self._tokenize(text, messages, where), grid, where, filter_overlong)
         if self.num_filtered:
             logger.warning(
                 "filtered %d of %d prompts longer than data.max_prompt_length=%d tokens (%s)",
@@ -218,6 +207,26 @@ class RLHFDataset(torch.utils.data.Dataset):
                 f"no prompts left in {self.files} after filtering prompts longer than "
                 f"data.max_prompt_length={self.max_prompt_length}"
             )
+
+    def _add_row(self, row: dict, origin: tuple, ids: list[int], grid, where: str, filter_overlong: bool) -> None:
+        """Keep a tokenized prompt (its image tokens expanded), cut or filtered as data.truncation says."""
+        if grid is not None:
+            ids = self.processor.spec.expand(ids, grid)
+        if len(ids) > self.max_prompt_length:
+            if filter_overlong:
+                self.num_filtered += 1
+                return
+            ids = self._truncate(ids, where)
+            if grid is not None and sum(token == self.processor.spec.image_token_id for token in ids) != sum(
+                map(self.processor.spec.tokens_per_image, grid)
+            ):
+                raise ValueError(
+                    f"{where}: data.truncation={self.truncation} would cut into the prompt's image tokens; "
+                    "raise data.max_prompt_length or set data.filter_overlong_prompts=true"
+                )
+        self.rows.append(row)
+        self.prompt_ids.append(ids)
+        self.origins.append(origin)
 
     def _images(self, row: dict, where: str) -> list:
         """The row's images as RGB PIL images (none without a vision processor or an image column)."""
@@ -243,19 +252,8 @@ class RLHFDataset(torch.utils.data.Dataset):
         messages = messages_with_images(messages, len(images), f"{where}, column {self.prompt_key!r}")
         return messages, (self.processor.images(images)["image_grid_thw"] if images else None)
 
-    def _tokenize(self, messages, where: str) -> list[int]:
-        """The templated prompt's token ids; a template that fails or renders nothing is an error naming the row."""
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
-            )
-        except Exception as e:  # jinja's TemplateError (raise_exception), or any error inside the template
-            raise ValueError(
-                f"{where}: the tokenizer's chat template failed on this prompt ({type(e).__name__}: {e}); "
-                f"the prompt was {_describe(messages)}"
-            ) from e
-        if not isinstance(text, str):
-            raise ValueError(f"{where}: the chat template returned {_describe(text)}, not text")
+    def _tokenize(self, text: str, messages, where: str) -> list[int]:
+        """The templated prompt's token ids; a template that rendered nothing is an error naming the row."""
         # The template already wrote every special token; do not let the tokenizer add a BOS again.
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         if not ids:  # an all-padding prompt: nothing to condition on, an all-masked row in every forward

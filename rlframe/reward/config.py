@@ -30,8 +30,9 @@ class CustomRewardFunctionConfig(Section):
     )
     on_scorer_error: str = key(
         "zero",
-        "rlframe: a sample whose scorer raised, returned NaN/inf or a malformed value, or timed out: zero = score 0 "
-        "and train on it; drop = no weight in the advantages and the loss, left out of the reward metrics",
+        "rlframe: a sample whose scorer raised, returned NaN/inf, a malformed value or one beyond ±2**48, or timed "
+        "out: zero = score 0 and train on it; drop = no weight in the advantages and the loss, left out of the "
+        "reward metrics",
         choices=ON_SCORER_ERROR,
     )
 

@@ -9,8 +9,8 @@ Output: `reward_tensor` [bs, response_len] (zeros except the score at the last v
 `reward_extra_info` (per-sample lists: "score" always, plus the other keys of dict scores; NaN where
 a sample lacks a key), `dropped` (a bool per sample) and `metrics` (`reward/num_scorer_errors`,
 `reward/num_scorer_timeouts`; with `drop` also `reward/num_dropped_samples`). A sample whose scorer
-raises, returns a non-finite, beyond-float32 or malformed score, or runs out of time is *failed*; the run goes on and
-it is counted.
+raises, returns a non-finite or malformed score or one beyond ±2**48 (`MAX_ABS_SCORE`: its group's float32
+statistics would overflow), or runs out of time is *failed*; the run goes on and it is counted.
 `custom_reward_function.on_scorer_error` says what a failed sample gets: `zero` scores it 0 (trained
 on like any other sample); `drop` marks it in `dropped` (the trainer gives it no weight in the
 advantages and the loss) and makes its extra info NaN, so that the reward metrics leave it out.
@@ -26,6 +26,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from rlframe.algorithms.advantage import MAX_ABS_SCORE
 from rlframe.protocol import DataProto
 from rlframe.reward.config import ON_SCORER_ERROR
 from rlframe.reward.custom import load_custom_reward_function
@@ -33,10 +34,6 @@ from rlframe.reward.isolated import IsolatedScorer
 from rlframe.reward.scorers import default_compute_score
 
 logger = logging.getLogger(__name__)
-
-
-# the reward tensor is float32: a larger score would be stored as +-inf (torch refuses the assignment)
-MAX_ABS_SCORE = float(torch.finfo(torch.float32).max)
 
 
 def abbreviate(value, limit: int = 60) -> str:
@@ -61,8 +58,13 @@ def normalize_score(result) -> tuple[float, dict]:
         score = float(result)
     except OverflowError:  # an int beyond float64
         score = math.inf
-    if not math.isfinite(score) or abs(score) > MAX_ABS_SCORE:
-        raise ValueError(f"score {abbreviate(result)} is not a finite float32 (|score| <= {MAX_ABS_SCORE:.3g})")
+    if not math.isfinite(score):
+        raise ValueError(f"score {abbreviate(result)} is not a finite number")
+    if abs(score) > MAX_ABS_SCORE:  # its group's float32 std (or the batch whitening) would be inf or NaN
+        raise ValueError(
+            f"score {abbreviate(result)} is beyond ±{MAX_ABS_SCORE:.3g} (2**48), past which the float32 "
+            "statistics of its group and batch overflow (docs/data_and_rewards.md)"
+        )
     return score, extras
 
 

@@ -7,7 +7,13 @@ and an `Execute` mode (which ranks run). The Ray implementation lives in
 """
 
 from rlframe.single_controller.decorator import Dispatch, Execute, register
-from rlframe.single_controller.errors import WorkerDiedError, WorkerError, WorkerGroupError, WorkerTimeoutError
+from rlframe.single_controller.errors import (
+    WorkerDiedError,
+    WorkerError,
+    WorkerGroupError,
+    WorkerOutOfMemoryError,
+    WorkerTimeoutError,
+)
 from rlframe.single_controller.worker import Worker
 
 __all__ = [
@@ -17,6 +23,7 @@ __all__ = [
     "WorkerDiedError",
     "WorkerError",
     "WorkerGroupError",
+    "WorkerOutOfMemoryError",
     "WorkerTimeoutError",
     "register",
 ]

@@ -34,9 +34,23 @@ class WorkerError(_RankError):
 
 
 class WorkerDiedError(_RankError):
-    """The worker process of `rank` died (crash, kill, OOM, lost node) before answering; `detail` says how."""
+    """The worker process of `rank` died (crash, kill, OOM, lost node) before answering; `detail` says how.
+
+    A kill by Ray's memory monitor is the subclass `WorkerOutOfMemoryError`."""
 
     message = "worker rank {rank} died during {method}: {detail}"
+
+
+class WorkerOutOfMemoryError(WorkerDiedError):
+    """Ray's memory monitor killed the worker process of `rank` (its node ran low on memory); `detail`: Ray's words."""
+
+    message = (
+        "worker rank {rank} was killed by Ray's memory monitor during {method}: its node ran low on memory (the "
+        "process killed is the most recently started task, not necessarily the one that grew). Lower what the run "
+        "holds on that node (on a CPU: a vLLM engine's actor_rollout_ref.rollout.max_num_seqs, max_model_len and "
+        "gpu_memory_utilization; micro-batch sizes; trainer.n_gpus_per_node processes per node) or give Ray more "
+        "room (RAY_memory_usage_threshold, default 0.95). Ray's report: {detail}"
+    )
 
 
 class WorkerTimeoutError(WorkerGroupError, TimeoutError):

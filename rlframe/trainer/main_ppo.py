@@ -32,6 +32,7 @@ from rlframe.single_controller.errors import WorkerDiedError, WorkerGroupError, 
 from rlframe.trainer.config import PPOTrainerConfig, compose, typed
 from rlframe.trainer.launch import create_worker_groups
 from rlframe.trainer.ray_trainer import PreparedRun, RayPPOTrainer
+from rlframe.workers.rollout.engine_memory import check_engine_memory
 
 # Keys that may name the built-in tiny model (directly or through an interpolation).
 MODEL_PATH_KEYS = (
@@ -60,9 +61,11 @@ def normalize_config(cfg: DictConfig) -> DictConfig:
 
 
 def check_environment(cfg: DictConfig) -> None:
-    """What the config's own checks cannot see: model folders on disk (the reward model's head) and the device."""
+    """What the config's own checks cannot see: model folders on disk (the reward model's head), the device, and
+    whether a vLLM engine of the configured size fits the machine's memory."""
     check_model_path(cfg.actor_rollout_ref.model.path)
     resolve_device(cfg.trainer.device)  # trainer.device=cuda without a visible GPU fails here
+    check_engine_memory(cfg)
     if cfg.reward_model.enable:
         check_model_path(cfg.reward_model.model.path, key="reward_model.model.path")
         check_reward_checkpoint(cfg.reward_model.model.path)  # its trained head, or no run

@@ -21,7 +21,7 @@ from helpers.rewards import make_batch
 from rlframe.algorithms.advantage import compute_advantage
 from rlframe.config.loader import load_config
 from rlframe.protocol import DataProto
-from rlframe.reward import load_reward_manager
+from rlframe.reward import NaiveRewardManager, load_reward_manager
 from rlframe.reward.manager import drop_failed_samples, group_index
 
 SCORER = """
@@ -197,6 +197,64 @@ def test_drop_with_dynamic_sampling_is_refused_before_the_run():
 
     with pytest.raises(ValueError, match="on_scorer_error=drop with algorithm.filter_groups.enable=true"):
         typed(compose(["custom_reward_function.on_scorer_error=drop", "algorithm.filter_groups.enable=true"]))
+
+
+def scored_grpo(tokenizer, returned: list, on_scorer_error: str):
+    """Score one prompt's group of samples with `returned` as the scorer's results; (manager output, advantages)."""
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        return returned[extra_info["index"]]
+
+    data = batch(tokenizer, ["1"] * len(returned))
+    data.non_tensor_batch["uid"] = np.array(["a"] * len(returned), dtype=object)
+    out = NaiveRewardManager(tokenizer, compute_score=compute_score, on_scorer_error=on_scorer_error)(
+        data, return_dict=True
+    )
+    if out["dropped"].any():
+        drop_failed_samples(data, out["dropped"])
+    advantages, _ = compute_advantage(
+        "grpo",
+        token_level_rewards=out["reward_tensor"],
+        response_mask=data.batch["response_mask"],
+        index=group_index(data),
+        norm_adv_by_std_in_grpo=True,
+    )
+    return out, advantages
+
+
+@pytest.mark.parametrize("on_scorer_error", ["zero", "drop"])
+@pytest.mark.parametrize(
+    "returned, failed",
+    [([1e20, 1.0, 0.0, 1.0], [0]), ([3e38, 3e38, 0.0, 1.0], [0, 1])],
+    ids=["1e20", "two 3e38"],
+)
+def test_a_score_that_would_overflow_its_groups_statistics_is_a_scorer_error(
+    tokenizer, caplog, returned, failed, on_scorer_error
+):
+    """Before: 1e20 made its group's std inf (every advantage 0) and two 3e38 made the mean inf (advantages NaN),
+    with no error counted. Now such a score fails its sample like NaN; the others keep a finite GRPO signal."""
+    with caplog.at_level(logging.WARNING, logger="rlframe.reward.manager"):
+        out, advantages = scored_grpo(tokenizer, returned, on_scorer_error)
+    assert out["metrics"]["reward/num_scorer_errors"] == len(failed)
+    assert out["dropped"].tolist() == [on_scorer_error == "drop" and i in failed for i in range(4)]
+    assert torch.isfinite(advantages).all()
+    kept = [0.0 if i in failed else score for i, score in enumerate(returned)]
+    if on_scorer_error == "drop":
+        kept = [score for i, score in enumerate(returned) if i not in failed]
+    _, expected = scored_grpo(tokenizer, kept, on_scorer_error)  # what a scorer giving 0 (or nothing) yields
+    kept_rows = [i for i in range(4) if not (on_scorer_error == "drop" and i in failed)]
+    assert torch.equal(advantages[kept_rows], expected)
+    assert advantages.abs().sum() > 0
+    assert "is beyond ±2.81e+14 (2**48)" in caplog.text
+
+
+def test_a_large_but_safe_score_is_placed_unchanged(tokenizer):
+    returned = [2.0**48, -(2.0**48), 1e14, 0.5]
+    out, advantages = scored_grpo(tokenizer, returned, "zero")
+    assert out["metrics"]["reward/num_scorer_errors"] == 0
+    assert out["reward_tensor"].sum(-1).tolist() == [torch.tensor(s, dtype=torch.float32).item() for s in returned]
+    assert out["reward_extra_info"]["score"] == returned
+    assert torch.isfinite(advantages).all() and advantages.abs().sum() > 0
 
 
 @pytest.mark.slow

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import OutOfMemoryError, RayActorError, RayTaskError
 
-from rlframe.single_controller.errors import WorkerDiedError, WorkerError, WorkerTimeoutError
+from rlframe.single_controller.errors import WorkerDiedError, WorkerError, WorkerOutOfMemoryError, WorkerTimeoutError
 from rlframe.single_controller.transport import unpack_value
 
 
@@ -64,6 +65,11 @@ def _drain(pending: dict, method: str, grace_s: float = 5.0) -> WorkerDiedError 
     return died
 
 
+# how Ray words a kill by its memory monitor in an actor's death cause (ray 2.60: "... killed due to the node
+# running low on memory ... set the environment variable `RAY_memory_usage_threshold` ...")
+MEMORY_MONITOR_KILL = re.compile(r"running low on memory|memory monitor|RAY_memory_usage_threshold")
+
+
 def _get_one(ref, rank: int, method: str):
     try:
         return ray.get(ref)
@@ -71,5 +77,10 @@ def _get_one(ref, rank: int, method: str):
         if isinstance(err.cause, WorkerError):
             raise err.cause from None
         raise WorkerError(rank, method, str(err)) from None
+    except OutOfMemoryError as err:  # the task's worker was killed by Ray's memory monitor
+        raise WorkerOutOfMemoryError(rank, method, str(err).strip()) from None
     except RayActorError as err:
-        raise WorkerDiedError(rank, method, str(err).strip() or type(err).__name__) from None
+        detail = str(err).strip() or type(err).__name__
+        if MEMORY_MONITOR_KILL.search(detail):  # the actor's death cause: the same kill, seen through the actor
+            raise WorkerOutOfMemoryError(rank, method, detail) from None
+        raise WorkerDiedError(rank, method, detail) from None

@@ -17,8 +17,9 @@ things differ, each handled here:
   `free_cache_engine` the engine keeps its weights and KV cache during training (reported at launch, never faked).
 - **Memory.** `gpu_memory_utilization` is the share of the machine's memory the engine reserves (vLLM's CPU
   meaning); with several workers per machine each would reserve that share. rlframe sizes the KV cache itself
-  (`cpu_kv_cache_bytes`): what `max_num_seqs` sequences of `max_model_len` tokens need, never more than this
-  worker's part of that share.
+  (`cpu_kv_cache_bytes`): what `max_num_seqs` sequences of `max_model_len` tokens need, and a configured size over
+  this worker's part of that share is refused (the driver checks it before Ray starts: `engine_memory.py`). A
+  size the user set (`engine_kwargs.vllm.kv_cache_memory_bytes`, then VLLM_CPU_KVCACHE_SPACE) is passed as is.
 
 Also: the engine's worker replaces `torch.set_num_threads` for the whole process while it is built (vLLM binds
 its threads in its own worker processes); the training process keeps its own threads (`kept_torch_threads`).
@@ -58,12 +59,38 @@ def installed_vllm_build() -> str | None:
     return None
 
 
-def kv_bytes_per_token(model_config, dtype: torch.dtype) -> int:
-    """KV-cache bytes one token takes: keys and values of every layer's KV heads."""
+def kv_bytes_per_token(model_config, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """KV-cache bytes one token takes in one TP rank's engine: keys and values of every layer's KV heads there."""
     config = getattr(model_config, "text_config", None) or model_config
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * heads * head_dim * dtype.itemsize
+    return 2 * config.num_hidden_layers * max(1, heads // tp_size) * head_dim * dtype.itemsize
+
+
+def sequence_kv_bytes(max_model_len: int, bytes_per_token: int, block_tokens: int = KV_BLOCK_TOKENS) -> int:
+    """The KV cache one sequence of `max_model_len` tokens holds: its last block is allocated whole."""
+    return -(-max_model_len // block_tokens) * block_tokens * bytes_per_token
+
+
+def gib(num_bytes: float) -> str:
+    """Bytes as GiB for messages (MiB below one GiB)."""
+    return f"{num_bytes / 2**30:.2f} GiB" if num_bytes >= 2**30 else f"{num_bytes / 2**20:.0f} MiB"
+
+
+def user_kv_cache_bytes(vllm_kwargs: dict, environ) -> tuple[int, str] | None:
+    """The CPU engine's KV cache as the user set it, and where: `engine_kwargs.vllm.kv_cache_memory_bytes`, else
+    vLLM's VLLM_CPU_KVCACHE_SPACE (GiB); None when neither is set (rlframe sizes it: `cpu_kv_cache_bytes`)."""
+    if vllm_kwargs.get("kv_cache_memory_bytes") is not None:
+        return int(vllm_kwargs["kv_cache_memory_bytes"]), f"{ROLLOUT}.engine_kwargs.vllm.kv_cache_memory_bytes"
+    space = environ.get("VLLM_CPU_KVCACHE_SPACE", "")
+    if space.strip() not in ("", "0"):  # vLLM's own default is 0 or unset
+        try:
+            return int(float(space) * 2**30), "VLLM_CPU_KVCACHE_SPACE (environment variable, GiB)"
+        except ValueError:
+            raise ValueError(
+                f"VLLM_CPU_KVCACHE_SPACE={space!r} is not a number of GiB; unset it, or set e.g. 4"
+            ) from None
+    return None
 
 
 def cpu_kv_cache_bytes(
@@ -74,21 +101,35 @@ def cpu_kv_cache_bytes(
     memory_fraction: float,
     total_memory: int,
     workers_on_machine: int,
+    job_model_len: int | None = None,
 ) -> int:
-    """The CPU engine's KV cache: enough for `max_num_seqs` sequences of `max_model_len` tokens, capped by this
-    worker's part of `gpu_memory_utilization` of the machine's memory; at least one whole sequence must fit."""
-    tokens_per_sequence = -(-max_model_len // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
-    needed = max_num_seqs * tokens_per_sequence * bytes_per_token
-    cap = int(memory_fraction * total_memory / max(1, workers_on_machine))
-    if cap < tokens_per_sequence * bytes_per_token:
-        raise ValueError(
-            f"{ROLLOUT}.gpu_memory_utilization={memory_fraction} of this machine's {total_memory / 2**30:.1f} GiB, "
-            f"shared by {workers_on_machine} worker(s), leaves {cap / 2**20:.0f} MiB of KV cache per engine, less than "
-            f"one sequence of {ROLLOUT}.max_model_len={max_model_len} tokens needs "
-            f"({tokens_per_sequence * bytes_per_token / 2**20:.0f} MiB); raise gpu_memory_utilization or lower "
-            "max_model_len"
-        )
-    return min(needed, cap)
+    """rlframe's KV cache for the CPU engine: what `max_num_seqs` sequences of `max_model_len` tokens need.
+
+    Refused, naming the keys and a size that fits, when that is more than this worker's part of
+    `gpu_memory_utilization` of the machine's memory: on a CPU the engine allocates its cache whole and holds it for
+    the whole run, beside the training (a cache capped below the configured size used to take the whole share, and
+    the share of every worker on the machine together got the run killed for memory). `job_model_len` (prompt +
+    response length) is offered as the max_model_len the job needs.
+    """
+    sequence = sequence_kv_bytes(max_model_len, bytes_per_token)
+    needed = max_num_seqs * sequence
+    workers = max(1, workers_on_machine)
+    share = int(memory_fraction * total_memory / workers)
+    if needed <= share:
+        return needed
+    fits = [f"{ROLLOUT}.max_num_seqs={share // sequence}"] if share >= sequence else []
+    if job_model_len is not None and job_model_len < max_model_len:
+        job_seqs = share // sequence_kv_bytes(job_model_len, bytes_per_token)
+        if job_seqs:
+            fits.append(f"{ROLLOUT}.max_model_len={job_model_len} (prompt + response) with max_num_seqs<={job_seqs}")
+    fit = " or ".join(fits) if fits else f"a larger {ROLLOUT}.gpu_memory_utilization or a smaller max_model_len"
+    raise ValueError(
+        f"{ROLLOUT}.max_num_seqs={max_num_seqs} sequences of max_model_len={max_model_len} tokens need "
+        f"{gib(needed)} of KV cache in each vLLM engine, more than this machine gives each: "
+        f"{ROLLOUT}.gpu_memory_utilization={memory_fraction} × {gib(total_memory)} / {workers} engine(s) on the "
+        f"machine = {gib(share)} (on a CPU the cache is allocated whole and held for the run, beside the training). "
+        f"A size that fits: {fit}"
+    )
 
 
 def machine_memory_bytes() -> int:

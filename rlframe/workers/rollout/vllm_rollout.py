@@ -70,6 +70,7 @@ from rlframe.workers.rollout.vllm_cpu import (
     kv_bytes_per_token,
     machine_memory_bytes,
     reload_weights_in_worker,
+    user_kv_cache_bytes,
     worker_tied_aliases,
 )
 
@@ -149,7 +150,8 @@ def vllm_engine_kwargs(
 
     `model.lora_rank > 0` (the actor trains a LoRA adapter) makes the engine serve one adapter of that rank.
     On `device_type="cpu"` (vLLM's CPU build) there is no sleep mode and the KV cache is `kv_cache_memory_bytes`
-    (`vllm_cpu.cpu_kv_cache_bytes`; `engine_kwargs.vllm.kv_cache_memory_bytes` or vLLM's VLLM_CPU_KVCACHE_SPACE win).
+    (`VLLMRollout._cpu_kv_cache`: `engine_kwargs.vllm.kv_cache_memory_bytes`, else VLLM_CPU_KVCACHE_SPACE, else
+    `vllm_cpu.cpu_kv_cache_bytes`).
 
     `dp_rank` is this rank's rollout DP coordinate (its TP group's index): verl seeds each engine
     replica with `seed + replica rank`, the same on the TP ranks of one engine.
@@ -416,19 +418,24 @@ class VLLMRollout(BaseRollout):
         self._init_lora(served.lora_rank, str(config.load_format))
 
     def _cpu_kv_cache(self, served: ServedModel, max_positions: int) -> int | None:
-        """On CPU, the KV cache rlframe gives the engine (`vllm_cpu.cpu_kv_cache_bytes`); None on a GPU."""
+        """On CPU, the KV cache the engine gets: the user's (`vllm_cpu.user_kv_cache_bytes`), else rlframe's
+        (`vllm_cpu.cpu_kv_cache_bytes`); None on a GPU."""
         if not self.on_cpu:
             return None
+        user = user_kv_cache_bytes(plain_dict(self.config.engine_kwargs.vllm), os.environ)
+        if user is not None:
+            return user[0]
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(served.path, trust_remote_code=served.trust_remote_code)
         return cpu_kv_cache_bytes(
             max_num_seqs=int(self.config.max_num_seqs),
             max_model_len=resolve_max_model_len(self.config.max_model_len, max_positions),
-            bytes_per_token=kv_bytes_per_token(hf_config, self.dtype),
+            bytes_per_token=kv_bytes_per_token(hf_config, self.dtype, self.tp_size),
             memory_fraction=float(self.config.gpu_memory_utilization),
             total_memory=machine_memory_bytes(),
             workers_on_machine=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+            job_model_len=int(self.config.prompt_length) + int(self.config.response_length),
         )
 
     # ------------------------------------------------------------------ LoRA: the base once, then the adapter
