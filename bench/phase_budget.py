@@ -116,7 +116,7 @@ def main(argv=None) -> None:
                     print(f"round {round_index + 1}/{args.rounds} {which}: step {runs[which][-1]['step_s']:.3f} s",
                           flush=True)  # fmt: skip
         finally:
-            for which, tree in trees.items():
+            for tree in trees.values():
                 if tree != ROOT:
                     subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree], capture_output=True)
     candidate = args.candidate or "this working tree"
