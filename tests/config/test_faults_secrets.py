@@ -2,7 +2,7 @@
 masked wherever a run shows it, and a run folder whose name would hold one is refused.
 
 The launch path is real here (`main_ppo.prepare`, then `main_ppo.train` up to the worker groups); a whole run with
-every tracker is `tests/e2e/test_faults_secrets.py`.
+every tracker is `tests/e2e/test_faults_secrets_run.py`.
 """
 
 from __future__ import annotations

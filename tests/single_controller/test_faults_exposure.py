@@ -1,6 +1,6 @@
 """Exposure: a local Ray's dashboard off or on localhost only; a single-node group rendezvous over loopback.
 
-Secrets in what a run prints or saves: tests/config/test_faults_secrets.py and tests/e2e/test_faults_secrets.py.
+Secrets in what a run prints or saves: tests/config/test_faults_secrets.py and tests/e2e/test_faults_secrets_run.py.
 """
 
 from __future__ import annotations
