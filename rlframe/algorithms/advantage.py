@@ -29,9 +29,10 @@ OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
 # The largest |score| (and gdpo component) whose statistics stay finite in float32. The widest reduction a
 # score enters is a sum of squared deviations: a group's std (grpo, grpo_passk, gdpo) over its n samples, or
 # the batch whitening (gae, reinforce_plus_plus[_baseline], gdpo) over every response token. For N values of
-# magnitude <= M that sum is <= N·M², so N·M² <= float32 max (~2**128) keeps it finite; with M = 2**48 that
-# holds for N up to 2**31 values (8 GiB per float32 tensor, beyond any batch), with a factor 2 to spare for
-# rounding. Sums, means and leave-one-out baselines (rloo, opo, gpg) stay far from overflow at this M.
+# magnitude <= M each deviation from the mean is <= 2M, so that sum is <= 4·N·M², and 4·N·M² <= float32 max
+# (~2**128) keeps it finite; with M = 2**48 that holds for N up to 2**29 values (2 GiB per float32 tensor, beyond
+# any batch), with a factor 2 to spare for rounding. Sums, means and leave-one-out baselines (rloo, opo, gpg)
+# stay far from overflow at this M.
 MAX_ABS_SCORE = 2.0**48
 
 

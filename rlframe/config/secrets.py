@@ -158,7 +158,8 @@ class Secrets:
 
     @contextmanager
     def hidden_in_errors(self) -> Iterator[None]:
-        """Re-raise an error whose message shows a secret with the secret masked (a ValueError stays a ValueError)."""
+        """Re-raise an error whose message shows a secret with the secret masked, as its own type where that type
+        takes a message alone (a RuntimeError otherwise); the original, secret and all, is not chained."""
         try:
             yield
         except Exception as err:
@@ -166,7 +167,11 @@ class Secrets:
             shown = self.scrub(text)
             if shown == text:
                 raise
-            raise (ValueError if isinstance(err, ValueError) else RuntimeError)(shown) from None
+            try:
+                masked = type(err)(shown)
+            except Exception:  # a constructor that wants more than a message
+                masked = RuntimeError(shown)
+            raise masked from None
 
 
 def find_secrets(cfg: DictConfig | None = None, environ: Mapping[str, str] | None = None) -> Secrets:

@@ -26,8 +26,6 @@ import math
 import os
 from collections.abc import Mapping
 
-import torch
-
 from rlframe.config.checks import planned_device
 from rlframe.config.keys import ROLLOUT
 from rlframe.workers.fsdp_utils import resolve_dtype
@@ -63,11 +61,14 @@ def check_engine_memory(cfg, environ: Mapping[str, str] = os.environ) -> None:
     bytes_per_token = kv_bytes_per_token(hf_config, resolve_dtype(rollout.dtype, device), tp)
     if device == "cpu":
         _check_cpu_config(cfg, max_model_len, bytes_per_token, environ)
-    elif torch.cuda.is_available():
+    elif device == "cuda":
         from rlframe.models.reward_head import checkpoint_shapes
 
         num_params = sum(math.prod(shape) for shape, _ in checkpoint_shapes(model.path).values())
-        free, total = max(torch.cuda.mem_get_info(i) for i in range(torch.cuda.device_count()))
+        memory = gpu_memory()
+        if memory is None:
+            return
+        free, total = memory
         if int(cfg.trainer.nnodes) > 1:  # the run's GPUs are on other nodes too: their free memory is not seen
             free = total
         check_gpu_engine(
@@ -78,6 +79,23 @@ def check_engine_memory(cfg, environ: Mapping[str, str] = os.environ) -> None:
             free_memory=free,
             total_memory=total,
         )
+
+
+def gpu_memory() -> tuple[int, int] | None:
+    """(free, total) bytes of the GPU with the most free memory, read by nvidia-smi: the driver process must not
+    create a CUDA context (it would hold memory on every GPU for the whole run); None where nvidia-smi cannot say."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    query = ["nvidia-smi", "--query-gpu=memory.free,memory.total", "--format=csv,noheader,nounits"]
+    try:
+        lines = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()
+        readings = [tuple(int(field) * 2**20 for field in line.split(",")) for line in lines if line.strip()]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return max(readings) if readings else None
 
 
 def _check_cpu_config(cfg, max_model_len: int, bytes_per_token: int, environ: Mapping[str, str]) -> None:

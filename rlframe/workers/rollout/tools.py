@@ -148,6 +148,8 @@ _OPERATORS = {
 }
 MAX_RESULT_BITS = 4096  # default cap on every integer an expression computes (about 1,233 decimal digits)
 MAX_EXPRESSION_CHARS = 2000  # with the bit cap, bounds the time of one evaluation
+# nesting depth: an explicit bound, not Python's recursion limit, which other libraries of the process may raise
+MAX_NESTING = 500  # under the default recursion limit (1000) with room for the caller's frames
 
 
 def evaluate_arithmetic(expression: str, max_bits: int = MAX_RESULT_BITS) -> int | float:
@@ -160,21 +162,23 @@ def evaluate_arithmetic(expression: str, max_bits: int = MAX_RESULT_BITS) -> int
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise ValueError(f"expression of {len(expression)} characters is too long (at most {MAX_EXPRESSION_CHARS})")
 
-    def value(node: ast.AST):
+    def value(node: ast.AST, depth: int):
+        if depth > MAX_NESTING:
+            raise RecursionError
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
             return _bounded(node.value, _bits(node.value), max_bits)
         if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
-            left, right = value(node.left), value(node.right)
+            left, right = value(node.left, depth + 1), value(node.right, depth + 1)
             _bounded(None, _result_bits(node.op, left, right), max_bits)
             return _OPERATORS[type(node.op)](left, right)
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
-            return _OPERATORS[type(node.op)](value(node.operand))
+            return _OPERATORS[type(node.op)](value(node.operand, depth + 1))
         raise ValueError(f"not an arithmetic expression: {ast.unparse(node)!r}")
 
     try:
-        return value(ast.parse(expression.strip(), mode="eval").body)
-    except RecursionError:
-        raise ValueError("expression is nested too deeply") from None
+        return value(ast.parse(expression.strip(), mode="eval").body, 0)
+    except RecursionError:  # ours past MAX_NESTING, or the parser's own
+        raise ValueError(f"expression is nested too deeply (more than {MAX_NESTING} levels)") from None
 
 
 def _bits(number: int | float) -> int:

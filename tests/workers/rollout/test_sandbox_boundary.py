@@ -21,7 +21,16 @@ import pytest
 
 from rlframe.workers.rollout import sandbox
 from rlframe.workers.rollout.sandbox import isolation
+from rlframe.workers.rollout.sandbox.cgroups import RunCgroups
 from rlframe.workers.rollout.tools import PythonTool
+
+
+def require_cgroup(controller: str) -> None:
+    """Fail naming the controller where this machine cannot give a run that cgroup (the case cannot be shown)."""
+    probe = RunCgroups.create(16, 2**30)
+    probe.remove()
+    if controller not in probe.bounds:
+        pytest.fail(f"no {controller} cgroup can be made here: this case needs one (docs/multi_turn.md says what then)")
 
 
 def run_code(code: str, **config) -> str:
@@ -137,6 +146,7 @@ def test_the_environment_the_trainer_and_ray_are_out_of_reach(monkeypatch):
 
 
 def test_memory_is_bounded_for_the_whole_tree_and_shared_memory_inside_disk_mb():
+    require_cgroup("memory")
     tree = (
         "import subprocess, sys\n"
         "child = \"b = bytearray(200 * 2**20); import time; time.sleep(2); print('kept', flush=True)\"\n"
@@ -156,6 +166,7 @@ def test_memory_is_bounded_for_the_whole_tree_and_shared_memory_inside_disk_mb()
 
 
 def test_files_and_pipes_are_bounded():
+    require_cgroup("memory")  # what bounds the number of files
     pipes = (
         "import os\nfds = []\ntry:\n    for _ in range(20000):\n        fds.append(os.pipe())\n"
         "except OSError as err:\n    print(len(fds), err.strerror)"
@@ -190,19 +201,25 @@ def test_without_bubblewrap_the_default_refuses_naming_the_fix_and_none_warns_on
         sandbox.sandbox_problem.cache_clear()
 
 
-def test_a_self_check_that_finds_a_hole_refuses_the_tool_naming_it(monkeypatch):
-    def without_seccomp(*args):  # a sandbox that lost its filter: the probe must notice
-        argv = real_args(*args)
-        at = argv.index("--seccomp")
-        return argv[:at] + argv[at + 2 :]
+def _without_seccomp(argv: list[str]) -> list[str]:
+    at = argv.index("--seccomp")
+    return argv[:at] + argv[at + 2 :]
 
+
+@pytest.mark.parametrize(
+    "hole, named",
+    [
+        (_without_seccomp, r"runs without the seccomp filter \(seccomp='0'\)"),
+        (lambda argv: [*argv, "--share-net"], r"shares a network with the host"),
+    ],
+    ids=["no-seccomp", "host-network"],
+)
+def test_a_self_check_that_finds_a_hole_refuses_the_tool_naming_it(monkeypatch, hole, named):
     real_args = isolation.bwrap_args
-    monkeypatch.setattr(isolation, "bwrap_args", without_seccomp)
+    monkeypatch.setattr(isolation, "bwrap_args", lambda *args: hole(real_args(*args)))
     sandbox.sandbox_problem.cache_clear()
     try:
-        with pytest.raises(
-            ValueError, match=r"the self-check's program runs without the seccomp filter \(seccomp='0'\)"
-        ):
+        with pytest.raises(ValueError, match=r"the self-check's program .*" + named):
             PythonTool({}, None)
     finally:
         sandbox.sandbox_problem.cache_clear()

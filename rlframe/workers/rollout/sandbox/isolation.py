@@ -81,6 +81,16 @@ def bwrap_path() -> str | None:
     return shutil.which("bwrap")
 
 
+@functools.cache
+def bwrap_version() -> tuple[int, ...]:
+    """bubblewrap's version, e.g. (0, 8, 0); (0,) where it cannot be read."""
+    try:
+        out = subprocess.run([bwrap_path() or "bwrap", "--version"], capture_output=True, text=True, timeout=10).stdout
+        return tuple(int(part) for part in out.split()[-1].split("."))
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return (0,)
+
+
 def system_binds() -> list[str]:
     """The host folders the program's root holds, read-only: /usr, the /lib*, /bin, /sbin folders that are not
     symlinks, and the interpreter's prefixes (a venv and its base Python)."""
@@ -99,7 +109,9 @@ def system_binds() -> list[str]:
 def bwrap_args(binds: list[tuple[str, str]], disk_mb: int, program: str, seccomp_fd: int) -> list[str]:
     """bubblewrap's arguments: `binds` (source on the host, path inside) read-only, `/tmp` a tmpfs of `disk_mb`
     holding a read-only `program.py`, the seccomp filter read from `seccomp_fd`."""
-    args = ["--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session"]
+    args = ["--unshare-all", "--unshare-user", "--die-with-parent", "--new-session"]
+    if bwrap_version() >= (0, 8):  # older ones lack the flag; the seccomp filter refuses new namespaces either way
+        args.append("--disable-userns")
     args += ["--cap-drop", "ALL", "--clearenv", "--setenv", "PATH", SAFE_PATH, "--setenv", "HOME", "/tmp"]
     args += ["--proc", "/proc"]
     for source, inside in binds:
@@ -164,12 +176,6 @@ def opens(path, flags):
         return True
     except OSError:
         return False
-def connects():
-    try:
-        socket.create_connection(("127.0.0.1", 9), timeout=1).close()
-        return True
-    except OSError:
-        return False
 print(json.dumps({
     "uid": os.getuid(), "gid": os.getgid(),
     "capabilities": {k: status[k].strip() for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")},
@@ -179,7 +185,7 @@ print(json.dumps({
     "new_user_namespace": libc.unshare(0x10000000) == 0,
     "proc_sys_write": opens("/proc/sys/kernel/printk_ratelimit", os.O_WRONLY),
     "root_write": opens("/rlframe_probe", os.O_WRONLY | os.O_CREAT),
-    "network": connects(),
+    "network": [name for _, name in socket.if_nameindex()],
     "processes": sorted(int(p) for p in os.listdir("/proc") if p.isdigit()),
     "environment": sorted(os.environ),
 }))
@@ -196,7 +202,7 @@ EXPECTED = {
     "new_user_namespace": ("could create a user namespace", lambda v: not v),
     "proc_sys_write": ("could open /proc/sys for writing", lambda v: not v),
     "root_write": ("could create a file in its root", lambda v: not v),
-    "network": ("reached the host's loopback network", lambda v: not v),
+    "network": ("shares a network with the host (interfaces beyond its own loopback)", lambda v: v in ([], ["lo"])),
     "processes": ("sees processes outside its own", lambda v: len(v) <= 2),
     "environment": ("inherits environment variables", lambda v: set(v) <= {"PATH", "HOME", "PWD", "LC_CTYPE"}),
 }
@@ -211,7 +217,7 @@ def probe_failures(report_json: str) -> list[str]:
 def missing_piece() -> str | None:
     """The missing prerequisite of the bubblewrap sandbox (bubblewrap, libseccomp), with its fix, or None."""
     if bwrap_path() is None:
-        return "bubblewrap is not installed: `apt-get install bubblewrap` (Debian/Ubuntu), or use rlframe's image"
+        return "bubblewrap is not installed: `apt-get install bubblewrap` (Debian/Ubuntu)"
     try:
         seccomp_program()
     except (ImportError, RuntimeError, OSError) as err:
@@ -226,3 +232,11 @@ def probe_subprocess(command: list[str], pass_fds: tuple[int, ...]) -> tuple[int
     """Run the probe's full launch command; (exit status, stdout, stderr)."""
     done = subprocess.run(command, capture_output=True, timeout=60, env={}, pass_fds=pass_fds, start_new_session=True)
     return done.returncode, done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace")
+
+
+# what bubblewrap's own error means when it cannot build the namespaces, and the fix
+NAMESPACE_FIX = (
+    "bubblewrap needs unprivileged user namespaces: on the host, `sysctl kernel.unprivileged_userns_clone=1` (Debian "
+    "before 12) or an AppArmor profile for bwrap (Ubuntu 24.04, `kernel.apparmor_restrict_unprivileged_userns`); in "
+    "Docker, a seccomp profile that allows `clone`/`unshare` with CLONE_NEWUSER (Docker's default refuses them)"
+)

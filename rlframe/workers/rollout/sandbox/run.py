@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -39,8 +40,8 @@ class SandboxLimits:
 
 @dataclass(frozen=True)
 class Isolation:
-    """How runs are isolated: `mode` `bwrap` or `none`, and the (uid, gid) the program runs as (None: the
-    trainer's own)."""
+    """How a tool's runs are isolated, decided once (`resolve_isolation`): `mode` `bwrap` or `none`, and the
+    (uid, gid) the program runs as (None: the trainer's own)."""
 
     mode: str
     ids: tuple[int, int] | None = None
@@ -64,25 +65,44 @@ class Launch:
 
     command: list[str]
     pass_fds: tuple[int, ...]
-    cgroups: RunCgroups | None
+    cgroups: RunCgroups
 
     def release(self) -> None:
         """Close the inherited descriptors and delete the cgroups (killing what is left in them)."""
         for fd in self.pass_fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        if self.cgroups:
-            self.cgroups.remove()
+        self.cgroups.remove()
 
 
-def prepare(code: str, folder: str, limits: SandboxLimits, how: Isolation, with_cgroups: bool = True) -> Launch:
+def prepare(code: str, folder: str, limits: SandboxLimits, policy: Isolation) -> Launch:
     """Write `code` to `folder`/program.py and build the launch command of a run (see launcher.py)."""
     program = os.path.join(folder, "program.py")
     with open(program, "w") as handle:
         handle.write(code)
-    cgroups = (
-        RunCgroups.create(limits.max_processes, (limits.memory_mb + limits.disk_mb) * 2**20) if with_cgroups else None
-    )
+    spec = {"binds": [], "user": policy.ids}
+    pass_fds: tuple[int, ...] = ()
+    if policy.mode == "bwrap":
+        binds = [(path, path) for path in isolation.system_binds()]
+        if policy.ids is not None:  # another user starts bwrap: bind what it needs into a folder it owns
+            spec["binds"] = _stage(binds, folder, policy.ids)
+            binds = [(staged, inside) for (_, staged), (_, inside) in zip(spec["binds"], binds)]
+        pass_fds = (isolation.seccomp_fd(),)
+        bwrap = [isolation.bwrap_path(), *isolation.bwrap_args(binds, limits.disk_mb, program, pass_fds[0])]
+        spec["argv"] = [*bwrap, sys.executable, "-I", "/tmp/program.py"]
+    else:
+        spec["argv"] = [sys.executable, "-I", program]
+    # last, so that nothing above can fail with a cgroup left behind
+    cgroups = RunCgroups.create(limits.max_processes, (limits.memory_mb + limits.disk_mb) * 2**20)
+    spec["cgroup_procs"] = cgroups.procs_files
+    spec["rlimits"] = _rlimits(limits, policy, cgroups)
+    # -S: no site module, so no .pth file of the venv runs in the launcher, which may be root
+    command = [sys.executable, "-I", "-S", LAUNCHER, json.dumps(spec)]
+    return Launch(command, pass_fds, cgroups)
+
+
+def _rlimits(limits: SandboxLimits, policy: Isolation, cgroups: RunCgroups) -> list[list]:
+    """The launcher's rlimits (name, value), hard and soft alike."""
     rlimits = [
         ["RLIMIT_CPU", int(limits.timeout_s) + 1],
         ["RLIMIT_AS", limits.memory_mb * 2**20],
@@ -90,26 +110,12 @@ def prepare(code: str, folder: str, limits: SandboxLimits, how: Isolation, with_
         ["RLIMIT_NOFILE", MAX_OPEN_FILES],
         ["RLIMIT_CORE", 0],
     ]
-    if not (cgroups and "pids" in cgroups.bounds):
+    if "pids" not in cgroups.bounds:
         # no pids cgroup: RLIMIT_NPROC is the bound. The kernel counts every process and thread of the user, the
         # trainer's included, so the limit leaves room for those that exist now
-        rlimits.append(
-            ["RLIMIT_NPROC", _tasks_of(os.geteuid() if how.ids is None else how.ids[0]) + limits.max_processes]
-        )
-    spec = {"cgroup_procs": cgroups.procs_files if cgroups else [], "rlimits": rlimits, "binds": [], "user": how.ids}
-    pass_fds: tuple[int, ...] = ()
-    if how.mode == "bwrap":
-        binds = [(path, path) for path in isolation.system_binds()]
-        if how.ids is not None:  # another user starts bwrap: bind what it needs into a folder it owns
-            spec["binds"] = _stage(binds, folder, how.ids)
-            binds = [(staged, inside) for (_, staged), (_, inside) in zip(spec["binds"], binds)]
-        pass_fds = (isolation.seccomp_fd(),)
-        bwrap = [isolation.bwrap_path() or "bwrap", *isolation.bwrap_args(binds, limits.disk_mb, program, pass_fds[0])]
-        spec["argv"] = [*bwrap, sys.executable, "-I", "/tmp/program.py"]
-    else:
-        spec["argv"] = [sys.executable, "-I", program]
-    command = [sys.executable, "-I", LAUNCHER, _json(spec)]
-    return Launch(command, pass_fds, cgroups)
+        uid = os.geteuid() if policy.ids is None else policy.ids[0]
+        rlimits.append(["RLIMIT_NPROC", _tasks_of(uid) + limits.max_processes])
+    return rlimits
 
 
 def _stage(binds: list[tuple[str, str]], folder: str, ids: tuple[int, int]) -> list[list[str]]:
@@ -141,15 +147,9 @@ def _tasks_of(uid: int) -> int:
     return count
 
 
-def _json(value) -> str:
-    import json
-
-    return json.dumps(value)
-
-
-async def run_python(code: str, folder: str, limits: SandboxLimits, how: Isolation) -> SandboxResult:
-    """Run `code` with the interpreter in `folder`, isolated as `how` says, every process of it dead on return."""
-    launch = prepare(code, folder, limits, how)
+async def run_python(code: str, folder: str, limits: SandboxLimits, policy: Isolation) -> SandboxResult:
+    """Run `code` with the interpreter in `folder`, isolated as `policy` says, every process of it dead on return."""
+    launch = prepare(code, folder, limits, policy)  # on the loop: a cancellation cannot orphan what it creates
     try:
         process = await asyncio.create_subprocess_exec(
             *launch.command,
@@ -162,7 +162,7 @@ async def run_python(code: str, folder: str, limits: SandboxLimits, how: Isolati
             pass_fds=launch.pass_fds,
         )
     except BaseException:
-        launch.release()
+        await asyncio.to_thread(launch.release)
         raise
     sink = _CappedSink(limits.max_output_bytes)
     timed_out = False
@@ -172,8 +172,9 @@ async def run_python(code: str, folder: str, limits: SandboxLimits, how: Isolati
         timed_out = True
     finally:  # also on cancellation by an outer timeout
         _kill_tree(process, launch.cgroups)
-        out_of_memory = bool(launch.cgroups and launch.cgroups.oom_killed())
-        launch.release()
+        out_of_memory = launch.cgroups.oom_killed()
+        # a release may wait for members to die: off the event loop (the thread finishes even if we are cancelled)
+        await asyncio.to_thread(launch.release)
     return SandboxResult(bytes(sink.kept), sink.truncated, process.returncode, timed_out, out_of_memory)
 
 
@@ -186,6 +187,7 @@ class _CappedSink:
         self.truncated = False
 
     def feed(self, chunk: bytes) -> None:
+        """Keep what fits of `chunk`; note that the stream was cut when it does not all fit."""
         room = self.limit - len(self.kept)
         if len(chunk) > room:
             self.truncated = True
