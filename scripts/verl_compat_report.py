@@ -61,6 +61,9 @@ VERL_TOOL_CLASSES = {
 }
 # A failure the issue's rule accepts: the config is fine, this machine lacks a GPU or an engine.
 NEEDS_GPU_OR_ENGINE = re.compile(r"no CUDA device|CUDA is not available|no GPU|not installed|No module named", re.I)
+# Also accepted: the config is fine, its vLLM engines need more memory than this machine has (verl's scripts are
+# sized for GPU nodes). explain checks that after every config check, so the script's other keys were all taken.
+NEEDS_LARGER_MACHINE = re.compile(r"more than this machine gives each|but the machine has \S+ GiB available now")
 # The loader's refusals of a key no component reads (a typo, or a verl key rlframe lacks): "unknown".
 UNKNOWN_KEY = re.compile(r"unknown config key '([^']+)'|(\S+) is not a config key")
 WARNING_KEY = re.compile(r"warning: ([^=\s]+)=")
@@ -110,7 +113,7 @@ class ScriptResult:
 
     name: str
     source: str
-    verdict: str  # taken | taken (needs GPU/engine) | refused
+    verdict: str  # taken | taken (needs GPU/engine) | taken (needs a larger machine) | refused
     first_message: str
     hydra_options: str
     stand_ins: list[str] = field(default_factory=list)
@@ -320,7 +323,7 @@ def classify_keys(overrides: list[str], first: tuple[int, str, list[str]], known
     uses = [KeyUse(override, bare_key(override), "accepted") for override in overrides]
     live = list(uses)
     status, message, warnings = first
-    while status != 0:
+    while status != 0 and not NEEDS_LARGER_MACHINE.search(message):
         index = charged_key(message, [u.override for u in live], known.paths)
         if index is None:  # a refusal of a value the script did not set: the rest stay unchecked
             for use in live:
@@ -350,6 +353,8 @@ def check_script(example: Example, known: ConfigKeys, stand_ins: StandIns) -> Sc
         verdict = "taken"
     elif NEEDS_GPU_OR_ENGINE.search(message) and not UNKNOWN_KEY.search(message):
         verdict = "taken (needs GPU/engine)"
+    elif NEEDS_LARGER_MACHINE.search(message):
+        verdict = "taken (needs a larger machine)"
     else:
         verdict = "refused"
     result = ScriptResult(example.name, example.source, verdict, message, example.hydra_options, replaced)

@@ -61,11 +61,10 @@ def normalize_config(cfg: DictConfig) -> DictConfig:
 
 
 def check_environment(cfg: DictConfig) -> None:
-    """What the config's own checks cannot see: model folders on disk (the reward model's head), the device, and
-    whether a vLLM engine of the configured size fits the machine's memory."""
+    """What the config's own checks cannot see: model folders on disk (the reward model's head) and the device.
+    Whether the vLLM engines fit the machine's memory is checked last, once the whole config has passed."""
     check_model_path(cfg.actor_rollout_ref.model.path)
     resolve_device(cfg.trainer.device)  # trainer.device=cuda without a visible GPU fails here
-    check_engine_memory(cfg)
     if cfg.reward_model.enable:
         check_model_path(cfg.reward_model.model.path, key="reward_model.model.path")
         check_reward_checkpoint(cfg.reward_model.model.path)  # its trained head, or no run
@@ -118,7 +117,10 @@ def check_config(
         if check_files:
             check_environment(cfg)
         model_shape = read_model_shape(cfg.actor_rollout_ref.model.path)
-        return composed, cfg, model_shape, make_batch_plan(cfg, model_shape)
+        plan = make_batch_plan(cfg, model_shape)
+        if check_files:
+            check_engine_memory(cfg)  # the machine, after the config: a config error is named first
+        return composed, cfg, model_shape, plan
 
 
 def load_data_and_rewards(cfg: DictConfig) -> tuple:

@@ -22,6 +22,15 @@ TEMPLATE = "{% for m in messages %}{% if 'trigger' in m.content %}BODY{% endif %
 ENDLESS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"  # 10**10 steps
 
 
+def children() -> set:
+    return {child.pid for child in multiprocessing.active_children()}
+
+
+def rendering_processes_left(before: set) -> list:
+    """Child processes started since `before` and still alive (other tests' process groups may be running)."""
+    return [child for child in multiprocessing.active_children() if child.pid not in before]
+
+
 def dataset_with(tmp_path, tokenizer, data_config, body: str) -> RLHFDataset:
     """Rows 0 and 2 are plain; row 1 triggers `body` in the tokenizer's template."""
     rows = [
@@ -44,6 +53,7 @@ def test_a_template_that_loops_without_end_is_stopped_at_the_row_time_bound(
     tmp_path, tokenizer, data_config, monkeypatch
 ):
     monkeypatch.setattr(template, "RENDER_TIMEOUT_S", 2.0)
+    before = children()
     start = time.monotonic()
     with pytest.raises(ValueError) as info:
         dataset_with(tmp_path, tokenizer, data_config, ENDLESS)
@@ -52,11 +62,12 @@ def test_a_template_that_loops_without_end_is_stopped_at_the_row_time_bound(
         f"data file {tmp_path / 'prompts.parquet'}, row 1, column 'prompt': the chat template did not finish "
         "rendering this prompt within 2 s, the bound on one row (RENDER_TIMEOUT_S"
     )
-    assert not multiprocessing.active_children()  # the rendering process was killed, not left looping
+    assert not rendering_processes_left(before)  # the rendering process was killed, not left looping
 
 
 def test_a_template_that_builds_a_huge_value_is_refused_at_the_memory_bound(tmp_path, tokenizer, data_config):
     """`'x' * 10**9` needs 1 GB: the rendering process may grow by 512 MiB, so the allocation itself fails."""
+    before = children()
     start = time.monotonic()
     with pytest.raises(ValueError) as info:
         dataset_with(tmp_path, tokenizer, data_config, "{{ 'x' * 10**9 }}")
@@ -65,7 +76,7 @@ def test_a_template_that_builds_a_huge_value_is_refused_at_the_memory_bound(tmp_
         f"data file {tmp_path / 'prompts.parquet'}, row 1, column 'prompt': the chat template needed more than "
         "512 MiB to render this prompt, the bound on one row (RENDER_MEMORY_BYTES"
     )
-    assert not multiprocessing.active_children()
+    assert not rendering_processes_left(before)
 
 
 def test_a_rendered_text_over_the_length_bound_is_refused(tmp_path, tokenizer, data_config, monkeypatch):
@@ -80,10 +91,11 @@ def test_a_rendered_text_over_the_length_bound_is_refused(tmp_path, tokenizer, d
 
 def test_within_the_bounds_every_row_is_rendered_as_in_process(tmp_path, tokenizer, data_config):
     """The bounded rendering gives the same prompts, in order, as the template called directly (the long row too)."""
+    before = children()
     dataset = dataset_with(tmp_path, tokenizer, data_config, "{{ 'z' * 40 }}")
     assert dataset.num_filtered == 0
     for item, content in enumerate(("What is 1 + 1?", "trigger", "What is 2 + 2?")):
         messages = [{"role": "user", "content": content}]
         text = dataset.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         assert dataset.prompt_ids[item] == dataset.tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert not multiprocessing.active_children()
+    assert not rendering_processes_left(before)

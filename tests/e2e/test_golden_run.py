@@ -6,9 +6,11 @@ old log-probs; PPO with a critic, two epochs, padded layout, fused head, clip_co
 rollout correction, a reference model and a reward-model worker is elsewhere). Every logged number except
 clocks and throughput must equal the recording exactly: a change that moves any of them changed the math.
 
-The recordings are of this machine (2 CPU threads per worker, torch 2.13.0 CPU); after a deliberate change
-of the numbers, record again with `RLFRAME_RECORD_GOLDEN=1 pytest tests/e2e/test_golden_run.py` and say why in
-the commit.
+The recordings hold on any x86-64 machine with AVX2 (2 CPU threads per worker, torch 2.13.0 CPU): the runs pin
+ATen's kernels and MKL's code path to AVX2 (`ISA_PINNED`), because the default path follows the CPU and the
+last float bits with it: a machine with AVX-512 FP16 gave losses 1e-6 apart from one without, from the same code.
+After a deliberate change of the numbers, record again with
+`RLFRAME_RECORD_GOLDEN=1 pytest tests/e2e/test_golden_run.py` and say why in the commit.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ RUNS = {
     ],
 }
 
+# the kernels' instruction set, the same on every x86-64 machine of the last decade (MKL's conditional numerical
+# reproducibility; ATen's CPU dispatch; oneDNN's, for the ops that reach it)
+ISA_PINNED = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
 # clocks, throughput and the host's memory: everything else is arithmetic on the seed
 UNTIMED_PREFIXES = ("timing_", "perf/", "rollout/server_", "time", "memory/")
 
@@ -74,7 +80,7 @@ def numbers_of(run_dir: str) -> list[dict]:
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_fixed_seed_run_is_bitwise_the_recorded_one(name, tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    out = run_main([*COMMON, *RUNS[name], f"trainer.default_local_dir={run_dir}"], cache_dir)
+    out = run_main([*COMMON, *RUNS[name], f"trainer.default_local_dir={run_dir}"], cache_dir, extra_env=ISA_PINNED)
     assert out.returncode == 0, out.stderr[-4000:]
     got = numbers_of(str(run_dir))
     path = os.path.join(GOLDEN_DIR, f"{name}.json")
