@@ -237,14 +237,15 @@ def save_adapter(folder: str, model: nn.Module, adapter_state: dict[str, torch.T
 
 
 # ---------------------------------------------------------------- rollout weight sync
-def sync_to_rollout(rollout, model: nn.Module) -> None:
-    """Send the LoRA actor to the rollout: merged weights (HF), or the adapter after the base once (vLLM).
+def sync_to_rollout(rollout, model: nn.Module, adapter: bool) -> None:
+    """Send the LoRA actor to the rollout: merged weights, or with `adapter` (an engine whose declared
+    `capabilities.lora` is "adapter", vLLM) the adapter after the base once.
 
     A collective under FSDP: every rank calls it, in the same state (every engine replica is in step).
     """
     from rlframe.workers.weight_sync import iter_full_params_bucketed  # late: it imports fsdp_utils, which imports us
 
-    if not getattr(rollout, "takes_lora_adapter", False):
+    if not adapter:
         rollout.update_weights(merged_params(iter_full_params_bucketed(model), lora_scalings(model)))
         return
     if rollout.needs_base_weights:

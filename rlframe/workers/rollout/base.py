@@ -250,13 +250,74 @@ def response_metrics(response_mask: torch.Tensor, responses: torch.Tensor, eos_i
     return {"response_length/truncated_ratio": float(truncated.float().mean())}
 
 
-class BaseRollout(ABC):
-    """A generation engine living in a worker process; `generate_sequences` is the whole contract.
+class Rollout(ABC):
+    """What the worker holds as its rollout: an engine (`BaseRollout`) or a wrapper around one
+    (`AgentLoopRollout` for mode=async, `MultiTurnRollout` for tool rows); every one implements this explicitly.
 
     Lifecycle inside the hybrid engine, per step: `resume()` → `update_weights(actor weights)` →
-    `generate_sequences(prompts)` → `release()` → training. `release()` honours
-    `free_cache_engine`: when it is false the engine keeps its memory and `release`/`resume` do nothing.
+    `generate_sequences(prompts)` → `release()` → training. What an engine can do beyond this is declared in its
+    `EngineSpec` (`spec.py`), looked up by name in the registry, never probed on the object.
     """
+
+    config: RolloutConfig  # the rollout's section (`actor_rollout_ref.rollout`)
+
+    @property
+    @abstractmethod
+    def unwrapped(self) -> BaseRollout:
+        """The engine under any wrappers (an engine is its own)."""
+
+    @abstractmethod
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Left-padded prompts in, the rollout contract out (see `build_rollout_output`), with metrics."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full (unsharded) actor tensors by their HF parameter names."""
+        self.unwrapped.update_weights(named_tensors)
+
+    def update_lora_adapter(self, tensors: dict[str, torch.Tensor], peft_config) -> None:
+        """Serve a LoRA actor's adapter (engines whose `capabilities.lora` is "adapter")."""
+        self.unwrapped.update_lora_adapter(tensors, peft_config)
+
+    @property
+    def needs_base_weights(self) -> bool:
+        """Adapter sync: whether the base weights must be sent before the adapter (once, for dummy weights)."""
+        return self.unwrapped.needs_base_weights
+
+    def release(self) -> None:
+        """Free generation memory before training (no-op unless free_cache_engine)."""
+        self.unwrapped.release()
+
+    def resume(self) -> None:
+        """Restore what `release` freed, before `update_weights` and generation."""
+        self.unwrapped.resume()
+
+    def shutdown(self) -> None:
+        """Stop the engine's own processes, if it has any."""
+        self.unwrapped.shutdown()
+
+    def sampling_for(self, meta_info: dict) -> SamplingParams:
+        """This call's sampling: val_kwargs when `validate`, then `do_sample` / `temperature` overrides."""
+        return self.unwrapped.sampling_for(meta_info)
+
+    def special_tokens_for(self, meta_info: dict) -> tuple[list[int], int]:
+        """This call's EOS ids and pad id: the meta_info's, else the engine's."""
+        return self.unwrapped.special_tokens_for(meta_info)
+
+    def sample_seeds(self, count: int) -> list[int]:
+        """One seed per row of this call, from one draw of the torch RNG (under `seeded(call_seed(...))`)."""
+        return self.unwrapped.sample_seeds(count)
+
+
+class BaseRollout(Rollout):
+    """A generation engine living in a worker process: an engine module's `SPEC.build` makes one.
+
+    `release()` honours `free_cache_engine`: when it is false the engine keeps its memory and `release`/`resume`
+    do nothing.
+    """
+
+    # rollout.mode=async: the server its agent loops send requests to (`server.py`); None: `BatchingServer`
+    server_class: type | None = None
+    needs_base_weights = False  # an adapter-serving engine started from dummy weights sets it until they arrive
 
     # partial rollout on the rollout pool (`rollout/partial.py`): the hf and vllm engines ask it while they generate;
     # once it says True the generation running stops every unfinished row and what has not started generates nothing
@@ -282,6 +343,10 @@ class BaseRollout(ABC):
                 f"{KEY}.tensor_model_parallel_size={config.tensor_model_parallel_size} "
                 f"but the rollout was given a TP group of size {self.tp_size}"
             )
+
+    @property
+    def unwrapped(self) -> BaseRollout:
+        return self
 
     def sampling_for(self, meta_info: dict) -> SamplingParams:
         """This call's sampling: val_kwargs when `validate`, then `do_sample` / `temperature` overrides."""
@@ -348,8 +413,16 @@ class BaseRollout(ABC):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full (unsharded) actor tensors by their HF parameter names."""
 
+    def update_lora_adapter(self, tensors: dict[str, torch.Tensor], peft_config) -> None:
+        raise NotImplementedError(
+            f"{type(self).__name__} takes a LoRA actor as merged weights (its capabilities.lora is 'merged')"
+        )
+
     def release(self) -> None:
         """Free generation memory before training (no-op unless free_cache_engine)."""
 
     def resume(self) -> None:
         """Restore what `release` freed, before `update_weights` and generation."""
+
+    def shutdown(self) -> None:
+        """Stop the engine's own processes (none unless the engine has them)."""
