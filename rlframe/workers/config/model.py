@@ -99,18 +99,6 @@ class ModelConfig(Section):
                 f"{path}.use_fused_kernels=true with actor_rollout_ref.actor.calculate_sum_pi_squared=true: "
                 "Σπ² needs the full logits, which the fused head never builds (as in verl 0.9.1); turn one off"
             )
-        from rlframe.workers.rollout.registry import find_engine
-
-        rollout = root.actor_rollout_ref.rollout
-        engine = find_engine(rollout.name)
-        serves_adapter = engine is not None and engine.capabilities.lora == "adapter"  # vLLM
-        on_gpu = planned_device(root.trainer.device) == "cuda"  # vLLM's CPU build serves fp32 adapters
-        if self.lora_rank > 0 and serves_adapter and rollout.dtype in ("fp32", "float32") and on_gpu:
-            raise ValueError(
-                f"{path}.lora_rank={self.lora_rank} with actor_rollout_ref.rollout.name={rollout.name} needs "
-                "actor_rollout_ref.rollout.dtype bf16, fp16 or auto on a GPU (vLLM's CUDA LoRA kernels have no fp32; "
-                f"got {rollout.dtype}); or use rollout.name=hf, which generates with merged weights in any dtype"
-            )
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = offload_inactive(path, self.enable_activation_offload, root)

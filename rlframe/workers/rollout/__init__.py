@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from rlframe.config.keys import ROLLOUT
 from rlframe.protocol import DataProto, all_gather_data_proto
 from rlframe.workers.rollout.agent_loop import AgentLoopRollout
 from rlframe.workers.rollout.base import (
@@ -63,6 +64,8 @@ def build_rollout(
     spec = engine_for(name, str(cfg.mode))
     model = ServedModel(model) if isinstance(model, str) else model
     rollout = spec.build(cfg, model, tokenizer, device_type, tp_group)
+    if rollout.vision is not None and not spec.capabilities.images:
+        raise ValueError(f"{model.path} is a vision-language model, which {ROLLOUT}.name={name} cannot generate for")
     multi_turn = None
     if uses_tool_agent(cfg):  # rows may call tools: the multi-turn logic drives the engine
         multi_turn = build_multi_turn(rollout, tokenizer, chat_template_kwargs)

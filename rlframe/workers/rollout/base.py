@@ -413,6 +413,19 @@ class BaseRollout(Rollout):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full (unsharded) actor tensors by their HF parameter names."""
 
+    def generate_tokens(
+        self,
+        prompts: DataProto,
+        params: SamplingParams,
+        eos_ids: list[int],
+        pad_id: int,
+        seeds: list[int],
+        budgets: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`_generate` with a token budget per row: the continuation of rows a weight push cut (`partial.py`),
+        for engines whose `capabilities.partial_rollout` is declared."""
+        raise NotImplementedError(f"{type(self).__name__} does not continue cut rows (no partial_rollout capability)")
+
     def update_lora_adapter(self, tensors: dict[str, torch.Tensor], peft_config) -> None:
         raise NotImplementedError(
             f"{type(self).__name__} takes a LoRA actor as merged weights (its capabilities.lora is 'merged')"

@@ -281,7 +281,14 @@ class RolloutConfig(Section):
         SamplingParams.from_config(self)
         SamplingParams.from_config(self, validate=True)
         engine = find_engine(self.name)  # None: the name's own check reports it
-        if engine is not None and engine.check is not None:
+        if engine is None:
+            return
+        if not engine.capabilities.tensor_parallel and self.tensor_model_parallel_size > 1:
+            raise ValueError(
+                f"{path}.tensor_model_parallel_size={self.tensor_model_parallel_size} with {path}.name={self.name}: "
+                "this engine does not shard a replica over TP ranks; set it to 1"
+            )
+        if engine.check is not None:
             engine.check(self, path, root)
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
@@ -316,6 +323,8 @@ class RolloutConfig(Section):
                 "trainer.v1.trainer_mode=separate_async: the training processes' engine only validates, and "
                 "trainer.val_before_train=false and trainer.test_freq<=0; the rollout pool keeps its engine's memory"
             )
+        if caps is not None and not caps.sleep:
+            out[f"{path}.free_cache_engine"] = f"{path}.name={self.name}: the engine has no memory to release"
         if engine is not None and engine.inactive is not None:
             out.update(engine.inactive(self, path, root))
         return out

@@ -50,7 +50,6 @@ import random
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -82,7 +81,7 @@ from rlframe.workers.rollout.vllm_cpu import (
     user_kv_cache_bytes,
     worker_tied_aliases,
 )
-from rlframe.workers.rollout.vllm_server import VLLMServer
+from rlframe.workers.rollout.vllm_server import NO_TOKENS, VLLMServer, completions_to_tensors, engine_prompt
 
 if TYPE_CHECKING:
     from rlframe.workers.rollout.config import RolloutConfig
@@ -375,10 +374,6 @@ def _worker_restores_buffers(worker) -> bool:
     return hasattr(worker, "_sleep_saved_buffers")
 
 
-# the completion of a request that an interrupt stopped before its first token
-NO_TOKENS = SimpleNamespace(token_ids=[], logprobs=[], stop_reason=None)
-
-
 class VLLMRollout(BaseRollout):
     """A vLLM `LLM` engine shard in this process; weights synced from the FSDP actor after each update.
     `interrupt` (partial rollout) is asked before every engine step."""
@@ -668,39 +663,6 @@ def weight_buckets(
         yield bucket
 
 
-def engine_prompt(prompt_token_ids: list[int], multi_modal_data: dict | None) -> dict:
-    """vLLM's prompt of one row: its tokens, and a vision-language row's images (PIL) under vLLM's
-    `multi_modal_data`. The tokens already hold each image's pad token repeated for its grid, as vLLM finds them."""
-    prompt = {"prompt_token_ids": prompt_token_ids}
-    if multi_modal_data and multi_modal_data.get("image"):
-        prompt["multi_modal_data"] = {"image": list(multi_modal_data["image"])}
-    return prompt
-
-
-def completions_to_tensors(completions, width: int, eos_ids: list[int], pad_id: int, with_log_probs: bool):
-    """vLLM completions as (token ids [B, width], generated counts [B], log-probs [B, width] or None).
-
-    A stop token that vLLM reports as the stop reason but left out of the ids is put back: the rollout contract
-    keeps the EOS token (masked in). Log-probs only `with_log_probs` (calculate_log_probs).
-    """
-    tokens = torch.full((len(completions), width), pad_id, dtype=torch.long)
-    lengths = torch.zeros(len(completions), dtype=torch.long)
-    log_probs = torch.zeros(len(completions), width) if with_log_probs else None
-    for i, completion in enumerate(completions):
-        generated = list(completion.token_ids)
-        stop = getattr(completion, "stop_reason", None)
-        if isinstance(stop, int) and stop in eos_ids and (not generated or generated[-1] != stop):
-            generated.append(stop)
-        generated = generated[:width]
-        tokens[i, : len(generated)] = torch.tensor(generated, dtype=torch.long)
-        lengths[i] = len(generated)
-        if log_probs is not None and completion.logprobs:
-            log_probs[i, : len(generated)] = torch.tensor(
-                [step[token].logprob for step, token in zip(completion.logprobs, generated)]
-            )
-    return tokens, lengths, log_probs
-
-
 def _check_consecutive_ranks(tp_group, tp_size: int) -> None:
     """vLLM builds TP groups from consecutive global ranks; ours must be the same groups."""
     ranks = [dist.get_global_rank(tp_group, r) for r in range(tp_size)]
@@ -712,11 +674,19 @@ def _check_consecutive_ranks(tp_group, tp_size: int) -> None:
 
 
 def _check_section(rollout, path: str, root) -> None:
-    """vLLM's own sampling limits, before Ray rather than at the first generation."""
+    """vLLM's own sampling limits, before Ray rather than at the first generation; a LoRA actor's dtype."""
     if rollout.do_sample:
         check_vllm_temperature(rollout.temperature, f"{path}.temperature")
     if rollout.val_kwargs.do_sample:
         check_vllm_temperature(rollout.val_kwargs.temperature, f"{path}.val_kwargs.temperature")
+    lora_rank = root.actor_rollout_ref.model.lora_rank
+    on_gpu = planned_device(root.trainer.device) == "cuda"  # vLLM's CPU build serves fp32 adapters
+    if lora_rank > 0 and rollout.dtype in ("fp32", "float32") and on_gpu:
+        raise ValueError(
+            f"actor_rollout_ref.model.lora_rank={lora_rank} with {path}.name=vllm needs "
+            f"{path}.dtype bf16, fp16 or auto on a GPU (vLLM's CUDA LoRA kernels have no fp32; "
+            f"got {rollout.dtype}); or use rollout.name=hf, which generates with merged weights in any dtype"
+        )
 
 
 def _inactive(rollout, path: str, root) -> dict[str, str]:

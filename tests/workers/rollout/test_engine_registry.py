@@ -79,6 +79,19 @@ def test_the_checks_ask_the_declaration_not_the_name(toy_engine):
     assert refused and setting == f"{ROLLOUT}.name=toy"
 
 
+def test_what_the_toy_does_not_declare_is_refused_before_it_runs(toy_engine, tiny_vl_path):
+    from helpers.rollout import rollout_config
+
+    from rlframe.trainer.config import compose, typed
+    from rlframe.workers.rollout import build_rollout
+
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size=2 with .*name=toy: this engine does not shard"):
+        typed(compose([f"{ROLLOUT}.name=toy", f"{ROLLOUT}.tensor_model_parallel_size=2"]))
+    cfg = rollout_config(f"{ROLLOUT}.name=toy")  # no images declared: a vision-language model is refused
+    with pytest.raises(ValueError, match="vision-language model, which .*name=toy cannot generate for"):
+        build_rollout("toy", cfg, tiny_vl_path, load_tokenizer(tiny_vl_path), "cpu")
+
+
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_the_toy_engine_generates_through_the_rollout_worker(toy_engine, mode, tiny_model_path, tmp_path):
     overrides = (f"{ROLLOUT}.name=toy", f"{ROLLOUT}.mode={mode}")
