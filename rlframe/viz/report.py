@@ -124,7 +124,7 @@ def plan_text(run: Run) -> str:
         return "no config.yaml: no batch plan"
     cfg = OmegaConf.create(run.config)
     try:
-        engine = find_engine(cfg.actor_rollout_ref.rollout.name)
+        engine = find_engine(OmegaConf.select(cfg, "actor_rollout_ref.rollout.name"))
         micro_batches = engine is not None and engine.capabilities.micro_batches
         plan = make_batch_plan(cfg, read_model_shape(run.setting("actor_rollout_ref.model.path")), micro_batches)
     except ValueError as err:

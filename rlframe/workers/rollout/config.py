@@ -283,6 +283,7 @@ class RolloutConfig(Section):
         engine = find_engine(self.name)  # None: the name's own check reports it
         if engine is None:
             return
+        engine_for(self.name, self.mode)  # the engine runs under this mode
         if not engine.capabilities.tensor_parallel and self.tensor_model_parallel_size > 1:
             raise ValueError(
                 f"{path}.tensor_model_parallel_size={self.tensor_model_parallel_size} with {path}.name={self.name}: "

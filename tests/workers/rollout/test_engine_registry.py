@@ -68,6 +68,21 @@ def test_a_registered_engine_is_a_choice_of_rollout_name_and_an_unknown_one_is_r
     register(TOY)
 
 
+def test_an_engine_is_keyed_by_name_and_mode():
+    from dataclasses import replace
+
+    from rlframe.trainer.config import compose, typed
+
+    register(replace(TOY, name="toy_sync", modes=("sync",)))
+    try:
+        assert engine_for("toy_sync", "sync").build is ToyRollout
+        typed(compose([f"{ROLLOUT}.name=toy_sync", f"{ROLLOUT}.mode=sync"]))
+        with pytest.raises(ValueError, match=r"name=toy_sync runs under .*mode sync, not 'async'"):
+            typed(compose([f"{ROLLOUT}.name=toy_sync", f"{ROLLOUT}.mode=async"]))
+    finally:
+        unregister("toy_sync")
+
+
 def test_the_checks_ask_the_declaration_not_the_name(toy_engine):
     from rlframe.config.schema import inactive_keys
     from rlframe.trainer.config import _separate_async_refusals, compose, typed
