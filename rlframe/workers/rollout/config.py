@@ -14,6 +14,8 @@ from rlframe.workers.config.profiler import RolloutProfilerConfig
 from rlframe.workers.rollout.base import SamplingParams
 from rlframe.workers.rollout.registry import engine_for, engine_names, find_engine
 
+MODES = ("async", "sync")  # rollout.mode: agent loops on a rollout server, or the batch at once
+
 
 def _check_positive(value: int) -> None:
     if value < 1:
@@ -197,7 +199,7 @@ class RolloutConfig(Section):
     mode: str = key(
         "async",
         "async: agent loops on a rollout server (verl's only mode) | sync: rlframe's batch rollout, same samples",
-        choices=("async", "sync"),
+        choices=MODES,
     )
     temperature: float = key(1.0, "sampling temperature")
     top_k: int = key(-1, "-1 = off")
@@ -283,7 +285,8 @@ class RolloutConfig(Section):
         engine = find_engine(self.name)  # None: the name's own check reports it
         if engine is None:
             return
-        engine_for(self.name, self.mode)  # the engine runs under this mode
+        if self.mode in MODES:  # (another mode is refused by the key's choices)
+            engine_for(self.name, self.mode)  # the engine runs under this mode
         if not engine.capabilities.tensor_parallel and self.tensor_model_parallel_size > 1:
             raise ValueError(
                 f"{path}.tensor_model_parallel_size={self.tensor_model_parallel_size} with {path}.name={self.name}: "
