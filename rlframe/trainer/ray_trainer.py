@@ -47,6 +47,8 @@ from rlframe.trainer.metrics import (
     compute_timing_metrics,
     reduce_metrics,
 )
+from rlframe.trainer.pending_prompts import STATE_KEY as PENDING_KEY
+from rlframe.trainer.pending_prompts import PendingPrompts, plain_rows
 from rlframe.trainer.profiling import StepProfiler
 from rlframe.trainer.tracking import ProgressBar, Tracking
 from rlframe.utils.faults import KillPoints
@@ -154,6 +156,7 @@ class RayPPOTrainer:
             metric = algo.filter_groups.metric
             self.sampler = DynamicSampler(plan.train_batch_size, plan.n, plan.max_num_gen_batches, metric)
         self._pending = None  # (metrics, timings, start) of a step whose generation rounds are under way
+        self.pending = PendingPrompts()  # prompts handed out by the loader and not trained yet (a checkpoint's)
         self.global_step = 0
         self.num_restarts = 0  # workers recreated before this attempt (main_ppo.train_with_restarts)
         self.flops_info, self.peak_tflops = None, None
@@ -170,9 +173,9 @@ class RayPPOTrainer:
         last_metrics: dict = {}
         passes = 0
         while self.global_step < self.total_training_steps:
-            for batch_dict in self.train_dataloader:
+            for batch in self.pending.batches(self.train_dataloader, self.train_dataloader.batch_size):
                 self.step_profiler.begin(self.global_step + 1)  # the step this batch generates for
-                rolled_out = self._rollout_step(DataProto.from_single_dict(batch_dict))
+                rolled_out = self._rollout_step(batch)
                 if rolled_out is None:  # dynamic sampling: the training batch is not full yet
                     continue
                 self.global_step += 1
@@ -209,6 +212,13 @@ class RayPPOTrainer:
         driver_state = self.checkpointer.maybe_resume(self.actor_rollout_wg, self.critic_wg, self.train_dataloader)
         if driver_state is not None:
             self._restore_driver_state(driver_state)
+        # the lines an earlier run logged past this run's start: after the resumed checkpoint (a killed run's), or
+        # all of them in a run started afresh in the same folder (val_only trains nothing: it keeps every line)
+        start = self.global_step if driver_state is not None else -1
+        dropped = 0 if cfg.val_only else self.tracker.drop_steps_after(start)
+        if dropped:
+            which = f"for steps after the resumed step {start}" if start >= 0 else "(this run starts afresh)"
+            print(f"[rlframe] {self.tracker.jsonl_path}: dropped {dropped} line(s) of an earlier run {which}")
         progress = ProgressBar(self.total_training_steps, self.global_step)
         # verl validates before training at any resumed step; rlframe only at step 0, unless val_only asks
         # for the resumed policy's numbers
@@ -232,11 +242,21 @@ class RayPPOTrainer:
             metrics.update(validation)
         if cfg.save_freq > 0 and (is_last or self.global_step % cfg.save_freq == 0):
             start = time.perf_counter()
+
+            def log_the_step():  # the checkpoint's files are written; it counts as complete only after this line
+                metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
+                self.tracker.log(metrics, step=self.global_step)
+
             self.checkpointer.save(
-                self.global_step, self.actor_rollout_wg, self.critic_wg, self.train_dataloader, self._driver_state()
+                self.global_step,
+                self.actor_rollout_wg,
+                self.critic_wg,
+                self.train_dataloader,
+                self._driver_state(),
+                before_complete=log_the_step,
             )
-            metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
-        self.tracker.log(metrics, step=self.global_step)
+        else:
+            self.tracker.log(metrics, step=self.global_step)
         self.step_profiler.end(self.global_step, is_last)
         progress.update(metrics)
 
@@ -343,10 +363,12 @@ class RayPPOTrainer:
         return flops / (seconds * self.num_devices * self.peak_tflops * 1e12)
 
     def _driver_state(self) -> dict:
-        return {"global_step": self.global_step, "kl_coef": self.kl_ctrl.value}
+        pending = plain_rows(list(self.pending.rows))
+        return {"global_step": self.global_step, "kl_coef": self.kl_ctrl.value, PENDING_KEY: pending}
 
     def _restore_driver_state(self, state: dict) -> None:
         self.global_step, self.kl_ctrl.value = state["global_step"], state["kl_coef"]
+        self.pending.restore(state)  # an asynchronous run's untrained prompts come first
 
     # ------------------------------------------------------------------ the steps
     def _generate(self, batch: DataProto, **meta_info) -> tuple[DataProto, dict]:
