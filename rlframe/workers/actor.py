@@ -176,13 +176,14 @@ class PPOActor(PPOUpdater):
 
     def _update(self, batch: TensorDict, ctx: UpdateContext) -> dict[str, list[float]]:
         """One optimizer step per mini-batch of every epoch, each mini-batch prepared first; metric lists."""
+        on_policy = self.update.mode is UpdateMode.ON_POLICY
         self.module.train()
         metrics: dict[str, list[float]] = {}
         for epoch_batch in self._epochs(batch):
-            if ctx.on_policy_parts is not None:  # one epoch (checked when built)
+            if on_policy:  # one epoch (checked when built)
                 epoch_batch = self._score_later_mini_batches(epoch_batch, ctx)
             for index, mini in enumerate(epoch_batch.split(self.batching.mini_batch_size)):
-                ctx.own_old_log_probs = ctx.on_policy_parts is not None and index == 0
+                ctx.own_old_log_probs = on_policy and index == 0
                 append_metrics(metrics, self._optimizer_step(self._prepare_mini_batch(mini, ctx), ctx))
         self._end_update()
         return metrics
