@@ -26,12 +26,12 @@ from rlframe.algorithms.advantage import (
     gdpo_component_scores,
     gdpo_metrics,
 )
-from rlframe.algorithms.config import pf_ppo_applies
+from rlframe.algorithms.config import RolloutCorrection, pf_ppo_applies
 from rlframe.algorithms.kl import apply_kl_penalty, make_kl_controller
 from rlframe.algorithms.masked import masked_mean
-from rlframe.algorithms.on_policy import old_log_prob_pass_reason
 from rlframe.algorithms.pf_ppo import pf_ppo_resample_index
 from rlframe.algorithms.rollout_correction import probs_diff_metrics, rollout_correction
+from rlframe.algorithms.update_mode import UpdateMode, update_mode
 from rlframe.batch_plan import BatchPlan
 from rlframe.config.checks import resolve_device
 from rlframe.config.secrets import Secrets
@@ -141,8 +141,9 @@ class RayPPOTrainer:
         self.step_profiler = StepProfiler(config.global_profiler, [self.actor_rollout_wg, self.critic_wg])
         self.use_critic = plan.critic is not None
         self.use_reference = plan.ref is not None
-        # steps whose update gives the old log-probs
-        self.on_policy = old_log_prob_pass_reason(config.actor_rollout_ref.actor, config.algorithm) is None
+        # where the actor's update takes π_old from; the actor decides the same from the same sections
+        self.update_mode = update_mode(config.actor_rollout_ref.actor, config.algorithm)
+        self.correction = RolloutCorrection.parse(config.algorithm.rollout_correction)
         self.total_training_steps = run.total_steps
         self.num_devices = groups.num_devices
         self.hidden_size = run.hidden_size
@@ -294,14 +295,10 @@ class RayPPOTrainer:
                 self._balance_batch(batch, metrics)
         if self.config.trainer.rollout_data_dir:
             self._dump_rollouts(batch, str(self.config.trainer.rollout_data_dir))
-        correction = self.config.algorithm.rollout_correction
         on_policy = self._skips_old_log_prob()
-        if correction.bypass_mode:  # verl: π_old := π_rollout, no old-log-prob pass; the actor corrects per micro-batch
+        if self.update_mode is UpdateMode.BYPASS:  # verl: π_old := π_rollout, no pass; the actor corrects
             batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
-            batch.meta_info["rollout_correction"] = OmegaConf.to_container(correction)
-        elif on_policy:  # the update's own forward gives the old log-probs (rlframe.algorithms.on_policy)
-            batch.meta_info["on_policy"] = True
-        else:
+        elif not on_policy:  # on-policy: the update's own forward gives the old log-probs
             with timer("old_log_prob", timings):
                 old = self.actor_rollout_wg.compute_log_prob(batch)
                 entropy = old.pop(batch_keys=["entropys"]).batch["entropys"]
@@ -344,7 +341,7 @@ class RayPPOTrainer:
 
     def _skips_old_log_prob(self) -> bool:
         """The actor updates in this step and computes the old log-probs itself: no separate old-log-prob pass."""
-        return self.on_policy and self.global_step > self.config.trainer.critic_warmup
+        return self.update_mode is UpdateMode.ON_POLICY and self.global_step > self.config.trainer.critic_warmup
 
     def _on_policy_metrics(self, batch: DataProto, out: DataProto, metrics: dict) -> None:
         """What the old-log-prob pass feeds, from the on-policy update's old log-probs and entropy:
@@ -507,7 +504,7 @@ class RayPPOTrainer:
             batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
         # decoupled mode; an on-policy step gets its old log-probs from the update (then _on_policy_metrics)
         has_old = "old_log_probs" in batch.batch.keys()
-        if has_old and "rollout_log_probs" in batch.batch.keys() and not algo.rollout_correction.bypass_mode:
+        if has_old and "rollout_log_probs" in batch.batch.keys() and self.update_mode is not UpdateMode.BYPASS:
             response_mask = self._rollout_correction(batch, metrics)
         inputs = {
             "token_level_rewards": batch.batch["token_level_rewards"],
@@ -555,7 +552,7 @@ class RayPPOTrainer:
             batch.batch["old_log_probs"],
             batch.batch["rollout_log_probs"],
             batch.batch["response_mask"],
-            self.config.algorithm.rollout_correction,
+            self.correction,
         )
         batch.batch["response_mask"] = mask
         if weights is not None:
