@@ -136,14 +136,14 @@ def test_flash_attn_varlen_matches_sdpa_on_smollm2_heads(monkeypatch):
     grad = torch.randn(total, 9, 64, device="cuda", generator=gen)
 
     def run(dtype: torch.dtype, flash: bool):
-        q, k, v = (x.to(dtype).requires_grad_() for x in (q32, k32, v32))
+        q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q32, k32, v32))
         with monkeypatch.context() as m:
             if not flash:  # SDPA per sequence: neither flash kernel
                 m.setattr(attention, "_flash_attn_varlen_func", lambda: None)
                 m.setattr(attention, "_torch_varlen_attn", lambda: None)
             out = attention.varlen_causal_attention(q, k, v, cu, max(lengths), 64**-0.5)
         out.backward(grad.to(dtype))
-        return out.float(), q.grad.float(), k.grad.float()
+        return out.detach().float(), q.grad.float(), k.grad.float()
 
     reference = run(torch.float32, flash=False)
     sdpa = run(torch.bfloat16, flash=False)
@@ -176,13 +176,13 @@ def test_torch_varlen_attn_matches_the_padded_reference(smollm2, monkeypatch):
     grad = torch.randn(sum(lengths), 9, 64, device="cuda", generator=gen)
 
     def run(dtype: torch.dtype, window: int | None, kernel_on: bool):
-        q, k, v = (x.to(dtype).requires_grad_() for x in (q32, k32, v32))
+        q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q32, k32, v32))
         with monkeypatch.context() as m:
             if not kernel_on:
                 m.setattr(attention, "_torch_varlen_attn", lambda: None)
             out = attention.varlen_causal_attention(q, k, v, cu, max(lengths), 64**-0.5, sliding_window=window)
         out.backward(grad.to(dtype))
-        return out.float(), q.grad.float(), k.grad.float(), v.grad.float()
+        return out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()
 
     for window in (None, 64):
         reference = run(torch.float32, window, kernel_on=False)
