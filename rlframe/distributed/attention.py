@@ -220,7 +220,9 @@ def _torch_varlen_attn():
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:  # torch before 2.10
         return None
-    if not torch.backends.cuda.is_flash_attention_available() or torch.cuda.get_device_capability() < (8, 0):
+    if not (torch.backends.cuda.is_flash_attention_available() and torch.cuda.is_available()):
+        return None
+    if torch.cuda.get_device_capability() < (8, 0):  # the flash kernel needs Ampere or newer
         return None
     return varlen_attn
 
