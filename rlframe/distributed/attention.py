@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import warnings
 
 import torch
@@ -215,16 +216,35 @@ def _flash_attn_varlen_func():
 
 @functools.cache
 def _torch_varlen_attn():
-    """torch's `varlen_attn` when this build and GPU run it (flash attention compiled in, sm80 or newer), else None."""
+    """torch's `varlen_attn` when this build and GPU run it (flash attention compiled in, sm80 or newer), else None.
+
+    Its form changed between releases: the first took `is_causal` and neither `scale` nor `window_size` (not used
+    here); a later one has those but no `enable_gqa`, and then kv heads are repeated to the query's.
+    """
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:  # torch before 2.10
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" not in params or "scale" not in params:
         return None
     if not (torch.backends.cuda.is_flash_attention_available() and torch.cuda.is_available()):
         return None
     if torch.cuda.get_device_capability() < (8, 0):  # the flash kernel needs Ampere or newer
         return None
-    return varlen_attn
+    return varlen_attn if "enable_gqa" in params else _repeating_kv_heads(varlen_attn)
+
+
+def _repeating_kv_heads(varlen_attn):
+    """`varlen_attn` for a form without `enable_gqa`: each kv head repeated for its group of query heads."""
+
+    def call(q, k, v, *args, enable_gqa: bool = False, **kwargs):
+        if enable_gqa:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return varlen_attn(q, k, v, *args, **kwargs)
+
+    return call
 
 
 def varlen_kernel(device_type: str, dtype: torch.dtype, dropout: float = 0.0) -> str:

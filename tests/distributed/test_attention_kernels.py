@@ -30,11 +30,13 @@ def _available(monkeypatch, flash: bool, torch_varlen: bool, calls: list | None 
     monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: reference_varlen_attn if torch_varlen else None)
 
 
-def reference_varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), **kw):
-    """`torch.nn.attention.varlen.varlen_attn` in plain torch: query i sees keys i - left .. i + right of its
-    segment (-1: unbounded), causal exactly when window_size == (-1, 0); kv heads shared by GQA groups."""
+def reference_varlen_attn(
+    q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
+):
+    """`torch.nn.attention.varlen.varlen_attn` (torch 2.13's form) in plain torch: query i sees keys i - left ..
+    i + right of its segment (-1: unbounded), causal exactly when window_size == (-1, 0); GQA groups share kv heads."""
     assert torch.equal(cu_seq_q, cu_seq_k) and cu_seq_q.dtype == torch.int32
-    assert kw.get("enable_gqa", False) == (k.shape[1] != q.shape[1])
+    assert enable_gqa == (k.shape[1] != q.shape[1])
     left, right = window_size
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -141,3 +143,41 @@ def test_packed_sliding_window_log_probs_and_grads_match_padded(tiny_model_path,
     assert packed_grads.keys() == padded_grads.keys() and len(packed_grads) > 0
     for name in packed_grads:
         assert_rel_close(packed_grads[name], padded_grads[name])
+
+
+def _form_a(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
+    """varlen_attn's first form: causal flag, no scale, no window."""
+
+
+def _form_b(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+    """A later form: scale and window, no enable_gqa (kv heads must equal query heads)."""
+    assert key.shape[1] == query.shape[1]
+    return reference_varlen_attn(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size
+    )
+
+
+@pytest.mark.parametrize(("form", "capability", "expected"), [
+    (_form_a, (9, 0), None),  # no scale or window: SDPA per sequence instead
+    (reference_varlen_attn, (7, 5), None),  # flash needs sm80
+    (reference_varlen_attn, (8, 0), "as is"),
+    (_form_b, (9, 0), "kv repeated"),
+])  # fmt: skip
+def test_torch_varlen_attn_is_used_in_each_form_that_takes_scale_and_window(monkeypatch, form, capability, expected):
+    import torch.nn.attention.varlen as torch_varlen
+
+    monkeypatch.setattr(torch_varlen, "varlen_attn", form)
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    found = attention._torch_varlen_attn.__wrapped__()  # the uncached lookup
+    if expected is None:
+        assert found is None
+        return
+    assert (found is form) == (expected == "as is")
+    q, k, v, cu, max_len = _packed_inputs()
+    expected_out = attention.varlen_causal_attention(q, k, v, cu, max_len, 0.3, sliding_window=WINDOW)
+    monkeypatch.setattr(attention, "varlen_kernel", lambda *a: TORCH_VARLEN_ATTN)
+    monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: found)
+    got = attention.varlen_causal_attention(q, k, v, cu, max_len, 0.3, sliding_window=WINDOW)
+    torch.testing.assert_close(got, expected_out, rtol=1e-6, atol=1e-6)
