@@ -159,6 +159,8 @@ def varlen_attention_forward(
                 "Ulysses sequence parallelism needs the packed row's cu_seq_lens_q passed to the model "
                 "forward (the position ids each rank sees are only its shard)"
             )
+        if attention_mask is None and query.shape[2] == key.shape[2]:  # `_varlen_mask` gave none: add the window
+            attention_mask = _causal_mask(query.shape[2], sliding_window, query.device).get("attn_mask")
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )

@@ -181,3 +181,12 @@ def test_torch_varlen_attn_is_used_in_each_form_that_takes_scale_and_window(monk
     monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: found)
     got = attention.varlen_causal_attention(q, k, v, cu, max_len, 0.3, sliding_window=WINDOW)
     torch.testing.assert_close(got, expected_out, rtol=1e-6, atol=1e-6)
+
+
+def test_an_unpacked_batch_without_a_mask_keeps_the_window(tiny_model_path):
+    """No attention mask and no packing (a plain `model(input_ids)`): the window still applies, as in sdpa."""
+    ids = torch.randint(3, 100, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = _windowed(tiny_model_path, "sdpa")(input_ids=ids, use_cache=False).logits
+        got = _windowed(tiny_model_path, ATTN_IMPLEMENTATION)(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got, reference, rtol=0, atol=0)
