@@ -17,7 +17,7 @@ A packed row runs the first of these that applies (`varlen_kernel` names it):
    bf16/fp16, sm80 or newer, no dropout);
 3. torch SDPA one sequence at a time: CPU, fp32, or a GPU without either kernel. FlexAttention with a
    document mask was measured as the CPU alternative and loses (bench/packed_attention_cpu.py: it has
-   no backward on CPU, and its forward is 5-100x slower than this loop).
+   no backward on CPU, and its forward is 3-9x slower than this loop compiled, 29-240x eager).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def varlen_causal_attention(
             **windowed,
         )
     # varlen_attn is causal exactly when window_size == (-1, 0); (S - 1, 0) is causal within the window.
-    # Its kernel takes fewer kv heads as they are (GQA), so k and v are not repeated.
+    # Its kernel takes fewer kv heads as they are (GQA); a form without enable_gqa repeats them (_repeating_kv_heads).
     return _torch_varlen_attn()(
         q,
         k,
