@@ -2,6 +2,7 @@
 
     python bench/packed_attention_cpu.py                 # three row shapes, fp32, 1 thread, eager and compiled flex
     python bench/packed_attention_cpu.py --no-compile    # eager FlexAttention only
+    python bench/packed_attention_cpu.py --quick         # the short row, one repeat (a smoke run)
     python bench/packed_attention_cpu.py --repeats 3 --threads 2
 
 A packed row is 16 sequences on SmolLM2-135M's attention shape (9 query heads, 3 kv heads, head dim 64), fp32.
@@ -98,18 +99,22 @@ def compare(reference: tuple, got: tuple) -> str:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the short row only, one repeat")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per candidate (median reported)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile'd FlexAttention")
     add_thread_flag(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    rows_measured = dict(list(ROWS.items())[:1]) if args.quick else ROWS
+    if args.quick:
+        args.repeats = 1
 
     print(
         f"torch {torch.__version__}, {args.threads} thread(s), fp32, {NUM_SEQS} sequences per row, "
         f"{HEADS} heads / {KV_HEADS} kv heads x {HEAD_DIM}; median of {args.repeats}\n"
     )
     rows = []
-    for row_name, (low, high) in ROWS.items():
+    for row_name, (low, high) in rows_measured.items():
         gen = torch.Generator().manual_seed(1)
         lengths = torch.randint(low, high + 1, (NUM_SEQS,), generator=gen).tolist()
         q, k, v, grad, cu = make_row(lengths)
