@@ -459,6 +459,19 @@ def format_pools(ap: AsyncPlan) -> str:
     )
 
 
+def _attention_line(cfg) -> str:
+    """The actor's attention kernel on this machine's packages (packed rows: distributed/attention.py picks it)."""
+    from rlframe.config.checks import planned_device
+    from rlframe.distributed.attention import varlen_kernel
+    from rlframe.workers.fsdp_utils import resolve_dtype
+
+    if not cfg.actor_rollout_ref.model.use_remove_padding:
+        return "attention padded rows (use_remove_padding=false): transformers' sdpa"
+    device = planned_device(cfg.trainer.device)
+    dtype = resolve_dtype(str(cfg.actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype), device)
+    return f"attention packed rows on {device}, {str(dtype).removeprefix('torch.')}: {varlen_kernel(device, dtype)}"
+
+
 def _vision_line(model_path: str, cfg) -> list[str]:
     """A vision-language model's line: where the images come from and what they cost in prompt tokens."""
     config_file = os.path.join(model_path or "", "config.json")
@@ -699,7 +712,8 @@ def explain(
         if model
         else f"model     {model_path}: no config.json here, head checks skipped"
     )
-    parts = [_rule("batch plan"), model_line, *_vision_line(model_path, cfg), format_plan(plan)]
+    parts = [_rule("batch plan"), model_line, _attention_line(resolved), *_vision_line(model_path, cfg)]
+    parts.append(format_plan(plan))
     agents = format_agents(cfg, plan)
     if agents:
         parts += [_rule("agent loop"), agents]

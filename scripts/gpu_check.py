@@ -194,6 +194,14 @@ def plan(work: str) -> list[Step]:
             figure=r"out: flash-attn error (\S+), bf16 SDPA error (\S+)",
         ),
         Step(
+            "torch varlen",
+            "issue 43: torch's varlen_attn without flash-attn (GQA 9/3, causal and windowed) vs the padded reference",
+            "pytest",
+            test + "test_torch_varlen_attn_matches_the_padded_reference",
+            timeout_s=60,
+            figure=r"torch varlen_attn: packed bf16 error (\S+), HF bf16 error (\S+)",
+        ),
+        Step(
             "gpu_mfu",
             "minor: the MFU bench says which attention kernel ran",
             "command",

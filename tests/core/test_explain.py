@@ -129,6 +129,7 @@ def test_explain_small_config_prints_flow_and_keys(capsys):
         "IGNORED",
         "before (dispatch order)",
         "after (Karmarkar–Karp)",
+        "attention packed rows on cpu, float32: torch SDPA per sequence",  # the kernel distributed/attention.py picks
     ):
         assert fragment in out
     assert "pools and staleness" not in out  # sync: no second pool, nothing stale

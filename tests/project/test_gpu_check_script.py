@@ -19,8 +19,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = (
-    "grpo vllm", "nccl+offload", "bf16 packed", "vllm rollout", "vllm async", "vllm lora", "flash-attn", "gpu_mfu",
-    "sglang rollout", "grpo hf", "activation offload", "vllm tp2", "vllm vl", "sglang tp2",
+    "grpo vllm", "nccl+offload", "bf16 packed", "vllm rollout", "vllm async", "vllm lora", "flash-attn",
+    "torch varlen", "gpu_mfu", "sglang rollout", "grpo hf", "activation offload", "vllm tp2", "vllm vl", "sglang tp2",
 )  # fmt: skip
 FAKE_NVIDIA_SMI = """#!/bin/sh
 case "$*" in
