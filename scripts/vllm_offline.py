@@ -133,11 +133,14 @@ def join_parts(manifest: dict, parts_dir: str, out_dir: str) -> list[str]:
 
 
 def land_parts(manifest: dict, carried_dir: str, landing_dir: str) -> tuple[list[str], list[str]]:
-    """Copy each whole carried part into the landing folder; (landed now, still missing there)."""
+    """Copy each whole carried part not landed yet into the landing folder; (landed now, still missing there).
+    Parts carried by earlier calls stay in the carried folder too (ignored outputs are kept between calls)."""
     os.makedirs(landing_dir, exist_ok=True)
     landed = []
     for part in manifest["parts"]:
-        src = os.path.join(carried_dir, part["name"])
+        src, dst = os.path.join(carried_dir, part["name"]), os.path.join(landing_dir, part["name"])
+        if os.path.isfile(dst) and os.path.getsize(dst) == part["size"]:
+            continue  # landed by an earlier call (install checks every sha256 again)
         if os.path.isfile(src) and not part_problems({"parts": [part]}, carried_dir):
             shutil.copyfile(src, os.path.join(landing_dir, part["name"]))
             landed.append(part["name"])
@@ -206,25 +209,64 @@ def _packaging():
     return Requirement, canonicalize_name
 
 
-def image_closure(report: dict) -> dict[str, str]:
-    """{distribution: why} for what the image already has: its pins, and torch's CUDA libraries among their needs
-    (with the extras asked for, evaluated for the report's Python 3.12 environment)."""
+def set_requirements(report: dict) -> list[tuple[str, object]]:
+    """(requester, Requirement) for every requirement of the set that applies on the target: markers evaluated for
+    the report's Python 3.12 environment, with the extras the set asks of each requester."""
     requirement, canon = _packaging()
-    by_name = {canon(i["metadata"]["name"]): i["metadata"] for i in report["install"]}
     env = dict(report["environment"])
+    reqs = [(canon(i["metadata"]["name"]), requirement(t)) for i in report["install"]
+            for t in i["metadata"].get("requires_dist") or []]  # fmt: skip
+    extras = {}
+    for _, req in reqs:
+        if not req.marker or req.marker.evaluate({**env, "extra": ""}):
+            extras.setdefault(canon(req.name), set()).update(req.extras)
+    return [
+        (who, req)
+        for who, req in reqs
+        if not req.marker or any(req.marker.evaluate({**env, "extra": e}) for e in {"", *extras.get(who, ())})
+    ]
+
+
+def image_closure(report: dict) -> dict[str, str]:
+    """{distribution: why} for what the image already has: its pins, and torch's CUDA libraries among their needs."""
+    _, canon = _packaging()
+    in_set = {canon(i["metadata"]["name"]) for i in report["install"]}
+    needs = {}
+    for who, req in set_requirements(report):
+        needs.setdefault(who, []).append(canon(req.name))
     pins = [canon(p.split("==")[0]) for p in IMAGE_PINS]
     why = {name: "the image's own" for name in pins}
-    todo = [(name, frozenset(), name) for name in pins]
+    todo = [(name, name) for name in pins]
     while todo:
-        name, extras, root = todo.pop()
-        for text in by_name[name].get("requires_dist") or []:
-            req = requirement(text)
-            if req.marker and not any(req.marker.evaluate({**env, "extra": e}) for e in {"", *extras}):
-                continue
-            dep = canon(req.name)
-            if dep in by_name and dep not in why and dep.startswith(IMAGE_CUDA_PREFIXES):
+        name, root = todo.pop()
+        for dep in needs.get(name, []):
+            if dep in in_set and dep not in why and dep.startswith(IMAGE_CUDA_PREFIXES):
                 why[dep] = f"{root}'s CUDA library (the image has {root}'s)"
-                todo.append((dep, frozenset(req.extras), root))
+                todo.append((dep, root))
+    return why
+
+
+def read_freeze(path: str) -> dict[str, str]:
+    """{distribution: version} from `pip freeze` or `pip list --format=freeze` output."""
+    _, canon = _packaging()
+    pairs = (line.split("==", 1) for line in open(path) if "==" in line and not line.startswith("#"))
+    return {canon(name.strip()): version.strip() for name, version in pairs}
+
+
+def met_by_image(report: dict, freeze: dict[str, str], skip: dict[str, str]) -> dict[str, str]:
+    """{distribution: why} for the set's distributions the image has at a version every requirement on it accepts."""
+    _, canon = _packaging()
+    on = {}
+    for _, req in set_requirements(report):
+        on.setdefault(canon(req.name), []).append(req.specifier)
+    why = {}
+    for item in report["install"]:
+        name = canon(item["metadata"]["name"])
+        have = freeze.get(name)
+        if name in skip or have is None:
+            continue
+        if all(spec.contains(have, prereleases=True) for spec in on.get(name, [])):
+            why[name] = f"the image has {have}, which every requirement on it here accepts"
     return why
 
 
@@ -233,9 +275,15 @@ def download(python: str, report: dict, skip: dict[str, str], wheels_dir: str) -
     _, canon = _packaging()
     wanted = [i for i in report["install"] if canon(i["metadata"]["name"]) not in skip]
     os.makedirs(wheels_dir, exist_ok=True)
-    urls = [i["download_info"]["url"] for i in wanted]
+
+    def whole(item: dict) -> bool:
+        path = os.path.join(wheels_dir, item["download_info"]["url"].rsplit("/", 1)[1])
+        return os.path.isfile(path) and sha256_of(path) == item["download_info"]["archive_info"]["hashes"]["sha256"]
+
+    urls = [i["download_info"]["url"] for i in wanted if not whole(i)]
     cmd = [python, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--quiet", "-d", wheels_dir]
-    subprocess.run([*cmd, "--only-binary=:all:", *platform_flags(), *urls], check=True)
+    if urls:
+        subprocess.run([*cmd, "--only-binary=:all:", *platform_flags(), *urls], check=True)
     records = []
     for item in wanted:
         name = item["download_info"]["url"].rsplit("/", 1)[1]
@@ -261,13 +309,20 @@ def max_glibc(names: list[str]) -> str:
 def prepare(args) -> int:
     """Resolve, download, write the manifest, cut the parts (everything under --out, an ignored folder)."""
     work = args.out
-    if os.path.isdir(work):
-        shutil.rmtree(work)
-    os.makedirs(work)
-    report = resolve(args.python, work)
+    os.makedirs(work, exist_ok=True)
+    shutil.rmtree(os.path.join(work, "parts"), ignore_errors=True)
+    reuse = args.reuse_resolve and os.path.isfile(os.path.join(work, "resolve.json"))
+    report = json.load(open(os.path.join(work, "resolve.json"))) if reuse else resolve(args.python, work)
     skip = image_closure(report)
+    _, canon = _packaging()
+    skip.update({canon(n): "left out by --leave-out" for n in args.leave_out.split(",") if n})
+    if args.image_freeze:
+        skip.update(met_by_image(report, read_freeze(args.image_freeze), skip))
     wheels = os.path.join(work, "wheels")
     records = download(args.python, report, skip, wheels)
+    kept = {r["file"] for r in records}
+    for stale in set(os.listdir(wheels)) - kept:  # from an earlier prepare that kept more
+        os.remove(os.path.join(wheels, stale))
     names = sorted(r["file"] for r in records)
     files = file_entries(wheels, names)
     by_file = {r["file"]: r for r in records}
@@ -334,10 +389,13 @@ def plan(args) -> int:
     for i, call in enumerate(calls):
         parts = [f"{rel}/parts/{p}" for p in call if p != "<wheelhouse>"]
         carry = [f"{rel}/manifest.json", *parts] + (["build/gpu_wheels"] if "<wheelhouse>" in call else [])
-        cmd = f"python3 scripts/vllm_offline.py land --carried {rel}/parts"
+        cmd = "python3 scripts/vllm_offline.py land" if parts else ""
         if "<wheelhouse>" in call:
-            cmd += " && bash scripts/vllm_offline_check.sh"
-        print(f"  call {i + 1}: carry={json.dumps(carry)}\n          command={cmd!r}")
+            cmd += (" && " if cmd else "") + f"bash scripts/vllm_offline_check.sh '{','.join(GPU_CHECK_STEPS[:2])}'"
+        print(f"  call {i + 1}: carry={json.dumps(carry)} command={cmd!r}")
+    rest = ",".join(GPU_CHECK_STEPS[2:])
+    print(f"  call {len(calls) + 1}: carry=[] command=\"bash scripts/vllm_offline_check.sh '{rest}'\"")
+    print("each call must follow the last within the machine's 30 s warm time: the landed parts live on that machine")
     return 0
 
 
@@ -413,10 +471,31 @@ def install(args) -> int:
     if args.dry_run:
         return 0
     subprocess.run([*cmd, *(os.path.join(wheels, f["name"]) for f in todo)], check=True)
-    probe = ("import torch, vllm; print(f'vllm {vllm.__version__} imports beside torch {torch.__version__} "
-             "(CUDA {torch.version.cuda})')")  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (args.site, os.environ.get("PYTHONPATH")) if p))
+    pythonpath = site_pythonpath(args.python, args.site)
+    with open(os.path.join(args.site, "pythonpath.txt"), "w") as f:
+        f.write(pythonpath)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p))
+    check = subprocess.run([args.python, "-m", "pip", "check"], env=env, capture_output=True, text=True)
+    names = {f["dist"].lower().replace("_", "-") for f in manifest["files"]} | {"vllm"}
+    unmet = [line for line in check.stdout.splitlines() if line.split(" ")[0].lower().replace("_", "-") in names]
+    print("[vllm_offline] pip check, the set's lines: " + ("; ".join(unmet) if unmet else "every requirement met"))
+    probe = ("import torch, vllm; print(f'[vllm_offline] vllm {vllm.__version__} imports beside torch "
+             "{torch.__version__} (CUDA {torch.version.cuda}), from {vllm.__file__}')")  # fmt: skip
     return subprocess.run([args.python, "-c", probe], env=env).returncode
+
+
+def site_pythonpath(python: str, site_dir: str) -> str:
+    """PYTHONPATH for the installed folder: the folder, then what its .pth files add (PYTHONPATH entries are not
+    site directories, so Python skips their .pth files: nvidia-cutlass-dsl's puts its `cutlass` package on the path).
+    """
+    code = (
+        "import os, site, sys\n"
+        "before = list(sys.path)\n"
+        "site.addsitedir(sys.argv[1])\n"
+        "print(os.pathsep.join([sys.argv[1]] + [p for p in sys.path if p not in before and p != sys.argv[1]]))\n"
+    )
+    out = subprocess.run([python, "-c", code, site_dir], capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
 
 
 def main(argv=None) -> int:
@@ -426,6 +505,9 @@ def main(argv=None) -> int:
     p.add_argument("--python", default=shutil.which("python3.12") or "python3.12", help="a Python 3.12 with pip")
     p.add_argument("--out", default=OUT)
     p.add_argument("--part-bytes", type=int, default=PART_BYTES)
+    p.add_argument("--leave-out", default="", help="comma-separated distributions not to carry (docs/gpu.md: lean)")
+    p.add_argument("--image-freeze", default=None, help="the image's `pip freeze`: leave out what it already meets")
+    p.add_argument("--reuse-resolve", action="store_true", help="use --out's resolve.json from an earlier prepare")
     p = sub.add_parser("plan", help="here: the device calls that carry the parts")
     p.add_argument("--out", default=OUT)
     for verb in ("land", "install"):
