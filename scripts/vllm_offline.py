@@ -439,6 +439,7 @@ def install(args) -> int:
     """Check every part, join them into the wheels, check every wheel, then pip install the ones the image lacks at
     that version into --site with --no-index --no-deps, and import vllm beside the image's torch."""
     manifest = json.load(open(args.manifest))
+    args.site = args.site or os.path.join(args.landing, "site")
     parts_dir, wheels = os.path.join(args.landing, "parts"), os.path.join(args.landing, "wheels")
     problems = part_problems(manifest, parts_dir)
     if problems:
@@ -517,7 +518,7 @@ def main(argv=None) -> int:
         if verb == "land":
             p.add_argument("--carried", default=os.path.join(OUT, "parts"), help="where this call's parts came")
         else:
-            p.add_argument("--site", default=os.path.join(LANDING, "site"), help="pip's --target")
+            p.add_argument("--site", default=None, help="pip's --target (default: LANDING/site)")
             p.add_argument("--python", default=sys.executable, help="the image's Python (its torch)")
             p.add_argument("--dry-run", action="store_true", help="join and verify, print what pip would install")
     args = parser.parse_args(argv)
