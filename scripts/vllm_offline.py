@@ -353,7 +353,7 @@ def summary(manifest: dict) -> str:
     lines = [
         f"vllm {manifest['vllm']} for Python {manifest['python']}: {len(manifest['files'])} wheels, {mib:.1f} MiB, "
         f"{len(manifest['parts'])} parts of <= {manifest['part_bytes'] / 2**20:.0f} MiB; newest glibc asked: "
-        f"{manifest['max_glibc']}; left out (the image has them): {len(manifest['left_out'])}",
+        f"{manifest['max_glibc']}; left out: {len(manifest['left_out'])} (the image's own or asked)",
         "largest: " + ", ".join(f"{f['dist']} {f['size'] / 2**20:.1f}" for f in largest) + " (MiB)",
     ]
     return "\n".join(lines)
@@ -390,6 +390,8 @@ def plan(args) -> int:
         parts = [f"{rel}/parts/{p}" for p in call if p != "<wheelhouse>"]
         carry = [f"{rel}/manifest.json", *parts] + (["build/gpu_wheels"] if "<wheelhouse>" in call else [])
         cmd = "python3 scripts/vllm_offline.py land" if parts else ""
+        if i == 0:  # the image's versions, for a later `prepare --image-freeze` (seconds)
+            cmd = "python3 -m pip freeze > $OUT/image-freeze.txt; " + cmd
         if "<wheelhouse>" in call:
             cmd += (" && " if cmd else "") + f"bash scripts/vllm_offline_check.sh '{','.join(GPU_CHECK_STEPS[:2])}'"
         print(f"  call {i + 1}: carry={json.dumps(carry)} command={cmd!r}")

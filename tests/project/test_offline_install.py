@@ -136,3 +136,47 @@ def test_max_glibc_is_the_newest_lowest_tag_of_any_wheel():
     assert vllm_offline.max_glibc(names) == "2.31"
     assert vllm_offline.max_glibc(names[2:]) == "2.27"
     assert vllm_offline.max_glibc(names[3:]) == ""
+
+
+def _item(name: str, version: str, *requires: str) -> dict:
+    return {"metadata": {"name": name, "version": version, "requires_dist": list(requires)}}
+
+
+FAKE_REPORT = {
+    "environment": {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
+                    "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
+                    "os_name": "posix", "platform_python_implementation": "CPython", "platform_release": "",
+                    "platform_version": "", "implementation_version": "3.12.3"},
+    "install": [
+        _item("vllm", "0.26.0", "torch==2.11.0", "numba==0.65.0", "six>=1.16; python_version > '3.11'",
+              "nvidia-cutlass-dsl[cu13]==4.6.0", "av; extra == 'audio'"),
+        _item("torch", "2.11.0", "cuda-toolkit[cudart]==13.0.2; platform_system == 'Linux'", "sympy>=1.13"),
+        _item("cuda-toolkit", "13.0.2", "nvidia-cuda-runtime==13.0.96.*; extra == 'cudart'",
+              "nvidia-npp==13.0.1.2.*; extra == 'npp'"),
+        _item("nvidia-cuda-runtime", "13.0.96"), _item("nvidia-npp", "13.0.1.2"), _item("sympy", "1.14.0"),
+        _item("numba", "0.65.0", "numpy<2.5,>=1.22"), _item("numpy", "2.3.5"), _item("six", "1.17.0"),
+        _item("nvidia-cutlass-dsl", "4.6.0", "nvidia-cutlass-dsl-libs-cu13==4.6.0; extra == 'cu13'"),
+        _item("nvidia-cutlass-dsl-libs-cu13", "4.6.0"), _item("triton", "3.6.0"), _item("transformers", "5.17.0"),
+        _item("torchvision", "0.26.0"), _item("torchaudio", "2.11.0"),
+    ],
+}  # fmt: skip
+
+
+def test_the_image_keeps_its_pins_and_torchs_cuda_libraries_with_the_extras_asked():
+    left_out = vllm_offline.image_closure(FAKE_REPORT)
+    assert set(left_out) == {
+        "torch", "triton", "transformers", "torchvision", "torchaudio", "cuda-toolkit", "nvidia-cuda-runtime",
+    }  # fmt: skip
+    # sympy is torch's but not CUDA's; nvidia-npp is behind an extra nobody asks; cutlass is vLLM's own
+    applies = {(who, str(req)) for who, req in vllm_offline.set_requirements(FAKE_REPORT)}
+    assert ("vllm", 'six>=1.16; python_version > "3.11"') in applies  # the marker read for 3.12, not pip's own
+    assert ("nvidia-cutlass-dsl", 'nvidia-cutlass-dsl-libs-cu13==4.6.0; extra == "cu13"') in applies
+    assert not any("av" == req.split(";")[0] for _, req in applies)
+
+
+def test_image_freeze_leaves_out_only_what_every_requirement_accepts(tmp_path):
+    freeze = tmp_path / "freeze.txt"
+    freeze.write_text("numpy==2.5.2\nnumba==0.65.0\nsix==1.17.0\nsympy==1.14.0\n# comment\n-e git+x#egg=y\n")
+    skip = vllm_offline.image_closure(FAKE_REPORT)
+    met = vllm_offline.met_by_image(FAKE_REPORT, vllm_offline.read_freeze(str(freeze)), skip)
+    assert set(met) == {"numba", "six", "sympy"}  # numpy is carried: numba asks <2.5, the image has 2.5.2
