@@ -475,8 +475,6 @@ def install(args) -> int:
         return 0
     subprocess.run([*cmd, *(os.path.join(wheels, f["name"]) for f in todo)], check=True)
     pythonpath = site_pythonpath(args.python, args.site)
-    with open(os.path.join(args.site, "pythonpath.txt"), "w") as f:
-        f.write(pythonpath)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (pythonpath, os.environ.get("PYTHONPATH")) if p))
     check = subprocess.run([args.python, "-m", "pip", "check"], env=env, capture_output=True, text=True)
     names = {f["dist"].lower().replace("_", "-") for f in manifest["files"]} | {"vllm"}
@@ -484,7 +482,11 @@ def install(args) -> int:
     print("[vllm_offline] pip check, the set's lines: " + ("; ".join(unmet) if unmet else "every requirement met"))
     probe = ("import torch, vllm; print(f'[vllm_offline] vllm {vllm.__version__} imports beside torch "
              "{torch.__version__} (CUDA {torch.version.cuda}), from {vllm.__file__}')")  # fmt: skip
-    return subprocess.run([args.python, "-c", probe], env=env).returncode
+    if subprocess.run([args.python, "-c", probe], env=env).returncode:
+        return 1
+    with open(os.path.join(args.site, "pythonpath.txt"), "w") as f:  # scripts/vllm_offline_check.sh reads it
+        f.write(pythonpath)
+    return 0
 
 
 def site_pythonpath(python: str, site_dir: str) -> str:
