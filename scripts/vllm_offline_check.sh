@@ -28,4 +28,4 @@ if [ ${#DRY_RUN[@]} -eq 0 ]; then
 fi
 echo "[vllm_offline] gpu_check --only \"$STEPS\" within $((CALL_S - SECONDS)) s (install took ${SECONDS} s)"
 PYTHON="$PYTHON" exec bash scripts/gpu_check.sh "${DRY_RUN[@]}" "${WHEELHOUSE[@]}" --no-install --only "$STEPS" \
-    --work-dir "$LANDING/check" --budget-s "$((CALL_S - SECONDS))"
+    --work-dir "$LANDING/check-$(date +%s)" --budget-s "$((CALL_S - SECONDS))"  # a folder per call
