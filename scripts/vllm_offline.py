@@ -8,6 +8,7 @@ and torchaudio 2.11.0. vLLM 0.26.0 is the newest release whose wheel pins that t
     python scripts/vllm_offline.py plan                    # here: the device calls that carry the parts
     python3 scripts/vllm_offline.py land                   # there, once per call: keep the carried part(s)
     python3 scripts/vllm_offline.py install                # there, last: join, verify, pip install, import vllm
+    bash scripts/vllm_offline_check.sh STEPS               # there, last: `install` once, then gpu_check's STEPS
 
 `prepare` resolves vLLM against the image's versions with a Python 3.12 pip (markers such as `python_version >
 "3.11"` are evaluated by the interpreter that runs pip, not by `--python-version`), downloads every wheel of the set
@@ -34,10 +35,10 @@ VLLM = "vllm==0.26.0"
 IMAGE_PINS = ("torch==2.11.0", "triton==3.6.0", "transformers==5.17.0", "torchvision==0.26.0", "torchaudio==2.11.0")
 IMAGE_CUDA_PREFIXES = ("nvidia-", "cuda-")  # torch's CUDA libraries (cuda-toolkit's nvidia-* wheels) are there too
 PYTHON_VERSION = "3.12"
-MAX_GLIBC = 35  # manylinux_2_N tags accepted, N <= 35 (llguidance has only a 2_31 wheel; the image is Ubuntu 24.04)
+MAX_GLIBC = 35  # manylinux_2_N tags up to 2_35 (llguidance has only a 2_31 wheel); `install` checks the machine's
 PART_BYTES = 60 * 2**20  # the device tool carries 64 MiB a call, the working tree (~3.5 MiB) included
 OUT = os.path.join(ROOT, "build", "vllm_offline")  # ignored (.gitignore): wheels/, parts/, manifest.json
-LANDING = "/tmp/rlframe-vllm-offline"  # on the GPU machine: parts/ as they land, then wheels/ and site/
+LANDING = os.environ.get("RLFRAME_VLLM_OFFLINE", "/tmp/rlframe-vllm-offline")  # there: parts/, wheels/, site/
 CARRY_BYTES = 64 * 2**20
 GPU_CHECK_STEPS = ("grpo vllm", "vllm rollout", "vllm async", "vllm lora", "vllm vl")
 CHUNK = 2**20
