@@ -468,7 +468,8 @@ def install(args) -> int:
     todo = [f for f in manifest["files"] if f["dist"] not in present]
     cmd = [args.python, "-m", "pip", "install", "--no-index", "--no-deps", "--no-compile", "--quiet",
            "--disable-pip-version-check", "--upgrade", "--target", args.site]  # fmt: skip
-    print(f"[vllm_offline] skipping {len(present)} the image has at that version: {', '.join(sorted(present))}")
+    have = ", ".join(sorted(present))
+    print(f"[vllm_offline] skipping {len(present)} this Python (the image there) has at that version: {have}")
     print(f"[vllm_offline] {'would run' if args.dry_run else 'running'}: {' '.join(cmd)} <{len(todo)} wheels>")
     for f in todo:
         print(f"    {f['dist']}=={f['version']}  {f['size'] / 2**20:8.1f} MiB  {f['name']}")
