@@ -232,6 +232,20 @@ def eta1_saved_at_step_2(ray_cluster, tmp_path_factory):
     return first, metrics
 
 
+def resumed_from_step_2(first, resumed, overrides: list[str]) -> list[dict]:
+    """A run with `overrides` resumed from `first`'s global_step_2 into the folder `resumed`: its metrics."""
+    metrics, _ = train_in_process(
+        [
+            *overrides,
+            "trainer.resume_mode=resume_path",
+            f"trainer.resume_from_path={first / 'global_step_2'}",
+            f"trainer.rollout_data_dir={resumed / 'dumps'}",
+            f"trainer.default_local_dir={resumed}",
+        ]
+    )
+    return metrics
+
+
 def test_a_checkpoint_keeps_the_prompts_in_flight_and_the_resumed_run_trains_them(eta1_saved_at_step_2, tmp_path):
     """η = 1: when step 2 saves, the groups of steps 3 and 4 are generating or finished. The checkpoint keeps their
     prompts (not their responses); a run resumed from it generates them again first and trains exactly the prompts
@@ -239,15 +253,7 @@ def test_a_checkpoint_keeps_the_prompts_in_flight_and_the_resumed_run_trains_the
     first, metrics = eta1_saved_at_step_2
     assert [m["async/in_flight_groups"] for m in metrics][:2] == [4, 4]  # step 2 saved with groups in flight
     resumed = tmp_path / "resumed"
-    metrics, _ = train_in_process(
-        [
-            *ETA1_FOUR_STEPS,
-            "trainer.resume_mode=resume_path",
-            f"trainer.resume_from_path={first / 'global_step_2'}",
-            f"trainer.rollout_data_dir={resumed / 'dumps'}",
-            f"trainer.default_local_dir={resumed}",
-        ]
-    )
+    metrics = resumed_from_step_2(first, resumed, ETA1_FOUR_STEPS)
     assert [m["step"] for m in metrics] == [3, 4]
     before = _trained_prompts(first / "dumps", (1, 2, 3, 4))
     after = _trained_prompts(resumed / "dumps", (3, 4))
@@ -262,17 +268,7 @@ def test_an_asynchronous_checkpoint_resumed_synchronously_trains_the_prompts_it_
     word. Now its steps 3 and 4 train exactly the prompts the asynchronous run trained there."""
     first, _ = eta1_saved_at_step_2
     resumed = tmp_path / "resumed"
-    metrics, _ = train_in_process(
-        [
-            *BASE,
-            "trainer.total_training_steps=4",
-            "trainer.test_freq=-1",
-            "trainer.resume_mode=resume_path",
-            f"trainer.resume_from_path={first / 'global_step_2'}",
-            f"trainer.rollout_data_dir={resumed / 'dumps'}",
-            f"trainer.default_local_dir={resumed}",
-        ]
-    )
+    metrics = resumed_from_step_2(first, resumed, [*BASE, "trainer.total_training_steps=4", "trainer.test_freq=-1"])
     assert [m["step"] for m in metrics] == [3, 4]
     before = _trained_prompts(first / "dumps", (1, 2, 3, 4))
     after = _trained_prompts(resumed / "dumps", (3, 4))
