@@ -44,7 +44,7 @@ from rlframe.workers.fsdp_utils import (
 )
 from rlframe.workers.profiler import Profiler, ProfileSession, profiled
 from rlframe.workers.updater import ModelOptions, PPOUpdater, RoleModel
-from rlframe.workers.weight_sync import iter_full_params_bucketed
+from rlframe.workers.weight_sync import iter_full_params_bucketed, sync_lora_to_rollout
 
 
 def fsdp_spec(fsdp_cfg: DictConfig, strategy: str, device_type: str) -> FSDPSpec:
@@ -283,7 +283,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
                 for _ in iter_full_params_bucketed(self.actor_module):
                     pass
             elif lora.is_lora(self.actor_module):
-                lora.sync_to_rollout(self.rollout, self.actor_module)
+                sync_lora_to_rollout(self.rollout, self.actor_module)
             else:
                 self.rollout.update_weights(iter_full_params_bucketed(self.actor_module))
             self._weights_dirty = False

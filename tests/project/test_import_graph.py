@@ -35,7 +35,6 @@ KNOWN_CIRCLES: list[frozenset[str]] = [
             "vllm_server",
         )
     ),
-    frozenset({"rlframe.workers.fsdp_utils", "rlframe.workers.lora", "rlframe.workers.weight_sync"}),
 ]
 
 
