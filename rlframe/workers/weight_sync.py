@@ -1,6 +1,6 @@
 """The weight-sync stream from the FSDP actor into the rollout: full tensors, gathered a bucket at a time.
 
-`iter_full_params` (fsdp_utils) all-gathers every FSDP2 parameter on its own: one collective per tensor,
+`iter_full_params` (full_tensors) all-gathers every FSDP2 parameter on its own: one collective per tensor,
 ~270 for SmolLM2-135M, each paying gloo's latency on CPU. `iter_full_params_bucketed` gathers the dim-0
 shards of many tensors of one dtype with one `all_gather` per bucket of about `bucket_bytes` (flat
 buffers, each rank's shard sizes known from DTensor's chunking rule), then cuts each full tensor back out:
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from rlframe.distributed.shm_gather import SharedMemoryGroups
-from rlframe.workers.fsdp_utils import iter_full_params, on_mesh_device
+from rlframe.workers.full_tensors import iter_full_params, on_mesh_device
 from rlframe.workers.lora import (
     ADAPTER,
     base_name,

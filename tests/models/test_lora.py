@@ -25,7 +25,7 @@ from transformers import AutoConfig
 
 from rlframe.workers import checkpoint as ckpt
 from rlframe.workers import lora
-from rlframe.workers.fsdp_utils import build_optimizer
+from rlframe.workers.optimizer import build_optimizer
 from rlframe.workers.weight_sync import sync_lora_to_rollout
 
 RTOL = 1e-5
