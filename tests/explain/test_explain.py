@@ -1,4 +1,4 @@
-"""`rlframe explain`: the design's worked example, balancing across DP ranks, lengths from files,
+"""`rlframe explain` (`rlframe/explain/`): the design's worked example, balancing across DP ranks, lengths from files,
 and the command's output and errors."""
 
 import json
