@@ -8,19 +8,7 @@ whenever any of the package is imported, right after `loss.py`'s own losses.
 from __future__ import annotations
 
 from rlframe.algorithms.loss import PolicyLossArgs, register_policy_loss
-from rlframe.algorithms.rollout_correction import bypass_policy_loss
-
-# verl 0.9.1's `actor.policy_loss.rollout_correction` when its trainer has not set it (the dataclass default of
-# PolicyLossConfig; verl's trainer sets it to `algorithm.rollout_correction` only in bypass mode)
-BYPASS_LOSS_DEFAULT_CORRECTION = {
-    "rollout_is": "sequence",
-    "rollout_is_threshold": 2.0,
-    "rollout_is_batch_normalize": False,
-    "rollout_rs": None,
-    "rollout_rs_threshold": None,
-    "bypass_mode": False,
-    "loss_type": "ppo_clip",
-}
+from rlframe.algorithms.rollout_correction import BYPASS_LOSS_DEFAULT, bypass_policy_loss
 
 
 @register_policy_loss("bypass_mode", clips_ratio=True, dual_clip=True, summary="rollout-correction bypass loss")
@@ -29,7 +17,7 @@ def compute_policy_loss_bypass_mode(old_log_prob, log_prob, advantages, response
     π_θ against it (weights and rejection), then `loss_type=ppo_clip` (the vanilla loss on π_θ/π_old, the
     weights only reported) or `reinforce`. As a loss_mode of its own (outside
     `algorithm.rollout_correction.bypass_mode=true`, where the actor runs this loss with the algorithm's
-    correction keys whatever the loss_mode), it reads verl's defaults `BYPASS_LOSS_DEFAULT_CORRECTION`:
+    correction keys whatever the loss_mode), it reads verl's defaults (`rollout_correction.BYPASS_LOSS_DEFAULT`):
     sequence-level weights for the `rollout_corr/*` metrics, no rejection, PPO-clip — the vanilla loss.
     """
-    return bypass_policy_loss(old_log_prob, log_prob, advantages, response_mask, BYPASS_LOSS_DEFAULT_CORRECTION, args)
+    return bypass_policy_loss(old_log_prob, log_prob, advantages, response_mask, BYPASS_LOSS_DEFAULT, args)

@@ -128,7 +128,7 @@ def test_update_policy_changes_parameters_and_freeze_keeps_the_tower(tiny_vl_pat
     model = _load(tiny_vl_path, use_remove_padding=True, freeze_vision_tower=freeze)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     actor = make_role(sc, NUM_SEQS, model, build_optimizer(model, OptimConfig(lr=1e-3)))
-    metrics = actor.update_policy(vl_batch)
+    metrics, _ = actor.update_policy(vl_batch)
     assert len(metrics["actor/pg_loss"]) == 1
     changed = {name: not torch.equal(p, before[name]) for name, p in model.named_parameters()}
     tower = [name for name in changed if ".visual." in name]
