@@ -33,19 +33,14 @@ from rlframe.workers.activation_offload import enable as enable_activation_offlo
 from rlframe.workers.actor import PPOActor
 from rlframe.workers.batching import micro_batch_spec
 from rlframe.workers.critic import PPOCritic
-from rlframe.workers.fsdp_utils import (
-    FSDPSpec,
-    ModelSpec,
-    build_lr_scheduler,
-    build_optimizer,
-    load_hf_model,
-    move_optimizer_state,
-    resolve_dtype,
-    wrap_fsdp,
-)
+from rlframe.workers.fsdp_utils import resolve_dtype
+from rlframe.workers.fsdp_wrap import FSDPSpec, wrap_fsdp
+from rlframe.workers.lr_schedule import build_lr_scheduler
+from rlframe.workers.model_loading import ModelSpec, load_hf_model
+from rlframe.workers.optimizer import build_optimizer, move_optimizer_state
 from rlframe.workers.profiler import Profiler, ProfileSession, profiled
 from rlframe.workers.updater import ModelOptions, PPOUpdater, RoleModel
-from rlframe.workers.weight_sync import iter_full_params_bucketed
+from rlframe.workers.weight_sync import iter_full_params_bucketed, sync_lora_to_rollout
 
 
 def fsdp_spec(fsdp_cfg: DictConfig, strategy: str, device_type: str) -> FSDPSpec:
@@ -282,7 +277,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
                 for _ in iter_full_params_bucketed(self.actor_module):
                     pass
             elif lora.is_lora(self.actor_module):
-                lora.sync_to_rollout(self.rollout, self.actor_module)
+                sync_lora_to_rollout(self.rollout, self.actor_module)
             else:
                 self.rollout.update_weights(iter_full_params_bucketed(self.actor_module))
             self._weights_dirty = False

@@ -43,7 +43,7 @@ from rlframe.workers.batching import (
     restore_order,
     split_micro_batches,
 )
-from rlframe.workers.fsdp_utils import clip_grad_norm
+from rlframe.workers.optimizer import clip_grad_norm
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ from transformers import AutoConfig
 from rlframe.algorithms.on_policy import SKIP_KEY, old_log_prob_pass_reason
 from rlframe.distributed.parallel_dims import build_fsdp_mesh
 from rlframe.protocol import DataProto
-from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, load_hf_model, wrap_fsdp
+from rlframe.workers.fsdp_wrap import FSDPSpec, wrap_fsdp
+from rlframe.workers.model_loading import ModelSpec, load_hf_model
 
 NUM_SEQS = 8
 

@@ -56,15 +56,10 @@ def _batch(vocab: int, seqs: int = 4, prompt: int = 16, response: int = 16, seed
 def test_nccl_fsdp2_param_and_optimizer_offload_step(smollm2, nccl_world):
     """Issue 18 items 5, 6, 9: offloaded shards meet nccl only on CUDA; Adam's state stays with its parameter."""
     from rlframe.distributed.parallel_dims import build_fsdp_mesh
-    from rlframe.workers.fsdp_utils import (
-        FSDPSpec,
-        ModelSpec,
-        clip_grad_norm,
-        iter_full_params,
-        load_hf_model,
-        move_optimizer_state,
-        wrap_fsdp,
-    )
+    from rlframe.workers.fsdp_wrap import FSDPSpec, wrap_fsdp
+    from rlframe.workers.full_tensors import iter_full_params
+    from rlframe.workers.model_loading import ModelSpec, load_hf_model
+    from rlframe.workers.optimizer import clip_grad_norm, move_optimizer_state
 
     mesh = build_fsdp_mesh("cuda", 1, -1)
     spec = ModelSpec(smollm2, "actor", torch.float32, use_remove_padding=False)

@@ -28,8 +28,9 @@ from rlframe.workers.config.actor import ActorConfig, PolicyLossConfig
 from rlframe.workers.config.critic import CriticConfig, CriticOptimConfig
 from rlframe.workers.config.model import OptimConfig
 from rlframe.workers.critic import PPOCritic
-from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, decoder_layers, load_hf_model, wrap_fsdp
+from rlframe.workers.fsdp_wrap import FSDPSpec, decoder_layers, wrap_fsdp
 from rlframe.workers.lora import LoraSpec, adapter_disabled, apply_lora
+from rlframe.workers.model_loading import ModelSpec, load_hf_model
 from rlframe.workers.updater import ModelOptions, RoleModel
 
 PROMPT_LEN, RESPONSE_LEN = 8, 8

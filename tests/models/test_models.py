@@ -35,7 +35,7 @@ def test_actor_and_ref_score_at_the_rollout_temperature(tiny_model_path):
 
     from rlframe.algorithms.update_mode import ActorUpdate
     from rlframe.workers.actor import PPOActor
-    from rlframe.workers.fsdp_utils import ModelSpec, load_hf_model
+    from rlframe.workers.model_loading import ModelSpec, load_hf_model
     from rlframe.workers.updater import RoleModel
 
     config, plan, options = role_for(Scenario(strategy="none", use_remove_padding=False), 4)

@@ -266,7 +266,7 @@ def test_image_rows_for_a_text_model_are_refused_naming_the_row_and_key(tiny_mod
 
 
 def test_explain_says_where_a_vision_language_models_images_come_from(tiny_vl_path, tmp_path, capsys, monkeypatch):
-    from rlframe.explain import main
+    from rlframe.explain.cli import main
 
     monkeypatch.setenv("RLFRAME_CACHE", str(tmp_path))
     status = main(

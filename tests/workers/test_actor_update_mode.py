@@ -16,7 +16,7 @@ from transformers import AutoConfig
 from rlframe.algorithms.update_mode import ActorUpdate, UpdateMode, update_mode
 from rlframe.trainer.config import compose, typed
 from rlframe.workers.actor import PPOActor
-from rlframe.workers.fsdp_utils import ModelSpec, load_hf_model
+from rlframe.workers.model_loading import ModelSpec, load_hf_model
 from rlframe.workers.updater import RoleModel
 
 NUM_SEQS = 8

@@ -14,9 +14,10 @@ from helpers.equivalence import NUM_SEQS, assert_matches
 from helpers.fsdp_harness import RESPONSE_LEN, Scenario, make_role, run_distributed, run_scenario
 from helpers.vl_batch import ROW_IMAGES, make_vl_batch
 
-from rlframe.workers.fsdp_utils import ModelSpec, build_optimizer, load_hf_model
 from rlframe.workers.model_forward import PaddedLayout, forward_micro_batch
+from rlframe.workers.model_loading import ModelSpec, load_hf_model
 from rlframe.workers.multimodal import IMAGE_ROW, RowImages, vision_tower
+from rlframe.workers.optimizer import build_optimizer
 from rlframe.workers.reward_model import load_reward_model
 
 assert len(ROW_IMAGES) == NUM_SEQS  # the harness's plans cut NUM_SEQS rows

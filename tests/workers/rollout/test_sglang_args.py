@@ -257,7 +257,7 @@ def test_visible_devices_are_scoped_to_the_engine_build(monkeypatch):
 
 # ---------------------------------------------------------------------------------------- launch checks
 def test_without_sglang_explain_and_train_refuse_naming_the_key_and_the_install(tmp_path, monkeypatch, capsys):
-    from rlframe.explain import main as explain_main
+    from rlframe.explain.cli import main as explain_main
     from rlframe.trainer.main_ppo import prepare
 
     if sglang_rollout.importlib.util.find_spec("sglang") is not None:
