@@ -9,7 +9,8 @@ The model is random-init from a Qwen2Config with Qwen2.5-0.5B's shape (no downlo
 24 layers, 14 heads (2 kv), intermediate 4864, vocab 151936, tied embeddings. One step is what the
 actor does per mini-batch minus the optimizer: dynamic micro-batches of at most `--max-token-len`
 tokens, each packed into one row (`forward_micro_batch`, `rlframe_varlen` attention: flash-attn's
-varlen kernel when installed, torch SDPA per sequence otherwise) and a backward of its log-probs.
+varlen kernel when installed, else torch's own `varlen_attn`, else torch SDPA per sequence; the
+output names the one that ran) and a backward of its log-probs.
 Lengths are the GPU mix of `bench/_common.py` (30% responses 800–2048 tokens, the rest 50–200).
 
 MFU = model FLOPs per second / the device's dense bf16 peak, with model FLOPs counted as below
@@ -55,11 +56,11 @@ SMOKE = dict(
 
 def attention_kernel(device: str, dtype: torch.dtype) -> str:
     """The packed-attention kernel that runs: the same decision `varlen_causal_attention` makes per call."""
-    from rlframe.distributed.attention import varlen_kernel
+    from rlframe.distributed.attention import SDPA_PER_SEQUENCE, varlen_kernel
 
     kernel = varlen_kernel(device, dtype)
-    if device == "cuda" and kernel != "flash-attn varlen":
-        kernel += " (flash-attn does not import here: attention is slower than it should be)"
+    if device == "cuda" and kernel == SDPA_PER_SEQUENCE:
+        kernel += " (neither flash-attn nor torch's varlen_attn runs here: attention is slower than it should be)"
     return kernel
 
 

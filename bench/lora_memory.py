@@ -21,8 +21,9 @@ import torch
 from _common import add_thread_flag, print_table, tiny_causal_lm
 from omegaconf import OmegaConf
 
-from rlframe.workers.fsdp_utils import ModelSpec, build_optimizer, load_hf_model
 from rlframe.workers.lora import LoraSpec, apply_lora
+from rlframe.workers.model_loading import ModelSpec, load_hf_model
+from rlframe.workers.optimizer import build_optimizer
 
 LARGER = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, vocab_size=4096, intermediate_size=1536)
 OPTIM = OmegaConf.create({"lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.01})

@@ -36,7 +36,7 @@ def _train(args: list[str]) -> int:
 
 
 def _explain(args: list[str]) -> int:
-    from rlframe.explain import main as explain_main
+    from rlframe.explain.cli import main as explain_main
 
     return explain_main(args)
 

@@ -194,6 +194,14 @@ def plan(work: str) -> list[Step]:
             figure=r"out: flash-attn error (\S+), bf16 SDPA error (\S+)",
         ),
         Step(
+            "torch varlen",
+            "issue 43: torch's varlen_attn without flash-attn (GQA 9/3, causal and windowed) vs the padded reference",
+            "pytest",
+            test + "test_torch_varlen_attn_matches_the_padded_reference",
+            timeout_s=60,
+            figure=r"torch varlen_attn: packed bf16 error (\S+), HF bf16 error (\S+)",
+        ),
+        Step(
             "gpu_mfu",
             "minor: the MFU bench says which attention kernel ran",
             "command",
@@ -535,7 +543,7 @@ def dry_run_checks(steps: list[Step], work: str) -> list[tuple[str, str, str]]:
         found = target_exists(step)
         checks.append((f"target of {step.name}", "ok" if found else "MISSING", step.target))
     for module in (
-        "rlframe.workers.fsdp_utils",
+        "rlframe.workers.fsdp_wrap",
         "rlframe.workers.rollout.vllm_rollout",
         "rlframe.workers.rollout.sglang_rollout",
         "rlframe.distributed.attention",
@@ -658,7 +666,7 @@ def installed_versions_row(python: str, env: dict) -> tuple[str, str, str]:
 
 def core_import_problem(python: str, env: dict) -> str | None:
     """The module rlframe's core lacks here (its pip name), or None when rlframe imports."""
-    probe = "import rlframe.workers.fsdp_utils, rlframe.workers.model_forward, rlframe.config.loader"
+    probe = "import rlframe.workers.fsdp_wrap, rlframe.workers.model_forward, rlframe.config.loader"
     code, out = run_bounded([python, "-c", probe], 90, env)
     if code == 0:
         return None

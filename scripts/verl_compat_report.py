@@ -289,7 +289,7 @@ def config_keys() -> ConfigKeys:
 
 def run_explain(overrides: list[str]) -> tuple[int, str, list[str]]:
     """Exit status, error message and warnings of `rlframe explain --format json <overrides>`."""
-    from rlframe.explain import main as explain_main
+    from rlframe.explain.cli import main as explain_main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -1,12 +1,13 @@
 """The algorithm package's sections: `algorithm.rollout_correction` and `algorithm.pf_ppo`.
 
-The math they configure is in `rollout_correction.py` and `pf_ppo.py`; the threshold parsers here
-check the keys on the driver and are read again by that math.
+The math they configure is in `rollout_correction.py` and `pf_ppo.py`. The rollout-correction keys are
+parsed once (`RolloutCorrection.parse`) when the driver and the actor are built; the math takes the
+parsed numbers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rlframe.algorithms.loss import POLICY_LOSS_INFO
@@ -103,6 +104,47 @@ def parse_rs_thresholds(options: list[str], spec: Any) -> dict[str, tuple[float 
     return out
 
 
+@dataclass(frozen=True)
+class RolloutCorrection:
+    """`algorithm.rollout_correction` parsed once: thresholds as numbers, rejection options in order.
+
+    `is_bounds` is (upper, lower or None): a lone upper bound truncates (TIS), both keep [lower, upper]
+    (IcePop). `rs_bounds` maps each `rollout_rs` option, in order, to its (lower or None, upper).
+    """
+
+    rollout_is: str | None = None
+    is_bounds: tuple[float, float | None] = (2.0, None)
+    rollout_is_batch_normalize: bool = False
+    rs_bounds: dict[str, tuple[float | None, float]] = field(default_factory=dict)
+    bypass_mode: bool = False
+    loss_type: str = "ppo_clip"
+
+    @classmethod
+    def parse(cls, section: Any) -> RolloutCorrection:
+        """The parsed keys of a section holding verl's seven `algorithm.rollout_correction` keys."""
+        rs_bounds = {}
+        if section.rollout_rs is not None:
+            rs_bounds = parse_rs_thresholds(parse_rs_options(section.rollout_rs), section.rollout_rs_threshold)
+        return cls(
+            rollout_is=section.rollout_is,
+            is_bounds=parse_is_threshold(section.rollout_is_threshold),
+            rollout_is_batch_normalize=bool(section.rollout_is_batch_normalize),
+            rs_bounds=rs_bounds,
+            bypass_mode=bool(section.bypass_mode),
+            loss_type=str(section.loss_type),
+        )
+
+    @property
+    def needs_mini_batch_normalizer(self) -> bool:
+        """True when bypass mode's loss uses batch-normalized IS weights (reinforce with rollout_is_batch_normalize).
+
+        The weights follow the policy being trained, so their mean is one over the whole mini-batch under the
+        parameters of that optimizer step: the actor computes it first (one forward without gradients) and
+        passes every micro-batch the sums (`normalizer_sums`, added over DP ranks).
+        """
+        return self.loss_type == "reinforce" and self.rollout_is is not None and self.rollout_is_batch_normalize
+
+
 @dataclass
 class RolloutCorrectionConfig(Section):
     rollout_is: str | None = key(
@@ -116,9 +158,7 @@ class RolloutCorrectionConfig(Section):
     loss_type: str = key("ppo_clip", "bypass-mode actor loss: ppo_clip | reinforce", choices=LOSS_TYPES)
 
     def check(self, path: str, root: Any) -> None:
-        parse_is_threshold(self.rollout_is_threshold)
-        if self.rollout_rs is not None:
-            parse_rs_thresholds(parse_rs_options(self.rollout_rs), self.rollout_rs_threshold)
+        RolloutCorrection.parse(self)
         used = self.rollout_is is not None or self.rollout_rs is not None or self.bypass_mode
         if used and not root.actor_rollout_ref.rollout.calculate_log_probs:
             raise ValueError(

@@ -521,33 +521,6 @@ def compute_policy_loss_kl_cov(
 TOKEN_SELECTORS.update(clip_cov=select_clip_cov_tokens, kl_cov=select_kl_cov_tokens)
 
 
-# verl 0.9.1's `actor.policy_loss.rollout_correction` when its trainer has not set it (the dataclass default of
-# PolicyLossConfig; verl's trainer sets it to `algorithm.rollout_correction` only in bypass mode)
-BYPASS_LOSS_DEFAULT_CORRECTION = {
-    "rollout_is": "sequence",
-    "rollout_is_threshold": 2.0,
-    "rollout_is_batch_normalize": False,
-    "rollout_rs": None,
-    "rollout_rs_threshold": None,
-    "bypass_mode": False,
-    "loss_type": "ppo_clip",
-}
-
-
-@register_policy_loss("bypass_mode", clips_ratio=True, dual_clip=True, summary="rollout-correction bypass loss")
-def compute_policy_loss_bypass_mode(old_log_prob, log_prob, advantages, response_mask, args: PolicyLossArgs):
-    """verl 0.9.1's `bypass_mode` loss, which takes `old_log_prob` as π_rollout: the rollout correction of
-    π_θ against it (weights and rejection), then `loss_type=ppo_clip` (the vanilla loss on π_θ/π_old, the
-    weights only reported) or `reinforce`. As a loss_mode of its own (outside
-    `algorithm.rollout_correction.bypass_mode=true`, where the actor runs this loss with the algorithm's
-    correction keys whatever the loss_mode), it reads verl's defaults `BYPASS_LOSS_DEFAULT_CORRECTION`:
-    sequence-level weights for the `rollout_corr/*` metrics, no rejection, PPO-clip — the vanilla loss.
-    """
-    from rlframe.algorithms.rollout_correction import bypass_policy_loss  # imports this module
-
-    return bypass_policy_loss(old_log_prob, log_prob, advantages, response_mask, BYPASS_LOSS_DEFAULT_CORRECTION, args)
-
-
 def compute_value_loss(
     vpreds,
     returns,

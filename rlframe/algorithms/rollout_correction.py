@@ -23,24 +23,17 @@ Batch normalization of a whole batch needs the batch's mean: on the driver (deco
 batch is at hand; in the actor (bypass mode) `normalizer_sums` gives each micro-batch's part of the
 mean's numerator and denominator, which the worker sums over micro-batches and DP ranks.
 
-The keys and their parsers (`RolloutCorrectionConfig`, `parse_is_threshold`, `parse_rs_thresholds`) are in
-`rlframe/algorithms/config.py`.
+The keys (`RolloutCorrectionConfig`) and their parsed form (`RolloutCorrection`, built once when the driver
+and the actor are built) are in `rlframe/algorithms/config.py`; the functions here take parsed numbers.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
-from rlframe.algorithms.config import (
-    IS_LEVELS,
-    RolloutCorrectionConfig,
-    parse_is_threshold,
-    parse_rs_options,
-    parse_rs_thresholds,
-)
+from rlframe.algorithms.config import IS_LEVELS, RolloutCorrection
 from rlframe.algorithms.loss import Aggregation, PolicyLossArgs, compute_policy_loss_vanilla
 from rlframe.algorithms.masked import masked_mean, masked_sum
 
@@ -65,10 +58,13 @@ def _masked_min(values, mask):
 
 
 def is_weights(
-    log_ratio: torch.Tensor, response_mask: torch.Tensor, level: str, threshold: Any
+    log_ratio: torch.Tensor, response_mask: torch.Tensor, level: str, bounds: tuple[float, float | None]
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Truncated (TIS) or range-masked (IcePop) IS weights [bs, len], zero on padding, and their metrics."""
-    upper, lower = parse_is_threshold(threshold)
+    """Truncated (TIS) or range-masked (IcePop) IS weights [bs, len], zero on padding, and their metrics.
+
+    `bounds` is (upper, lower or None), as `parse_is_threshold` gives it.
+    """
+    upper, lower = bounds
     mask = response_mask.to(log_ratio.dtype)
     if level == "token":
         log_for_metrics = log_ratio
@@ -155,18 +151,18 @@ def _divergences(log_ratio: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 def rejection_mask(
-    log_ratio: torch.Tensor, response_mask: torch.Tensor, rollout_rs: str, rollout_rs_threshold: Any
+    log_ratio: torch.Tensor, response_mask: torch.Tensor, bounds: dict[str, tuple[float | None, float]]
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The response mask with rejected tokens removed (every option must pass), and verl's rollout_rs_* metrics."""
-    options = parse_rs_options(rollout_rs)
-    bounds = parse_rs_thresholds(options, rollout_rs_threshold)
+    """The response mask with rejected tokens removed (every option must pass), and verl's rollout_rs_* metrics.
+
+    `bounds` maps each option, in order, to its (lower or None, upper), as `parse_rs_thresholds` gives it.
+    """
     divergence = _divergences(log_ratio)
     valid = response_mask.bool()
     seq_valid = valid.any(dim=-1)
     keep_all = torch.ones_like(log_ratio)
     metrics: dict[str, float] = {}
-    for option in options:
-        lower, upper = bounds[option]
+    for option, (lower, upper) in bounds.items():
         token_stat = divergence[option[-2:]]
         # k1 bounds a ratio: its statistic −log r is compared with the logs of the bounds
         low, high = (math.log(lower), math.log(upper)) if lower is not None else (None, upper)
@@ -271,13 +267,13 @@ def rollout_correction(
     log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,
     response_mask: torch.Tensor,
-    cfg: Any,
+    correction: RolloutCorrection,
     normalizer: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
     """(IS weights or None, response mask after rejection, `rollout_corr/*` metrics) for one batch.
 
-    `log_prob` is the trainer's (π_old, or π_θ in bypass mode); `cfg` holds the
-    `algorithm.rollout_correction` keys. With batch normalization the weights are divided by the mean
+    `log_prob` is the trainer's (π_old, or π_θ in bypass mode); `correction` is
+    `algorithm.rollout_correction`, parsed. With batch normalization the weights are divided by the mean
     over this batch, or by `normalizer` = (Σ weights, count) of a larger batch this one is part of.
     """
     if not response_mask.any():
@@ -285,15 +281,15 @@ def rollout_correction(
     log_ratio = log_prob - rollout_log_prob
     metrics: dict[str, float] = {}
     weights = None
-    if cfg.rollout_is is not None:
-        weights, is_metrics = is_weights(log_ratio, response_mask, cfg.rollout_is, cfg.rollout_is_threshold)
+    if correction.rollout_is is not None:
+        weights, is_metrics = is_weights(log_ratio, response_mask, correction.rollout_is, correction.is_bounds)
         metrics.update(is_metrics)
-        if cfg.rollout_is_batch_normalize:
-            total, count = normalizer or normalizer_sums(weights, response_mask, cfg.rollout_is)
+        if correction.rollout_is_batch_normalize:
+            total, count = normalizer or normalizer_sums(weights, response_mask, correction.rollout_is)
             weights, metrics["rollout_is_batch_norm_factor"] = normalize_weights(weights, total, count)
     mask = response_mask
-    if cfg.rollout_rs is not None:
-        mask, rs_metrics = rejection_mask(log_ratio, response_mask, cfg.rollout_rs, cfg.rollout_rs_threshold)
+    if correction.rs_bounds:
+        mask, rs_metrics = rejection_mask(log_ratio, response_mask, correction.rs_bounds)
         metrics.update(rs_metrics)
     metrics.update(offpolicy_metrics(log_prob, rollout_log_prob, response_mask))
     return weights, mask, {PREFIX + name: value for name, value in metrics.items()}
@@ -329,7 +325,7 @@ def bypass_policy_loss(
     log_prob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    cfg: Any,
+    correction: RolloutCorrection,
     args: PolicyLossArgs,
     normalizer: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -338,17 +334,16 @@ def bypass_policy_loss(
     Rejection narrows the loss's mask; `loss_type=ppo_clip` is the vanilla loss under `args` on the
     ratio π_θ/π_rollout (the IS weights are not applied: the ratio is the correction), `reinforce` is
     `compute_policy_loss_reinforce` with the IS weights and `args.agg`, batch-normalized by `normalizer`
-    = (Σ weights, count) of the whole mini-batch (see `needs_mini_batch_normalizer`). Returns (loss,
+    = (Σ weights, count) of the whole mini-batch (`RolloutCorrection.needs_mini_batch_normalizer`). Returns (loss,
     metrics); the `rollout_corr/*` metrics are the token means among verl's (BYPASS_TOKEN_MEAN_METRICS).
     """
-    config = _Keys(cfg)
-    if needs_mini_batch_normalizer(cfg) and normalizer is None:
+    if correction.needs_mini_batch_normalizer and normalizer is None:
         raise ValueError("bypass-mode batch normalization needs the mini-batch's normalizer")
     with torch.no_grad():
         weights, mask, metrics = rollout_correction(
-            log_prob.detach(), rollout_log_prob, response_mask, config, normalizer
+            log_prob.detach(), rollout_log_prob, response_mask, correction, normalizer
         )
-    if config.loss_type == "reinforce":
+    if correction.loss_type == "reinforce":
         loss, _ = compute_policy_loss_reinforce(rollout_log_prob, log_prob, advantages, mask, weights, args.agg)
     else:
         loss, _ = compute_policy_loss_vanilla(rollout_log_prob, log_prob, advantages, mask, args)
@@ -356,7 +351,7 @@ def bypass_policy_loss(
     # micro-batch's means by its share of the mini-batch's tokens before rejection, so only these add
     # up exactly (verl averages per-micro-batch means over the kept tokens).
     with torch.no_grad():
-        if config.loss_type == "reinforce":
+        if correction.loss_type == "reinforce":
             pg_metrics = {"ppo_kl": masked_mean(rollout_log_prob - log_prob, response_mask)}
         else:
             _, pg_metrics = compute_policy_loss_vanilla(rollout_log_prob, log_prob, advantages, response_mask, args)
@@ -365,26 +360,10 @@ def bypass_policy_loss(
     return loss, {**pg_metrics, **kept}
 
 
-def needs_mini_batch_normalizer(cfg: dict | None) -> bool:
-    """True when bypass mode's loss uses batch-normalized IS weights (reinforce with rollout_is_batch_normalize).
-
-    The weights follow the policy being trained, so their mean is one over the whole mini-batch under the
-    parameters of that optimizer step: the actor computes it first (one forward without gradients) and
-    passes every micro-batch the sums (`normalizer_sums`, added over DP ranks).
-    """
-    return bool(
-        cfg is not None
-        and cfg.get("loss_type") == "reinforce"
-        and cfg.get("rollout_is") is not None
-        and cfg.get("rollout_is_batch_normalize")
-    )
-
-
-class _Keys:
-    """Attribute access to a plain dict of the rollout_correction keys (as shipped in meta_info)."""
-
-    def __init__(self, values: dict):
-        self.__dict__.update({name: values.get(name) for name in RolloutCorrectionConfig.__dataclass_fields__})
+# verl 0.9.1's `actor.policy_loss.rollout_correction` when its trainer has not set it (the dataclass default of
+# PolicyLossConfig; verl's trainer sets it to `algorithm.rollout_correction` only in bypass mode): sequence-level
+# weights for the metrics, no rejection, PPO-clip
+BYPASS_LOSS_DEFAULT = RolloutCorrection(rollout_is="sequence", is_bounds=(2.0, None))
 
 
 def probs_diff_metrics(

@@ -30,6 +30,18 @@ RENDER_MEMORY_BYTES = 512 * 2**20  # growth of the rendering process: a few copi
 MAX_RENDERED_CHARS = 2**24  # ~16.8 M characters, a few million tokens
 
 
+class ChatRender(NamedTuple):
+    """One rendering: the messages, and `apply_chat_template`'s keyword arguments besides `tokenize=False`."""
+
+    messages: list
+    kwargs: dict
+    user_first: bool = False  # on a failure, render after an empty user turn and cut it off (verl's fallback)
+
+
+# an empty user turn, for templates that refuse a conversation not opened by a user (verl's fallback, Qwen3.5's)
+EMPTY_USER = {"role": "user", "content": [{"type": "text", "text": ""}]}
+
+
 class _Failure(NamedTuple):
     """A row the child could not render: what went wrong, as text (an exception may not pickle)."""
 
@@ -43,11 +55,18 @@ def render_chat_prompts(tokenizer, conversations: list, template_kwargs: dict, w
     `wheres[i]` names row i in errors (file, row, column). Raises ValueError on the first row that fails, runs past
     RENDER_TIMEOUT_S, needs more than RENDER_MEMORY_BYTES or renders more than MAX_RENDERED_CHARS characters.
     """
+    kwargs = {"add_generation_prompt": True, **template_kwargs}
+    return render_chat(tokenizer, [ChatRender(messages, kwargs) for messages in conversations], wheres)
+
+
+def render_chat(tokenizer, renders: list[ChatRender], wheres: list[str], noun: str = "prompt") -> Iterator[str]:
+    """Each rendering's text, in order, under the three bounds; `wheres[i]` names rendering i (and `noun` what it
+    renders) in errors."""
     context = multiprocessing.get_context("fork")
     receiver, sender = context.Pipe(duplex=False)
     child = context.Process(  # daemon: never outlives the parent, even if the iterator is left unfinished
         target=_render_all,
-        args=(sender, tokenizer, conversations, template_kwargs),
+        args=(sender, tokenizer, renders),
         name="rlframe-chat-template",
         daemon=True,
     )
@@ -57,7 +76,7 @@ def render_chat_prompts(tokenizer, conversations: list, template_kwargs: dict, w
         for row, where in enumerate(wheres):
             if not receiver.poll(RENDER_TIMEOUT_S):
                 raise ValueError(
-                    f"{where}: the chat template did not finish rendering this prompt within {RENDER_TIMEOUT_S:g} s, "
+                    f"{where}: the chat template did not finish rendering this {noun} within {RENDER_TIMEOUT_S:g} s, "
                     "the bound on one row (RENDER_TIMEOUT_S in rlframe/data/template.py): a loop without end in the "
                     "template (nested range?). Fix the tokenizer's chat template (data.tokenizer)"
                 )
@@ -66,11 +85,11 @@ def render_chat_prompts(tokenizer, conversations: list, template_kwargs: dict, w
             except EOFError:
                 child.join(5)
                 raise ValueError(
-                    f"{where}: the process rendering the chat template died on this prompt (exit code "
+                    f"{where}: the process rendering the chat template died on this {noun} (exit code "
                     f"{child.exitcode}; killed by the kernel for memory?)"
                 ) from None
             if isinstance(result, _Failure):
-                raise ValueError(_failure_message(result, where, conversations[row]))
+                raise ValueError(_failure_message(result, where, renders[row].messages, noun))
             yield result
     finally:
         receiver.close()
@@ -79,36 +98,46 @@ def render_chat_prompts(tokenizer, conversations: list, template_kwargs: dict, w
         child.join()
 
 
-def _failure_message(failure: _Failure, where: str, messages) -> str:
+def _failure_message(failure: _Failure, where: str, messages, noun: str) -> str:
     if failure.kind == "memory":
         return (
-            f"{where}: the chat template needed more than {RENDER_MEMORY_BYTES // 2**20} MiB to render this prompt, "
+            f"{where}: the chat template needed more than {RENDER_MEMORY_BYTES // 2**20} MiB to render this {noun}, "
             "the bound on one row (RENDER_MEMORY_BYTES in rlframe/data/template.py): it builds a huge value "
             "(e.g. 'x' * 10**9). Fix the tokenizer's chat template (data.tokenizer)"
         )
     if failure.kind == "length":
         return (
-            f"{where}: the chat template rendered this prompt as {failure.message} characters, more than the bound "
+            f"{where}: the chat template rendered this {noun} as {failure.message} characters, more than the bound "
             f"of {MAX_RENDERED_CHARS:,} (MAX_RENDERED_CHARS in rlframe/data/template.py). Fix the tokenizer's chat "
-            "template (data.tokenizer) or shorten the prompt"
+            f"template (data.tokenizer) or shorten the {noun}"
         )
     return (
-        f"{where}: the tokenizer's chat template failed on this prompt ({failure.message}); "
-        f"the prompt was {reprlib.repr(messages)}"
+        f"{where}: the tokenizer's chat template failed on this {noun} ({failure.message}); "
+        f"the {noun} was {reprlib.repr(messages)}"
     )
 
 
-def _render_all(sender, tokenizer, conversations: list, template_kwargs: dict) -> None:
-    """In the child: cap the address space, then send each conversation's text (or a _Failure), in order."""
+def _render_all(sender, tokenizer, renders: list[ChatRender]) -> None:
+    """In the child: cap the address space, then send each rendering's text (or a _Failure), in order."""
     _limit_address_space(RENDER_MEMORY_BYTES)
-    for messages in conversations:
-        sender.send(_render_one(tokenizer, messages, template_kwargs))
+    for render in renders:
+        sender.send(_render_one(tokenizer, render))
     sender.close()
 
 
-def _render_one(tokenizer, messages, template_kwargs: dict):
+def _render_one(tokenizer, render: ChatRender):
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
+        try:
+            text = tokenizer.apply_chat_template(render.messages, tokenize=False, **render.kwargs)
+        except MemoryError:
+            raise
+        except Exception:  # noqa: BLE001 - a template that wants a user turn first: render after an empty one
+            if not render.user_first:
+                raise
+            kwargs = {**render.kwargs, "add_generation_prompt": False}
+            prefix = tokenizer.apply_chat_template([EMPTY_USER], tokenize=False, **kwargs)
+            text = tokenizer.apply_chat_template([EMPTY_USER, *render.messages], tokenize=False, **render.kwargs)
+            text = text[len(prefix) :]
     except MemoryError:
         return _Failure("memory", "")
     except Exception as e:  # noqa: BLE001 - jinja's TemplateError (raise_exception), or any error inside the template

@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,10 +32,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from rlframe.models.vision import load_image, png_bytes
 from rlframe.protocol import DataProto
 from rlframe.trainer.config import lookahead, staleness_bound
 from rlframe.trainer.metrics import compute_staleness_metrics, reduce_metrics
+from rlframe.trainer.pending_prompts import STATE_KEY as PENDING_KEY
+from rlframe.trainer.pending_prompts import plain_rows
 from rlframe.trainer.ray_trainer import PreparedRun, RayPPOTrainer, timer
 from rlframe.trainer.staleness import Evict, GroupLedger, Take
 from rlframe.workers.rollout.base import SEED_KEY
@@ -74,7 +74,6 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
         self.groups_per_call = math.ceil(batch_groups / len(self.replicas))
         self.published_version = 0  # the weights the rollout pool generates with once its queued calls have run
         self._push: PendingCall | None = None
-        self._prompts: deque[DataProto] = deque()  # one prompt each, to admit before the loader's next (regenerated)
         self._prompt_of: dict[int, DataProto] = {}  # group id -> its prompt (to regenerate it)
         self._rows: dict[int, DataProto] = {}  # group id -> its n generated rows, once finished
         self._samples: dict[int, dict[int, DataProto]] = {}  # group id -> its rows finished so far, by sample index
@@ -185,12 +184,12 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
     def _next_prompts(self, loader: Iterator[DataProto], count: int) -> list[DataProto]:
         """Up to `count` prompts: the waiting ones first (regenerated, or restored from a checkpoint), then the
         loader's, a whole loader batch taken into the queue at a time."""
-        while len(self._prompts) < count:
+        while len(self.pending.rows) < count:
             batch = next(loader, None)
             if batch is None:
                 break
-            self._prompts.extend(batch.split(1))
-        return [self._prompts.popleft() for _ in range(min(count, len(self._prompts)))]
+            self.pending.rows.extend(batch.split(1))
+        return [self.pending.rows.popleft() for _ in range(min(count, len(self.pending.rows)))]
 
     def _collect(self, chunk: Chunk | None = None) -> None:
         """Wait for `chunk` (default: the first call to come back): its cut rows go out again as continuations, and
@@ -244,7 +243,7 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
         self.ledger.remove(groups)
         prompts = [self._prompt_of.pop(gid) for gid in groups]
         if self.ledger.strategy == "regenerate":
-            self._prompts.extendleft(reversed(prompts))
+            self.pending.rows.extendleft(reversed(prompts))
 
     def _step_async_metrics(self, batch: DataProto, take: list[int]) -> dict:
         """The step's staleness (checked against η), evictions, occupancy and rollout metrics; the versions
@@ -280,12 +279,8 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
         """The sync loop's state plus every prompt not trained yet, oldest first: the groups generating or finished
         (their responses are not saved: a resumed run generates them again, at its own version) and the prompts
         waiting for room. The loader's own state is past all of them."""
-        untrained = [self._prompt_of[gid] for gid in sorted(self._prompt_of)] + list(self._prompts)
-        return {**super()._driver_state(), "async_prompts": _plain_rows(untrained)}
-
-    def _restore_driver_state(self, state: dict) -> None:
-        super()._restore_driver_state(state)
-        self._prompts.extend(_rows_from_plain(state["async_prompts"]))
+        untrained = [self._prompt_of[gid] for gid in sorted(self._prompt_of)] + list(self.pending.rows)
+        return {**super()._driver_state(), PENDING_KEY: plain_rows(untrained)}
 
     def _push_weights(self) -> None:
         """Queue the actor's weights on the rollout pool as version global_step (after the calls queued there). With
@@ -312,32 +307,3 @@ def _merged(metric_dicts: list[dict]) -> dict:
         for key, value in metrics.items():
             merged.setdefault(key, []).extend(value if isinstance(value, list) else [value])
     return merged
-
-
-def _plain_rows(rows: list[DataProto]) -> dict:
-    """Prompt rows as plain data for a checkpoint's data.pt: their tensors, and their other fields as lists."""
-    if not rows:
-        return {"tensors": {}, "fields": {}}
-    batch = DataProto.concat(rows)
-    fields = {key: values.tolist() for key, values in batch.non_tensor_batch.items()}
-    if "multi_modal_data" in fields:  # PIL images as PNG bytes: data.pt holds plain data only
-        fields["multi_modal_data"] = [
-            {"image": [png_bytes(i) for i in d.get("image", [])]} for d in fields["multi_modal_data"]
-        ]
-    return {"tensors": {key: batch.batch[key] for key in batch.batch_keys}, "fields": fields}
-
-
-def _rows_from_plain(plain: dict) -> list[DataProto]:
-    """Inverse of `_plain_rows`: one DataProto per prompt."""
-    if not plain["tensors"]:
-        return []
-    fields, plain_fields = {}, dict(plain["fields"])
-    if "multi_modal_data" in plain_fields:
-        plain_fields["multi_modal_data"] = [
-            {"image": [load_image(b, "data.pt") for b in d["image"]]} for d in plain_fields["multi_modal_data"]
-        ]
-    for key, values in plain_fields.items():  # object arrays, as the loader's collate_fn builds them
-        fields[key] = np.empty(len(values), dtype=object)
-        for i, value in enumerate(values):  # element by element: a row's value may itself be a list
-            fields[key][i] = value
-    return DataProto.from_single_dict({**plain["tensors"], **fields}).split(1)

@@ -68,8 +68,11 @@ class TrainerCheckpointer:
         self.resume_mode, self.resume_from_path = "resume_path", folder
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, actor_wg, critic_wg, dataloader, driver_state: dict) -> str:
-        """Write step `step` completely or not at all; a failure leaves the previous checkpoint as latest."""
+    def save(self, step: int, actor_wg, critic_wg, dataloader, driver_state: dict, before_complete=None) -> str:
+        """Write step `step` completely or not at all; a failure leaves the previous checkpoint as latest.
+
+        `before_complete()` runs once the step's files are written, before the folder is renamed into place: the
+        trainer logs the step's metrics there, so a checkpoint that counts as complete has its metrics line."""
         final = os.path.join(self.root, f"global_step_{step}")
         tmp = final + ".tmp"
         state = {"dataloader": dataloader.state_dict(), "driver": driver_state}
@@ -78,6 +81,8 @@ class TrainerCheckpointer:
             fix = "remove the link (what it points to stays) or give trainer.default_local_dir a folder of its own"
             refuse_symlink(final, fix)
             self._write_step(tmp, actor_wg, critic_wg, data)
+            if before_complete is not None:
+                before_complete()
             remove_under(final, self.root)  # a step saved again (after a resume from an earlier one)
             os.replace(tmp, final)
         except Exception as error:

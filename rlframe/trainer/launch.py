@@ -17,6 +17,7 @@ from rlframe.utils.faults import DELAY_ENV
 
 if TYPE_CHECKING:  # Ray is imported only when the groups are created (prepare() runs without it)
     from rlframe.single_controller.ray import RayResourcePool, RayWorkerGroup
+    from rlframe.trainer.worker_groups import ActorRolloutGroup, CriticGroup, RewardModelGroup, RolloutGroup
 
 
 def rollout_pool_size(cfg: DictConfig) -> int:
@@ -43,14 +44,14 @@ class WorkerGroups:
     groups' pools, and whether this process started Ray (then it stops it too).
     """
 
-    actor_rollout: RayWorkerGroup  # actor + rollout (+ reference) in every process
-    critic: RayWorkerGroup | None  # None without a critic (e.g. GRPO)
-    reward_model: RayWorkerGroup | None  # None unless reward_model.enable
+    actor_rollout: ActorRolloutGroup  # actor + rollout (+ reference) in every process
+    critic: CriticGroup | None  # None without a critic (e.g. GRPO)
+    reward_model: RewardModelGroup | None  # None unless reward_model.enable
     num_devices: int  # worker processes of both pools (one device each)
     _owner: RayWorkerGroup = field(repr=False)
     _pool: RayResourcePool = field(repr=False)
     _started_ray: bool = field(repr=False)
-    rollout: RayWorkerGroup | None = None  # RolloutWorkers on a pool of their own (separate_async), else None
+    rollout: RolloutGroup | None = None  # RolloutWorkers on a pool of their own (separate_async), else None
     _rollout_pool: RayResourcePool | None = field(default=None, repr=False)
 
     def shutdown(self) -> None:
@@ -97,6 +98,7 @@ def create_worker_groups(
         create_colocated_worker_cls,
         init_ray,
     )
+    from rlframe.trainer.worker_groups import ROLE_GROUPS
     from rlframe.workers.fsdp_workers import ActorRolloutRefWorker, CriticWorker, worker_env
     from rlframe.workers.reward_model import RewardModelWorker
 
@@ -130,7 +132,7 @@ def create_worker_groups(
             f"the run needs trainer.nnodes={nnodes} × trainer.n_gpus_per_node={per_node} worker processes "
             f"(trainer.device={device_type}), which the Ray cluster cannot hold{waited}: {err}"
         ) from None
-    by_role = owner.spawn(list(roles))
+    by_role = owner.spawn(list(roles), ROLE_GROUPS)
     groups = WorkerGroups(
         actor_rollout=by_role["actor_rollout"],
         critic=by_role.get("critic"),
@@ -157,18 +159,14 @@ def _create_rollout_group(cfg, plan: BatchPlan, config, groups: WorkerGroups, de
     They start from the training processes' RNG state once every role is built: the state a hybrid worker's
     first generation draws its seed from (`RolloutWorker`).
     """
-    from rlframe.single_controller.ray import (
-        ClusterTooSmallError,
-        RayClassWithInitArgs,
-        RayResourcePool,
-        RayWorkerGroup,
-    )
+    from rlframe.single_controller.ray import ClusterTooSmallError, RayClassWithInitArgs, RayResourcePool
+    from rlframe.trainer.worker_groups import RolloutGroup
     from rlframe.workers.rollout_worker import RolloutWorker
 
     nnodes, per_node = cfg.actor_rollout_ref.rollout.nnodes, cfg.actor_rollout_ref.rollout.n_gpus_per_node
     groups._rollout_pool = RayResourcePool([per_node] * nnodes, use_gpu=device_type == "cuda", node_wait_s=node_wait_s)
     try:
-        groups.rollout = RayWorkerGroup(
+        groups.rollout = RolloutGroup(
             groups._rollout_pool,
             RayClassWithInitArgs(RolloutWorker, config, plan),
             call_timeout_s=cfg.trainer.worker_timeout_s,

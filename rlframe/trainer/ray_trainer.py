@@ -26,12 +26,12 @@ from rlframe.algorithms.advantage import (
     gdpo_component_scores,
     gdpo_metrics,
 )
-from rlframe.algorithms.config import pf_ppo_applies
+from rlframe.algorithms.config import RolloutCorrection, pf_ppo_applies
 from rlframe.algorithms.kl import apply_kl_penalty, make_kl_controller
 from rlframe.algorithms.masked import masked_mean
-from rlframe.algorithms.on_policy import old_log_prob_pass_reason
 from rlframe.algorithms.pf_ppo import pf_ppo_resample_index
 from rlframe.algorithms.rollout_correction import probs_diff_metrics, rollout_correction
+from rlframe.algorithms.update_mode import UpdateMode, update_mode
 from rlframe.batch_plan import BatchPlan
 from rlframe.config.checks import resolve_device
 from rlframe.config.secrets import Secrets
@@ -47,11 +47,14 @@ from rlframe.trainer.metrics import (
     compute_timing_metrics,
     reduce_metrics,
 )
+from rlframe.trainer.pending_prompts import STATE_KEY as PENDING_KEY
+from rlframe.trainer.pending_prompts import PendingPrompts, plain_rows
 from rlframe.trainer.profiling import StepProfiler
 from rlframe.trainer.tracking import ProgressBar, Tracking
 from rlframe.utils.faults import KillPoints
 from rlframe.utils.flops import device_peak_tflops, train_flops
-from rlframe.workers.rollout.multi_turn import AGENT_INPUT_KEYS, check_agent_rows, uses_tool_agent
+from rlframe.workers.rollout.config import uses_tool_agent
+from rlframe.workers.rollout.multi_turn import AGENT_INPUT_KEYS, check_agent_rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -139,8 +142,9 @@ class RayPPOTrainer:
         self.step_profiler = StepProfiler(config.global_profiler, [self.actor_rollout_wg, self.critic_wg])
         self.use_critic = plan.critic is not None
         self.use_reference = plan.ref is not None
-        # steps whose update gives the old log-probs
-        self.on_policy = old_log_prob_pass_reason(config.actor_rollout_ref.actor, config.algorithm) is None
+        # where the actor's update takes π_old from; the actor decides the same from the same sections
+        self.update_mode = update_mode(config.actor_rollout_ref.actor, config.algorithm)
+        self.correction = RolloutCorrection.parse(config.algorithm.rollout_correction)
         self.total_training_steps = run.total_steps
         self.num_devices = groups.num_devices
         self.hidden_size = run.hidden_size
@@ -154,6 +158,7 @@ class RayPPOTrainer:
             metric = algo.filter_groups.metric
             self.sampler = DynamicSampler(plan.train_batch_size, plan.n, plan.max_num_gen_batches, metric)
         self._pending = None  # (metrics, timings, start) of a step whose generation rounds are under way
+        self.pending = PendingPrompts()  # prompts handed out by the loader and not trained yet (a checkpoint's)
         self.global_step = 0
         self.num_restarts = 0  # workers recreated before this attempt (main_ppo.train_with_restarts)
         self.flops_info, self.peak_tflops = None, None
@@ -170,9 +175,9 @@ class RayPPOTrainer:
         last_metrics: dict = {}
         passes = 0
         while self.global_step < self.total_training_steps:
-            for batch_dict in self.train_dataloader:
+            for batch in self.pending.batches(self.train_dataloader, self.train_dataloader.batch_size):
                 self.step_profiler.begin(self.global_step + 1)  # the step this batch generates for
-                rolled_out = self._rollout_step(DataProto.from_single_dict(batch_dict))
+                rolled_out = self._rollout_step(batch)
                 if rolled_out is None:  # dynamic sampling: the training batch is not full yet
                     continue
                 self.global_step += 1
@@ -209,6 +214,13 @@ class RayPPOTrainer:
         driver_state = self.checkpointer.maybe_resume(self.actor_rollout_wg, self.critic_wg, self.train_dataloader)
         if driver_state is not None:
             self._restore_driver_state(driver_state)
+        # the lines an earlier run logged past this run's start: after the resumed checkpoint (a killed run's), or
+        # all of them in a run started afresh in the same folder (val_only trains nothing: it keeps every line)
+        start = self.global_step if driver_state is not None else -1
+        dropped = 0 if cfg.val_only else self.tracker.drop_steps_after(start)
+        if dropped:
+            which = f"for steps after the resumed step {start}" if start >= 0 else "(this run starts afresh)"
+            print(f"[rlframe] {self.tracker.jsonl_path}: dropped {dropped} line(s) of an earlier run {which}")
         progress = ProgressBar(self.total_training_steps, self.global_step)
         # verl validates before training at any resumed step; rlframe only at step 0, unless val_only asks
         # for the resumed policy's numbers
@@ -232,11 +244,21 @@ class RayPPOTrainer:
             metrics.update(validation)
         if cfg.save_freq > 0 and (is_last or self.global_step % cfg.save_freq == 0):
             start = time.perf_counter()
+
+            def log_the_step():  # the checkpoint's files are written; it counts as complete only after this line
+                metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
+                self.tracker.log(metrics, step=self.global_step)
+
             self.checkpointer.save(
-                self.global_step, self.actor_rollout_wg, self.critic_wg, self.train_dataloader, self._driver_state()
+                self.global_step,
+                self.actor_rollout_wg,
+                self.critic_wg,
+                self.train_dataloader,
+                self._driver_state(),
+                before_complete=log_the_step,
             )
-            metrics["timing_s/save_checkpoint"] = time.perf_counter() - start
-        self.tracker.log(metrics, step=self.global_step)
+        else:
+            self.tracker.log(metrics, step=self.global_step)
         self.step_profiler.end(self.global_step, is_last)
         progress.update(metrics)
 
@@ -274,14 +296,10 @@ class RayPPOTrainer:
                 self._balance_batch(batch, metrics)
         if self.config.trainer.rollout_data_dir:
             self._dump_rollouts(batch, str(self.config.trainer.rollout_data_dir))
-        correction = self.config.algorithm.rollout_correction
         on_policy = self._skips_old_log_prob()
-        if correction.bypass_mode:  # verl: π_old := π_rollout, no old-log-prob pass; the actor corrects per micro-batch
+        if self.update_mode is UpdateMode.BYPASS:  # verl: π_old := π_rollout, no pass; the actor corrects
             batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
-            batch.meta_info["rollout_correction"] = OmegaConf.to_container(correction)
-        elif on_policy:  # the update's own forward gives the old log-probs (rlframe.algorithms.on_policy)
-            batch.meta_info["on_policy"] = True
-        else:
+        elif not on_policy:  # on-policy: the update's own forward gives the old log-probs
             with timer("old_log_prob", timings):
                 old = self.actor_rollout_wg.compute_log_prob(batch)
                 entropy = old.pop(batch_keys=["entropys"]).batch["entropys"]
@@ -324,7 +342,7 @@ class RayPPOTrainer:
 
     def _skips_old_log_prob(self) -> bool:
         """The actor updates in this step and computes the old log-probs itself: no separate old-log-prob pass."""
-        return self.on_policy and self.global_step > self.config.trainer.critic_warmup
+        return self.update_mode is UpdateMode.ON_POLICY and self.global_step > self.config.trainer.critic_warmup
 
     def _on_policy_metrics(self, batch: DataProto, out: DataProto, metrics: dict) -> None:
         """What the old-log-prob pass feeds, from the on-policy update's old log-probs and entropy:
@@ -343,10 +361,12 @@ class RayPPOTrainer:
         return flops / (seconds * self.num_devices * self.peak_tflops * 1e12)
 
     def _driver_state(self) -> dict:
-        return {"global_step": self.global_step, "kl_coef": self.kl_ctrl.value}
+        pending = plain_rows(list(self.pending.rows))
+        return {"global_step": self.global_step, "kl_coef": self.kl_ctrl.value, PENDING_KEY: pending}
 
     def _restore_driver_state(self, state: dict) -> None:
         self.global_step, self.kl_ctrl.value = state["global_step"], state["kl_coef"]
+        self.pending.restore(state)  # an asynchronous run's untrained prompts come first
 
     # ------------------------------------------------------------------ the steps
     def _generate(self, batch: DataProto, **meta_info) -> tuple[DataProto, dict]:
@@ -485,7 +505,7 @@ class RayPPOTrainer:
             batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
         # decoupled mode; an on-policy step gets its old log-probs from the update (then _on_policy_metrics)
         has_old = "old_log_probs" in batch.batch.keys()
-        if has_old and "rollout_log_probs" in batch.batch.keys() and not algo.rollout_correction.bypass_mode:
+        if has_old and "rollout_log_probs" in batch.batch.keys() and self.update_mode is not UpdateMode.BYPASS:
             response_mask = self._rollout_correction(batch, metrics)
         inputs = {
             "token_level_rewards": batch.batch["token_level_rewards"],
@@ -533,7 +553,7 @@ class RayPPOTrainer:
             batch.batch["old_log_probs"],
             batch.batch["rollout_log_probs"],
             batch.batch["response_mask"],
-            self.config.algorithm.rollout_correction,
+            self.correction,
         )
         batch.batch["response_mask"] = mask
         if weights is not None:

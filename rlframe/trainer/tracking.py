@@ -11,6 +11,8 @@ import math
 import os
 import time
 
+from rlframe.utils.safe_files import write_file_atomically
+
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
 
@@ -58,6 +60,18 @@ class Tracking:
             from rlframe.trainer.mlflow_tracking import MlflowRun
 
             self._mlflow = MlflowRun(project_name, experiment_name, config)
+
+    def drop_steps_after(self, step: int) -> int:
+        """Remove metrics.jsonl's lines of steps after `step` (a run resumed at `step`, or started afresh at 0, logs
+        them again); the file is replaced whole. Returns how many lines went."""
+        self._jsonl.close()
+        with open(self.jsonl_path) as f:
+            lines = f.readlines()
+        kept = [line for line in lines if _step_of(line) <= step]
+        if len(kept) != len(lines):
+            write_file_atomically(self.jsonl_path, lambda f: f.write("".join(kept).encode()))
+        self._jsonl = open(self.jsonl_path, "a", buffering=1)
+        return len(lines) - len(kept)
 
     def log(self, metrics: dict, step: int) -> None:
         clean = {k: _plain(v) for k, v in metrics.items()}
@@ -153,3 +167,11 @@ class ProgressBar:
     def close(self) -> None:
         """Leave the finished bar on screen."""
         self.bar.close()
+
+
+def _step_of(line: str) -> int:
+    """A metrics.jsonl line's step; a line that cannot be read (cut by a kill) counts as after every step."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return 2**62

@@ -117,7 +117,7 @@ def config_html(run: Run) -> str:
 def plan_text(run: Run) -> str:
     """The batch plan `rlframe explain` prints for the run's config (or why it cannot be computed)."""
     from rlframe.batch_plan import make_batch_plan, read_model_shape
-    from rlframe.explain import format_plan
+    from rlframe.explain.formatting import format_plan
     from rlframe.workers.rollout.registry import find_engine
 
     if run.config is None:

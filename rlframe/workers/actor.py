@@ -1,14 +1,19 @@
 """The PPO actor on one rank: log-probs and the policy update over mini- and micro-batches.
 
-The math lives in `rlframe.algorithms` (pure functions); this class runs the model and composes
-the loss of one micro-batch, and `PPOUpdater` (rlframe.workers.updater) cuts the batches and steps
-the optimizer. Losses are normalized by the token/sequence counts of the
-whole mini-batch summed over DP ranks, and multiplied by `dp_size` because FSDP averages gradients
-over ranks: the accumulated gradient is exactly the single-process full-batch gradient, whatever
-dp, sp, micro-batch size or micro-batching mode.
+The math lives in `rlframe.algorithms` (pure functions); this class runs the model, prepares the
+mini-batches and composes the loss of one micro-batch, and `PPOUpdater` (rlframe.workers.updater) cuts
+the batches and steps the optimizer. The update's mode (decoupled, bypass, on-policy:
+`rlframe.algorithms.update_mode`) and the parsed rollout correction are fixed when the actor is built;
+the loss dispatches on them, and a batch that lacks a key the mode reads is refused by name.
+
+Losses are normalized by the token/sequence counts of the whole mini-batch summed over DP ranks, and
+multiplied by `dp_size` because FSDP averages gradients over ranks: the accumulated gradient is exactly
+the single-process full-batch gradient, whatever dp, sp, micro-batch size or micro-batching mode.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -22,13 +27,8 @@ from rlframe.algorithms.loss import (
     keyword_parameters,
     policy_loss_kwargs,
 )
-from rlframe.algorithms.rollout_correction import (
-    PREFIX,
-    bypass_policy_loss,
-    is_weights,
-    needs_mini_batch_normalizer,
-    normalizer_sums,
-)
+from rlframe.algorithms.rollout_correction import PREFIX, bypass_policy_loss, is_weights, normalizer_sums
+from rlframe.algorithms.update_mode import ActorUpdate, UpdateMode
 from rlframe.batch_plan import UpdatePlan
 from rlframe.config.keys import ACTOR, LOG_PROB_FIELDS, ROLLOUT, UPDATE_FIELDS
 from rlframe.distributed.parallel_dims import ParallelDims
@@ -42,7 +42,21 @@ from rlframe.workers.batching import (
 from rlframe.workers.config.actor import clip_ratio_bounds
 from rlframe.workers.model_forward import ScoringSpec, forward_micro_batch, layout_for
 from rlframe.workers.multimodal import RowImages, with_image_rows
-from rlframe.workers.updater import Batching, PPOUpdater, RoleModel, UpdateContext
+from rlframe.workers.updater import Batching, PPOUpdater, RoleModel, append_metrics
+
+
+@dataclass
+class UpdateContext:
+    """What one call of the actor's update knows besides its batch; built once per call and passed down.
+
+    `images` are a vision-language batch's per-row image inputs (rlframe.workers.multimodal; None for text).
+    In on-policy mode, `on_policy_parts` collects (rows, old log-probs, entropy), and `own_old_log_probs` is
+    True while the first mini-batch's step runs: its loss takes its own forward's log-probs as the old ones.
+    """
+
+    images: RowImages | None = None
+    on_policy_parts: list | None = None
+    own_old_log_probs: bool = False
 
 
 class PPOActor(PPOUpdater):
@@ -58,11 +72,15 @@ class PPOActor(PPOUpdater):
         dims: ParallelDims | None = None,
         seed: int = 0,
         log_prob: MicroBatchSpec | None = None,
+        update: ActorUpdate | None = None,
     ):
         """`config` is the actor's section (`ActorConfig`: actor_rollout_ref.actor); `log_prob` replaces the
-        plan's forward micro-batching (the reference policy's, from its own keys)."""
+        plan's forward micro-batching (the reference policy's, from its own keys); `update` is the update's
+        mode, rollout correction and scoring temperature (`ActorUpdate.from_config`; default: decoupled, no
+        correction, T = 1)."""
         budget_keys = UPDATE_FIELDS.under(ACTOR).max_token_len, LOG_PROB_FIELDS.under(ROLLOUT).max_token_len
         super().__init__(model, config, Batching.of(plan, *budget_keys, log_prob), dims or ParallelDims.single(), seed)
+        self.update = update or ActorUpdate()
         self.clip_ratio_low, self.clip_ratio_high = clip_ratio_bounds(config)
         self.policy_loss_fn = get_policy_loss_fn(config.policy_loss.loss_mode)
         self.policy_loss_kwargs = policy_loss_params(self.policy_loss_fn, config)
@@ -70,17 +88,30 @@ class PPOActor(PPOUpdater):
         # every rank, so every rank draws the same clip_cov permutation
         self.token_selector = TOKEN_SELECTORS.get(config.policy_loss.loss_mode)
         self.selection_generator = torch.Generator().manual_seed(seed)
+        if self.update.mode is UpdateMode.ON_POLICY:
+            self._check_on_policy()
+
+    def _check_on_policy(self) -> None:
+        """An update that computes its own old log-probs: one epoch, and nothing reads them before the loss."""
+        if self.batching.ppo_epochs != 1:
+            raise ValueError(
+                f"an update that computes its own old log-probs takes one epoch: ppo_epochs={self.batching.ppo_epochs}"
+            )
+        if self.token_selector is not None:
+            raise ValueError(
+                f"{ACTOR}.policy_loss.loss_mode={self.config.policy_loss.loss_mode}: its token choice reads the old "
+                "log-probs before the loss, so the update cannot compute them itself"
+            )
 
     def _forward(
         self,
         micro: dict,
-        temperature: float,
         calculate_entropy: bool,
         calculate_sum_pi_squared: bool = False,
         images: RowImages | None = None,
     ):
         spec = ScoringSpec(
-            temperature=temperature,
+            temperature=self.update.temperature,
             calculate_entropy=calculate_entropy,
             calculate_sum_pi_squared=calculate_sum_pi_squared,
             use_torch_compile=self.options.use_torch_compile,
@@ -89,13 +120,9 @@ class PPOActor(PPOUpdater):
         layout = layout_for(self.options.use_remove_padding, self.dims.sp_group)
         return forward_micro_batch(self.module, micro, micro["responses"].shape[-1], spec, layout, images)
 
-    def _score(
-        self, batch: TensorDict, spec: MicroBatchSpec, temperature: float, images: RowImages | None, **wanted
-    ) -> dict:
+    def _score(self, batch: TensorDict, spec: MicroBatchSpec, images: RowImages | None, **wanted) -> dict:
         """The per-token outputs of one forward without gradients over `batch`, cut as `spec`, in its order."""
-        return self._no_grad_outputs(
-            batch, spec, lambda micro: self._forward(micro, temperature, images=images, **wanted)
-        )
+        return self._no_grad_outputs(batch, spec, lambda micro: self._forward(micro, images=images, **wanted))
 
     def compute_log_prob(
         self, data: DataProto, calculate_entropy: bool = False
@@ -114,94 +141,92 @@ class PPOActor(PPOUpdater):
         return self._score(
             batch,
             self.batching.forward,
-            data.meta_info.get("temperature", 1.0),
             images,
             calculate_entropy=calculate_entropy,
             calculate_sum_pi_squared=calculate_sum_pi_squared,
         )
 
-    def update_policy(self, data: DataProto) -> dict[str, list[float]]:
-        """`ppo_epochs` passes of mini-batch optimizer steps; returns metric lists (one value per step)."""
-        return self._update(data, self._context(data))
+    def update_policy(self, data: DataProto) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
+        """`ppo_epochs` passes of mini-batch optimizer steps in this actor's mode.
 
-    def update_policy_on_policy(self, data: DataProto) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
-        """The update without `old_log_probs` given: it computes them from the policy it starts from.
-
-        The first optimizer step's loss takes its own forward's log-probs, detached, as the old ones (they are
-        equal: same parameters, same tokens); the rows of the later mini-batches get theirs, with their entropy,
-        from one forward without gradients before that step (`_before_first_step`): the separate pass's numbers
-        on the rows that need them, inside this call. One epoch only: later epochs would reuse the first
-        mini-batch's old log-probs, which this call does not keep.
-
-        Returns the metrics and what the separate old-log-prob pass would have given: `old_log_probs` and
-        `entropys` [bs, resp_len] in the input order.
+        Returns the metric lists (one value per step) and, in on-policy mode, what the separate old-log-prob
+        pass would have given: `old_log_probs` and `entropys` [bs, resp_len] in the input order ({} otherwise).
         """
-        if self.batching.ppo_epochs != 1:
+        keys = self.update.batch_keys(bool(self.config.use_kl_loss))
+        missing = [key for key in keys if key not in data.batch.keys()]
+        if missing:
             raise ValueError(
-                f"an update that computes its own old log-probs takes one epoch: ppo_epochs={self.batching.ppo_epochs}"
+                f"the actor's update in {self.update.mode.value} mode reads "
+                + "; ".join(f"'{key}' ({keys[key]})" for key in missing)
+                + f", which its batch lacks: it has {sorted(data.batch.keys())}"
             )
-        if self.token_selector is not None or data.meta_info.get("rollout_correction") is not None:
-            raise ValueError("clip_cov/kl_cov and bypass-mode rollout correction read old_log_probs before the loss")
-        ctx = self._context(data)
-        ctx.on_policy_parts = []
-        metrics = self._update(data, ctx)
+        batch, images = with_image_rows(update_inputs(data.batch, *keys), data.non_tensor_batch)
+        ctx = UpdateContext(images=images)
+        if self.update.mode is UpdateMode.ON_POLICY:  # each row's index, to put the old log-probs back in order
+            ctx.on_policy_parts = []
+            batch["on_policy_row"] = torch.arange(len(batch), device=batch.device)
+        metrics = self._update(batch, ctx)
+        # verl names the rollout-correction metrics without the role
+        role_prefix = f"{self.role}/"
+        metrics = {
+            name.removeprefix(role_prefix) if name.startswith(role_prefix + PREFIX) else name: values
+            for name, values in metrics.items()
+        }
+        return metrics, self._on_policy_stats(ctx)
+
+    def _update(self, batch: TensorDict, ctx: UpdateContext) -> dict[str, list[float]]:
+        """One optimizer step per mini-batch of every epoch, each mini-batch prepared first; metric lists."""
+        on_policy = self.update.mode is UpdateMode.ON_POLICY
+        self.module.train()
+        metrics: dict[str, list[float]] = {}
+        for epoch_batch in self._epochs(batch):
+            if on_policy:  # one epoch (checked when built)
+                epoch_batch = self._score_later_mini_batches(epoch_batch, ctx)
+            for index, mini in enumerate(epoch_batch.split(self.batching.mini_batch_size)):
+                ctx.own_old_log_probs = on_policy and index == 0
+                append_metrics(metrics, self._optimizer_step(self._prepare_mini_batch(mini, ctx), ctx))
+        self._end_update()
+        return metrics
+
+    @staticmethod
+    def _on_policy_stats(ctx: UpdateContext) -> dict[str, torch.Tensor]:
+        """On-policy mode: the old log-probs and entropy the update computed, in the input order ({} otherwise)."""
+        if ctx.on_policy_parts is None:
+            return {}
         rows = torch.cat([row for row, _, _ in ctx.on_policy_parts])
         stats = {}
         for name, index in (("old_log_probs", 1), ("entropys", 2)):
             values = torch.cat([part[index] for part in ctx.on_policy_parts])
             stats[name] = torch.empty_like(values).index_copy_(0, rows, values)
-        return metrics, stats
+        return stats
 
-    @staticmethod
-    def _context(data: DataProto) -> UpdateContext:
-        """The update's context: the sampling temperature and the bypass-mode rollout correction, if any."""
-        return UpdateContext(data.meta_info.get("temperature", 1.0), data.meta_info.get("rollout_correction"))
+    def _score_later_mini_batches(self, batch: TensorDict, ctx: UpdateContext) -> TensorDict:
+        """On-policy mode: the later mini-batches' rows get their old log-probs before any step.
 
-    def _update(self, data: DataProto, ctx: UpdateContext) -> dict[str, list[float]]:
-        """The update of `data` under `ctx` (with `ctx.on_policy_parts`, it computes the old log-probs)."""
-        on_policy = ctx.on_policy_parts is not None
-        keys = ["advantages"] + (["ref_log_prob"] if self.config.use_kl_loss else [])
-        keys += [] if on_policy else ["old_log_probs"]
-        keys += [k for k in ("rollout_is_weights",) if k in data.batch.keys()]  # decoupled rollout correction
-        batch, ctx.images = with_image_rows(update_inputs(data.batch, *keys), data.non_tensor_batch)
-        if on_policy:  # each row's index, to put the old log-probs back in the input order
-            batch["on_policy_row"] = torch.arange(len(batch), device=batch.device)
-        metrics = self._train(batch, ctx)
-        # verl names the rollout-correction metrics without the role
-        role_prefix = f"{self.role}/"
-        return {
-            name.removeprefix(role_prefix) if name.startswith(role_prefix + PREFIX) else name: values
-            for name, values in metrics.items()
-        }
-
-    def _before_first_step(self, batch: TensorDict, ctx: UpdateContext) -> TensorDict:
-        """With the old log-probs computed here: the later mini-batches' rows get theirs before any step.
-
-        The first mini-batch's rows are marked `on_policy` (their loss takes its own forward's); the others are
-        scored as the separate pass scores them (its micro-batching, entropy included), under the parameters
-        the update starts from.
+        The first mini-batch's loss takes its own forward's (`own_old_log_probs`); the others are scored as
+        the separate pass scores them (its micro-batching, entropy included), under the parameters the update
+        starts from.
         """
-        if ctx.on_policy_parts is None:
-            return batch
         first = min(self.batching.mini_batch_size, len(batch))
         batch = batch.clone(recurse=False)
-        batch["on_policy"] = torch.arange(len(batch), device=batch.device) < first
         later = batch[first:]
         batch["old_log_probs"] = torch.zeros_like(batch["advantages"])
         if len(later) > 0:
             self.module.eval()  # as the separate pass scores them
-            stats = self._score(later, self.batching.forward, ctx.temperature, ctx.images, calculate_entropy=True)
+            stats = self._score(later, self.batching.forward, ctx.images, calculate_entropy=True)
             self.module.train()
             batch["old_log_probs"][first:] = stats["log_probs"]
             ctx.on_policy_parts.append((later["on_policy_row"], stats["log_probs"], stats["entropy"]))
         return batch
 
     def _prepare_mini_batch(self, mini: TensorDict, ctx: UpdateContext) -> TensorDict:
-        """clip_cov/kl_cov's token choice and bypass mode's IS normalizer: both over the whole mini-batch."""
-        if self.token_selector is not None:
+        """What the loss needs from the whole mini-batch (all DP ranks), added before its optimizer step:
+        clip_cov/kl_cov's token choice, or bypass mode's IS normalizer."""
+        if self.update.mode is UpdateMode.BYPASS:
+            if self.update.correction.needs_mini_batch_normalizer:
+                mini = self._with_is_normalizer(mini, ctx)
+        elif self.token_selector is not None:
             mini = self._select_tokens(mini, ctx)
-        if needs_mini_batch_normalizer(ctx.bypass):
-            mini = self._with_is_normalizer(mini, ctx)
         return mini
 
     def _with_is_normalizer(self, mini: TensorDict, ctx: UpdateContext) -> TensorDict:
@@ -211,16 +236,14 @@ class PPOActor(PPOUpdater):
         takes one forward without gradients over the mini-batch (the loss's micro-batching) before the
         micro-batches' losses; the sums are added over the DP group.
         """
-        cfg = ctx.bypass
-        log_probs = self._score(mini, self.batching.update, ctx.temperature, ctx.images, calculate_entropy=False)[
-            "log_probs"
-        ]
+        correction = self.update.correction
+        log_probs = self._score(mini, self.batching.update, ctx.images, calculate_entropy=False)["log_probs"]
         with torch.no_grad():
             mask = response_mask_of(mini)
             weights, _ = is_weights(
-                log_probs - mini["old_log_probs"], mask, cfg["rollout_is"], cfg["rollout_is_threshold"]
+                log_probs - mini["old_log_probs"], mask, correction.rollout_is, correction.is_bounds
             )
-            sums = torch.stack(normalizer_sums(weights, mask, cfg["rollout_is"])).to(torch.float64)
+            sums = torch.stack(normalizer_sums(weights, mask, correction.rollout_is)).to(torch.float64)
         if self.dims.reduces_over_dp:
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=self.dims.dp_group)
         mini = mini.clone(recurse=False)
@@ -233,32 +256,9 @@ class PPOActor(PPOUpdater):
         agg = counts.aggregation(c.loss_agg_mode)
         args = PolicyLossArgs(self.clip_ratio_low, self.clip_ratio_high, float(c.clip_ratio_c), agg)
         response_mask = response_mask_of(micro)
-        on_policy = "on_policy" in micro.keys() and bool(micro["on_policy"][0])  # a mini-batch is wholly one or other
-        out = self._forward(
-            micro, ctx.temperature, calculate_entropy=c.entropy_coeff != 0 or on_policy, images=ctx.images
-        )
-        old_log_probs = self._on_policy_old(micro, out, ctx) if on_policy else micro["old_log_probs"]
-        advantages = micro["advantages"]
-        if "rollout_is_weights" in micro.keys():  # ℓ(w·A) = w·ℓ(A) for the losses that take them
-            advantages = advantages * micro["rollout_is_weights"]
-        if ctx.bypass is not None:
-            pg_loss, pg_metrics = bypass_policy_loss(
-                micro["old_log_probs"],
-                out["log_probs"],
-                advantages,
-                response_mask,
-                ctx.bypass,
-                args,
-                tuple(micro["rollout_is_normalizer"][0]) if "rollout_is_normalizer" in micro.keys() else None,
-            )
-        else:
-            if "pg_token_selection" in micro.keys():
-                extra = {**self.policy_loss_kwargs, "token_selection": micro["pg_token_selection"]}
-            else:
-                extra = self.policy_loss_kwargs
-            pg_loss, pg_metrics = self.policy_loss_fn(
-                old_log_probs, out["log_probs"], advantages, response_mask, args, **extra
-            )
+        calculate_entropy = c.entropy_coeff != 0 or ctx.own_old_log_probs
+        out = self._forward(micro, calculate_entropy=calculate_entropy, images=ctx.images)
+        pg_loss, pg_metrics = self._policy_loss(micro, out, response_mask, args, ctx)
         loss = pg_loss
         # token-weighted metrics: local means weighted by this micro-batch's share of global tokens
         share = counts.token_share(response_mask)
@@ -282,6 +282,27 @@ class PPOActor(PPOUpdater):
             metrics["kl_loss"] = kl_loss
         return loss, metrics
 
+    def _policy_loss(
+        self, micro: TensorDict, out: dict, response_mask: torch.Tensor, args: PolicyLossArgs, ctx: UpdateContext
+    ) -> tuple[torch.Tensor, dict]:
+        """The policy loss of one micro-batch in this actor's mode, and its metrics."""
+        if self.update.mode is UpdateMode.BYPASS:  # π_old is the rollout's; the correction is in the loss
+            correction = self.update.correction
+            normalizer = tuple(micro["rollout_is_normalizer"][0]) if correction.needs_mini_batch_normalizer else None
+            rollout_log_probs = micro["old_log_probs"]
+            advantages = micro["advantages"]
+            return bypass_policy_loss(
+                rollout_log_probs, out["log_probs"], advantages, response_mask, correction, args, normalizer
+            )
+        old_log_probs = self._on_policy_old(micro, out, ctx) if ctx.own_old_log_probs else micro["old_log_probs"]
+        advantages = micro["advantages"]
+        if self.update.applies_is_weights:  # ℓ(w·A) = w·ℓ(A) for the losses that take them
+            advantages = advantages * micro["rollout_is_weights"]
+        extra = self.policy_loss_kwargs
+        if self.token_selector is not None:  # chosen over the whole mini-batch (_select_tokens)
+            extra = {**extra, "token_selection": micro["pg_token_selection"]}
+        return self.policy_loss_fn(old_log_probs, out["log_probs"], advantages, response_mask, args, **extra)
+
     def _on_policy_old(self, micro: TensorDict, out: dict, ctx: UpdateContext) -> torch.Tensor:
         """The old log-probs of an on-policy update: this forward's, detached; kept with the entropy."""
         old = out["log_probs"].detach()
@@ -297,9 +318,7 @@ class PPOActor(PPOUpdater):
         in rank order (equal row counts and widths: one dispatched batch), selected on every rank
         alike, and each rank keeps its own rows.
         """
-        log_probs = self._score(mini, self.batching.update, ctx.temperature, ctx.images, calculate_entropy=False)[
-            "log_probs"
-        ]
+        log_probs = self._score(mini, self.batching.update, ctx.images, calculate_entropy=False)["log_probs"]
         inputs = [mini["old_log_probs"], log_probs, mini["advantages"], response_mask_of(mini).to(log_probs.dtype)]
         rank, world = 0, 1
         if self.dims.reduces_over_dp:

@@ -43,7 +43,7 @@ from rlframe.config.checks import SAVE_CONTENTS
 from rlframe.models.weight_check import check_checkpoint_weights
 from rlframe.utils.faults import KillPoints
 from rlframe.utils.safe_files import remove_under, replace_folder, write_file_atomically
-from rlframe.workers.fsdp_utils import full_state_dict
+from rlframe.workers.full_tensors import full_state_dict
 from rlframe.workers.lora import checkpoint_options, export_lora_hf, is_lora, save_adapter_config
 
 MODEL_DIR, OPTIMIZER_DIR, EXTRA_DIR, HF_DIR = "model", "optimizer", "extra_state", "huggingface"

@@ -16,7 +16,7 @@ from rlframe.workers.batching import (
     update_inputs,
 )
 from rlframe.workers.model_forward import VALUES, forward_micro_batch, layout_for
-from rlframe.workers.updater import Batching, PPOUpdater, RoleModel, UpdateContext
+from rlframe.workers.updater import Batching, PPOUpdater, RoleModel
 
 
 class PPOCritic(PPOUpdater):
@@ -41,9 +41,9 @@ class PPOCritic(PPOUpdater):
 
     def update_critic(self, data: DataProto) -> dict[str, list[float]]:
         """`ppo_epochs` passes of mini-batch optimizer steps; returns metric lists (one value per step)."""
-        return self._train(update_inputs(data.batch, "values", "returns"), UpdateContext())
+        return self._train(update_inputs(data.batch, "values", "returns"))
 
-    def _loss(self, micro, counts: GlobalCounts, ctx: UpdateContext) -> tuple[torch.Tensor, dict]:
+    def _loss(self, micro, counts: GlobalCounts, ctx: None) -> tuple[torch.Tensor, dict]:
         """The clipped value loss of one micro-batch, normalized by the mini-batch's global counts."""
         s = self.config
         response_mask = response_mask_of(micro)

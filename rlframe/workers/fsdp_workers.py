@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from rlframe.algorithms.update_mode import ActorUpdate
 from rlframe.batch_plan import BatchPlan
 from rlframe.config import trace
 from rlframe.config.checks import resolve_device
@@ -32,19 +33,14 @@ from rlframe.workers.activation_offload import enable as enable_activation_offlo
 from rlframe.workers.actor import PPOActor
 from rlframe.workers.batching import micro_batch_spec
 from rlframe.workers.critic import PPOCritic
-from rlframe.workers.fsdp_utils import (
-    FSDPSpec,
-    ModelSpec,
-    build_lr_scheduler,
-    build_optimizer,
-    load_hf_model,
-    move_optimizer_state,
-    resolve_dtype,
-    wrap_fsdp,
-)
+from rlframe.workers.dtypes import resolve_dtype
+from rlframe.workers.fsdp_wrap import FSDPSpec, wrap_fsdp
+from rlframe.workers.lr_schedule import build_lr_scheduler
+from rlframe.workers.model_loading import ModelSpec, load_hf_model
+from rlframe.workers.optimizer import build_optimizer, move_optimizer_state
 from rlframe.workers.profiler import Profiler, ProfileSession, profiled
 from rlframe.workers.updater import ModelOptions, PPOUpdater, RoleModel
-from rlframe.workers.weight_sync import iter_full_params_bucketed
+from rlframe.workers.weight_sync import iter_full_params_bucketed, sync_lora_to_rollout
 
 
 def fsdp_spec(fsdp_cfg: DictConfig, strategy: str, device_type: str) -> FSDPSpec:
@@ -204,7 +200,10 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.actor.optim, total_training_steps)
         options = self._model_options(cfg.actor.use_torch_compile, cfg.actor.fsdp_config)
         actor_model = RoleModel(self.actor_module, options, self.optimizer, self.lr_scheduler)
-        self.actor = PPOActor(actor_model, cfg.actor, self.plan.actor, self.dims, seed=int(self.config.data.seed))
+        # the update's mode, rollout correction and scoring temperature: decided here, once
+        update = ActorUpdate.from_config(cfg.actor, self.config.algorithm, cfg.rollout)
+        seed = int(self.config.data.seed)
+        self.actor = PPOActor(actor_model, cfg.actor, self.plan.actor, self.dims, seed=seed, update=update)
         self._offload_optimizer()
         if self.with_ref:
             if lora_spec is not None:  # verl's ref_in_actor: the actor with its adapter disabled
@@ -215,7 +214,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
                 ref_module.requires_grad_(False)
             ref_model = RoleModel(ref_module, self._model_options(cfg.ref.use_torch_compile, cfg.actor.fsdp_config))
             log_prob = micro_batch_spec(self.plan.ref, LOG_PROB_FIELDS.under(REF).max_token_len)
-            self.ref = PPOActor(ref_model, cfg.actor, self.plan.actor, self.dims, log_prob=log_prob)
+            self.ref = PPOActor(ref_model, cfg.actor, self.plan.actor, self.dims, log_prob=log_prob, update=update)
         self.kill_points.hit("worker.init")  # crash-consistency tests (docs/reliability.md)
         self._init_rollout(cfg)
 
@@ -228,11 +227,6 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             use_torch_compile=bool(use_torch_compile) and self.device_type == "cuda",
             reshard_after_forward=bool(fsdp_cfg.reshard_after_forward),
         )
-
-    def _with_rollout_temperature(self, data: DataProto) -> DataProto:
-        """Score responses at the temperature they were sampled with (verl: log-probs of logits / T)."""
-        data.meta_info["temperature"] = float(self.config.actor_rollout_ref.rollout.temperature)
-        return data
 
     def _init_rollout(self, cfg) -> None:
         from rlframe.workers.rollout import ServedModel, build_rollout
@@ -288,7 +282,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
                     pass
             elif lora.is_lora(self.actor_module):
                 adapter = self.rollout_engine.capabilities.lora == "adapter"
-                lora.sync_to_rollout(self.rollout, self.actor_module, adapter)
+                sync_lora_to_rollout(self.rollout, self.actor_module, adapter)
             else:
                 self.rollout.update_weights(iter_full_params_bucketed(self.actor_module))
             self._weights_dirty = False
@@ -333,7 +327,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
     @profiled("actor_compute_log_prob")
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """Old log-probs under the current actor (and their entropy, for the metrics)."""
-        data = self._with_rollout_temperature(self._to_device(self._gather_sp(data)))
+        data = self._to_device(self._gather_sp(data))
         # Σπ² per token for the OTB estimators (advantage.OTB_ESTIMATORS; actor.calculate_sum_pi_squared)
         sum_pi_squared = bool(self.config.actor_rollout_ref.actor.calculate_sum_pi_squared)
         stats = self.actor.compute_token_stats(data, calculate_entropy=True, calculate_sum_pi_squared=sum_pi_squared)
@@ -344,7 +338,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @profiled("ref_compute_log_prob", profiler="ref_profiler")
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
-        data = self._with_rollout_temperature(self._to_device(self._gather_sp(data)))
+        data = self._to_device(self._gather_sp(data))
         with lora.adapter_disabled(self.ref.module):  # with LoRA the reference is the actor's base model
             log_probs, _ = self.ref.compute_log_prob(data)
         return self._scatter_sp(DataProto.from_dict({"ref_log_prob": log_probs})).to("cpu")
@@ -352,19 +346,16 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @profiled("actor_update")
     def update_actor(self, data: DataProto) -> DataProto:
-        data = self._with_rollout_temperature(self._to_device(self._gather_sp(data)))
+        data = self._to_device(self._gather_sp(data))
         self._load_optimizer()
         start = time.perf_counter()
-        stats = None
-        if data.meta_info.get("on_policy", False):  # no old-log-prob pass ran: the update's forward gives them
-            metrics, stats = self.actor.update_policy_on_policy(data)
-        else:
-            metrics = self.actor.update_policy(data)
+        # in on-policy mode (no old-log-prob pass ran) the update hands back the old log-probs and entropy
+        metrics, stats = self.actor.update_policy(data)
         self.kill_points.hit("worker.update")
         metrics["timing_s/update_actor_worker"] = [time.perf_counter() - start]
         self._offload_optimizer()
         self._weights_dirty = True
-        if stats is None:
+        if not stats:
             return DataProto(meta_info={"metrics": metrics})
         return self._scatter_sp(DataProto.from_dict(stats, meta_info={"metrics": metrics})).to("cpu")
 

@@ -11,7 +11,8 @@ adapter alone. Around the model:
   frozen or all trainable and gradients are kept for the adapter only (verl's LoRA wrap policy).
 - **Rollout**: the HF engine receives merged weights `W + scaling · B @ A`, computed out of place while
   the weights stream (the trained adapter and the base weights are never modified); vLLM receives the
-  base weights once and then the adapter (a LoRA request) after every update.
+  base weights once and then the adapter (a LoRA request) after every update. The stream is
+  `weight_sync.sync_lora_to_rollout`; this module gives it the names, the merge and the adapter files.
 - **Checkpoints** hold the adapter and its optimizer state (the base is re-read from `model.path`);
   the HF export writes the merged model and, in `lora_adapter/`, the adapter as PEFT saves it.
 """
@@ -234,28 +235,6 @@ def write_adapter_folder(folder: str, tensors: dict[str, torch.Tensor], peft_con
 def save_adapter(folder: str, model: nn.Module, adapter_state: dict[str, torch.Tensor]) -> None:
     """The adapter of `model` (its full tensors in `adapter_state`) as a PEFT adapter folder."""
     write_adapter_folder(folder, peft_adapter_files(model, adapter_state), peft_model_of(model).peft_config[ADAPTER])
-
-
-# ---------------------------------------------------------------- rollout weight sync
-def sync_to_rollout(rollout, model: nn.Module, adapter: bool) -> None:
-    """Send the LoRA actor to the rollout: merged weights, or with `adapter` (an engine whose declared
-    `capabilities.lora` is "adapter", vLLM) the adapter after the base once.
-
-    A collective under FSDP: every rank calls it, in the same state (every engine replica is in step).
-    """
-    from rlframe.workers.weight_sync import iter_full_params_bucketed  # late: it imports fsdp_utils, which imports us
-
-    if not adapter:
-        rollout.update_weights(merged_params(iter_full_params_bucketed(model), lora_scalings(model)))
-        return
-    if rollout.needs_base_weights:
-        rollout.update_weights(
-            (base_name(name), tensor)
-            for name, tensor in iter_full_params_bucketed(model)
-            if not is_adapter_tensor(name)
-        )
-    adapter = full_adapter_state(model)
-    rollout.update_lora_adapter(peft_adapter_files(model, adapter), peft_model_of(model).peft_config[ADAPTER])
 
 
 # ---------------------------------------------------------------- vLLM's side (pure: tested without vLLM)

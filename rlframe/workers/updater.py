@@ -4,9 +4,11 @@ One optimizer step over a mini-batch: the global counts (the loss denominators, 
 group), the micro-batch split, zero_grad, then per micro-batch the role's loss (`_loss(micro,
 counts, ctx) -> (loss, metrics)`) scaled by `dp_size` and back-propagated, then the DP sum of the
 metrics, the micro-batch packing metrics and the clipped optimizer step. A role (`PPOActor`,
-`PPOCritic`) is built from its typed config section and its plan, and supplies its loss, the keys it
-reads and, for the actor, named preparers of a mini-batch; one `UpdateContext` per call carries what the
-call knows besides its batch. The math itself lives in `rlframe.algorithms`.
+`PPOCritic`) is built from its typed config section and its plan, and supplies its loss and the keys it
+reads; `ctx` is whatever one call of the role's update knows besides its batch (the critic: nothing), passed
+to its loss untouched. `_train` is the plain loop over epochs and mini-batches; a role that prepares its
+batches (the actor) writes its loop from the same parts (`_epochs`, `_optimizer_step`, `_end_update`). The
+math itself lives in `rlframe.algorithms`.
 
 With `fsdp_config.reshard_after_forward=false` (FSDP2) the gathered parameters are kept from a
 micro-batch's forward through its backward; the updater also keeps them from one micro-batch to
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +43,7 @@ from rlframe.workers.batching import (
     restore_order,
     split_micro_batches,
 )
-from rlframe.workers.fsdp_utils import clip_grad_norm
-from rlframe.workers.multimodal import RowImages
+from rlframe.workers.optimizer import clip_grad_norm
 
 
 @dataclass(frozen=True)
@@ -87,28 +89,10 @@ class Batching:
         )
 
 
-@dataclass
-class UpdateContext:
-    """What one call of an update knows besides its batch; built once per call and passed down.
-
-    `temperature` scores the responses as they were sampled; `bypass` is algorithm.rollout_correction in
-    bypass mode (None otherwise); `on_policy_parts` collects (rows, old log-probs, entropy) when the update
-    computes the old log-probs itself (None otherwise); `images` are a vision-language batch's per-row image
-    inputs (rlframe.workers.multimodal; None for text).
-    """
-
-    temperature: float = 1.0
-    bypass: dict | None = None
-    on_policy_parts: list | None = None
-    images: RowImages | None = None
-
-
 class PPOUpdater(ABC):
     """A role's model and the DP/SP dims it reduces over, trained by mini-batch optimizer steps.
 
-    Subclasses set `role` (the metric prefix) and implement `_loss(micro, counts, ctx)`; they may prepare
-    each mini-batch before its step (`_prepare_mini_batch`) and the whole batch before the first step
-    (`_before_first_step`).
+    Subclasses set `role` (the metric prefix) and implement `_loss(micro, counts, ctx)`.
     """
 
     role: str
@@ -119,22 +103,27 @@ class PPOUpdater(ABC):
         self.config, self.batching, self.dims = config, batching, dims
         self.generator = torch.Generator().manual_seed(seed)
 
-    def _train(self, batch: TensorDict, ctx: UpdateContext) -> dict[str, list[float]]:
+    def _train(self, batch: TensorDict, ctx: Any = None) -> dict[str, list[float]]:
         """One optimizer step per mini-batch of every epoch; metric lists, one value per step."""
         self.module.train()
         metrics: dict[str, list[float]] = {}
-        for epoch in range(self.batching.ppo_epochs):
+        for epoch_batch in self._epochs(batch):
+            for mini in epoch_batch.split(self.batching.mini_batch_size):
+                append_metrics(metrics, self._optimizer_step(mini, ctx))
+        self._end_update()
+        return metrics
+
+    def _epochs(self, batch: TensorDict) -> Iterator[TensorDict]:
+        """`batch` once per epoch, each epoch shuffling the last one's order when the role's `shuffle` is on."""
+        for _ in range(self.batching.ppo_epochs):
             if self.config.shuffle:
                 batch = batch[torch.randperm(len(batch), generator=self.generator)]
-            if epoch == 0:
-                batch = self._before_first_step(batch, ctx)
-            for mini in batch.split(self.batching.mini_batch_size):
-                mini = self._prepare_mini_batch(mini, ctx)
-                for name, value in self._optimizer_step(mini, ctx).items():
-                    metrics.setdefault(name, []).append(value)
+            yield batch
+
+    def _end_update(self) -> None:
+        """After an update's last step: the learning-rate schedule advances once per update."""
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        return metrics
 
     def _no_grad_outputs(self, batch: TensorDict, spec: MicroBatchSpec, forward) -> dict[str, torch.Tensor]:
         """`forward(micro) -> {name: per-token tensor}` over `batch` cut as `spec`, without gradients, in its order."""
@@ -143,23 +132,15 @@ class PPOUpdater(ABC):
             outputs = [forward(micro) for micro in micro_batches]
         return {name: restore_order([out[name] for out in outputs], reverse_idx) for name in outputs[0]}
 
-    def _before_first_step(self, batch: TensorDict, ctx: UpdateContext) -> TensorDict:
-        """The batch in the order its mini-batches are cut (after the first epoch's shuffle), before any step."""
-        return batch
-
-    def _prepare_mini_batch(self, mini: TensorDict, ctx: UpdateContext) -> TensorDict:
-        """What the loss needs from the whole mini-batch (all DP ranks), added before its optimizer step."""
-        return mini
-
     @abstractmethod
-    def _loss(self, micro: TensorDict, counts: GlobalCounts, ctx: UpdateContext) -> tuple[torch.Tensor, dict]:
+    def _loss(self, micro: TensorDict, counts: GlobalCounts, ctx: Any) -> tuple[torch.Tensor, dict]:
         """(loss to back-propagate, metrics summed over micro-batches and DP ranks) of one micro-batch.
 
         Metric names come without the role prefix; values are floats or 0-dim tensors, already weighted so
         that their sum over the mini-batch is the mini-batch's value (see GlobalCounts.token_share).
         """
 
-    def _optimizer_step(self, mini: TensorDict, ctx: UpdateContext) -> dict[str, float]:
+    def _optimizer_step(self, mini: TensorDict, ctx: Any) -> dict[str, float]:
         """Accumulate the gradient of `mini`'s loss over its micro-batches, then step; the step's metrics."""
         dp_group = self.dims.dp_group
         counts = global_counts(mini, dp_group)
@@ -180,6 +161,12 @@ class PPOUpdater(ABC):
         step_metrics.update(micro_batch_metrics(micro_batches, self.batching.update, self.role))
         step_metrics.update(apply_gradients(self.module, self.optimizer, self.config.optim.clip_grad, self.role))
         return step_metrics
+
+
+def append_metrics(metrics: dict[str, list[float]], step_metrics: dict[str, float]) -> None:
+    """Append one optimizer step's metrics to the update's lists."""
+    for name, value in step_metrics.items():
+        metrics.setdefault(name, []).append(value)
 
 
 def apply_gradients(module, optimizer, grad_clip: float, prefix: str) -> dict[str, float]:

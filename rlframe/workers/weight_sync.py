@@ -1,6 +1,6 @@
 """The weight-sync stream from the FSDP actor into the rollout: full tensors, gathered a bucket at a time.
 
-`iter_full_params` (fsdp_utils) all-gathers every FSDP2 parameter on its own: one collective per tensor,
+`iter_full_params` (full_tensors) all-gathers every FSDP2 parameter on its own: one collective per tensor,
 ~270 for SmolLM2-135M, each paying gloo's latency on CPU. `iter_full_params_bucketed` gathers the dim-0
 shards of many tensors of one dtype with one `all_gather` per bucket of about `bucket_bytes` (flat
 buffers, each rank's shard sizes known from DTensor's chunking rule), then cuts each full tensor back out:
@@ -10,6 +10,9 @@ sockets, and the full tensors yielded are views of it, valid until the stream ha
 (`rlframe.distributed.shm_gather`): a consumer copies each one, or keeps it only until the next. Tensors
 that are not sharded that way (FSDP1, HSDP's 2-D meshes, plain tensors) go through `iter_full_params`'s
 path.
+
+A LoRA actor streams through `sync_lora_to_rollout`: merged weights for the HF engine, the base weights once
+and then the adapter for vLLM (the merge and the adapter's files are `lora.py`'s).
 """
 
 from __future__ import annotations
@@ -22,7 +25,17 @@ import torch.distributed as dist
 from torch import nn
 
 from rlframe.distributed.shm_gather import SharedMemoryGroups
-from rlframe.workers.fsdp_utils import iter_full_params, on_mesh_device
+from rlframe.workers.full_tensors import iter_full_params, on_mesh_device
+from rlframe.workers.lora import (
+    ADAPTER,
+    base_name,
+    full_adapter_state,
+    is_adapter_tensor,
+    lora_scalings,
+    merged_params,
+    peft_adapter_files,
+    peft_model_of,
+)
 
 BUCKET_BYTES = 64 * 2**20
 
@@ -133,3 +146,22 @@ def iter_full_params_bucketed(model: nn.Module, bucket_bytes: int = BUCKET_BYTES
         nbytes += tensor.numel() * tensor.element_size()
     if bucket:
         yield from _gather_bucket(bucket, memory)
+
+
+def sync_lora_to_rollout(rollout, model: nn.Module, adapter: bool) -> None:
+    """Send the LoRA actor to the rollout: merged weights, or with `adapter` (an engine whose declared
+    `capabilities.lora` is "adapter", vLLM) the adapter after the base once.
+
+    A collective under FSDP: every rank calls it, in the same state (every engine replica is in step).
+    """
+    if not adapter:
+        rollout.update_weights(merged_params(iter_full_params_bucketed(model), lora_scalings(model)))
+        return
+    if rollout.needs_base_weights:
+        rollout.update_weights(
+            (base_name(name), tensor)
+            for name, tensor in iter_full_params_bucketed(model)
+            if not is_adapter_tensor(name)
+        )
+    adapter = full_adapter_state(model)
+    rollout.update_lora_adapter(peft_adapter_files(model, adapter), peft_model_of(model).peft_config[ADAPTER])

@@ -292,6 +292,8 @@ def test_trainer_passes_the_decoupled_is_weights_to_the_optimal_token_baseline(s
     OTB on the batch's response_mask and its `rollout_is_weights`."""
     from types import SimpleNamespace
 
+    from rlframe.algorithms.config import RolloutCorrection
+    from rlframe.algorithms.update_mode import UpdateMode
     from rlframe.protocol import DataProto
     from rlframe.trainer.config import compose
     from rlframe.trainer.ray_trainer import RayPPOTrainer
@@ -311,7 +313,8 @@ def test_trainer_passes_the_decoupled_is_weights_to_the_optimal_token_baseline(s
         {**tensors, "token_level_scores": inputs["token_level_rewards"], "rollout_log_probs": rollout_log_probs},
         non_tensors={"uid": inputs["index"]},
     )
-    trainer = SimpleNamespace(config=config, use_critic=False)
+    correction = RolloutCorrection.parse(config.algorithm.rollout_correction)
+    trainer = SimpleNamespace(config=config, use_critic=False, update_mode=UpdateMode.DECOUPLED, correction=correction)
     trainer._rollout_correction = lambda b, m: RayPPOTrainer._rollout_correction(trainer, b, m)
     RayPPOTrainer._compute_advantage(trainer, batch, {})
     weights = batch.batch["rollout_is_weights"]

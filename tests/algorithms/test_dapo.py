@@ -194,7 +194,7 @@ def test_overlong_buffer_needs_max_resp_len():
 
 
 def test_explain_shows_the_generation_round_next_to_the_training_batch():
-    from rlframe.explain import format_plan
+    from rlframe.explain.formatting import format_plan
 
     text = format_plan(make_batch_plan(compose([*SMALL, *DAPO_KEYS, "trainer.n_gpus_per_node=2"])))
     assert (

@@ -11,6 +11,7 @@ micro-batches, shuffled, Ulysses sp 2). And the rule for when the pass can be sk
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -31,7 +32,8 @@ from transformers import AutoConfig
 from rlframe.algorithms.on_policy import SKIP_KEY, old_log_prob_pass_reason
 from rlframe.distributed.parallel_dims import build_fsdp_mesh
 from rlframe.protocol import DataProto
-from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, load_hf_model, wrap_fsdp
+from rlframe.workers.fsdp_wrap import FSDPSpec, wrap_fsdp
+from rlframe.workers.model_loading import ModelSpec, load_hf_model
 
 NUM_SEQS = 8
 
@@ -42,15 +44,16 @@ def _one_step(sc: Scenario, model_path: str, shard: DataProto, on_policy: bool, 
     model = load_hf_model(ModelSpec(path=model_path, role="actor", dtype=torch.float32, use_remove_padding=True))
     model = wrap_fsdp(model, FSDPSpec("fsdp2", torch.float32, torch.float32, False, True), mesh, "cpu")
     optimizer = RecordingSGD(model, lr=0.5)
+    sc = replace(sc, update_mode="on_policy" if on_policy else "decoupled")
     actor = make_role(sc, NUM_SEQS, model, optimizer, single_dims(sc, dp_group, sp_group))
     data = shard.select(deepcopy=True)
     if on_policy:
         data.pop(batch_keys=["old_log_probs"])
-        metrics, stats = actor.update_policy_on_policy(data)
+        metrics, stats = actor.update_policy(data)
     else:
         log_probs, entropy = actor.compute_log_prob(data, calculate_entropy=True)
         data.batch["old_log_probs"] = log_probs
-        metrics = actor.update_policy(data)
+        metrics, _ = actor.update_policy(data)
         stats = {"old_log_probs": log_probs, "entropys": entropy}
     params = {name: tensor.detach().clone() for name, tensor in full_params(model).items()}
     return {"metrics": metrics, "stats": stats, "grads": optimizer.grads, "params": params}
@@ -107,12 +110,10 @@ def test_the_on_policy_step_equals_the_step_after_an_old_log_prob_pass(tiny_mode
 
 
 def test_an_update_of_several_epochs_does_not_compute_its_own_old_log_probs(tiny_model_path):
-    sc = Scenario(world=1, strategy="none", extra={"ppo_epochs": 2})
-    data = make_batch(AutoConfig.from_pretrained(tiny_model_path).vocab_size, NUM_SEQS)
+    sc = Scenario(world=1, strategy="none", update_mode="on_policy", extra={"ppo_epochs": 2})
     model = load_hf_model(ModelSpec(path=tiny_model_path, role="actor", dtype=torch.float32, use_remove_padding=True))
-    actor = make_role(sc, NUM_SEQS, model, RecordingSGD(model))
     with pytest.raises(ValueError, match="computes its own old log-probs takes one epoch: ppo_epochs=2"):
-        actor.update_policy_on_policy(data)
+        make_role(sc, NUM_SEQS, model, RecordingSGD(model))
 
 
 def _reason(cfg) -> str | None:

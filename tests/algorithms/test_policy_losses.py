@@ -270,7 +270,7 @@ def test_dro_needs_a_positive_beta():
 
 
 def test_explain_shows_the_loss_estimator_and_kl_terms_with_their_formulas():
-    from rlframe.explain import format_algorithm
+    from rlframe.explain.formatting import format_algorithm
     from rlframe.trainer.config import compose
 
     cfg = compose(
@@ -323,7 +323,7 @@ def test_bypass_mode_loss_matches_verl(agg, per_token_adv):
     ],
 )
 def test_explain_shows_the_verl_names_added_for_issue_29(overrides, shown):
-    from rlframe.explain import format_algorithm
+    from rlframe.explain.formatting import format_algorithm
     from rlframe.trainer.config import compose
 
     text = format_algorithm(compose(overrides))

@@ -9,7 +9,13 @@ import torch
 from helpers.verl_reference import verl_core_algos
 
 from rlframe.algorithms import rollout_correction as rc
-from rlframe.algorithms.config import IS_WEIGHTED_LOSSES, parse_is_threshold, parse_rs_options, parse_rs_thresholds
+from rlframe.algorithms.config import (
+    IS_WEIGHTED_LOSSES,
+    RolloutCorrection,
+    parse_is_threshold,
+    parse_rs_options,
+    parse_rs_thresholds,
+)
 from rlframe.algorithms.loss import Aggregation, PolicyLossArgs
 
 
@@ -70,7 +76,7 @@ def test_weights_mask_and_metrics_match_verl(case, seed):
     helper = verl_helper()
     old, rollout, mask = batch(seed)
     c = cfg(**case)
-    weights, new_mask, metrics = rc.rollout_correction(old, rollout, mask, c)
+    weights, new_mask, metrics = rc.rollout_correction(old, rollout, mask, RolloutCorrection.parse(c))
     v_weights, v_mask, v_metrics = helper.compute_rollout_correction_and_rejection_mask(
         old, rollout, mask, c.rollout_is, c.rollout_is_threshold, c.rollout_is_batch_normalize, c.rollout_rs,
         c.rollout_rs_threshold,
@@ -88,9 +94,9 @@ def test_weights_mask_and_metrics_match_verl(case, seed):
 def test_weights_from_the_formulas():
     old, rollout, mask = batch(3)
     log_r = old - rollout
-    token, _ = rc.is_weights(log_r, mask, "token", 1.5)
+    token, _ = rc.is_weights(log_r, mask, "token", parse_is_threshold(1.5))
     torch.testing.assert_close(token, torch.minimum(log_r.exp(), torch.tensor(1.5)) * mask)
-    seq, _ = rc.is_weights(log_r, mask, "sequence", "0.5_2.0")
+    seq, _ = rc.is_weights(log_r, mask, "sequence", parse_is_threshold("0.5_2.0"))
     for i in range(len(old)):
         w = math.exp(sum(log_r[i, t].item() for t in range(old.shape[1]) if mask[i, t]))
         expected = w if 0.5 <= w <= 2.0 else 0.0
@@ -107,7 +113,8 @@ def test_weights_from_the_formulas():
 def test_rejection_from_the_formulas():
     old, rollout, mask = batch(4, scale=0.5)
     log_r = old - rollout
-    out, _ = rc.rejection_mask(log_r, mask, "token_k1,seq_mean_k3", "0.7_1.4,0.1")
+    options = parse_rs_options("token_k1,seq_mean_k3")
+    out, _ = rc.rejection_mask(log_r, mask, parse_rs_thresholds(options, "0.7_1.4,0.1"))
     k3 = log_r.exp() - 1 - log_r
     for i in range(len(old)):
         valid = mask[i].bool()
@@ -122,10 +129,10 @@ def test_batch_normalization_over_a_split_equals_the_whole_batch():
     """Micro-batches or DP ranks that sum their normalizer parts get the whole batch's weights."""
     old, rollout, mask = batch(5, bs=12)
     for level in ("token", "sequence"):
-        c = cfg(rollout_is=level, rollout_is_threshold=2.0, rollout_is_batch_normalize=True)
+        c = RolloutCorrection.parse(cfg(rollout_is=level, rollout_is_threshold=2.0, rollout_is_batch_normalize=True))
         whole, _, _ = rc.rollout_correction(old, rollout, mask, c)
         parts = [slice(0, 5), slice(5, 7), slice(7, 12)]
-        raw = [rc.is_weights(old[p] - rollout[p], mask[p], level, 2.0)[0] for p in parts]
+        raw = [rc.is_weights(old[p] - rollout[p], mask[p], level, (2.0, None))[0] for p in parts]
         sums = [rc.normalizer_sums(w, mask[p], level) for w, p in zip(raw, parts)]
         normalizer = (sum(s[0] for s in sums), sum(s[1] for s in sums))
         split = [rc.rollout_correction(old[p], rollout[p], mask[p], c, normalizer)[0] for p in parts]
@@ -141,7 +148,7 @@ def test_reinforce_loss_matches_verl(mode):
     g = torch.Generator().manual_seed(6)
     log_prob = rollout + 0.1 * torch.randn(old.shape, generator=g)
     advantages = torch.randn(old.shape, generator=g)
-    weights, _ = rc.is_weights(log_prob - rollout, mask, "sequence", 2.0)
+    weights, _ = rc.is_weights(log_prob - rollout, mask, "sequence", (2.0, None))
     loss, metrics = rc.compute_policy_loss_reinforce(rollout, log_prob, advantages, mask, weights, Aggregation(mode))
     config = verl_actor_config(loss_agg_mode=mode)
     v_loss, v_metrics = core.compute_policy_loss_reinforce(rollout, log_prob, advantages, mask, mode, config, weights)
@@ -179,7 +186,7 @@ def test_weighted_advantage_equals_verls_weighted_token_loss(loss_mode, mode):
         advantages = torch.randn(old.shape, generator=g)
         advantages[4] = 0.0  # a group with equal scores
         for threshold in (2.0, "0.8_1.25"):  # TIS, and IcePop with zero weights
-            weights, _ = rc.is_weights(old - rollout, mask, "token", threshold)
+            weights, _ = rc.is_weights(old - rollout, mask, "token", parse_is_threshold(threshold))
             args = PolicyLossArgs(0.2, 0.28, 3.0, Aggregation(mode))
             ours, _ = POLICY_LOSSES[loss_mode](old, log_prob, advantages * weights, mask, args)
             config = verl_actor_config(loss_mode, clip_ratio_low=0.2, clip_ratio_high=0.28, loss_agg_mode=mode)

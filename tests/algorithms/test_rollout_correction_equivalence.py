@@ -7,6 +7,7 @@ the gradient agree to 1e-5 relative; the reference's loss is verl 0.9.1's on the
 """
 
 import importlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -35,11 +36,18 @@ BYPASS_PPO_CLIP = {
 }
 
 
-def with_correction(batch, cfg=None, weights=False):
-    """The harness batch with bypass mode's meta_info, or decoupled IS weights."""
+# decoupled mode with IS weights: the driver's weights arrive with the batch
+DECOUPLED_IS = {"rollout_is": "token"}
+
+
+def corrected(sc, cfg):
+    """`sc` with the actor built for the rollout correction `cfg` (bypass mode when it says so)."""
+    return replace(sc, update_mode="bypass" if cfg.get("bypass_mode") else "decoupled", correction=dict(cfg))
+
+
+def with_correction(batch, weights=False):
+    """The harness batch, with decoupled IS weights when asked."""
     out = batch.select(deepcopy=True)
-    if cfg is not None:
-        out.meta_info["rollout_correction"] = dict(cfg)
     if weights:
         g = torch.Generator().manual_seed(7)
         out.batch["rollout_is_weights"] = torch.rand(out.batch["advantages"].shape, generator=g) * 2
@@ -51,33 +59,33 @@ def vocab(tiny_model_path):
     return AutoConfig.from_pretrained(tiny_model_path).vocab_size
 
 
-def reference(model_path, batch, loss_agg_mode="token-mean"):
+def reference(model_path, batch, cfg, loss_agg_mode="token-mean"):
     sc = Scenario(strategy="none", use_remove_padding=False, micro_batch_size=NUM_SEQS, loss_agg_mode=loss_agg_mode)
-    return run_scenario(sc, model_path, batch)
+    return run_scenario(corrected(sc, cfg), model_path, batch)
 
 
 @pytest.mark.parametrize("cfg", [BYPASS_REINFORCE, BYPASS_PPO_CLIP], ids=["reinforce", "ppo_clip"])
 @pytest.mark.parametrize("micro", [1, 3])
 def test_bypass_mode_is_exact_under_micro_batching(tiny_model_path, vocab, cfg, micro):
-    batch = with_correction(make_batch(vocab, NUM_SEQS), cfg)
-    ref = reference(tiny_model_path, batch)
+    batch = with_correction(make_batch(vocab, NUM_SEQS))
+    ref = reference(tiny_model_path, batch, cfg)
     sc = Scenario(strategy="none", micro_batch_size=micro)
-    assert_matches(run_scenario(sc, tiny_model_path, batch), ref)
+    assert_matches(run_scenario(corrected(sc, cfg), tiny_model_path, batch), ref)
 
 
 def test_bypass_mode_dynamic_batches_are_exact(tiny_model_path, vocab):
-    batch = with_correction(make_batch(vocab, NUM_SEQS), BYPASS_REINFORCE)
-    ref = reference(tiny_model_path, batch)
+    batch = with_correction(make_batch(vocab, NUM_SEQS))
+    ref = reference(tiny_model_path, batch, BYPASS_REINFORCE)
     sc = Scenario(strategy="none", use_dynamic_bsz=True, max_token_len=24)
-    assert_matches(run_scenario(sc, tiny_model_path, batch), ref)
+    assert_matches(run_scenario(corrected(sc, BYPASS_REINFORCE), tiny_model_path, batch), ref)
 
 
 def test_bypass_reinforce_reference_is_verls_loss(tiny_model_path, vocab):
     """The one-micro-batch loss equals verl's bypass-mode loss on the reference's log-probs (before the step)."""
     core = verl_core_algos()
     helper = importlib.import_module("verl.trainer.ppo.rollout_corr_helper")
-    batch = with_correction(make_batch(vocab, NUM_SEQS), BYPASS_REINFORCE)
-    ref = reference(tiny_model_path, batch)
+    batch = with_correction(make_batch(vocab, NUM_SEQS))
+    ref = reference(tiny_model_path, batch, BYPASS_REINFORCE)
     log_prob = ref["outputs"]["log_probs"]
     rollout = batch.batch["old_log_probs"]
     response_length = batch.batch["responses"].shape[-1]
@@ -104,9 +112,9 @@ def test_bypass_reinforce_reference_is_verls_loss(tiny_model_path, vocab):
 
 def test_decoupled_weights_are_exact_under_micro_batching(tiny_model_path, vocab):
     batch = with_correction(make_batch(vocab, NUM_SEQS), weights=True)
-    ref = reference(tiny_model_path, batch)
+    ref = reference(tiny_model_path, batch, DECOUPLED_IS)
     sc = Scenario(strategy="none", use_dynamic_bsz=True, max_token_len=24)
-    assert_matches(run_scenario(sc, tiny_model_path, batch), ref)
+    assert_matches(run_scenario(corrected(sc, DECOUPLED_IS), tiny_model_path, batch), ref)
 
 
 @pytest.mark.slow
@@ -116,16 +124,16 @@ def test_decoupled_weights_are_exact_under_micro_batching(tiny_model_path, vocab
     ids=["dp2", "sp2_dp2_dynamic"],
 )
 def test_bypass_batch_normalization_is_exact_across_dp_and_sp(tiny_model_path, vocab, tmp_path, sc):
-    batch = with_correction(make_batch(vocab, NUM_SEQS), BYPASS_REINFORCE)
-    ref = reference(tiny_model_path, batch)
-    assert_matches(run_distributed(sc, tiny_model_path, batch, str(tmp_path)), ref)
+    batch = with_correction(make_batch(vocab, NUM_SEQS))
+    ref = reference(tiny_model_path, batch, BYPASS_REINFORCE)
+    assert_matches(run_distributed(corrected(sc, BYPASS_REINFORCE), tiny_model_path, batch, str(tmp_path)), ref)
 
 
 def test_the_normalizer_is_the_whole_mini_batch_mean():
     """A micro-batch's normalized weights use the mean over every micro-batch (not its own)."""
     g = torch.Generator().manual_seed(0)
     log_ratio, mask = 0.3 * torch.randn(6, 5, generator=g), torch.ones(6, 5)
-    weights, _ = rc.is_weights(log_ratio, mask, "token", 2.0)
+    weights, _ = rc.is_weights(log_ratio, mask, "token", (2.0, None))
     total, count = rc.normalizer_sums(weights, mask, "token")
     first, _ = rc.normalize_weights(weights[:2], total, count)
     torch.testing.assert_close(first, weights[:2] / weights.mean())

@@ -9,7 +9,7 @@ from helpers.small_config import SMALL
 
 from rlframe.config.loader import config_dir
 from rlframe.config.schema import Section, walk
-from rlframe.explain import main as explain_main
+from rlframe.explain.cli import main as explain_main
 from rlframe.trainer.config import PPOTrainerConfig, compose, default_yaml, typed
 from rlframe.trainer.main_ppo import prepare
 

@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from rlframe.config.schema import Section, walk
 from rlframe.config.secrets import MASK, credential_key, credential_variable, find_secrets, place_variable
-from rlframe.explain import explain
+from rlframe.explain.report import explain
 from rlframe.trainer import main_ppo
 from rlframe.trainer.config import PPOTrainerConfig
 from rlframe.trainer.merge import model_source

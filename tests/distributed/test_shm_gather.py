@@ -64,7 +64,8 @@ def _fsdp_worker(rank: int, model_path: str) -> dict:
 
     from rlframe.distributed.parallel_dims import build_fsdp_mesh
     from rlframe.distributed.shm_gather import SharedMemoryAllGather, SharedMemoryReduceScatter
-    from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, load_hf_model, wrap_fsdp
+    from rlframe.workers.fsdp_wrap import FSDPSpec, wrap_fsdp
+    from rlframe.workers.model_loading import ModelSpec, load_hf_model
 
     world, result = dist.get_world_size(), {}
     for comms in ("shared", "gloo"):

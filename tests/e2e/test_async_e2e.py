@@ -212,34 +212,89 @@ def _trained_prompts(dumps, steps) -> dict[int, set]:
     return {s: {json.loads(line)["index"] for line in (dumps / f"{s}.jsonl").read_text().splitlines()} for s in steps}
 
 
-def test_a_checkpoint_keeps_the_prompts_in_flight_and_the_resumed_run_trains_them(ray_cluster, tmp_path):
-    """η = 1: when step 2 saves, the groups of steps 3 and 4 are generating or finished. The checkpoint keeps their
-    prompts (not their responses); a run resumed from it generates them again first and trains exactly the prompts
-    the uninterrupted run trained in steps 3 and 4, none of those of steps 1 and 2."""
-    common = [*BASE, *SEPARATE, "trainer.total_training_steps=4", "trainer.test_freq=-1"]
-    common += ["trainer.v1.sampler.max_off_policy_threshold=2"]  # η = 1
-    first = tmp_path / "first"
+ETA1_FOUR_STEPS = [*BASE, *SEPARATE, "trainer.total_training_steps=4", "trainer.test_freq=-1"]
+ETA1_FOUR_STEPS += ["trainer.v1.sampler.max_off_policy_threshold=2"]  # η = 1
+
+
+@pytest.fixture(scope="module")
+def eta1_saved_at_step_2(ray_cluster, tmp_path_factory):
+    """η = 1, four steps, a checkpoint at step 2 (when the groups of steps 3 and 4 are generating or finished):
+    (the run's folder, its metrics)."""
+    first = tmp_path_factory.mktemp("eta1_first")
     metrics, _ = train_in_process(
         [
-            *common,
+            *ETA1_FOUR_STEPS,
             "trainer.save_freq=2",
             f"trainer.rollout_data_dir={first / 'dumps'}",
             f"trainer.default_local_dir={first}",
         ]
     )
-    assert [m["async/in_flight_groups"] for m in metrics][:2] == [4, 4]  # step 2 saved with groups in flight
-    resumed = tmp_path / "resumed"
+    return first, metrics
+
+
+def resumed_from_step_2(first, resumed, overrides: list[str]) -> list[dict]:
+    """A run with `overrides` resumed from `first`'s global_step_2 into the folder `resumed`: its metrics."""
     metrics, _ = train_in_process(
         [
-            *common,
+            *overrides,
             "trainer.resume_mode=resume_path",
             f"trainer.resume_from_path={first / 'global_step_2'}",
             f"trainer.rollout_data_dir={resumed / 'dumps'}",
             f"trainer.default_local_dir={resumed}",
         ]
     )
+    return metrics
+
+
+def test_a_checkpoint_keeps_the_prompts_in_flight_and_the_resumed_run_trains_them(eta1_saved_at_step_2, tmp_path):
+    """η = 1: when step 2 saves, the groups of steps 3 and 4 are generating or finished. The checkpoint keeps their
+    prompts (not their responses); a run resumed from it generates them again first and trains exactly the prompts
+    the uninterrupted run trained in steps 3 and 4, none of those of steps 1 and 2."""
+    first, metrics = eta1_saved_at_step_2
+    assert [m["async/in_flight_groups"] for m in metrics][:2] == [4, 4]  # step 2 saved with groups in flight
+    resumed = tmp_path / "resumed"
+    metrics = resumed_from_step_2(first, resumed, ETA1_FOUR_STEPS)
     assert [m["step"] for m in metrics] == [3, 4]
     before = _trained_prompts(first / "dumps", (1, 2, 3, 4))
     after = _trained_prompts(resumed / "dumps", (3, 4))
     assert after[3] | after[4] == before[3] | before[4] and len(after[3] | after[4]) == 8
     assert not (after[3] | after[4]) & (before[1] | before[2])
+
+
+def test_an_asynchronous_checkpoint_resumed_synchronously_trains_the_prompts_it_had_in_flight(
+    eta1_saved_at_step_2, tmp_path
+):
+    """Before, the sync loop ignored the checkpoint's in-flight prompts: 4 prompts were never trained, without a
+    word. Now its steps 3 and 4 train exactly the prompts the asynchronous run trained there."""
+    first, _ = eta1_saved_at_step_2
+    resumed = tmp_path / "resumed"
+    metrics = resumed_from_step_2(first, resumed, [*BASE, "trainer.total_training_steps=4", "trainer.test_freq=-1"])
+    assert [m["step"] for m in metrics] == [3, 4]
+    before = _trained_prompts(first / "dumps", (1, 2, 3, 4))
+    after = _trained_prompts(resumed / "dumps", (3, 4))
+    assert after[3] | after[4] == before[3] | before[4] and len(after[3] | after[4]) == 8
+
+
+def test_a_synchronous_checkpoint_resumes_asynchronously_in_its_own_folder_and_each_step_is_logged_once(
+    ray_cluster, tmp_path
+):
+    """Before, `separate_async` crashed on a sync checkpoint (KeyError: 'async_prompts'). Resumed in the same folder,
+    the asynchronous run trains the prompts the sync run trained in steps 3 and 4, and metrics.jsonl holds each step
+    once: the sync run's lines past the checkpoint are replaced by the resumed run's."""
+    folder = tmp_path / "run"
+    common = [*BASE, "trainer.total_training_steps=4", "trainer.test_freq=-1", f"trainer.default_local_dir={folder}"]
+    train_in_process([*common, "trainer.save_freq=2", f"trainer.rollout_data_dir={tmp_path / 'sync_dumps'}"])
+    metrics, _ = train_in_process(
+        [
+            *common,
+            *SEPARATE,
+            "trainer.resume_mode=resume_path",
+            f"trainer.resume_from_path={folder / 'global_step_2'}",
+            f"trainer.rollout_data_dir={tmp_path / 'async_dumps'}",
+        ]
+    )
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert ["async/in_flight_groups" in m for m in metrics] == [False, False, True, True]
+    before = _trained_prompts(tmp_path / "sync_dumps", (3, 4))
+    after = _trained_prompts(tmp_path / "async_dumps", (3, 4))
+    assert after[3] | after[4] == before[3] | before[4] and len(after[3] | after[4]) == 8

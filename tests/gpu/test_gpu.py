@@ -2,10 +2,11 @@
 
 Each test catches one way the first GPU run could fail (docs/gpu.md lists them): nccl with FSDP2
 offload, bf16 through the packed (remove-padding) path, flash-attn's varlen kernel against SDPA,
-and the vLLM rollout (LOCAL_RANK of a second worker, RNG, level-2 sleep and a full weight sync)
-on SmolLM2's shape. Numbers are compared within the error of the reference's own bf16 arithmetic:
-a path passes when it is no further from the fp32 result than bf16 itself puts the plain HF
-forward (at most `BF16_SLACK` times that, plus a small floor), never bit for bit across kernels.
+torch's own varlen_attn against the padded reference, and the vLLM rollout (LOCAL_RANK of a second
+worker, RNG, level-2 sleep and a full weight sync) on SmolLM2's shape. Numbers are compared within
+the error of the reference's own bf16 arithmetic: a path passes when it is no further from the fp32
+result than bf16 itself puts the plain HF forward (at most `BF16_SLACK` times that, plus a small
+floor), never bit for bit across kernels.
 A test whose package is missing is skipped with "<package> not installed".
 """
 
@@ -55,15 +56,10 @@ def _batch(vocab: int, seqs: int = 4, prompt: int = 16, response: int = 16, seed
 def test_nccl_fsdp2_param_and_optimizer_offload_step(smollm2, nccl_world):
     """Issue 18 items 5, 6, 9: offloaded shards meet nccl only on CUDA; Adam's state stays with its parameter."""
     from rlframe.distributed.parallel_dims import build_fsdp_mesh
-    from rlframe.workers.fsdp_utils import (
-        FSDPSpec,
-        ModelSpec,
-        clip_grad_norm,
-        iter_full_params,
-        load_hf_model,
-        move_optimizer_state,
-        wrap_fsdp,
-    )
+    from rlframe.workers.fsdp_wrap import FSDPSpec, wrap_fsdp
+    from rlframe.workers.full_tensors import iter_full_params
+    from rlframe.workers.model_loading import ModelSpec, load_hf_model
+    from rlframe.workers.optimizer import clip_grad_norm, move_optimizer_state
 
     mesh = build_fsdp_mesh("cuda", 1, -1)
     spec = ModelSpec(smollm2, "actor", torch.float32, use_remove_padding=False)
@@ -135,13 +131,14 @@ def test_flash_attn_varlen_matches_sdpa_on_smollm2_heads(monkeypatch):
     grad = torch.randn(total, 9, 64, device="cuda", generator=gen)
 
     def run(dtype: torch.dtype, flash: bool):
-        q, k, v = (x.to(dtype).requires_grad_() for x in (q32, k32, v32))
+        q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q32, k32, v32))
         with monkeypatch.context() as m:
-            if not flash:
+            if not flash:  # SDPA per sequence: neither flash kernel
                 m.setattr(attention, "_flash_attn_varlen_func", lambda: None)
+                m.setattr(attention, "_torch_varlen_attn", lambda: None)
             out = attention.varlen_causal_attention(q, k, v, cu, max(lengths), 64**-0.5)
         out.backward(grad.to(dtype))
-        return out.float(), q.grad.float(), k.grad.float()
+        return out.detach().float(), q.grad.float(), k.grad.float()
 
     reference = run(torch.float32, flash=False)
     sdpa = run(torch.bfloat16, flash=False)
@@ -150,6 +147,67 @@ def test_flash_attn_varlen_matches_sdpa_on_smollm2_heads(monkeypatch):
         sdpa_error, flash_error = _mean_abs(got_sdpa, ref), _mean_abs(got_flash, ref)
         print(f"{name}: flash-attn error {flash_error:.2e}, bf16 SDPA error {sdpa_error:.2e}")
         assert flash_error <= BF16_SLACK * sdpa_error + FLOOR, name
+
+
+# ---------------------------------------------------------------------------------------- torch varlen_attn
+def test_torch_varlen_attn_matches_the_padded_reference(smollm2, monkeypatch):
+    """Issue 43: without flash-attn, packed bf16 runs torch's varlen_attn; on SmolLM2's heads (64, GQA 9/3) its
+    output and gradients, causal and with a 64-token window, and the packed model's log-probs are within bf16
+    error of the fp32 reference (per-sequence SDPA; the padded forward)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlframe.distributed import attention
+    from rlframe.workers.model_forward import LOG_PROBS, forward_micro_batch, layout_for
+
+    if attention._torch_varlen_attn() is None:
+        pytest.skip("torch varlen_attn not usable here (torch without flash attention, or a GPU before sm80)")
+    monkeypatch.setattr(attention, "_flash_attn_varlen_func", lambda: None)  # as on a machine without flash-attn
+    assert attention.varlen_kernel("cuda", torch.bfloat16) == attention.TORCH_VARLEN_ATTN
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [37, 128, 5, 300, 64]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda")
+    q32 = torch.randn(sum(lengths), 9, 64, device="cuda", generator=gen)
+    k32, v32 = (torch.randn(sum(lengths), 3, 64, device="cuda", generator=gen) for _ in range(2))
+    grad = torch.randn(sum(lengths), 9, 64, device="cuda", generator=gen)
+
+    def run(dtype: torch.dtype, window: int | None, kernel_on: bool):
+        q, k, v = (x.detach().to(dtype).requires_grad_() for x in (q32, k32, v32))
+        with monkeypatch.context() as m:
+            if not kernel_on:
+                m.setattr(attention, "_torch_varlen_attn", lambda: None)
+            out = attention.varlen_causal_attention(q, k, v, cu, max(lengths), 64**-0.5, sliding_window=window)
+        out.backward(grad.to(dtype))
+        return out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()
+
+    for window in (None, 64):
+        reference = run(torch.float32, window, kernel_on=False)
+        sdpa = run(torch.bfloat16, window, kernel_on=False)
+        varlen = run(torch.bfloat16, window, kernel_on=True)
+        for name, ref, got_sdpa, got_varlen in zip(("out", "dq", "dk", "dv"), reference, sdpa, varlen):
+            sdpa_error, varlen_error = _mean_abs(got_sdpa, ref), _mean_abs(got_varlen, ref)
+            print(f"window {window} {name}: varlen_attn error {varlen_error:.2e}, bf16 SDPA error {sdpa_error:.2e}")
+            assert varlen_error <= BF16_SLACK * sdpa_error + FLOOR, (window, name)
+
+    batch = {k: v.cuda() for k, v in _batch(49152).items()}
+    mask = batch["attention_mask"][:, -16:]
+    out = {}
+    for name, dtype, packed in (("fp32", torch.float32, False), ("hf_bf16", torch.bfloat16, False)):
+        model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=dtype, attn_implementation="sdpa").cuda()
+        with torch.no_grad():
+            out[name] = forward_micro_batch(model, batch, 16, LOG_PROBS, layout_for(packed))["log_probs"]
+    calls = []
+    kernel = attention._torch_varlen_attn()
+    monkeypatch.setattr(attention, "_torch_varlen_attn", lambda: lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    model = AutoModelForCausalLM.from_pretrained(
+        smollm2, dtype=torch.bfloat16, attn_implementation=attention.register_varlen_attention()
+    ).cuda()
+    with torch.no_grad():
+        packed = forward_micro_batch(model, batch, 16, LOG_PROBS, layout_for(True))["log_probs"]
+    assert calls, "the packed forward did not reach varlen_attn"
+    packed_error, reference_error = _mean_abs(packed, out["fp32"], mask), _mean_abs(out["hf_bf16"], out["fp32"], mask)
+    print(f"torch varlen_attn: packed bf16 error {packed_error:.2e}, HF bf16 error {reference_error:.2e}")
+    assert torch.isfinite(packed).all()
+    assert packed_error <= BF16_SLACK * reference_error + FLOOR
 
 
 def test_vllm_rollout_on_a_second_worker_with_weight_sync(smollm2, monkeypatch, tmp_path):

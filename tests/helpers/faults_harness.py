@@ -21,7 +21,7 @@ from rlframe.data.dataloader import make_dataloader
 from rlframe.trainer.checkpointing import TrainerCheckpointer
 from rlframe.utils.faults import KillPoints
 from rlframe.workers import checkpoint as ckpt
-from rlframe.workers.fsdp_utils import ModelSpec, load_hf_model
+from rlframe.workers.model_loading import ModelSpec, load_hf_model
 
 NUM_SAMPLES, BATCH_SIZE = 12, 2
 

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from helpers.world import spawned_world
+from rlframe.algorithms.config import RolloutCorrection, RolloutCorrectionConfig
+from rlframe.algorithms.update_mode import ActorUpdate, UpdateMode
 from rlframe.batch_plan import ForwardPlan, UpdatePlan
 from rlframe.distributed.parallel_dims import ParallelDims, build_fsdp_mesh
 from rlframe.protocol import DataProto
@@ -26,8 +28,9 @@ from rlframe.workers.config.actor import ActorConfig, PolicyLossConfig
 from rlframe.workers.config.critic import CriticConfig, CriticOptimConfig
 from rlframe.workers.config.model import OptimConfig
 from rlframe.workers.critic import PPOCritic
-from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, decoder_layers, load_hf_model, wrap_fsdp
+from rlframe.workers.fsdp_wrap import FSDPSpec, decoder_layers, wrap_fsdp
 from rlframe.workers.lora import LoraSpec, adapter_disabled, apply_lora
+from rlframe.workers.model_loading import ModelSpec, load_hf_model
 from rlframe.workers.updater import ModelOptions, RoleModel
 
 PROMPT_LEN, RESPONSE_LEN = 8, 8
@@ -75,6 +78,8 @@ class Scenario:
     dtype: torch.dtype = torch.float32  # parameters and compute; float64 tells rounding from math (docs/models.md)
     lora_adapter: str | None = None  # a PEFT adapter folder: train it on the frozen model (lora_adapter_path)
     freeze_vision_tower: bool = False  # actor.freeze_vision_tower: a vision-language model's tower does not train
+    update_mode: str = "decoupled"  # the actor's UpdateMode: decoupled | bypass | on_policy
+    correction: dict = field(default_factory=dict)  # algorithm.rollout_correction keys over their defaults
     extra: dict = field(default_factory=dict)
 
     @property
@@ -127,7 +132,7 @@ def make_batch(
                 response_mask[i, 1 : 1 + int(response_lens[i]) // 2] = 0  # the tool turn after the first token
         tensors["response_mask"] = response_mask
     tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-    return DataProto.from_dict(tensors, meta_info={"temperature": 1.0})
+    return DataProto.from_dict(tensors)
 
 
 def update_plan(sc: Scenario, num_seqs: int, ppo_epochs: int = 1) -> UpdatePlan:
@@ -194,11 +199,18 @@ def role_for(sc: Scenario, num_seqs: int) -> tuple:
     return replace(config, **extra), plan, options
 
 
+def actor_update(sc: Scenario) -> ActorUpdate:
+    """The actor's update of a scenario: its mode and its rollout correction, parsed; temperature 1."""
+    correction = RolloutCorrection.parse(RolloutCorrectionConfig(**sc.correction))
+    return ActorUpdate(UpdateMode(sc.update_mode), correction)
+
+
 def make_role(sc: Scenario, num_seqs: int, module, optimizer=None, dims=None):
     """The scenario's PPOActor or PPOCritic around `module` (dims: the DP/SP groups; None = one process)."""
     config, plan, options = role_for(sc, num_seqs)
-    cls = PPOCritic if sc.role == "critic" else PPOActor
-    return cls(RoleModel(module, options, optimizer), config, plan, dims)
+    if sc.role == "critic":
+        return PPOCritic(RoleModel(module, options, optimizer), config, plan, dims)
+    return PPOActor(RoleModel(module, options, optimizer), config, plan, dims, update=actor_update(sc))
 
 
 def single_dims(sc: Scenario, dp_group=None, sp_group=None) -> ParallelDims:
@@ -280,7 +292,7 @@ def run_scenario(
             with adapter_disabled(model):
                 outputs["ref_log_probs"] = actor.compute_log_prob(shard)[0]
         with counting_all_gathers() as gathers:
-            metrics = actor.update_policy(shard)
+            metrics, _ = actor.update_policy(shard)
     result = {"outputs": outputs, "metrics": metrics, "grads": optimizer.grads}
     return result if sc.role == "critic" else {**result, "update_all_gathers": gathers[0]}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rlframe.workers.fsdp_utils import ModelSpec, load_hf_model
+from rlframe.workers.model_loading import ModelSpec, load_hf_model
 
 
 def base_model(path: str, use_remove_padding: bool = False):

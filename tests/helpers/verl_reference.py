@@ -75,15 +75,33 @@ def _stand_in(name: str) -> types.ModuleType:
 
 def verl_core_algos():
     """verl.trainer.ppo.core_algos of verl 0.9.1, or a pytest skip when its source is absent."""
+    return verl_module("verl.trainer.ppo.core_algos")
+
+
+# modules the SFT dataset's import chain needs but the text-only path never calls: `datasets` (the RL dataset's,
+# not installed here) and verl's Qwen2-VL patches (they import names transformers 5.x no longer has)
+_SFT_UNUSED_IMPORTS = ("datasets", "verl.models.transformers.qwen2_vl")
+
+
+def verl_multiturn_sft_dataset():
+    """verl 0.9.1's MultiTurnSFTDataset class, or a pytest skip when its source is absent."""
+    for name in _SFT_UNUSED_IMPORTS:
+        if name not in sys.modules and (name.startswith("verl.") or importlib.util.find_spec(name) is None):
+            sys.modules[name] = _stand_in(name)
+    return verl_module("verl.utils.dataset.multiturn_sft_dataset").MultiTurnSFTDataset
+
+
+def verl_module(name: str):
+    """One module of verl 0.9.1 by its dotted name, or a pytest skip when verl's source is absent."""
     source = verl_source()
     if not source or not _has_core_algos(source):
         pytest.skip(f"verl {VERL_VERSION} source not found ({source or 'pip download failed'}; set RLFRAME_VERL_SRC)")
     if source not in sys.path:
         sys.path.append(source)
-    for name in _UNUSED_IMPORTS:
-        if name not in sys.modules and importlib.util.find_spec(name) is None:
-            sys.modules.setdefault(name, _stand_in(name))
-    module = importlib.import_module("verl.trainer.ppo.core_algos")
+    for unused in _UNUSED_IMPORTS:
+        if unused not in sys.modules and importlib.util.find_spec(unused) is None:
+            sys.modules.setdefault(unused, _stand_in(unused))
+    module = importlib.import_module(name)
     version = importlib.import_module("verl").__version__
     assert version == VERL_VERSION, f"{source} holds verl {version}, not {VERL_VERSION}"
     return module

@@ -79,7 +79,7 @@ def make_vl_batch(model_path: str, seed: int = 0) -> DataProto:
         "ref_log_prob": -5.0 + 0.3 * torch.randn(num_seqs, RESPONSE_LEN, generator=gen),
         "advantages": torch.randn(num_seqs, RESPONSE_LEN, generator=gen),
     }
-    return DataProto.from_dict(tensors, {"multi_modal_inputs": inputs}, meta_info={"temperature": 1.0})
+    return DataProto.from_dict(tensors, {"multi_modal_inputs": inputs})
 
 
 def make_tiny_qwen25_vl(out_dir: str, tiny_vl_path: str) -> str:

@@ -27,15 +27,25 @@ def test_torch_compiled_kernels_match_the_eager_ones():
     torch.testing.assert_close(entropy(logits), entropy_from_logits(logits), rtol=1e-5, atol=1e-5)
 
 
-def test_actor_and_ref_score_at_the_rollout_temperature():
-    # verl 0.9.1: old, ref and update log-probs are of logits / rollout.temperature
-    from types import SimpleNamespace
+def test_actor_and_ref_score_at_the_rollout_temperature(tiny_model_path):
+    # verl 0.9.1: old, ref and update log-probs are of logits / rollout.temperature; the worker builds the
+    # actor and the reference with it (ActorUpdate.from_config), no batch carries it
+    from helpers.fsdp_harness import PROMPT_LEN, Scenario, make_batch, role_for
+    from transformers import AutoConfig
 
-    from omegaconf import OmegaConf
+    from rlframe.algorithms.update_mode import ActorUpdate
+    from rlframe.workers.actor import PPOActor
+    from rlframe.workers.model_loading import ModelSpec, load_hf_model
+    from rlframe.workers.updater import RoleModel
 
-    from rlframe.protocol import DataProto
-    from rlframe.workers.fsdp_workers import ActorRolloutRefWorker
-
-    worker = SimpleNamespace(config=OmegaConf.create({"actor_rollout_ref": {"rollout": {"temperature": 0.7}}}))
-    data = DataProto.from_dict({"responses": torch.zeros(2, 3, dtype=torch.long)})
-    assert ActorRolloutRefWorker._with_rollout_temperature(worker, data).meta_info["temperature"] == 0.7
+    config, plan, options = role_for(Scenario(strategy="none", use_remove_padding=False), 4)
+    model = load_hf_model(ModelSpec(path=tiny_model_path, role="actor", dtype=torch.float32, use_remove_padding=False))
+    data = make_batch(AutoConfig.from_pretrained(tiny_model_path).vocab_size, 4)
+    actor = PPOActor(RoleModel(model, options), config, plan, update=ActorUpdate(temperature=0.7))
+    log_probs, _ = actor.compute_log_prob(data)
+    batch = data.batch
+    with torch.no_grad():
+        logits = model(batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
+    expected = logprobs_from_logits(logits.logits[:, PROMPT_LEN - 1 : -1] / 0.7, batch["responses"])
+    mask = batch["attention_mask"][:, PROMPT_LEN:].bool()
+    torch.testing.assert_close(log_probs[mask], expected[mask], rtol=1e-5, atol=1e-5)

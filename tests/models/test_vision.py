@@ -233,8 +233,8 @@ def test_an_async_checkpoint_keeps_image_prompts_as_plain_data(vl, tmp_path):
     import numpy as np
 
     from rlframe.protocol import DataProto
-    from rlframe.trainer.async_trainer import _plain_rows, _rows_from_plain
     from rlframe.trainer.checkpointing import load_data
+    from rlframe.trainer.pending_prompts import plain_rows, rows_from_plain
 
     _, tokenizer, processor = vl
     config = OmegaConf.structured(DataConfig)
@@ -243,8 +243,8 @@ def test_an_async_checkpoint_keeps_image_prompts_as_plain_data(vl, tmp_path):
     rows = DataProto.from_single_dict(
         collate_fn([RLHFDataset(files, tokenizer, config, processor)[i] for i in range(3)])
     )
-    torch.save({"async_prompts": _plain_rows(rows.split(1))}, tmp_path / "data.pt")
-    back = DataProto.concat(_rows_from_plain(load_data(str(tmp_path / "data.pt"))["async_prompts"]))
+    torch.save({"pending_prompts": plain_rows(rows.split(1))}, tmp_path / "data.pt")
+    back = DataProto.concat(rows_from_plain(load_data(str(tmp_path / "data.pt"))["pending_prompts"]))
     for key in rows.batch_keys:
         assert torch.equal(back.batch[key], rows.batch[key]), key
     for before, after in zip(rows.non_tensor_batch["multi_modal_data"], back.non_tensor_batch["multi_modal_data"]):
@@ -266,7 +266,7 @@ def test_image_rows_for_a_text_model_are_refused_naming_the_row_and_key(tiny_mod
 
 
 def test_explain_says_where_a_vision_language_models_images_come_from(tiny_vl_path, tmp_path, capsys, monkeypatch):
-    from rlframe.explain import main
+    from rlframe.explain.cli import main
 
     monkeypatch.setenv("RLFRAME_CACHE", str(tmp_path))
     status = main(

@@ -19,8 +19,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = (
-    "grpo vllm", "nccl+offload", "bf16 packed", "vllm rollout", "vllm async", "vllm lora", "flash-attn", "gpu_mfu",
-    "sglang rollout", "grpo hf", "activation offload", "vllm tp2", "vllm vl", "sglang tp2",
+    "grpo vllm", "nccl+offload", "bf16 packed", "vllm rollout", "vllm async", "vllm lora", "flash-attn",
+    "torch varlen", "gpu_mfu", "sglang rollout", "grpo hf", "activation offload", "vllm tp2", "vllm vl", "sglang tp2",
 )  # fmt: skip
 FAKE_NVIDIA_SMI = """#!/bin/sh
 case "$*" in
@@ -76,7 +76,7 @@ def test_dry_run_plans_every_step_and_finds_every_target(dry_run):
     for step in STEPS:
         assert any(line.strip().startswith(step) and "catches" not in line for line in lines), step
         assert any(line.startswith(f"target of {step} ") and " ok " in line for line in lines), step
-    for module in ("fsdp_utils", "vllm_rollout", "sglang_rollout", "attention", "main_ppo"):
+    for module in ("fsdp_wrap", "vllm_rollout", "sglang_rollout", "attention", "main_ppo"):
         assert any(line.startswith("import rlframe.") and module in line and " ok" in line for line in lines), module
     engine_row = next(line for line in lines if line.startswith("vLLM engine arguments"))
     assert "'disable_custom_all_reduce': True" in engine_row and "'LOCAL_RANK': '0'" in engine_row

@@ -138,7 +138,6 @@ def ppo_batch(tokenizer, responses: list[str], uids: list[str]) -> DataProto:
     data.batch["old_log_probs"] = -5.0 + 0.3 * torch.randn(data.batch["responses"].shape, generator=gen)
     data.batch["ref_log_prob"] = -5.0 + 0.3 * torch.randn(data.batch["responses"].shape, generator=gen)
     data.non_tensor_batch["uid"] = np.array(uids, dtype=object)
-    data.meta_info["temperature"] = 1.0
     return data
 
 

@@ -329,6 +329,29 @@ def test_colocated_roles_call_their_own_methods_in_shared_processes(ray_cluster)
         pool.remove()
 
 
+def test_spawned_views_of_a_declared_group_class_dispatch_as_any_group(ray_cluster):
+    # a group class declaring its worker's methods (for an editor) changes nothing in what a call does
+    from rlframe.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup, create_colocated_worker_cls
+
+    class ActorGroup(RayWorkerGroup[ActorRole]):
+        compute_log_prob = ActorRole.compute_log_prob
+
+    pool = small_pool(2)
+    wg = RayWorkerGroup(pool, create_colocated_worker_cls({"actor": RayClassWithInitArgs(ActorRole, scale=2.0)}))
+    try:
+        actor = wg.spawn({"actor"}, {"actor": ActorGroup})["actor"]
+        assert isinstance(actor, ActorGroup)
+        assert actor.compute_log_prob(make_data(3)).batch["log_prob"].tolist() == [0.0, 2.0, 4.0]  # both ranks ran
+        assert [view.compute_log_prob(make_data(1)).batch["log_prob"].tolist() for view in actor.rank_views()] == [
+            [0.0],
+            [0.0],
+        ]
+        assert all(isinstance(view, ActorGroup) for view in actor.rank_views())
+    finally:
+        wg.shutdown()
+        pool.remove()
+
+
 # ---------------------------------------------------------------------------------- non-blocking calls
 def test_calls_submitted_on_two_groups_run_at_the_same_time_and_one_groups_calls_in_order(ray_cluster):
     from rlframe.single_controller.ray import PendingCall, RayClassWithInitArgs, RayWorkerGroup

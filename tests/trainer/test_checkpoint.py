@@ -22,7 +22,8 @@ from helpers.world import spawned_world
 from rlframe.distributed.parallel_dims import build_fsdp_mesh
 from rlframe.utils.manifest import write_manifest
 from rlframe.workers import checkpoint as ckpt
-from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, load_hf_model, wrap_fsdp
+from rlframe.workers.fsdp_wrap import FSDPSpec, wrap_fsdp
+from rlframe.workers.model_loading import ModelSpec, load_hf_model
 
 TRAIN_STEPS = 2
 

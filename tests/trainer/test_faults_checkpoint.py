@@ -261,7 +261,7 @@ def test_dataproto_from_disk_round_trips_and_refuses_a_crafted_file(tmp_path):
 def test_crafted_pytorch_model_bin_in_a_model_folder_is_refused(tiny_model_path, tmp_path):
     # Hugging Face folders (actor, critic, reward model, merge output) load through from_pretrained, which
     # reads *.safetensors, or *.bin with weights_only=True: a crafted .bin never runs.
-    from rlframe.workers.fsdp_utils import ModelSpec, load_hf_model
+    from rlframe.workers.model_loading import ModelSpec, load_hf_model
 
     folder = tmp_path / "model"
     shutil.copytree(tiny_model_path, folder)
@@ -410,7 +410,7 @@ def test_merge_refuses_an_output_folder_that_is_a_symlink(run_dir, tiny_model_pa
 def test_non_finite_values_in_a_model_file_are_refused_naming_file_and_tensor(tiny_model_path, tmp_path, value):
     from safetensors.torch import load_file, save_file
 
-    from rlframe.workers.fsdp_utils import ModelSpec, load_hf_model
+    from rlframe.workers.model_loading import ModelSpec, load_hf_model
 
     folder = tmp_path / "model"
     shutil.copytree(tiny_model_path, folder)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rlframe.workers.fsdp_utils import build_lr_scheduler
+from rlframe.workers.lr_schedule import build_lr_scheduler
 
 BASE_LR = 1e-3
 

@@ -12,13 +12,10 @@ import types
 import pytest
 import torch
 
-from rlframe.workers import fsdp_utils
-from rlframe.workers.fsdp_utils import (
-    FSDPSpec,
-    move_optimizer_state,
-    on_mesh_device,
-    optimizer_state_device,
-)
+from rlframe.workers import fsdp_wrap, model_loading
+from rlframe.workers.fsdp_wrap import FSDPSpec
+from rlframe.workers.full_tensors import on_mesh_device
+from rlframe.workers.optimizer import move_optimizer_state, optimizer_state_device
 
 
 def test_optimizer_state_goes_where_its_parameter_steps():
@@ -74,8 +71,8 @@ def test_fsdp2_wrap_leaves_the_model_where_it_is_and_shards_layer_by_layer(monke
     """fully_shard moves each module's states to the device itself; moving the whole model first costs its full size."""
     import torch.distributed.fsdp as fsdp
 
-    model = fsdp_utils.load_hf_model(
-        fsdp_utils.ModelSpec(path=tiny_model_path, role="actor", dtype=torch.float32, use_remove_padding=False)
+    model = model_loading.load_hf_model(
+        model_loading.ModelSpec(path=tiny_model_path, role="actor", dtype=torch.float32, use_remove_padding=False)
     )
     calls = []
 
@@ -85,8 +82,8 @@ def test_fsdp2_wrap_leaves_the_model_where_it_is_and_shards_layer_by_layer(monke
 
     monkeypatch.setattr(fsdp, "fully_shard", fake_fully_shard)
     spec = FSDPSpec("fsdp2", torch.bfloat16, torch.float32, param_offload=False, reshard_after_forward=True)
-    fsdp_utils._wrap_fsdp2(model, spec, mesh=None, device_type="cuda", shared_memory=None)
-    layers = fsdp_utils.decoder_layers(model)
+    fsdp_wrap._wrap_fsdp2(model, spec, mesh=None, device_type="cuda", shared_memory=None)
+    layers = fsdp_wrap.decoder_layers(model)
     assert [module for module, _ in calls] == [*layers, model]
     assert all(devices == {"cpu"} for _, devices in calls)  # nothing was moved before sharding
 
@@ -95,13 +92,15 @@ def test_fsdp2_wrap_leaves_the_model_where_it_is_and_shards_layer_by_layer(monke
 def _offload_worker(rank: int, model_path: str, threads: int) -> dict | None:
 
     from rlframe.distributed.parallel_dims import build_fsdp_mesh
-    from rlframe.workers.fsdp_utils import ModelSpec, clip_grad_norm, iter_full_params, load_hf_model
+    from rlframe.workers.full_tensors import iter_full_params
+    from rlframe.workers.model_loading import ModelSpec, load_hf_model
+    from rlframe.workers.optimizer import clip_grad_norm
 
     torch.set_num_threads(threads)  # the reference's: the same kernels, the same sums (tiny gradients compared)
     torch.manual_seed(0)
     model = load_hf_model(ModelSpec(model_path, "actor", torch.float32, use_remove_padding=False))
     spec = FSDPSpec("fsdp2", torch.float32, torch.float32, param_offload=True, reshard_after_forward=True)
-    model = fsdp_utils.wrap_fsdp(model, spec, build_fsdp_mesh("cpu", 2, -1), "cpu")
+    model = fsdp_wrap.wrap_fsdp(model, spec, build_fsdp_mesh("cpu", 2, -1), "cpu")
     ids = torch.arange(12).reshape(2, 6) + 3
     model(input_ids=ids[rank : rank + 1]).logits.float().pow(2).mean().backward()
     norm = clip_grad_norm(model, max_norm=1e-3)  # far below the norm: clipping is active
@@ -117,7 +116,7 @@ def test_param_offload_grad_norm_clip_and_weight_stream_match_a_plain_model(tiny
     got = spawned_world(2).run(_offload_worker, tiny_model_path, torch.get_num_threads())[0]
 
     torch.manual_seed(0)
-    model = fsdp_utils.load_hf_model(fsdp_utils.ModelSpec(tiny_model_path, "actor", torch.float32, False))
+    model = model_loading.load_hf_model(model_loading.ModelSpec(tiny_model_path, "actor", torch.float32, False))
     ids = torch.arange(12).reshape(2, 6) + 3
     # FSDP2 averages gradients over the 2 ranks: the reference is the mean of the two ranks' losses
     sum(model(input_ids=ids[r : r + 1]).logits.float().pow(2).mean() for r in range(2)).div(2).backward()

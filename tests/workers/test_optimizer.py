@@ -9,7 +9,9 @@ import torch
 from helpers.world import spawned_world
 
 from rlframe.distributed.parallel_dims import build_fsdp_mesh
-from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, build_optimizer, load_hf_model, wrap_fsdp
+from rlframe.workers.fsdp_wrap import FSDPSpec, wrap_fsdp
+from rlframe.workers.model_loading import ModelSpec, load_hf_model
+from rlframe.workers.optimizer import build_optimizer
 
 STEPS = 3
 OPTIM = SimpleNamespace(lr=1e-2, betas=[0.9, 0.95], weight_decay=0.1)

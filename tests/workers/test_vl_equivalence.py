@@ -14,9 +14,10 @@ from helpers.equivalence import NUM_SEQS, assert_matches
 from helpers.fsdp_harness import RESPONSE_LEN, Scenario, make_role, run_distributed, run_scenario
 from helpers.vl_batch import ROW_IMAGES, make_vl_batch
 
-from rlframe.workers.fsdp_utils import ModelSpec, build_optimizer, load_hf_model
 from rlframe.workers.model_forward import PaddedLayout, forward_micro_batch
+from rlframe.workers.model_loading import ModelSpec, load_hf_model
 from rlframe.workers.multimodal import IMAGE_ROW, RowImages, vision_tower
+from rlframe.workers.optimizer import build_optimizer
 from rlframe.workers.reward_model import load_reward_model
 
 assert len(ROW_IMAGES) == NUM_SEQS  # the harness's plans cut NUM_SEQS rows
@@ -127,7 +128,7 @@ def test_update_policy_changes_parameters_and_freeze_keeps_the_tower(tiny_vl_pat
     model = _load(tiny_vl_path, use_remove_padding=True, freeze_vision_tower=freeze)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     actor = make_role(sc, NUM_SEQS, model, build_optimizer(model, OptimConfig(lr=1e-3)))
-    metrics = actor.update_policy(vl_batch)
+    metrics, _ = actor.update_policy(vl_batch)
     assert len(metrics["actor/pg_loss"]) == 1
     changed = {name: not torch.equal(p, before[name]) for name, p in model.named_parameters()}
     tower = [name for name in changed if ".visual." in name]

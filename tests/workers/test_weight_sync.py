@@ -15,7 +15,9 @@ import torch.distributed as dist
 from helpers.world import spawned_world
 
 from rlframe.distributed.parallel_dims import build_fsdp_mesh
-from rlframe.workers.fsdp_utils import FSDPSpec, ModelSpec, iter_full_params, load_hf_model, wrap_fsdp
+from rlframe.workers.fsdp_wrap import FSDPSpec, wrap_fsdp
+from rlframe.workers.full_tensors import iter_full_params
+from rlframe.workers.model_loading import ModelSpec, load_hf_model
 from rlframe.workers.weight_sync import _rows_per_rank, iter_full_params_bucketed
 
 

@@ -153,7 +153,8 @@ class RayWorkerGroup(Generic[W]):
     `wg.compute_log_prob(data)` dispatches `data`, runs the worker method on every rank and
     collects the result. The bound method is `functools.wraps` of the worker's, so `help()`,
     `inspect.signature` and `inspect.getsource` (IPython `??`, debuggers) show the worker
-    method; annotate groups as `RayWorkerGroup[ActorWorker]` so readers know where to jump.
+    method. For an editor, which cannot see methods bound at run time, a subclass may declare them:
+    `rlframe.trainer.worker_groups` has one per role, so `wg.update_actor` leads to the worker's method.
     """
 
     def __init__(
@@ -198,8 +199,13 @@ class RayWorkerGroup(Generic[W]):
     def world_size(self) -> int:
         return len(self._workers)
 
-    def spawn(self, prefix_set: Iterable[str]) -> dict[str, RayWorkerGroup]:
-        """Per-role groups of a colocated group: same processes, methods of each role's class."""
+    def spawn(
+        self, prefix_set: Iterable[str], group_classes: dict[str, type[RayWorkerGroup]] | None = None
+    ) -> dict[str, RayWorkerGroup]:
+        """Per-role groups of a colocated group: same processes, methods of each role's class.
+
+        `group_classes` gives a role's view a subclass declaring its worker's methods for an editor
+        (`rlframe.trainer.worker_groups`); the calls are the same."""
         if not self._role_classes:
             raise ValueError(
                 f"spawn() needs a group built from create_colocated_worker_cls; this one runs "
@@ -210,7 +216,8 @@ class RayWorkerGroup(Generic[W]):
             raise ValueError(f"unknown roles {unknown}; this colocated group has {sorted(self._role_classes)}")
         views = {}
         for role in prefix_set:
-            view = RayWorkerGroup.__new__(RayWorkerGroup)
+            group_cls = (group_classes or {}).get(role, RayWorkerGroup)
+            view = group_cls.__new__(group_cls)
             view.resource_pool, view.call_timeout_s, view.worker_info = (
                 self.resource_pool,
                 self.call_timeout_s,
@@ -226,7 +233,7 @@ class RayWorkerGroup(Generic[W]):
         there), so the driver can keep each rollout replica busy on its own."""
         views = []
         for rank, worker in enumerate(self._live_workers()):
-            view = RayWorkerGroup.__new__(RayWorkerGroup)
+            view = type(self).__new__(type(self))
             view.resource_pool, view.call_timeout_s = self.resource_pool, self.call_timeout_s
             view.worker_info = [self.worker_info[rank]]
             view._role_classes, view._rendezvous_file = {}, None  # the parent group owns the file

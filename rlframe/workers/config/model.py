@@ -12,7 +12,7 @@ from rlframe.config.keys import REF, ref_enabled
 from rlframe.config.schema import Section, each_of, key, section
 from rlframe.utils.shm import shm_dir
 
-# the dtype names the keys accept, and the torch dtype each names (rlframe/workers/fsdp_utils.py resolves them)
+# the dtype names the keys accept, and the torch dtype each names (`workers.dtypes.resolve_dtype` resolves them)
 DTYPES = {
     "bf16": "bfloat16",
     "bfloat16": "bfloat16",

@@ -18,7 +18,6 @@ from rlframe.workers.rollout.agent_loop import AgentLoopRollout
 from rlframe.workers.rollout.base import (
     BaseRollout,
     Rollout,
-    SamplingParams,
     ServedModel,
     build_rollout_output,
     call_seed,
@@ -26,10 +25,17 @@ from rlframe.workers.rollout.base import (
     response_metrics,
     seeded,
 )
-from rlframe.workers.rollout.config import RolloutConfig
-from rlframe.workers.rollout.multi_turn import build_multi_turn, uses_tool_agent
-from rlframe.workers.rollout.registry import engine_for
+from rlframe.workers.rollout import hf_rollout, sglang_rollout, vllm_rollout
+from rlframe.workers.rollout.config import RolloutConfig, uses_tool_agent
+from rlframe.workers.rollout.multi_turn import build_multi_turn
+from rlframe.workers.rollout.registry import engine_for, register
+from rlframe.workers.rollout.sampling import SamplingParams
 from rlframe.workers.rollout.tp import group_rank_and_size
+
+# the built-in engines, one line each (an engine is a module exporting an `EngineSpec`; docs/rollout.md)
+register(hf_rollout.SPEC)
+register(vllm_rollout.SPEC)
+register(sglang_rollout.SPEC)
 
 __all__ = [
     "BaseRollout",

@@ -11,10 +11,18 @@ from rlframe.config.keys import ACTOR, LOG_PROB_FIELDS, ROLLOUT, micro_batch_ina
 from rlframe.config.schema import Section, key, section
 from rlframe.workers.config.model import DTYPES
 from rlframe.workers.config.profiler import RolloutProfilerConfig
-from rlframe.workers.rollout.base import SamplingParams
 from rlframe.workers.rollout.registry import engine_for, engine_names, find_engine
+from rlframe.workers.rollout.sampling import SamplingParams
 
 MODES = ("async", "sync")  # rollout.mode: agent loops on a rollout server, or the batch at once
+
+
+def uses_tool_agent(rollout_cfg) -> bool:
+    """Whether rows may run the tool agent: tools are configured or it is the default agent."""
+    multi_turn, agent = rollout_cfg.multi_turn, rollout_cfg.agent
+    return bool(multi_turn.tool_config_path or multi_turn.function_tool_path) or (
+        agent.default_agent_loop == "tool_agent"
+    )
 
 
 def _check_positive(value: int) -> None:
@@ -66,12 +74,12 @@ class EngineKwargsConfig(Section):
     vllm: Dict[str, Any] = key(
         {},
         "more vLLM engine arguments, passed through (they win over the keys above)",
-        check=engine_for("vllm").check_engine_kwargs,
+        check=lambda engine_kwargs: engine_for("vllm").check_engine_kwargs(engine_kwargs),
     )
     sglang: Dict[str, Any] = key(
         {},
         "more SGLang engine arguments (ServerArgs), passed through (they win over the keys above)",
-        check=engine_for("sglang").check_engine_kwargs,
+        check=lambda engine_kwargs: engine_for("sglang").check_engine_kwargs(engine_kwargs),
     )
     trtllm: Dict[str, Any] = key(
         {}, "verl's TensorRT-LLM arguments: only {} (no such engine here)", check=_no_engine("trtllm")
@@ -161,8 +169,6 @@ class MultiTurnConfig(Section):
         out[f"{path}.use_inference_chat_template"] = "only false: every turn is rendered with the training template"
         out[f"{path}.num_repeat_rollouts"] = "only null: verl's interaction repeats are not implemented"
         out[f"{path}.format"] = "only hermes"
-        from rlframe.workers.rollout.multi_turn import uses_tool_agent
-
         if not uses_tool_agent(root.actor_rollout_ref.rollout):
             why = f"no tools configured and {ROLLOUT}.agent.default_agent_loop=single_turn_agent: no tool agent runs"
             tool_keys = ("enable", "tool_config_path", "function_tool_path", "use_inference_chat_template")

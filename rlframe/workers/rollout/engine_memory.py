@@ -28,7 +28,7 @@ from collections.abc import Mapping
 
 from rlframe.config.checks import planned_device
 from rlframe.config.keys import ROLLOUT
-from rlframe.workers.fsdp_utils import resolve_dtype
+from rlframe.workers.dtypes import resolve_dtype
 from rlframe.workers.rollout.engine_args import model_max_position_embeddings, plain_dict, resolve_max_model_len
 from rlframe.workers.rollout.vllm_cpu import (
     KV_BLOCK_TOKENS,

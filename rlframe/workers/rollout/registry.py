@@ -1,14 +1,14 @@
 """The rollout engines, keyed like verl's `(name, mode)`: `register` one, `engine_for` the one a config names.
 
-The built-in engines are registered here, one line each; an engine is one module exporting an `EngineSpec`
-(`spec.py`) and one line below (docs/rollout.md, "Adding an engine"). The config's choices for
+The built-in engines are registered by the package (`rollout/__init__.py`, one line each), so they are known as
+soon as any rollout module is imported; an engine is one module exporting an `EngineSpec` (`spec.py`) and one
+`register` line (docs/rollout.md, "Adding an engine"). This module imports no engine, so the config can ask it. The config's choices for
 `actor_rollout_ref.rollout.name` are the registered names.
 """
 
 from __future__ import annotations
 
 from rlframe.config.keys import ROLLOUT
-from rlframe.workers.rollout import hf_rollout, sglang_rollout, vllm_rollout
 from rlframe.workers.rollout.spec import EngineSpec
 
 _ENGINES: dict[tuple[str, str], EngineSpec] = {}
@@ -51,7 +51,3 @@ def engine_for(name: str, mode: str = "async") -> EngineSpec:
         raise ValueError(f"{ROLLOUT}.name={name} runs under {ROLLOUT}.mode {' or '.join(modes)}, not {mode!r}")
     return _ENGINES[(name, mode)]
 
-
-register(hf_rollout.SPEC)
-register(vllm_rollout.SPEC)
-register(sglang_rollout.SPEC)

@@ -61,7 +61,7 @@ from rlframe.config.keys import ROLLOUT
 from rlframe.protocol import DataProto
 from rlframe.utils.shm import remove_at_exit, remove_now, remove_stale, shm_dir
 from rlframe.workers.lora import vllm_lora_engine_kwargs
-from rlframe.workers.rollout.base import BaseRollout, SamplingParams, ServedModel, position_seed
+from rlframe.workers.rollout.base import BaseRollout, ServedModel, position_seed
 from rlframe.workers.rollout.engine_args import (
     engine_passthrough,
     model_max_position_embeddings,
@@ -82,6 +82,7 @@ from rlframe.workers.rollout.vllm_cpu import (
     worker_tied_aliases,
 )
 from rlframe.workers.rollout.vllm_server import NO_TOKENS, VLLMServer, completions_to_tensors, engine_prompt
+from rlframe.workers.rollout.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from rlframe.workers.rollout.config import RolloutConfig

@@ -119,7 +119,7 @@ def test_validate_uses_val_kwargs_greedy_and_sampling_is_seed_reproducible(hf_ro
 
 # ---------------------------------------------------------------------------------------- weights
 def test_generation_uses_weights_from_the_latest_optimizer_step(tiny_model_path):
-    from rlframe.workers.fsdp_utils import full_state_dict
+    from rlframe.workers.full_tensors import full_state_dict
 
     rollout = build_rollout("hf", rollout_config(), tiny_model_path, load_tokenizer(tiny_model_path), "cpu")
     actor = load_model(tiny_model_path)

@@ -21,7 +21,8 @@ from rlframe.config.loader import resolved
 from rlframe.config.verl_keys import verl_defaults
 from rlframe.trainer.config import compose, typed
 from rlframe.workers.rollout import sglang_rollout
-from rlframe.workers.rollout.base import SamplingParams, ServedModel
+from rlframe.workers.rollout.base import ServedModel
+from rlframe.workers.rollout.sampling import SamplingParams
 from rlframe.workers.rollout.sglang_rollout import (
     SGLangRollout,
     check_engine_argument_names,
@@ -257,7 +258,7 @@ def test_visible_devices_are_scoped_to_the_engine_build(monkeypatch):
 
 # ---------------------------------------------------------------------------------------- launch checks
 def test_without_sglang_explain_and_train_refuse_naming_the_key_and_the_install(tmp_path, monkeypatch, capsys):
-    from rlframe.explain import main as explain_main
+    from rlframe.explain.cli import main as explain_main
     from rlframe.trainer.main_ppo import prepare
 
     if sglang_rollout.importlib.util.find_spec("sglang") is not None:

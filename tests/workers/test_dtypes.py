@@ -13,14 +13,10 @@ from helpers.world import spawned_world
 
 from rlframe.distributed.parallel_dims import build_fsdp_mesh
 from rlframe.trainer.config import compose, typed
-from rlframe.workers.fsdp_utils import (
-    ModelSpec,
-    decoder_layers,
-    load_hf_model,
-    resolve_dtype,
-    wrap_fsdp,
-)
+from rlframe.workers.dtypes import resolve_dtype
 from rlframe.workers.fsdp_workers import fsdp_spec
+from rlframe.workers.fsdp_wrap import decoder_layers, wrap_fsdp
+from rlframe.workers.model_loading import ModelSpec, load_hf_model
 
 FSDP = "actor_rollout_ref.actor.fsdp_config"
 CASES = {
