@@ -1,8 +1,8 @@
 """Names and checks of config values that need no worker code, so the launch checks run before Ray.
 
 Workers import their accepted names from here (never the other way round): the FSDP strategies,
-what a checkpoint may hold, the rollout engines (as "module:class" strings, imported only when
-chosen) and the device, model-folder and shard-size checks.
+what a checkpoint may hold and the device, model-folder and shard-size checks. The rollout engines'
+names are their registry's (`rlframe.workers.rollout.registry`).
 """
 
 from __future__ import annotations
@@ -13,21 +13,6 @@ import torch
 
 STRATEGIES = ("fsdp2", "fsdp")
 SAVE_CONTENTS = ("model", "optimizer", "extra", "hf_model")
-# rollout name -> "module:class"; modules are imported only when chosen (vllm, sglang: optional extras)
-ROLLOUT_ENGINES = {
-    "hf": "rlframe.workers.rollout.hf_rollout:HFRollout",
-    "vllm": "rlframe.workers.rollout.vllm_rollout:VLLMRollout",
-    "sglang": "rlframe.workers.rollout.sglang_rollout:SGLangRollout",
-}
-
-
-def check_rollout_name(name: str) -> None:
-    """Raise a ValueError listing the valid engines when `name` is not one of them."""
-    if name not in ROLLOUT_ENGINES:
-        raise ValueError(
-            f"actor_rollout_ref.rollout.name={name!r} is not a rollout engine; "
-            f"choose one of {', '.join(ROLLOUT_ENGINES)}"
-        )
 
 
 def resolve_device(device: str) -> str:

@@ -24,14 +24,17 @@ from typing import Any
 Check = Callable[[Any], None]  # raises ValueError (its message is prefixed with "key=value: ")
 
 
-def key(default: Any, help: str, *, choices: tuple | dict | None = None, check: Check | None = None) -> Any:
+def key(default: Any, help: str, *, choices: tuple | dict | Callable | None = None, check: Check | None = None) -> Any:
     """One config key: its default, its one-line help (the YAML comment) and its accepted values.
 
     `default` may be an OmegaConf interpolation (`"${actor_rollout_ref.actor.ppo_epochs}"`): the key then
-    follows another one unless set. `choices` lists the accepted values; `check` raises ValueError
+    follows another one unless set. `choices` lists the accepted values (or returns them, when a registry that
+    grows holds them); `check` raises ValueError
     for a bad value (for checks that need code, e.g. a name looked up in a registry).
     """
-    metadata = {"help": help, "choices": tuple(choices) if choices is not None else None, "check": check}
+    if choices is not None and not callable(choices):  # a callable gives the choices when the value is checked
+        choices = tuple(choices)
+    metadata = {"help": help, "choices": choices, "check": check}
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -98,6 +101,7 @@ def validate(root: Any) -> None:
             value.check(key_path, root)
             continue
         choices, check = field.metadata.get("choices"), field.metadata.get("check")
+        choices = choices() if callable(choices) else choices
         if choices is not None and value not in choices:
             raise ValueError(f"{key_path}={value!r} is not one of {', '.join(map(str, choices))}")
         if check is not None:

@@ -66,7 +66,8 @@ def _update_lines(title: str, p, plan: BatchPlan, forward: MicroFields, forward_
 
 def format_agents(cfg, plan: BatchPlan) -> str:
     """How the rollout runs its trajectories: agent-loop threads (mode=async) and the tool agent's turns."""
-    from rlframe.workers.rollout.multi_turn import uses_tool_agent
+    from rlframe.workers.rollout.config import uses_tool_agent
+    from rlframe.workers.rollout.registry import engine_for
     from rlframe.workers.rollout.tools import load_tools
 
     rollout, r = cfg.actor_rollout_ref.rollout, plan.rollout
@@ -77,7 +78,11 @@ def format_agents(cfg, plan: BatchPlan) -> str:
         lines.append(
             f"mode      async: each of the {r.dp_size} generation groups runs {workers} agent-loop threads over its "
             f"{r.sequences_per_dp} trajectories (≤ {-(-r.sequences_per_dp // workers)} each) against its rollout "
-            + ("server (vLLM: continuous batching)" if r.name == "vllm" else f"server ({r.name}: batched requests)")
+            + (
+                "server (vLLM: continuous batching)"
+                if engine_for(r.name, rollout.mode).capabilities.continuous_batching
+                else f"server ({r.name}: batched requests)"
+            )
         )
     else:
         lines.append("mode      sync: the whole batch is generated at once" + (", tool rows turn by turn" * tool_agent))
@@ -198,7 +203,7 @@ def attention_line(cfg) -> str:
     """The actor's attention kernel on this machine's packages (packed rows: distributed/attention.py picks it)."""
     from rlframe.config.checks import planned_device
     from rlframe.distributed.attention import varlen_kernel
-    from rlframe.workers.fsdp_utils import resolve_dtype
+    from rlframe.workers.dtypes import resolve_dtype
 
     if not cfg.actor_rollout_ref.model.use_remove_padding:
         return "attention padded rows (use_remove_padding=false): transformers' sdpa"

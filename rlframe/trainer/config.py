@@ -39,6 +39,7 @@ from rlframe.workers.config.profiler import GlobalProfilerConfig
 from rlframe.workers.config.ref import RefConfig
 from rlframe.workers.config.reward_model import RewardModelConfig
 from rlframe.workers.rollout.config import RolloutConfig
+from rlframe.workers.rollout.registry import find_engine
 
 RESUME_MODES = ("auto", "disable", "resume_path")
 HEADER = """\
@@ -257,9 +258,10 @@ class SeparateAsyncConfig(Section):
 def _separate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
     rollout, model = root.actor_rollout_ref.rollout, root.actor_rollout_ref.model
     agent_tools = bool(rollout.multi_turn.tool_config_path or rollout.multi_turn.function_tool_path)
+    engine = find_engine(rollout.name)
     return [
         (
-            rollout.name not in ("hf", "vllm"),
+            engine is None or not engine.capabilities.partial_rollout,
             f"actor_rollout_ref.rollout.name={rollout.name}",
             "the rollout pool runs the hf and vllm engines (SGLang's weight push and interrupt are not written yet)",
         ),

@@ -32,7 +32,7 @@ from rlframe.single_controller.errors import WorkerDiedError, WorkerGroupError, 
 from rlframe.trainer.config import PPOTrainerConfig, compose, typed
 from rlframe.trainer.launch import create_worker_groups
 from rlframe.trainer.ray_trainer import PreparedRun, RayPPOTrainer
-from rlframe.workers.rollout.engine_memory import check_engine_memory
+from rlframe.workers.rollout.registry import engine_for
 
 # Keys that may name the built-in tiny model (directly or through an interpolation).
 MODEL_PATH_KEYS = (
@@ -117,9 +117,10 @@ def check_config(
         if check_files:
             check_environment(cfg)
         model_shape = read_model_shape(cfg.actor_rollout_ref.model.path)
-        plan = make_batch_plan(cfg, model_shape)
-        if check_files:
-            check_engine_memory(cfg)  # the machine, after the config: a config error is named first
+        engine = engine_for(cfg.actor_rollout_ref.rollout.name, cfg.actor_rollout_ref.rollout.mode)
+        plan = make_batch_plan(cfg, model_shape, engine.capabilities.micro_batches)
+        if check_files and engine.check_machine is not None:
+            engine.check_machine(cfg)  # the machine, after the config: a config error is named first
         return composed, cfg, model_shape, plan
 
 

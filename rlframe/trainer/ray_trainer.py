@@ -53,7 +53,8 @@ from rlframe.trainer.profiling import StepProfiler
 from rlframe.trainer.tracking import ProgressBar, Tracking
 from rlframe.utils.faults import KillPoints
 from rlframe.utils.flops import device_peak_tflops, train_flops
-from rlframe.workers.rollout.multi_turn import AGENT_INPUT_KEYS, check_agent_rows, uses_tool_agent
+from rlframe.workers.rollout.config import uses_tool_agent
+from rlframe.workers.rollout.multi_turn import AGENT_INPUT_KEYS, check_agent_rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

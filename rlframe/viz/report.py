@@ -118,12 +118,15 @@ def plan_text(run: Run) -> str:
     """The batch plan `rlframe explain` prints for the run's config (or why it cannot be computed)."""
     from rlframe.batch_plan import make_batch_plan, read_model_shape
     from rlframe.explain.formatting import format_plan
+    from rlframe.workers.rollout.registry import find_engine
 
     if run.config is None:
         return "no config.yaml: no batch plan"
     cfg = OmegaConf.create(run.config)
     try:
-        plan = make_batch_plan(cfg, read_model_shape(run.setting("actor_rollout_ref.model.path")))
+        engine = find_engine(OmegaConf.select(cfg, "actor_rollout_ref.rollout.name"))
+        micro_batches = engine is not None and engine.capabilities.micro_batches
+        plan = make_batch_plan(cfg, read_model_shape(run.setting("actor_rollout_ref.model.path")), micro_batches)
     except ValueError as err:
         return f"the batch plan of this config fails its checks: {err}"
     return format_plan(plan)

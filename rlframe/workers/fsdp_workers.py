@@ -33,7 +33,7 @@ from rlframe.workers.activation_offload import enable as enable_activation_offlo
 from rlframe.workers.actor import PPOActor
 from rlframe.workers.batching import micro_batch_spec
 from rlframe.workers.critic import PPOCritic
-from rlframe.workers.fsdp_utils import resolve_dtype
+from rlframe.workers.dtypes import resolve_dtype
 from rlframe.workers.fsdp_wrap import FSDPSpec, wrap_fsdp
 from rlframe.workers.lr_schedule import build_lr_scheduler
 from rlframe.workers.model_loading import ModelSpec, load_hf_model
@@ -231,6 +231,9 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
     def _init_rollout(self, cfg) -> None:
         from rlframe.workers.rollout import ServedModel, build_rollout
         from rlframe.workers.rollout.pool import pools_generation
+        from rlframe.workers.rollout.registry import engine_for
+
+        self.rollout_engine = engine = engine_for(str(cfg.rollout.name), str(cfg.rollout.mode))
 
         tp = self.plan.rollout.tensor_parallel_size
         self.tp_group = tp_group = tensor_parallel_group(self.device_type, self.world_size, tp)
@@ -250,7 +253,8 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         )
         # rollout.pool_cpu_generation: the ranks of this machine generate on rank 0 (rollout/pool.py)
         self.generation_pool = None
-        if cfg.rollout.name == "hf" and tp == 1 and self.device_type == "cpu" and self.world_size > 1:
+        pools = engine.capabilities.pools_cpu_generation
+        if pools and tp == 1 and self.device_type == "cpu" and self.world_size > 1:
             weight_bytes = sum(p.numel() * p.element_size() for p in self.actor_module.parameters())
             if pools_generation(cfg.rollout.pool_cpu_generation, weight_bytes, dist.group.WORLD, self.shared_memory):
                 self.generation_pool = dist.group.WORLD
@@ -277,7 +281,8 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
                 for _ in iter_full_params_bucketed(self.actor_module):
                     pass
             elif lora.is_lora(self.actor_module):
-                sync_lora_to_rollout(self.rollout, self.actor_module)
+                adapter = self.rollout_engine.capabilities.lora == "adapter"
+                sync_lora_to_rollout(self.rollout, self.actor_module, adapter)
             else:
                 self.rollout.update_weights(iter_full_params_bucketed(self.actor_module))
             self._weights_dirty = False

@@ -26,7 +26,7 @@ from rlframe.distributed.padding import position_ids_from_mask
 from rlframe.models.reward_head import load_token_score_model
 from rlframe.protocol import DataProto
 from rlframe.single_controller import Dispatch, register
-from rlframe.workers.fsdp_utils import resolve_dtype
+from rlframe.workers.dtypes import resolve_dtype
 from rlframe.workers.fsdp_workers import FSDPWorkerBase
 from rlframe.workers.fsdp_wrap import FSDPSpec, wrap_fsdp
 from rlframe.workers.model_forward import VALUES, layout_for, score_positions

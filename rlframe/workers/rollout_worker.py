@@ -99,7 +99,7 @@ class RolloutWorker(Worker):
             None,
             chat_template_kwargs=OmegaConf.to_container(self.config.data.apply_chat_template_kwargs),
         )
-        self.engine = getattr(self.rollout, "engine", self.rollout)  # the HF engine, under rollout.mode=async's loop
+        self.engine = self.rollout.unwrapped  # the engine, under rollout.mode=async's agent loops
         torch.set_rng_state(rng_state)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -148,12 +148,13 @@ def iter_full_params_bucketed(model: nn.Module, bucket_bytes: int = BUCKET_BYTES
         yield from _gather_bucket(bucket, memory)
 
 
-def sync_lora_to_rollout(rollout, model: nn.Module) -> None:
-    """Send the LoRA actor to the rollout: merged weights (HF), or the adapter after the base once (vLLM).
+def sync_lora_to_rollout(rollout, model: nn.Module, adapter: bool) -> None:
+    """Send the LoRA actor to the rollout: merged weights, or with `adapter` (an engine whose declared
+    `capabilities.lora` is "adapter", vLLM) the adapter after the base once.
 
     A collective under FSDP: every rank calls it, in the same state (every engine replica is in step).
     """
-    if not getattr(rollout, "takes_lora_adapter", False):
+    if not adapter:
         rollout.update_weights(merged_params(iter_full_params_bucketed(model), lora_scalings(model)))
         return
     if rollout.needs_base_weights:

@@ -233,8 +233,9 @@ def test_vllm_rollout_on_a_second_worker_with_weight_sync(smollm2, monkeypatch, 
             torch.cuda.get_rng_state(), rng_before[1]
         )
         assert os.environ["LOCAL_RANK"] == "1"
-        print(f"vLLM attention backends: {engine.attention_backends()}; sleep level {engine._sleep_level}")
-        assert engine._sleep_level == 2
+        vllm = engine.unwrapped  # the engine under rollout.mode=async's agent loops
+        print(f"vLLM attention backends: {vllm.attention_backends()}; sleep level {vllm._sleep_level}")
+        assert vllm._sleep_level == 2
 
         base = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).state_dict()
         moved = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)

@@ -187,7 +187,7 @@ class RecordingRollout:
 def test_hf_rollout_receives_merged_weights(tiny_model_path, adapter):
     model = lora.apply_lora(base_model(tiny_model_path), lora.LoraSpec(1, 1, "all-linear", None, adapter))
     rollout = RecordingRollout(takes_lora_adapter=False)
-    sync_lora_to_rollout(rollout, model)
+    sync_lora_to_rollout(rollout, model, rollout.takes_lora_adapter)
     expected = copy.deepcopy(model).merge_and_unload().state_dict()
     (sent,) = rollout.weights
     assert sent.keys() == expected.keys() and all(torch.equal(sent[k], expected[k]) for k in expected)
@@ -199,8 +199,8 @@ def test_vllm_rollout_receives_the_base_once_then_the_adapter(tiny_model_path, a
 
     model = lora.apply_lora(base_model(tiny_model_path), lora.LoraSpec(1, 1, "all-linear", None, adapter))
     rollout = RecordingRollout(takes_lora_adapter=True)
-    sync_lora_to_rollout(rollout, model)
-    sync_lora_to_rollout(rollout, model)
+    sync_lora_to_rollout(rollout, model, rollout.takes_lora_adapter)
+    sync_lora_to_rollout(rollout, model, rollout.takes_lora_adapter)
     (base,) = rollout.weights  # the base once: it never changes
     assert base.keys() == base_model(tiny_model_path).state_dict().keys()
     assert all(torch.equal(t, base_model(tiny_model_path).state_dict()[k]) for k, t in base.items())
@@ -376,7 +376,7 @@ def test_vllm_serves_the_adapter_across_updates_and_sleeps(tiny_model_path, adap
         if update == 2:
             engine.release()
             engine.resume()
-        sync_lora_to_rollout(engine, model)
+        sync_lora_to_rollout(engine, model, adapter=True)
         assert not engine.needs_base_weights
         out = engine.generate_sequences(prompts)
         served = out.batch["rollout_log_probs"].cpu()

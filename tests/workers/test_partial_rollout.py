@@ -48,7 +48,7 @@ def _teacher_forced_log_probs(worker, rows: DataProto) -> torch.Tensor:
     """log p(response token) under the engine's current weights, from one forward over prompt + response."""
     temperature = worker.rollout.sampling_for({}).temperature
     with torch.no_grad():
-        logits = worker.rollout.model(
+        logits = worker.engine.model(
             input_ids=rows.batch["input_ids"],
             attention_mask=rows.batch["attention_mask"],
             position_ids=rows.batch["position_ids"],
@@ -85,7 +85,7 @@ def test_a_cut_row_continued_on_the_same_weights_is_the_uncut_row(worker, cut_af
 
 def test_a_row_cut_under_one_version_continues_under_the_next_with_each_tokens_version_and_log_prob(worker):
     version = worker.version
-    before = {name: tensor.clone() for name, tensor in worker.rollout.model.state_dict().items()}
+    before = {name: tensor.clone() for name, tensor in worker.engine.model.state_dict().items()}
     cut, flags = _generate_cut(worker, 3)
     rows = cut.select_idxs(flags)
     prefix = rows.batch["response_mask"].sum(-1)

@@ -24,10 +24,10 @@ def test_a_fresh_worker_stamps_version_zero_on_every_response_token(worker):
 
 
 def test_pushed_weights_replace_the_engines_and_their_version_is_stamped(worker):
-    engine_weights = worker.rollout.model.state_dict()
+    engine_weights = worker.engine.model.state_dict()
     pushed = {name: tensor + 0.01 for name, tensor in engine_weights.items() if tensor.is_floating_point()}
     worker.load_weights(3, pushed)
-    loaded = worker.rollout.model.state_dict()
+    loaded = worker.engine.model.state_dict()
     assert all(torch.equal(loaded[name], pushed[name]) for name in pushed)
     out = worker.generate_sequences(make_prompts())
     mask = out.batch["response_mask"].bool()

@@ -12,7 +12,7 @@ from rlframe.config.keys import REF, ref_enabled
 from rlframe.config.schema import Section, each_of, key, section
 from rlframe.utils.shm import shm_dir
 
-# the dtype names the keys accept, and the torch dtype each names (`workers.fsdp_utils.resolve_dtype` resolves them)
+# the dtype names the keys accept, and the torch dtype each names (`workers.dtypes.resolve_dtype` resolves them)
 DTYPES = {
     "bf16": "bfloat16",
     "bfloat16": "bfloat16",
@@ -98,14 +98,6 @@ class ModelConfig(Section):
             raise ValueError(
                 f"{path}.use_fused_kernels=true with actor_rollout_ref.actor.calculate_sum_pi_squared=true: "
                 "Σπ² needs the full logits, which the fused head never builds (as in verl 0.9.1); turn one off"
-            )
-        rollout = root.actor_rollout_ref.rollout
-        on_gpu = planned_device(root.trainer.device) == "cuda"  # vLLM's CPU build serves fp32 adapters
-        if self.lora_rank > 0 and rollout.name == "vllm" and rollout.dtype in ("fp32", "float32") and on_gpu:
-            raise ValueError(
-                f"{path}.lora_rank={self.lora_rank} with actor_rollout_ref.rollout.name=vllm needs "
-                "actor_rollout_ref.rollout.dtype bf16, fp16 or auto on a GPU (vLLM's CUDA LoRA kernels have no fp32; "
-                f"got {rollout.dtype}); or use rollout.name=hf, which generates with merged weights in any dtype"
             )
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:

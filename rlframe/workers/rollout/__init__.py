@@ -1,7 +1,8 @@
 """Rollout engines: prompts in, responses out, inside the worker processes that train.
 
-`build_rollout` picks the engine named by `actor_rollout_ref.rollout.name`; all engines honour
-the same contract (`BaseRollout.generate_sequences`). `rollout.mode=async` (the default) wraps the engine
+`build_rollout` builds the engine named by `actor_rollout_ref.rollout.name` from its declaration in the
+registry (`registry.py`: one `EngineSpec` per engine module, keyed by `(name, mode)`); every engine and wrapper
+implements the same contract (`base.Rollout`). `rollout.mode=async` (the default) wraps the engine
 in agent loops that drive it as a rollout server (`agent_loop.py`); `sync` generates the batch at once.
 `generate_in_tp_group` is the worker-side step around it: gather the TP group's prompts, generate once
 for the group with a shared RNG seed, and keep this rank's share.
@@ -9,16 +10,14 @@ for the group with a shared RNG seed, and keep this rank's share.
 
 from __future__ import annotations
 
-import importlib
-
 import torch.distributed as dist
 
-from rlframe.config.checks import ROLLOUT_ENGINES, check_rollout_name
+from rlframe.config.keys import ROLLOUT
 from rlframe.protocol import DataProto, all_gather_data_proto
 from rlframe.workers.rollout.agent_loop import AgentLoopRollout
 from rlframe.workers.rollout.base import (
     BaseRollout,
-    SamplingParams,
+    Rollout,
     ServedModel,
     build_rollout_output,
     call_seed,
@@ -26,12 +25,21 @@ from rlframe.workers.rollout.base import (
     response_metrics,
     seeded,
 )
-from rlframe.workers.rollout.config import RolloutConfig
-from rlframe.workers.rollout.multi_turn import build_multi_turn, uses_tool_agent
+from rlframe.workers.rollout import hf_rollout, sglang_rollout, vllm_rollout
+from rlframe.workers.rollout.config import RolloutConfig, uses_tool_agent
+from rlframe.workers.rollout.multi_turn import build_multi_turn
+from rlframe.workers.rollout.registry import engine_for, register
+from rlframe.workers.rollout.sampling import SamplingParams
 from rlframe.workers.rollout.tp import group_rank_and_size
+
+# the built-in engines, one line each (an engine is a module exporting an `EngineSpec`; docs/rollout.md)
+register(hf_rollout.SPEC)
+register(vllm_rollout.SPEC)
+register(sglang_rollout.SPEC)
 
 __all__ = [
     "BaseRollout",
+    "Rollout",
     "SamplingParams",
     "ServedModel",
     "build_rollout",
@@ -50,7 +58,7 @@ def build_rollout(
     tp_group=None,
     *,
     chat_template_kwargs: dict | None = None,
-) -> BaseRollout:
+) -> Rollout:
     """Build the engine `name` from the rollout's section `cfg` (`actor_rollout_ref.rollout`) for one worker process.
 
     `tp_group` is this rank's tensor-parallel process group (size `tensor_model_parallel_size`);
@@ -59,11 +67,11 @@ def build_rollout(
     the HF and SGLang engines take merged weights and need nothing. `chat_template_kwargs`
     (`data.apply_chat_template_kwargs`) renders the turns of multi-turn rollouts.
     """
-    check_rollout_name(name)
+    spec = engine_for(name, str(cfg.mode))
     model = ServedModel(model) if isinstance(model, str) else model
-    module_name, class_name = ROLLOUT_ENGINES[name].split(":")
-    engine = getattr(importlib.import_module(module_name), class_name)
-    rollout = engine(cfg, model, tokenizer, device_type, tp_group)
+    rollout = spec.build(cfg, model, tokenizer, device_type, tp_group)
+    if rollout.vision is not None and not spec.capabilities.images:
+        raise ValueError(f"{model.path} is a vision-language model, which {ROLLOUT}.name={name} cannot generate for")
     multi_turn = None
     if uses_tool_agent(cfg):  # rows may call tools: the multi-turn logic drives the engine
         multi_turn = build_multi_turn(rollout, tokenizer, chat_template_kwargs)
@@ -72,7 +80,7 @@ def build_rollout(
     return multi_turn or rollout  # sync: the whole batch at once (tool rows turn by turn)
 
 
-def generate_in_tp_group(rollout: BaseRollout, prompts: DataProto, tp_group=None) -> DataProto:
+def generate_in_tp_group(rollout: Rollout, prompts: DataProto, tp_group=None) -> DataProto:
     """Generate this rank's prompts together with its TP peers' and return this rank's share.
 
     Every TP rank must run the engine on identical input with identical RNG state (TP shards one

@@ -34,25 +34,27 @@ import torch.distributed as dist
 
 from rlframe.models.vision import row_images
 from rlframe.protocol import DataProto
-from rlframe.workers.rollout.base import BaseRollout, build_rollout_output, check_prompts, response_metrics
+from rlframe.workers.rollout.base import BaseRollout, Rollout, build_rollout_output, check_prompts, response_metrics
 from rlframe.workers.rollout.multi_turn import MultiTurnRollout, Trajectory
 from rlframe.workers.rollout.server import BatchingServer, Completion, GenerationRequest, RolloutServer
 from rlframe.workers.rollout.tp import group_rank_and_size
 
 
-class AgentLoopRollout:
-    """The rollout of `mode=async`; the engine's weights, memory and LoRA lifecycle pass through unchanged."""
+class AgentLoopRollout(Rollout):
+    """The rollout of `mode=async`; the engine's weights, memory and LoRA lifecycle pass through unchanged
+    (`Rollout`'s methods, on `unwrapped`)."""
 
     def __init__(self, engine: BaseRollout, num_workers: int, multi_turn: MultiTurnRollout | None = None):
         if num_workers < 1:
             raise ValueError(f"actor_rollout_ref.rollout.agent.num_workers={num_workers}: must be >= 1")
-        self.engine, self.num_workers = engine, num_workers
+        self.engine, self.num_workers, self.config = engine, num_workers, engine.config
         self.multi_turn = multi_turn
         self._worker_agents = [_worker_copy(multi_turn) for _ in range(num_workers)] if multi_turn else []
         self._loops: _EventLoopThreads | None = None  # the worker threads, started at the first generation
 
-    def __getattr__(self, name):  # update_weights, release, resume, update_lora_adapter, ...: the engine's
-        return getattr(self.engine, name)
+    @property
+    def unwrapped(self) -> BaseRollout:
+        return self.engine
 
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -62,7 +64,7 @@ class AgentLoopRollout:
         params = self.engine.sampling_for(prompts.meta_info)
         eos_ids, pad_id = self.engine.special_tokens_for(prompts.meta_info)
         seeds = self.engine.seeds_for(prompts)
-        server_class = getattr(self.engine, "server_class", BatchingServer)
+        server_class = self.engine.server_class or BatchingServer
         server: RolloutServer = server_class(self.engine, params, eos_ids, pad_id)
         rank, size = group_rank_and_size(self.engine.tp_group)
         if rank > 0:  # a TP peer: the leader drives the engine calls and sends the output

@@ -20,7 +20,8 @@ import torch
 
 from rlframe.models.vision import MULTIMODAL_KEYS, extend_positions, vision_spec
 from rlframe.protocol import DataProto
-from rlframe.workers.fsdp_utils import resolve_dtype
+from rlframe.workers.dtypes import resolve_dtype
+from rlframe.workers.rollout.sampling import SamplingParams
 from rlframe.workers.rollout.tp import group_rank_and_size
 
 if TYPE_CHECKING:
@@ -60,50 +61,6 @@ class ServedModel:
     trust_remote_code: bool = False
     override_config: dict | None = None  # fields merged into the model's HF config
     lora_rank: int = 0  # > 0: the actor trains a LoRA adapter of this rank, which vLLM serves
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample one call's responses; `greedy` when do_sample is off or temperature is 0."""
-
-    temperature: float
-    top_p: float
-    top_k: int  # -1 (or 0) = off
-    n: int  # responses per prompt; repetition happens on the driver, engines see n copies
-    do_sample: bool
-    response_length: int  # max generated tokens
-
-    @property
-    def greedy(self) -> bool:
-        return not self.do_sample or self.temperature == 0
-
-    @classmethod
-    def from_config(cls, rollout_cfg, validate: bool = False) -> SamplingParams:
-        """Training sampling from `rollout.*`, or validation sampling from `rollout.val_kwargs.*`."""
-        source, prefix = (rollout_cfg.val_kwargs, f"{KEY}.val_kwargs") if validate else (rollout_cfg, KEY)
-        params = cls(
-            temperature=float(source.temperature),
-            top_p=float(source.top_p),
-            top_k=int(source.top_k),
-            n=int(source.n),
-            do_sample=bool(source.do_sample),
-            response_length=int(rollout_cfg.response_length),
-        )
-        params.check(prefix)
-        return params
-
-    def check(self, prefix: str = KEY) -> None:
-        """Raise a ValueError naming the key for any value an engine cannot use."""
-        if self.n < 1:
-            raise ValueError(f"{prefix}.n={self.n}: the number of responses per prompt must be >= 1")
-        if self.temperature < 0:
-            raise ValueError(f"{prefix}.temperature={self.temperature}: must be >= 0 (0 = greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"{prefix}.top_p={self.top_p}: must be in (0, 1] (1 = off)")
-        if self.top_k < -1:
-            raise ValueError(f"{prefix}.top_k={self.top_k}: must be -1 or 0 (off) or a positive int")
-        if self.response_length < 1:
-            raise ValueError(f"{KEY}.response_length={self.response_length}: must be >= 1")
 
 
 def default_special_tokens(tokenizer, model_path: str) -> tuple[list[int], int]:
@@ -250,13 +207,74 @@ def response_metrics(response_mask: torch.Tensor, responses: torch.Tensor, eos_i
     return {"response_length/truncated_ratio": float(truncated.float().mean())}
 
 
-class BaseRollout(ABC):
-    """A generation engine living in a worker process; `generate_sequences` is the whole contract.
+class Rollout(ABC):
+    """What the worker holds as its rollout: an engine (`BaseRollout`) or a wrapper around one
+    (`AgentLoopRollout` for mode=async, `MultiTurnRollout` for tool rows); every one implements this explicitly.
 
     Lifecycle inside the hybrid engine, per step: `resume()` → `update_weights(actor weights)` →
-    `generate_sequences(prompts)` → `release()` → training. `release()` honours
-    `free_cache_engine`: when it is false the engine keeps its memory and `release`/`resume` do nothing.
+    `generate_sequences(prompts)` → `release()` → training. What an engine can do beyond this is declared in its
+    `EngineSpec` (`spec.py`), looked up by name in the registry, never probed on the object.
     """
+
+    config: RolloutConfig  # the rollout's section (`actor_rollout_ref.rollout`)
+
+    @property
+    @abstractmethod
+    def unwrapped(self) -> BaseRollout:
+        """The engine under any wrappers (an engine is its own)."""
+
+    @abstractmethod
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Left-padded prompts in, the rollout contract out (see `build_rollout_output`), with metrics."""
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full (unsharded) actor tensors by their HF parameter names."""
+        self.unwrapped.update_weights(named_tensors)
+
+    def update_lora_adapter(self, tensors: dict[str, torch.Tensor], peft_config) -> None:
+        """Serve a LoRA actor's adapter (engines whose `capabilities.lora` is "adapter")."""
+        self.unwrapped.update_lora_adapter(tensors, peft_config)
+
+    @property
+    def needs_base_weights(self) -> bool:
+        """Adapter sync: whether the base weights must be sent before the adapter (once, for dummy weights)."""
+        return self.unwrapped.needs_base_weights
+
+    def release(self) -> None:
+        """Free generation memory before training (no-op unless free_cache_engine)."""
+        self.unwrapped.release()
+
+    def resume(self) -> None:
+        """Restore what `release` freed, before `update_weights` and generation."""
+        self.unwrapped.resume()
+
+    def shutdown(self) -> None:
+        """Stop the engine's own processes, if it has any."""
+        self.unwrapped.shutdown()
+
+    def sampling_for(self, meta_info: dict) -> SamplingParams:
+        """This call's sampling: val_kwargs when `validate`, then `do_sample` / `temperature` overrides."""
+        return self.unwrapped.sampling_for(meta_info)
+
+    def special_tokens_for(self, meta_info: dict) -> tuple[list[int], int]:
+        """This call's EOS ids and pad id: the meta_info's, else the engine's."""
+        return self.unwrapped.special_tokens_for(meta_info)
+
+    def sample_seeds(self, count: int) -> list[int]:
+        """One seed per row of this call, from one draw of the torch RNG (under `seeded(call_seed(...))`)."""
+        return self.unwrapped.sample_seeds(count)
+
+
+class BaseRollout(Rollout):
+    """A generation engine living in a worker process: an engine module's `SPEC.build` makes one.
+
+    `release()` honours `free_cache_engine`: when it is false the engine keeps its memory and `release`/`resume`
+    do nothing.
+    """
+
+    # rollout.mode=async: the server its agent loops send requests to (`server.py`); None: `BatchingServer`
+    server_class: type | None = None
+    needs_base_weights = False  # an adapter-serving engine started from dummy weights sets it until they arrive
 
     # partial rollout on the rollout pool (`rollout/partial.py`): the hf and vllm engines ask it while they generate;
     # once it says True the generation running stops every unfinished row and what has not started generates nothing
@@ -282,6 +300,10 @@ class BaseRollout(ABC):
                 f"{KEY}.tensor_model_parallel_size={config.tensor_model_parallel_size} "
                 f"but the rollout was given a TP group of size {self.tp_size}"
             )
+
+    @property
+    def unwrapped(self) -> BaseRollout:
+        return self
 
     def sampling_for(self, meta_info: dict) -> SamplingParams:
         """This call's sampling: val_kwargs when `validate`, then `do_sample` / `temperature` overrides."""
@@ -348,8 +370,29 @@ class BaseRollout(ABC):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full (unsharded) actor tensors by their HF parameter names."""
 
+    def generate_tokens(
+        self,
+        prompts: DataProto,
+        params: SamplingParams,
+        eos_ids: list[int],
+        pad_id: int,
+        seeds: list[int],
+        budgets: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`_generate` with a token budget per row: the continuation of rows a weight push cut (`partial.py`),
+        for engines whose `capabilities.partial_rollout` is declared."""
+        raise NotImplementedError(f"{type(self).__name__} does not continue cut rows (no partial_rollout capability)")
+
+    def update_lora_adapter(self, tensors: dict[str, torch.Tensor], peft_config) -> None:
+        raise NotImplementedError(
+            f"{type(self).__name__} takes a LoRA actor as merged weights (its capabilities.lora is 'merged')"
+        )
+
     def release(self) -> None:
         """Free generation memory before training (no-op unless free_cache_engine)."""
 
     def resume(self) -> None:
         """Restore what `release` freed, before `update_weights` and generation."""
+
+    def shutdown(self) -> None:
+        """Stop the engine's own processes (none unless the engine has them)."""

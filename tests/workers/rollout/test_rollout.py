@@ -19,9 +19,9 @@ from helpers.rollout import (
 )
 from helpers.world import spawned_world
 
-from rlframe.config.checks import ROLLOUT_ENGINES, check_rollout_name
 from rlframe.protocol import DataProto
 from rlframe.workers.rollout import SamplingParams, build_rollout, generate_in_tp_group
+from rlframe.workers.rollout.registry import check_rollout_name, engine_names
 
 
 def load_model(path):
@@ -98,7 +98,7 @@ def test_hf_rollout_output_contract_shapes_masks_and_log_probs(hf_rollout, tiny_
 def test_hf_greedy_matches_model_generate_token_for_token(hf_rollout, tiny_model_path):
     prompts = make_prompts(seed=1, do_sample=False)  # 5 rows, micro_batch_size 2: three micro-batches
     out = hf_rollout.generate_sequences(prompts)
-    expected = reference_generate(load_model(tiny_model_path), prompts, hf_rollout.eos_ids[0])
+    expected = reference_generate(load_model(tiny_model_path), prompts, hf_rollout.unwrapped.eos_ids[0])
     assert torch.equal(out.batch["responses"], expected)
 
 
@@ -130,7 +130,7 @@ def test_generation_uses_weights_from_the_latest_optimizer_step(tiny_model_path)
     logits = actor(input_ids=prompts.batch["input_ids"], attention_mask=prompts.batch["attention_mask"]).logits
     (-torch.log_softmax(logits, -1)[..., 7].mean()).backward()
     optimizer.step()
-    expected = reference_generate(actor, prompts, rollout.eos_ids[0])
+    expected = reference_generate(actor, prompts, rollout.unwrapped.eos_ids[0])
     assert not torch.equal(expected, before)
 
     rollout.release()  # training happens here
@@ -150,7 +150,7 @@ def test_rows_sharing_a_prompt_are_prefilled_once_and_sample_as_before(hf_rollou
     prompts = make_prompts(lengths=(8, 3, 5), seed=2).repeat(3, interleave=True)  # 3 prompts x 3 samples
     prompts.non_tensor_batch["uid"] = np.array([f"r{i}" for i in range(len(prompts))], dtype=object)
     seen = []  # batch and width of every forward the replica runs
-    hook = hf_rollout.model.register_forward_pre_hook(
+    hook = hf_rollout.unwrapped.model.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
     )
     shared = {}
@@ -257,7 +257,7 @@ def test_prompts_wider_than_prompt_length_or_right_padded_are_rejected(hf_rollou
 
 
 def test_unknown_rollout_name_lists_valid_names():
-    assert tuple(ROLLOUT_ENGINES) == ("hf", "vllm", "sglang")
+    assert engine_names() == ("hf", "vllm", "sglang")
     with pytest.raises(ValueError, match="choose one of hf, vllm, sglang"):
         check_rollout_name("trtllm")
     with pytest.raises(ValueError, match="'trtllm'"):

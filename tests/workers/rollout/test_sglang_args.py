@@ -21,7 +21,8 @@ from rlframe.config.loader import resolved
 from rlframe.config.verl_keys import verl_defaults
 from rlframe.trainer.config import compose, typed
 from rlframe.workers.rollout import sglang_rollout
-from rlframe.workers.rollout.base import SamplingParams, ServedModel
+from rlframe.workers.rollout.base import ServedModel
+from rlframe.workers.rollout.sampling import SamplingParams
 from rlframe.workers.rollout.sglang_rollout import (
     SGLangRollout,
     check_engine_argument_names,

@@ -15,8 +15,12 @@ from rlframe.config.loader import resolved
 from rlframe.config.verl_keys import verl_defaults
 from rlframe.trainer.config import compose, typed
 from rlframe.workers.rollout.base import ServedModel, request_seeds
-from rlframe.workers.rollout.config import VLLM_ONLY_KEYS
-from rlframe.workers.rollout.vllm_rollout import max_tokens_for, model_max_position_embeddings, vllm_engine_kwargs
+from rlframe.workers.rollout.vllm_rollout import (
+    VLLM_ONLY_KEYS,
+    max_tokens_for,
+    model_max_position_embeddings,
+    vllm_engine_kwargs,
+)
 
 ROLLOUT = "actor_rollout_ref.rollout"
 MAX_POSITIONS = 32768  # Qwen2.5's

@@ -40,7 +40,7 @@ def test_vllm_cpu_serves_the_adapter_across_updates(world, smollm2_path):  # noq
                 randomize_b(model, seed=7)  # a new adapter version
             if update == 2:
                 engine.needs_base_weights = True  # the base again: vLLM's reload drops its loaded adapters
-            sync_lora_to_rollout(engine, model)
+            sync_lora_to_rollout(engine, model, adapter=True)
             assert not engine.needs_base_weights
             out = engine.generate_sequences(prompts)
             served, tokens = out.batch["rollout_log_probs"], out.batch["response_mask"].sum()

@@ -13,7 +13,7 @@ from helpers.world import spawned_world
 
 from rlframe.distributed.parallel_dims import build_fsdp_mesh
 from rlframe.trainer.config import compose, typed
-from rlframe.workers.fsdp_utils import resolve_dtype
+from rlframe.workers.dtypes import resolve_dtype
 from rlframe.workers.fsdp_workers import fsdp_spec
 from rlframe.workers.fsdp_wrap import decoder_layers, wrap_fsdp
 from rlframe.workers.model_loading import ModelSpec, load_hf_model

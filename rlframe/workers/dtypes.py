@@ -1,9 +1,4 @@
 """Dtype names as the config spells them (`param_dtype: bf16`, `auto`) and the torch dtype each resolves to.
-
-The rest of what this module held lives by idea: `model_loading` (HF models), `fsdp_wrap` (FSDP1/FSDP2),
-`full_tensors` (a sharded model read whole), `optimizer` (AdamW, clipping, optimizer offload) and `lr_schedule`.
-This part keeps the old module name while `rollout/` imports `resolve_dtype` from here; it becomes
-`workers/dtypes.py` when the two rollout imports change with the engine registry.
 """
 
 from __future__ import annotations
