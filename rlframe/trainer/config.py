@@ -271,11 +271,6 @@ def _separate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
             "the rollout pool runs one engine per process (TP 1)",
         ),
         (
-            root.algorithm.filter_groups.enable,
-            "algorithm.filter_groups.enable=true",
-            "DAPO's dynamic sampling is not combined with the rollout pool yet",
-        ),
-        (
             root.algorithm.adv_estimator == "remax",
             "algorithm.adv_estimator=remax",
             "ReMax's greedy baselines are not generated on the rollout pool yet",

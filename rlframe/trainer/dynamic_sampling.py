@@ -103,6 +103,16 @@ class DynamicSampler:
             )
         return False
 
+    def report_data_end(self) -> None:
+        """The data's epochs ran out before the batch was full: say what is left untrained."""
+        if self.num_gen_batches:
+            print(
+                f"[rlframe] dynamic sampling: the data ran out after {self.num_gen_batches} more generation rounds "
+                f"with {self.num_prompts} of data.train_batch_size={self.train_batch_size} prompts kept; that "
+                "partial batch is not trained on",
+                flush=True,
+            )
+
     def take(self) -> tuple[DataProto, dict[str, float]]:
         """The full training batch (the first train_batch_size kept prompts' groups) and the round metrics."""
         batch = DataProto.concat(self.parts)[: self.train_batch_size * self.n]

@@ -32,19 +32,26 @@ import torch
 
 from rlframe.protocol import DataProto
 from rlframe.trainer.config import lookahead, staleness_bound
+from rlframe.trainer.dynamic_sampling import DynamicSampler
 from rlframe.trainer.metrics import compute_staleness_metrics, reduce_metrics
-from rlframe.trainer.pending_prompts import PendingPrompts
-from rlframe.trainer.rollout_stage import BatchSource, Scorer, StepBatch, assign_uids, generation_inputs, timer
+from rlframe.trainer.rollout_stage import (
+    BatchSource,
+    SourceInputs,
+    StepBatch,
+    assign_uids,
+    generation_inputs,
+    merged_metrics,
+    timer,
+)
 from rlframe.trainer.staleness import Evict, GroupLedger, Take
 from rlframe.workers.rollout.base import SEED_KEY
 from rlframe.workers.rollout.partial import INTERRUPTED_KEY, VERSIONS_KEY
 
+ADMITTED_KEY = "admitted_version"  # each row's group's admission version, from its take until its step's metrics
+
 if TYPE_CHECKING:  # Ray is imported only when the groups are created
     from collections.abc import Iterator
 
-    from omegaconf import DictConfig
-
-    from rlframe.batch_plan import BatchPlan
     from rlframe.single_controller.ray import PendingCall, RayWorkerGroup
     from rlframe.trainer.launch import WorkerGroups
 
@@ -64,20 +71,17 @@ class Chunk:
 class PooledSource(BatchSource):
     """separate_async: generation of the next groups on the rollout pool overlaps the training of this step."""
 
-    def __init__(
-        self,
-        config: DictConfig,
-        plan: BatchPlan,
-        loader,
-        pending: PendingPrompts,
-        groups: WorkerGroups,
-        scorer: Scorer,
-        total_steps: int,
-    ):
+    def __init__(self, inputs: SourceInputs, groups: WorkerGroups, total_steps: int):
         if groups.rollout is None:
             raise ValueError("trainer.v1.trainer_mode=separate_async needs the rollout pool's worker group")
-        self.rollout_cfg, self.plan, self.loader, self.pending = config.actor_rollout_ref.rollout, plan, loader, pending
-        self.scorer, self.total_steps = scorer, total_steps
+        config, plan = inputs.config, inputs.plan
+        self.rollout_cfg, self.plan, self.total_steps = config.actor_rollout_ref.rollout, plan, total_steps
+        self.loader, self.pending, self.scorer = inputs.loader, inputs.pending, inputs.scorer
+        self.sampler = None  # DAPO's dynamic sampling: a round is one take of B finished groups
+        self.total_epochs = int(config.trainer.total_epochs)
+        if plan.filter_groups:
+            metric = config.algorithm.filter_groups.metric
+            self.sampler = DynamicSampler(plan.train_batch_size, plan.n, plan.max_num_gen_batches, metric)
         self.actor_wg, self.rollout_wg = groups.actor_rollout, groups.rollout
         self.replicas: list[RayWorkerGroup] = groups.rollout.rank_views()  # TP 1: one replica per process
         v1 = config.trainer.v1
@@ -111,27 +115,50 @@ class PooledSource(BatchSource):
         self._batches = self._loader_batches()
 
     def next_batch(self, step: int) -> StepBatch | None:
+        """The B finished groups the ledger takes, scored; with dynamic sampling, the informative groups of as many
+        takes as fill the batch (the groups of a take that does not fill it leave the ledger at once, so the pool
+        keeps generating; no weights change until this step's update, so what is kept grows no staler)."""
         ready = StepBatch(DataProto())
-        with timer("gen", ready.timings):  # verl's meaning here: how long training waited for the samples
-            take = self._wait_for_batch(step)
-        if take is None:  # only an empty pass over the loader leaves nothing to admit and nothing generating
-            raise RuntimeError(
-                f"separate_async: the training loader gave no batch in a whole pass (step {step - 1} of "
-                f"{self.total_steps}); data.train_files holds fewer than data.train_batch_size="
-                f"{self.plan.train_batch_size} prompts?"
-            )
+        while True:
+            with timer("gen", ready.timings):  # verl's meaning here: how long training waited for the samples
+                take = self._wait_for_batch(step)
+            if take is None and self.sampler is not None:  # the data's epochs ran out first, as in the sync loop
+                self.sampler.report_data_end()
+                return None
+            if take is None:  # only an empty pass over the loader leaves nothing to admit and nothing generating
+                raise RuntimeError(
+                    f"separate_async: the training loader gave no batch in a whole pass (step {step - 1} of "
+                    f"{self.total_steps}); data.train_files holds fewer than data.train_batch_size="
+                    f"{self.plan.train_batch_size} prompts?"
+                )
+            batch = DataProto.concat([self._rows.pop(gid) for gid in take])
+            admitted = torch.tensor([self.ledger.finished[gid] for gid in take])
+            batch.batch[ADMITTED_KEY] = admitted.repeat_interleave(self.plan.n)
+            with timer("reward", ready.timings):
+                extra_info = self.scorer.score(batch, ready.metrics)
+            if self.sampler is None:
+                break
+            with timer("filter_groups", ready.timings):
+                full = self.sampler.add(batch, extra_info)
+            if full:
+                batch, sampling_metrics = self.sampler.take()
+                ready.metrics.update(sampling_metrics)
+                break
+            self._trained(take)  # consumed: its informative groups wait in the sampler, the others are dropped
         self._take = take
-        ready.batch = DataProto.concat([self._rows.pop(gid) for gid in take])
-        ready.metrics.update(self._step_async_metrics(ready.batch, take, step))
-        with timer("reward", ready.timings):
-            self.scorer.score(ready.batch, ready.metrics)
+        ready.batch = batch
+        ready.metrics.update(self._step_async_metrics(batch, step))
         return ready
+
+    def _trained(self, take: list[int]) -> None:
+        """These groups leave the ledger (trained, or filtered out): room for new ones."""
+        self.ledger.remove(take)
+        for gid in take:
+            self._prompt_of.pop(gid)
 
     def after_update(self, step: int, metrics: dict) -> None:
         """The step's groups are trained: push the new weights, then admit (the pool generates during validation)."""
-        self.ledger.remove(self._take)
-        for gid in self._take:
-            self._prompt_of.pop(gid)
+        self._trained(self._take)
         self._take = []
         start = time.perf_counter()
         self._push_weights(step)
@@ -144,13 +171,15 @@ class PooledSource(BatchSource):
 
     def _loader_batches(self) -> Iterator[DataProto]:
         """The loader's batches, pass after pass while steps remain (as the sync loop reads it; a resumed run
-        continues the pass it was in)."""
+        continues the pass it was in). Dynamic sampling reads trainer.total_epochs passes, as the sync loop does."""
+        passes = 0
         while True:
             empty = True
             for batch_dict in self.loader:
                 empty = False
                 yield DataProto.from_single_dict(batch_dict)
-            if empty:
+            passes += 1
+            if empty or (self.sampler is not None and passes >= self.total_epochs):
                 return
 
     def _wait_for_batch(self, step: int) -> list[int] | None:
@@ -256,16 +285,15 @@ class PooledSource(BatchSource):
         if self.ledger.strategy == "regenerate":
             self.pending.rows.extendleft(reversed(prompts))
 
-    def _step_async_metrics(self, batch: DataProto, take: list[int], step: int) -> dict:
+    def _step_async_metrics(self, batch: DataProto, step: int) -> dict:
         """The step's staleness (checked against η), evictions, occupancy and rollout metrics; the versions
         leave the batch, which then is the sync loop's."""
-        versions = batch.pop(batch_keys=[VERSIONS_KEY]).batch[VERSIONS_KEY]
-        admitted = torch.tensor([self.ledger.finished[gid] for gid in take]).repeat_interleave(self.plan.n)
-        metrics = compute_staleness_metrics(versions, admitted, step)
+        versions = batch.pop(batch_keys=[VERSIONS_KEY, ADMITTED_KEY]).batch
+        metrics = compute_staleness_metrics(versions[VERSIONS_KEY], versions[ADMITTED_KEY], step)
         worst = metrics["training/off_policy/trajectory_staleness_worst/max"]  # from each sample's oldest token
         if worst > self.ledger.max_staleness:
             raise AssertionError(f"step {step} trains tokens of staleness {worst:g} > η={self.ledger.max_staleness}")
-        metrics.update(reduce_metrics(_merged(self._gen_metrics)))
+        metrics.update(reduce_metrics(merged_metrics(self._gen_metrics)))
         self._gen_metrics.clear()
         evicted = self._evicted
         metrics["training/off_policy/evicted_samples"] = evicted["groups"]
@@ -275,7 +303,7 @@ class PooledSource(BatchSource):
         metrics["async/tokens_never_trained"] = evicted["tokens"]
         self._evicted = {"groups": 0, "spans": [], "tokens": 0}
         # generating or finished on the rollout pool's side while this step trains, and the most at any time
-        metrics["async/in_flight_groups"] = self.ledger.in_flight - len(take)
+        metrics["async/in_flight_groups"] = self.ledger.in_flight - len(self._take)
         metrics["async/in_flight_groups/max"] = self.ledger.peak_in_flight
         self.ledger.peak_in_flight = self.ledger.in_flight
         metrics["async/rollout_pool/idle_s"] = self._rollout_idle_s
@@ -305,12 +333,3 @@ class PooledSource(BatchSource):
             # admitted after this push, which would otherwise overtake them and leave them to go stale
             for chunk in list(self._chunks):
                 self._collect(chunk)
-
-
-def _merged(metric_dicts: list[dict]) -> dict:
-    """The rollout calls' metric dicts as one dict of lists, for reduce_metrics (one call: unchanged)."""
-    merged: dict[str, list] = {}
-    for metrics in metric_dicts:
-        for key, value in metrics.items():
-            merged.setdefault(key, []).extend(value if isinstance(value, list) else [value])
-    return merged

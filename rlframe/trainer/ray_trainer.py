@@ -46,7 +46,7 @@ from rlframe.trainer.metrics import (
 from rlframe.trainer.pending_prompts import STATE_KEY as PENDING_KEY
 from rlframe.trainer.pending_prompts import PendingPrompts, plain_rows
 from rlframe.trainer.profiling import StepProfiler
-from rlframe.trainer.rollout_stage import BatchSource, ColocatedSource, Scorer, generate, timer
+from rlframe.trainer.rollout_stage import BatchSource, ColocatedSource, Scorer, SourceInputs, generate, timer
 from rlframe.trainer.tracking import ProgressBar, Tracking
 from rlframe.utils.faults import KillPoints
 from rlframe.utils.flops import device_peak_tflops, train_flops
@@ -172,12 +172,12 @@ class RayPPOTrainer:
 
     def _batch_source(self, groups: WorkerGroups) -> BatchSource:
         """The rollout stage of this trainer mode: the training processes' engine, or a rollout pool of its own."""
-        args = (self.config, self.plan, self.train_dataloader, self.pending)
+        inputs = SourceInputs(self.config, self.plan, self.train_dataloader, self.pending, self.scorer)
         if self.config.trainer.v1.trainer_mode == "separate_async":
             from rlframe.trainer.pooled_source import PooledSource
 
-            return PooledSource(*args, groups, self.scorer, self.total_training_steps)
-        return ColocatedSource(*args, groups.actor_rollout, self.scorer)
+            return PooledSource(inputs, groups, self.total_training_steps)
+        return ColocatedSource(inputs, groups.actor_rollout)
 
     def _start(self) -> tuple[ProgressBar, dict | None]:
         """Open the trackers, resume, validate before training: (the progress bar, the validation if val_only)."""

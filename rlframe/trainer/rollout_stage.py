@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -50,6 +50,18 @@ def timer(name: str, timings: dict):
     start = time.perf_counter()
     yield
     timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class SourceInputs:
+    """What every source reads: the run's config and plan, the training loader, the prompts a checkpoint left
+    untrained (`PendingPrompts`, restored before the first step), and the reward stage."""
+
+    config: DictConfig
+    plan: BatchPlan
+    loader: Any
+    pending: PendingPrompts
+    scorer: Scorer
 
 
 @dataclass
@@ -102,14 +114,23 @@ def generation_inputs(batch: DataProto, rollout_cfg, **meta_info) -> tuple[DataP
 
 
 def merge_generated(batch: DataProto, output: DataProto) -> tuple[DataProto, dict]:
-    """The batch with the rollout's output joined back; (it, the rollout's reduced metrics)."""
-    metrics = reduce_metrics(output.meta_info.pop("metrics", {}))
+    """The batch with the rollout's output joined back; (it, the rollout's metrics, lists by name)."""
+    metrics = output.meta_info.pop("metrics", {})
     output.meta_info = {}
     return batch.union(output), metrics
 
 
+def merged_metrics(metric_dicts: list[dict]) -> dict:
+    """Several rollout calls' metric dicts as one dict of lists, for reduce_metrics (one call: unchanged)."""
+    merged: dict[str, list] = {}
+    for metrics in metric_dicts:
+        for key, value in metrics.items():
+            merged.setdefault(key, []).extend(value if isinstance(value, list) else [value])
+    return merged
+
+
 def generate(wg: RayWorkerGroup, batch: DataProto, rollout_cfg, **meta_info) -> tuple[DataProto, dict]:
-    """Send the batch's prompts to the worker group's rollout; merge the responses back. (batch, metrics)."""
+    """Send the batch's prompts to the worker group's rollout; merge the responses back. (batch, raw metrics)."""
     batch, gen_batch = generation_inputs(batch, rollout_cfg, **meta_info)
     return merge_generated(batch, wg.generate_sequences(gen_batch))  # dispatch pads
 
@@ -148,17 +169,10 @@ class ColocatedSource(BatchSource):
     first, since a step spends several loader batches.
     """
 
-    def __init__(
-        self,
-        config: DictConfig,
-        plan: BatchPlan,
-        loader,
-        pending: PendingPrompts,
-        actor_rollout_wg: RayWorkerGroup,
-        scorer: Scorer,
-    ):
-        self.rollout_cfg, self.plan = config.actor_rollout_ref.rollout, plan
-        self.loader, self.pending, self.wg, self.scorer = loader, pending, actor_rollout_wg, scorer
+    def __init__(self, inputs: SourceInputs, actor_rollout_wg: RayWorkerGroup):
+        config, plan = inputs.config, inputs.plan
+        self.rollout_cfg, self.plan, self.wg = config.actor_rollout_ref.rollout, plan, actor_rollout_wg
+        self.loader, self.pending, self.scorer = inputs.loader, inputs.pending, inputs.scorer
         self.remax = config.algorithm.adv_estimator == "remax"
         self.total_epochs = int(config.trainer.total_epochs)
         self.sampler = None  # DAPO's dynamic sampling: collects informative groups over generation rounds
@@ -170,11 +184,12 @@ class ColocatedSource(BatchSource):
     def next_batch(self, step: int) -> StepBatch | None:
         if self._batches is None:  # after a resume restored the loader and the pending prompts
             self._batches = self._loader_batches()
-        ready = StepBatch(DataProto())
+        ready, rounds = StepBatch(DataProto()), []
         for prompts in self._batches:
-            batch = self._rollout(prompts, ready)
+            batch = self._rollout(prompts, ready, rounds)
             if batch is not None:
                 ready.batch = batch
+                ready.metrics.update(reduce_metrics(merged_metrics(rounds)))  # every round's generation
                 return ready
         return None
 
@@ -190,16 +205,10 @@ class ColocatedSource(BatchSource):
             if empty:
                 return
             if self.sampler is not None and passes >= self.total_epochs:
-                if self.sampler.num_gen_batches:
-                    print(
-                        f"[rlframe] dynamic sampling: the data ran out after {self.sampler.num_gen_batches} more "
-                        f"generation rounds with {self.sampler.num_prompts} of data.train_batch_size="
-                        f"{self.plan.train_batch_size} prompts kept; that partial batch is not trained on",
-                        flush=True,
-                    )
+                self.sampler.report_data_end()
                 return
 
-    def _rollout(self, prompts: DataProto, ready: StepBatch) -> DataProto | None:
+    def _rollout(self, prompts: DataProto, ready: StepBatch, rounds: list[dict]) -> DataProto | None:
         """Generate and score one loader batch; the training batch once one is full (dynamic sampling: else None)."""
         metrics, timings = ready.metrics, ready.timings
         assign_uids(prompts)
@@ -209,7 +218,7 @@ class ColocatedSource(BatchSource):
         batch = prompts.repeat(self.plan.n, interleave=True)
         with timer("gen", timings):
             batch, gen_metrics = generate(self.wg, batch, self.rollout_cfg, validate=False)
-            metrics.update(gen_metrics)
+            rounds.append(gen_metrics)
         with timer("reward", timings):
             extra_info = self.scorer.score(batch, metrics)
         if self.sampler is None:

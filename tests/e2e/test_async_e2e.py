@@ -88,8 +88,19 @@ def compared(metrics: list[dict]) -> list[dict]:
         [],  # GRPO
         # PPO with a critic: its fresh value head draws from the process RNG the rollout's seeds come from
         ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "critic.ppo_micro_batch_size_per_gpu=2"],
+        # DAPO: a sync round of gen_batch_size = train_batch_size prompts reads what one take of B groups does
+        [
+            "data.gen_batch_size=4",
+            "algorithm.filter_groups.enable=true",
+            "algorithm.filter_groups.metric=seq_reward",
+            "reward_model.reward_manager=dapo",  # its overlong penalty makes a group's scores differ by length
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.len=4",
+            "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+            "+reward_model.reward_kwargs.max_resp_len=8",
+        ],
     ],
-    ids=["grpo", "gae"],
+    ids=["grpo", "gae", "dapo"],
 )
 def test_eta0_on_separate_pools_gives_the_sync_run_bitwise(ray_cluster, tmp_path, algorithm):
     sync_metrics, sync_weights = train_in_process([*BASE, *algorithm, f"trainer.default_local_dir={tmp_path / 'sync'}"])
@@ -103,6 +114,8 @@ def test_eta0_on_separate_pools_gives_the_sync_run_bitwise(ray_cluster, tmp_path
         ]
     )
     assert [m["step"] for m in sync_metrics] == [1, 2, 3]
+    if "algorithm.filter_groups.enable=true" in algorithm:  # the pool's takes went through the filter
+        assert all("train/filter_groups/kept_prompts" in m for m in async_metrics)
     assert compared(async_metrics) == compared(sync_metrics)
     assert "val-core/countdown_add/reward/mean@1" in async_metrics[1]  # validation ran (test_freq=2) and agreed
     assert [m[f"{STALENESS}/max"] for m in async_metrics] == [0, 0, 0]

@@ -14,7 +14,7 @@ from rlframe.data.dataloader import make_dataloader
 from rlframe.protocol import DataProto
 from rlframe.trainer.config import compose
 from rlframe.trainer.pending_prompts import PendingPrompts, plain_rows
-from rlframe.trainer.rollout_stage import ColocatedSource, Scorer
+from rlframe.trainer.rollout_stage import ColocatedSource, Scorer, SourceInputs
 
 PROMPT_LEN, N = 3, 2
 
@@ -59,7 +59,8 @@ def source(vary=lambda i: True, *overrides, pending=None, count=8, epochs=1):
     plan = SimpleNamespace(n=N, train_batch_size=2, filter_groups=filter_groups, max_num_gen_batches=0)
     workers = EchoWorkers(vary)
     scorer = Scorer(config, score_by_response, None)
-    return ColocatedSource(config, plan, loader(count), pending or PendingPrompts(), workers, scorer), workers
+    inputs = SourceInputs(config, plan, loader(count), pending or PendingPrompts(), scorer)
+    return ColocatedSource(inputs, workers), workers
 
 
 def test_each_loader_batch_becomes_a_scored_batch_of_n_samples_per_prompt_in_group_order():
