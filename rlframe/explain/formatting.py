@@ -31,15 +31,16 @@ def _micro_lines(p, micro_field: str, token_field: str, per_dp: int, update: boo
     return [f"static: {per_dp} / {micro_field} {p.micro_batch_size} → {p.num_micro_batches} micro-batches per DP rank"]
 
 
-def _groups_line(name: str, p: ParallelPlan) -> str:
+def _groups_line(name: str, p: ParallelPlan, rollout: bool = False) -> str:
     """One worker group's process groups, as `ParallelDims.build` makes them from the plan."""
     shards = f"FSDP over {p.fsdp_size} ranks" + (
         f", {p.world_size // p.fsdp_size} replicas (HSDP)" if p.fsdp_size < p.world_size else ""
     )
     parts = [f"dp {p.dp_size} × sp {p.sp_size}", shards]
-    if name.startswith("actor"):
-        parts.append(f"rollout tp {p.tp_size}" + (", on CPU generation may pool on rank 0" if p.pools_generation else ""))
-    return f"  {name:<18} " + "; ".join(parts)
+    if rollout:
+        pools = ", on CPU generation may pool on rank 0" if p.pools_generation else ""
+        parts.append(f"rollout tp {p.tp_size}{pools}")
+    return f"  {name:<19} " + "; ".join(parts)
 
 
 def _dispatch_line(p, degree_name: str, degree: int, world: int, sequences: int, group: str) -> str:
@@ -249,7 +250,7 @@ def format_plan(plan: BatchPlan) -> str:
         f"sequences, each ≤ {plan.max_prompt_length} + {plan.max_response_length} = {plan.max_sequence_length} tokens",
     ]
     lines.append("groups    the process groups of each worker group (ParallelDims.build)")
-    lines.append(_groups_line("actor/rollout/ref", plan.actor_parallel))
+    lines.append(_groups_line("actor, rollout, ref", plan.actor_parallel, rollout=True))
     for name, parallel in (("critic", plan.critic_parallel), ("reward model", plan.reward_model_parallel)):
         if parallel is not None:
             lines.append(_groups_line(name, parallel))
