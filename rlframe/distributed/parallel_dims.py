@@ -30,7 +30,7 @@ class ParallelPlan:
 
     world_size: int
     sp_size: int = 1  # Ulysses degree
-    fsdp_size: int = -1  # ranks one parameter is sharded over: -1 all of them, a divisor of world_size for HSDP
+    fsdp_size: int = -1  # ranks one parameter is sharded over: world_size (or -1) all, a divisor of it for HSDP
     tp_size: int = 1  # the rollout's tensor-parallel degree (the actor's workers only)
     # the engine may pool CPU generation on rank 0 (it can, TP is 1, more than one rank): offered on CPU only,
     # and taken when `rollout/pool.pools_generation` says so (it needs the weights' size, known after loading)
