@@ -9,6 +9,10 @@ for every role, checks every division and bound, and raises a `ValueError` that 
 their values and the equation that broke. It reads the typed config by attribute, each section through
 `Keyed(section, path)`, which names every field by its full key. The driver builds the plan before Ray
 starts; workers read their sizes from it (`BatchPlan.from_dict(plan.to_dict())`) instead of re-deriving them.
+
+The plan also fixes each worker group's parallel layout (`ParallelPlan`: dp, sp, tp, fsdp_size, pooling), every
+degree checked here once; a worker hands its role's layout to `ParallelDims.build`, the one place that creates
+process groups (`rlframe.distributed.parallel_dims`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from rlframe.config.keys import LOG_PROB_FIELDS, UPDATE_FIELDS, VALUE_FIELDS, MicroFields, critic_enabled, ref_enabled
+from rlframe.distributed.parallel_dims import ParallelPlan
 from rlframe.models.tiny import BUILTIN_MODEL, TINY_SHAPE
 
 # ───────────────────────────── the plan ─────────────────────────────
@@ -97,6 +102,10 @@ class BatchPlan:
     actor: UpdatePlan
     ref: ForwardPlan | None  # None: no reference model (no KL loss, no KL in reward)
     critic: UpdatePlan | None  # None: the estimator needs no critic (only gae does)
+    # the process groups of each worker group (ParallelDims.build): actor, rollout and reference share theirs
+    actor_parallel: ParallelPlan
+    critic_parallel: ParallelPlan | None  # None: no critic workers
+    reward_model_parallel: ParallelPlan | None  # None: reward_model.enable=false
     # DAPO's dynamic sampling (algorithm.filter_groups): a step generates rounds of gen_batch_size
     # prompts until train_batch_size prompts have groups with a spread of scores, then trims.
     filter_groups: bool = False
@@ -115,6 +124,9 @@ class BatchPlan:
         def update(d):
             return None if d is None else UpdatePlan(**{**d, "forward": ForwardPlan(**d["forward"])})
 
+        def parallel(d):
+            return None if d is None else ParallelPlan(**d)
+
         return cls(
             **{
                 **data,
@@ -122,6 +134,9 @@ class BatchPlan:
                 "actor": update(data["actor"]),
                 "ref": None if data["ref"] is None else ForwardPlan(**data["ref"]),
                 "critic": update(data["critic"]),
+                "actor_parallel": parallel(data["actor_parallel"]),
+                "critic_parallel": parallel(data["critic_parallel"]),
+                "reward_model_parallel": parallel(data["reward_model_parallel"]),
             }
         )
 
@@ -487,14 +502,18 @@ def _rollout_plan(
     )
 
 
-def make_batch_plan(cfg: Any, model: ModelShape | None = None, rollout_micro_batches: bool = True) -> BatchPlan:
-    """Compute and check every batch size of one step; a broken rule raises ValueError naming its keys.
+def make_batch_plan(
+    cfg: Any, model: ModelShape | None = None, rollout_micro_batches: bool = True, rollout_pools: bool = False
+) -> BatchPlan:
+    """Compute and check every batch size and parallel degree of one step; a broken rule raises ValueError naming
+    its keys.
 
     `cfg` is the root config: the typed `PPOTrainerConfig` (`rlframe.trainer.config`) or a DictConfig of it
     (read through a DictConfig, every key the plan reads shows in the config-read trace). `model` (see
-    `read_model_shape`) adds the checks that depend on attention heads. `rollout_micro_batches` is the rollout
-    engine's declared `capabilities.micro_batches` (the registry sits above this module): whether it generates
-    `rollout.micro_batch_size` sequences at a time, as the hf engine does, or batches by tokens.
+    `read_model_shape`) adds the checks that depend on attention heads. The last two are the rollout engine's
+    declared capabilities (the registry sits above this module): `rollout_micro_batches` whether it generates
+    `rollout.micro_batch_size` sequences at a time, as the hf engine does, or batches by tokens;
+    `rollout_pools` whether its ranks may pool CPU generation (`capabilities.pools_cpu_generation`).
     """
     root = Keyed(cfg, "")
     trainer, data, actor_rollout_ref = root.at("trainer"), root.at("data"), root.at("actor_rollout_ref")
@@ -538,6 +557,10 @@ def make_batch_plan(cfg: Any, model: ModelShape | None = None, rollout_micro_bat
         critic_plan = _update_plan(
             critic, critic.at("model"), (critic, VALUE_FIELDS), world, train_batch, n, max_seq, model
         )
+    tp = rollout_plan.tensor_parallel_size
+    actor_parallel, critic_parallel, reward_model_parallel = _parallel_plans(
+        root, world, actor_plan, critic_plan, tp, rollout_pools
+    )
     return BatchPlan(
         nnodes=trainer.value("nnodes"),
         n_gpus_per_node=trainer.value("n_gpus_per_node"),
@@ -554,6 +577,9 @@ def make_batch_plan(cfg: Any, model: ModelShape | None = None, rollout_micro_bat
         actor=actor_plan,
         ref=ref_plan,
         critic=critic_plan,
+        actor_parallel=actor_parallel,
+        critic_parallel=critic_parallel,
+        reward_model_parallel=reward_model_parallel,
         filter_groups=sampling,
         gen_batch_size=gen_batch.value,
         sequences_per_gen_batch=gen_sequences.value,
@@ -574,3 +600,55 @@ def _gen_batch(data: Keyed, filter_groups: Keyed, train_batch: _Quantity) -> tup
             "train_batch_size prompts. Fix: remove data.gen_batch_size, or set algorithm.filter_groups.enable=true."
         )
     return gen_batch, enabled
+
+
+# ───────────────────────────── the parallel layout ─────────────────────────────
+
+
+def _parallel_plans(
+    root: Keyed, world: _Quantity, actor_plan: UpdatePlan, critic_plan: UpdatePlan | None, tp: int, pools: bool
+) -> tuple[ParallelPlan, ParallelPlan | None, ParallelPlan | None]:
+    """The layouts of the actor's, critic's and reward model's worker groups; their sp and tp were checked with
+    the batch sizes (`_sp_and_dp`, `_rollout_plan`), their sharding and the shared Ulysses group here."""
+    actor_rollout_ref = root.at("actor_rollout_ref")
+    _check_ref_shares_actor_sp(actor_rollout_ref)
+    actor = ParallelPlan(
+        world_size=world.value,
+        sp_size=actor_plan.sequence_parallel_size,
+        fsdp_size=_fsdp_size(actor_rollout_ref.at("actor").at("fsdp_config"), world),
+        tp_size=tp,
+        pools_generation=pools and tp == 1 and world.value > 1,
+    )
+    critic = None
+    if critic_plan is not None:
+        fsdp_size = _fsdp_size(root.at("critic").at("model").at("fsdp_config"), world)
+        critic = ParallelPlan(world.value, critic_plan.sequence_parallel_size, fsdp_size)
+    reward_model = root.at("reward_model")
+    scorer = None  # the reward model's workers: sharded, no sequence parallelism
+    if reward_model.bool("enable"):
+        scorer = ParallelPlan(world.value, fsdp_size=_fsdp_size(reward_model.at("model").at("fsdp_config"), world))
+    return actor, critic, scorer
+
+
+def _check_ref_shares_actor_sp(actor_rollout_ref: Keyed) -> None:
+    """Actor and reference run in the same worker processes, so in the same Ulysses group."""
+    actor, ref = actor_rollout_ref.at("actor"), actor_rollout_ref.at("ref")
+    name = "ulysses_sequence_parallel_size"
+    if ref.value(name) != actor.value(name):
+        raise ValueError(
+            f"{ref.key(name)}={ref.value(name)} must equal {actor.key(name)}={actor.value(name)}: actor and "
+            "reference share worker processes and their Ulysses group"
+        )
+
+
+def _fsdp_size(fsdp_config: Keyed, world: _Quantity) -> int:
+    """The ranks one parameter is sharded over: `fsdp_size` -1 (all of them) or a divisor of the world (HSDP)."""
+    fsdp_size = fsdp_config.value("fsdp_size")
+    if fsdp_size == -1:
+        return world.value
+    if fsdp_size < 1 or world.value % fsdp_size:
+        raise ValueError(
+            f"{fsdp_config.key('fsdp_size')}={fsdp_size} must be -1 (shard over all {world.value} ranks) or a "
+            f"divisor of world_size = trainer.nnodes × trainer.n_gpus_per_node = {world.value}"
+        )
+    return fsdp_size

@@ -1,8 +1,8 @@
 """Names and checks of config values that need no worker code, so the launch checks run before Ray.
 
 Workers import their accepted names from here (never the other way round): the FSDP strategies,
-what a checkpoint may hold and the device, model-folder and shard-size checks. The rollout engines'
-names are their registry's (`rlframe.workers.rollout.registry`).
+what a checkpoint may hold and the device and model-folder checks. The rollout engines' names are their
+registry's (`rlframe.workers.rollout.registry`); the parallel degrees (shard sizes included) are the batch plan's.
 """
 
 from __future__ import annotations
@@ -40,14 +40,3 @@ def check_model_path(path: str, key: str = "actor_rollout_ref.model.path") -> No
     names = os.listdir(path)
     if not any(n.endswith((".safetensors", ".bin")) for n in names):
         raise ValueError(f"{key}={path!r} has a config.json but no weights (*.safetensors or *.bin)")
-
-
-def check_fsdp_size(fsdp_size: int, world_size: int, key: str) -> None:
-    """`fsdp_size` is -1 (shard over all ranks) or a divisor of the world size (HSDP groups)."""
-    if fsdp_size == -1:
-        return
-    if fsdp_size < 1 or world_size % fsdp_size:
-        raise ValueError(
-            f"{key}={fsdp_size} must be -1 (shard over all {world_size} ranks) or a divisor of "
-            f"world_size = trainer.nnodes × trainer.n_gpus_per_node = {world_size}"
-        )

@@ -9,6 +9,7 @@ import textwrap
 from rlframe.batch_plan import BatchPlan
 from rlframe.config.key_status import KeyStatus, override_key
 from rlframe.config.keys import ACTOR, LOG_PROB_FIELDS, UPDATE_FIELDS, VALUE_FIELDS, MicroFields
+from rlframe.distributed.parallel_dims import ParallelPlan
 from rlframe.models.vision import is_vision_model
 from rlframe.trainer.async_plan import ROLLOUT_TENSORS, AsyncPlan
 
@@ -28,6 +29,18 @@ def _micro_lines(p, micro_field: str, token_field: str, per_dp: int, update: boo
             "gradient-accumulation steps per optimizer step"
         ]
     return [f"static: {per_dp} / {micro_field} {p.micro_batch_size} → {p.num_micro_batches} micro-batches per DP rank"]
+
+
+def _groups_line(name: str, p: ParallelPlan, rollout: bool = False) -> str:
+    """One worker group's process groups, as `ParallelDims.build` makes them from the plan."""
+    shards = f"FSDP over {p.fsdp_size} ranks" + (
+        f", {p.world_size // p.fsdp_size} replicas (HSDP)" if p.fsdp_size < p.world_size else ""
+    )
+    parts = [f"dp {p.dp_size} × sp {p.sp_size}", shards]
+    if rollout:
+        pools = ", on CPU generation may pool on rank 0" if p.pools_generation else ""
+        parts.append(f"rollout tp {p.tp_size}{pools}")
+    return f"  {name:<19} " + "; ".join(parts)
 
 
 def _dispatch_line(p, degree_name: str, degree: int, world: int, sequences: int, group: str) -> str:
@@ -236,6 +249,11 @@ def format_plan(plan: BatchPlan) -> str:
         f"step      train_batch_size {plan.train_batch_size} prompts × n {plan.n} = {plan.sequences_per_step} "
         f"sequences, each ≤ {plan.max_prompt_length} + {plan.max_response_length} = {plan.max_sequence_length} tokens",
     ]
+    lines.append("groups    the process groups of each worker group (ParallelDims.build)")
+    lines.append(_groups_line("actor, rollout, ref", plan.actor_parallel, rollout=True))
+    for name, parallel in (("critic", plan.critic_parallel), ("reward model", plan.reward_model_parallel)):
+        if parallel is not None:
+            lines.append(_groups_line(name, parallel))
     if plan.filter_groups:
         limit = plan.max_num_gen_batches or "no limit"
         lines.append(

@@ -22,7 +22,6 @@ from rlframe.algorithms.advantage import (
 )
 from rlframe.algorithms.config import PfPpoConfig, RolloutCorrectionConfig, pf_ppo_applies
 from rlframe.algorithms.kl import get_kl_penalty_fn
-from rlframe.config.checks import check_fsdp_size
 from rlframe.config.key_status import raw_override_key
 from rlframe.config.keys import critic_enabled, ref_enabled
 from rlframe.config.loader import load_config
@@ -65,13 +64,6 @@ class ActorRolloutRefConfig(Section):
             raise ValueError(
                 "actor_rollout_ref.hybrid_engine=false: rlframe always runs actor, rollout and reference "
                 "in the same worker processes; set it to true (or leave it out)"
-            )
-        ref_sp, actor_sp = self.ref.ulysses_sequence_parallel_size, self.actor.ulysses_sequence_parallel_size
-        if ref_sp != actor_sp:
-            raise ValueError(
-                f"actor_rollout_ref.ref.ulysses_sequence_parallel_size={ref_sp} must equal "
-                f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={actor_sp}: actor and "
-                "reference share worker processes and their Ulysses group"
             )
 
 
@@ -422,13 +414,6 @@ class TrainerConfig(Section):
     def check(self, path: str, root: Any) -> None:
         if self.resume_mode == "resume_path" and not self.resume_from_path:
             raise ValueError("trainer.resume_mode=resume_path needs trainer.resume_from_path=<dir>/global_step_N")
-        world_size = self.nnodes * self.n_gpus_per_node
-        check_fsdp_size(
-            root.actor_rollout_ref.actor.fsdp_config.fsdp_size,
-            world_size,
-            "actor_rollout_ref.actor.fsdp_config.fsdp_size",
-        )
-        check_fsdp_size(root.critic.model.fsdp_config.fsdp_size, world_size, "critic.model.fsdp_config.fsdp_size")
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = {}

@@ -118,7 +118,8 @@ def check_config(
             check_environment(cfg)
         model_shape = read_model_shape(cfg.actor_rollout_ref.model.path)
         engine = engine_for(cfg.actor_rollout_ref.rollout.name, cfg.actor_rollout_ref.rollout.mode)
-        plan = make_batch_plan(cfg, model_shape, engine.capabilities.micro_batches)
+        capabilities = engine.capabilities
+        plan = make_batch_plan(cfg, model_shape, capabilities.micro_batches, capabilities.pools_cpu_generation)
         if check_files and engine.check_machine is not None:
             engine.check_machine(cfg)  # the machine, after the config: a config error is named first
         return composed, cfg, model_shape, plan

@@ -126,7 +126,9 @@ def plan_text(run: Run) -> str:
     try:
         engine = find_engine(OmegaConf.select(cfg, "actor_rollout_ref.rollout.name"))
         micro_batches = engine is not None and engine.capabilities.micro_batches
-        plan = make_batch_plan(cfg, read_model_shape(run.setting("actor_rollout_ref.model.path")), micro_batches)
+        pools = engine is not None and engine.capabilities.pools_cpu_generation
+        shape = read_model_shape(run.setting("actor_rollout_ref.model.path"))
+        plan = make_batch_plan(cfg, shape, micro_batches, pools)
     except ValueError as err:
         return f"the batch plan of this config fails its checks: {err}"
     return format_plan(plan)

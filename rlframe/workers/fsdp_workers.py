@@ -22,7 +22,7 @@ from rlframe.batch_plan import BatchPlan
 from rlframe.config import trace
 from rlframe.config.checks import resolve_device
 from rlframe.config.keys import LOG_PROB_FIELDS, REF
-from rlframe.distributed.parallel_dims import ParallelDims, tensor_parallel_group
+from rlframe.distributed.parallel_dims import ParallelDims, ParallelPlan
 from rlframe.models.builtin import copy_to_shm
 from rlframe.protocol import DataProto, all_gather_data_proto
 from rlframe.single_controller import Dispatch, Execute, Worker, register
@@ -91,10 +91,11 @@ class FSDPWorkerBase(Worker):
         for profiler in reversed(self.profilers):
             profiler.stop()
 
-    def _init_dist(self, sp: int, fsdp_size: int = -1):
+    def _init_dist(self, parallel: ParallelPlan):
+        """Join the default process group, then build every group of the role's layout (the plan's)."""
         self.init_process_group(timeout_s=float(self.config.actor_rollout_ref.nccl_timeout))
         torch.manual_seed(int(self.config.data.seed))  # fresh heads (critic) start equal on every rank
-        self.dims = ParallelDims.build(self.device_type, self.world_size, sp, fsdp_size)
+        self.dims = ParallelDims.build(parallel, self.device_type)
 
     def _load(self, model_cfg, role: str, use_remove_padding: bool, fsdp_cfg, freeze_vision_tower: bool = False):
         """The HF model on CPU in fsdp_config.model_dtype (FSDP's mixed precision casts for compute)."""
@@ -185,7 +186,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         from transformers import AutoTokenizer
 
         cfg = self.config.actor_rollout_ref
-        self._init_dist(self.plan.actor.sequence_parallel_size, int(cfg.actor.fsdp_config.fsdp_size))
+        self._init_dist(self.plan.actor_parallel)
         use_rmpad = bool(cfg.model.use_remove_padding)
         self.tokenizer = AutoTokenizer.from_pretrained(
             self.config.data.tokenizer or cfg.model.path, trust_remote_code=bool(self.config.data.trust_remote_code)
@@ -233,10 +234,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         from rlframe.workers.rollout.pool import pools_generation
         from rlframe.workers.rollout.registry import engine_for
 
-        self.rollout_engine = engine = engine_for(str(cfg.rollout.name), str(cfg.rollout.mode))
-
-        tp = self.plan.rollout.tensor_parallel_size
-        self.tp_group = tp_group = tensor_parallel_group(self.device_type, self.world_size, tp)
+        self.rollout_engine = engine_for(str(cfg.rollout.name), str(cfg.rollout.mode))
         self.rollout = build_rollout(
             str(cfg.rollout.name),
             cfg.rollout,
@@ -248,16 +246,16 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             ),
             self.tokenizer,
             self.device_type,
-            tp_group,
+            self.dims.tp_group,
             chat_template_kwargs=OmegaConf.to_container(self.config.data.apply_chat_template_kwargs),
         )
         # rollout.pool_cpu_generation: the ranks of this machine generate on rank 0 (rollout/pool.py)
         self.generation_pool = None
-        pools = engine.capabilities.pools_cpu_generation
-        if pools and tp == 1 and self.device_type == "cpu" and self.world_size > 1:
+        group = self.dims.pool_group  # the plan's: an engine that pools, on CPU, TP 1, more than one rank
+        if group is not None:
             weight_bytes = sum(p.numel() * p.element_size() for p in self.actor_module.parameters())
-            if pools_generation(cfg.rollout.pool_cpu_generation, weight_bytes, dist.group.WORLD, self.shared_memory):
-                self.generation_pool = dist.group.WORLD
+            if pools_generation(cfg.rollout.pool_cpu_generation, weight_bytes, group, self.shared_memory):
+                self.generation_pool = group
 
     @register(dispatch_mode=Dispatch.RANK_ZERO, execute_mode=Execute.RANK_ZERO)
     def flops_info(self) -> dict:
@@ -295,7 +293,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             if self.generation_pool is not None:
                 output = generate_pooled(self.rollout, self._to_device(prompts), self.generation_pool)
             else:
-                output = generate_in_tp_group(self.rollout, self._to_device(prompts), self.tp_group)
+                output = generate_in_tp_group(self.rollout, self._to_device(prompts), self.dims.tp_group)
         if self.rollout.config.free_cache_engine:
             self.rollout.release()
             self._weights_dirty = True
@@ -383,7 +381,7 @@ class CriticWorker(FSDPWorkerBase):
         from transformers import AutoTokenizer
 
         cfg = self.config.critic
-        self._init_dist(self.plan.critic.sequence_parallel_size, int(cfg.model.fsdp_config.fsdp_size))
+        self._init_dist(self.plan.critic_parallel)
         self.tokenizer = AutoTokenizer.from_pretrained(
             cfg.model.tokenizer_path, trust_remote_code=bool(cfg.model.trust_remote_code)
         )

@@ -123,7 +123,7 @@ class RewardModelWorker(FSDPWorkerBase):
 
         rm_cfg = self.config.reward_model
         fsdp_cfg = rm_cfg.model.fsdp_config
-        self._init_dist(1, int(fsdp_cfg.fsdp_size))
+        self._init_dist(self.plan.reward_model_parallel)
         path = str(rm_cfg.model.path)
         self.rm_tokenizer = AutoTokenizer.from_pretrained(path)
         self.policy_tokenizer = AutoTokenizer.from_pretrained(

@@ -20,9 +20,8 @@ from helpers.fsdp_harness import (
     Scenario,
     make_batch,
     make_role,
-    mesh_groups,
     relative_error,
-    scenario_mesh,
+    scenario_dims,
     single_dims,
 )
 from helpers.world import spawned_world
@@ -30,7 +29,6 @@ from omegaconf import OmegaConf
 from transformers import AutoConfig
 
 from rlframe.algorithms.on_policy import SKIP_KEY, old_log_prob_pass_reason
-from rlframe.distributed.parallel_dims import build_fsdp_mesh
 from rlframe.protocol import DataProto
 from rlframe.workers.fsdp_wrap import FSDPSpec, wrap_fsdp
 from rlframe.workers.model_loading import ModelSpec, load_hf_model
@@ -65,11 +63,10 @@ def full_params(model) -> dict[str, torch.Tensor]:
 
 
 def _rank_steps(rank: int, sc: Scenario, model_path: str, data_path: str) -> dict:
-    mesh = scenario_mesh(sc)
-    shard = DataProto.load_from_disk(data_path).chunk(sc.dp)[mesh.get_local_rank("dp")]
-    fsdp_mesh = build_fsdp_mesh("cpu", sc.world, -1)
-    groups = mesh_groups(mesh, sc)
-    return {mode: _one_step(sc, model_path, shard, mode == "skip", groups, fsdp_mesh) for mode in ("pass", "skip")}
+    dims = scenario_dims(sc)
+    shard = DataProto.load_from_disk(data_path).chunk(sc.dp)[dims.dp_rank]
+    groups = dims.dp_group, dims.sp_group
+    return {mode: _one_step(sc, model_path, shard, mode == "skip", groups, dims.fsdp_mesh) for mode in ("pass", "skip")}
 
 
 def _run(sc: Scenario, model_path: str, data: DataProto, out_dir) -> list[dict]:

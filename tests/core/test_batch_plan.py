@@ -428,3 +428,71 @@ def test_micro_batch_size_needs_exactly_one_of_the_per_gpu_and_global_keys(base)
     with pytest.raises(ValueError, match=rf"{A}.ppo_micro_batch_size_per_gpu is not set.*use_dynamic_bsz=true"):
         make_batch_plan(cfg_of(base, f"{A}.ppo_micro_batch_size_per_gpu=null"))
     assert make_batch_plan(cfg_of(base, f"{A}.ppo_micro_batch_size_per_gpu=null", dynamic=True)).actor.use_dynamic_bsz
+
+
+# ───────────────────────────── the parallel layout ─────────────────────────────
+
+
+def test_parallel_plan_lays_out_each_worker_group(base):
+    plan = make_batch_plan(cfg_of(base, gpus=4, sp=2, tp=2, **{f"{REF}.ulysses_sequence_parallel_size": 2}))
+    actor = plan.actor_parallel
+    assert (actor.world_size, actor.sp_size, actor.dp_size, actor.tp_size) == (4, 2, 2, 2)
+    assert actor.fsdp_size == 4  # fsdp_size -1: shard over every rank
+    assert plan.critic_parallel is None and plan.reward_model_parallel is None
+    assert (actor.sp_size, actor.dp_size) == (plan.actor.sequence_parallel_size, plan.actor.dp_size)
+    gae = cfg_of(
+        base,
+        "algorithm.adv_estimator=gae",
+        "critic.ulysses_sequence_parallel_size=2",
+        "critic.model.fsdp_config.fsdp_size=1",
+        "reward_model.enable=true",
+        "reward_model.model.fsdp_config.fsdp_size=2",
+        f"{A}.fsdp_config.fsdp_size=2",
+        gpus=4,
+    )
+    plan = make_batch_plan(gae)
+    assert (plan.actor_parallel.fsdp_size, plan.actor_parallel.sp_size) == (2, 1)
+    critic, scorer = plan.critic_parallel, plan.reward_model_parallel
+    assert (critic.sp_size, critic.dp_size, critic.fsdp_size, critic.tp_size) == (2, 2, 1, 1)
+    assert (scorer.sp_size, scorer.fsdp_size, scorer.tp_size) == (1, 2, 1)
+
+
+def test_cpu_generation_pools_only_for_an_engine_that_pools_without_tp_over_several_ranks(base):
+    def pools(rollout_pools, **case):
+        return make_batch_plan(cfg_of(base, **case), rollout_pools=rollout_pools).actor_parallel.pools_generation
+
+    assert pools(True, gpus=2)
+    assert not pools(False, gpus=2)  # the engine does not pool
+    assert not pools(True, gpus=2, tp=2)  # a TP group generates together
+    assert not pools(True, gpus=1, batch=8, mini=8)  # one rank: nobody to pool with
+
+
+@pytest.mark.parametrize(
+    "case,key",
+    [
+        ({f"{A}.fsdp_config.fsdp_size": 3}, f"{A}.fsdp_config.fsdp_size"),
+        ({"algorithm.adv_estimator": "gae", "critic.model.fsdp_config.fsdp_size": 0}, "critic.model.fsdp_config"),
+        (
+            {
+                "reward_model.enable": True,
+                "reward_model.model.path": "rm",
+                "reward_model.model.fsdp_config.fsdp_size": 3,
+            },
+            "reward_model.model.fsdp_config.fsdp_size",
+        ),
+    ],
+)
+def test_fsdp_size_is_checked_once_by_the_plan(base, case, key):
+    """The sections no longer check it (the typed tree accepts it); the plan refuses it, as before Ray."""
+    from rlframe.trainer.config import typed
+
+    cfg = cfg_of(base, gpus=4, **case)
+    typed(cfg)
+    with pytest.raises(ValueError, match=rf"{key}.*=\d must be -1 \(shard over all 4 ranks\) or a divisor of "
+                       r"world_size = trainer.nnodes × trainer.n_gpus_per_node = 4"):  # fmt: skip
+        make_batch_plan(cfg)
+
+
+def test_reference_and_actor_share_one_ulysses_degree(base):
+    with pytest.raises(ValueError, match=rf"{REF}.ulysses_sequence_parallel_size=2 must equal {A}.ulysses_seq"):
+        make_batch_plan(cfg_of(base, **{f"{REF}.ulysses_sequence_parallel_size": 2}))

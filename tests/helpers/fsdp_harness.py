@@ -21,7 +21,7 @@ from helpers.world import spawned_world
 from rlframe.algorithms.config import RolloutCorrection, RolloutCorrectionConfig
 from rlframe.algorithms.update_mode import ActorUpdate, UpdateMode
 from rlframe.batch_plan import ForwardPlan, UpdatePlan
-from rlframe.distributed.parallel_dims import ParallelDims, build_fsdp_mesh
+from rlframe.distributed.parallel_dims import ParallelDims, ParallelPlan
 from rlframe.protocol import DataProto
 from rlframe.workers.actor import PPOActor
 from rlframe.workers.config.actor import ActorConfig, PolicyLossConfig
@@ -322,25 +322,17 @@ def counting_all_gathers():
         dist.all_gather_single, SharedMemoryAllGather.__call__ = original, shared
 
 
-def scenario_mesh(sc: Scenario):
-    """The (dp, sp) device mesh of `sc` over this process's world (a `spawned_world(sc.world)` rank)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cpu", (sc.dp, sc.sp), mesh_dim_names=("dp", "sp"))
-
-
-def mesh_groups(mesh, sc: Scenario) -> tuple:
-    """The (dp, sp) process groups of a `scenario_mesh`; no SP group without sequence parallelism."""
-    return mesh["dp"].get_group(), mesh["sp"].get_group() if sc.sp > 1 else None
+def scenario_dims(sc: Scenario) -> ParallelDims:
+    """The process groups of `sc` over this process's world (a `spawned_world(sc.world)` rank), built as a worker
+    builds them: `ParallelDims.build` from the scenario's layout."""
+    return ParallelDims.build(ParallelPlan(sc.world, sc.sp, sc.fsdp_size), "cpu")
 
 
 def _rank_scenario(rank: int, sc: Scenario, model_path: str, data_path: str) -> dict:
-    mesh = scenario_mesh(sc)
-    fsdp_mesh = build_fsdp_mesh("cpu", sc.world, sc.fsdp_size)
-    dp_group, sp_group = mesh_groups(mesh, sc)
-    dp_rank = mesh.get_local_rank("dp")
-    result = run_scenario(sc, model_path, DataProto.load_from_disk(data_path), dp_rank, dp_group, sp_group, fsdp_mesh)
-    result["dp_rank"], result["sp_rank"] = dp_rank, mesh.get_local_rank("sp")
+    dims = scenario_dims(sc)
+    data = DataProto.load_from_disk(data_path)
+    result = run_scenario(sc, model_path, data, dims.dp_rank, dims.dp_group, dims.sp_group, dims.fsdp_mesh)
+    result["dp_rank"], result["sp_rank"] = dims.dp_rank, dims.sp_rank
     return result
 
 

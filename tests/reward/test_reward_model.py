@@ -69,6 +69,7 @@ def test_worker_scores_packed_with_offloaded_parameters(tiny_model_path, tmp_pat
     from omegaconf import OmegaConf
     from torch.distributed.fsdp import CPUOffloadPolicy
 
+    from rlframe.batch_plan import make_batch_plan
     from rlframe.config.loader import resolved
     from rlframe.protocol import DataProto
     from rlframe.trainer.config import compose, typed
@@ -91,11 +92,12 @@ def test_worker_scores_packed_with_offloaded_parameters(tiny_model_path, tmp_pat
     composed = compose(overrides)
     typed(composed)  # the launch checks pass
     cfg = resolved(composed)
+    plan = make_batch_plan(cfg)  # and the plan's: the reward model's workers are laid out there
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    worker = RewardModelWorker(OmegaConf.to_container(cfg), plan=None)
+    worker = RewardModelWorker(OmegaConf.to_container(cfg), plan)
     try:
         worker.init_model(total_training_steps=1)
         assert worker.use_remove_padding
@@ -194,6 +196,7 @@ def test_reward_loop_worker_scores_the_rendered_chat(tiny_model_path, tmp_path, 
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
+    from rlframe.batch_plan import make_batch_plan
     from rlframe.config.loader import resolved
     from rlframe.trainer.config import compose, typed
     from rlframe.workers.reward_model import RewardModelWorker, reward_loop_texts
@@ -219,7 +222,8 @@ def test_reward_loop_worker_scores_the_rendered_chat(tiny_model_path, tmp_path, 
         composed = compose(overrides)
         typed(composed)
         monkeypatch.setenv("MASTER_PORT", str(free_port()))
-        worker = RewardModelWorker(OmegaConf.to_container(resolved(composed)), plan=None)
+        cfg = resolved(composed)
+        worker = RewardModelWorker(OmegaConf.to_container(cfg), make_batch_plan(cfg))
         try:
             worker.init_model(total_training_steps=1)
             scores[use_reward_loop] = worker.compute_rm_score(data).batch["rm_scores"].sum(-1)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from helpers.world import spawned_world
 
-from rlframe.distributed.parallel_dims import build_fsdp_mesh
+from rlframe.distributed.parallel_dims import ParallelDims, build_fsdp_mesh
 from rlframe.workers.fsdp_wrap import FSDPSpec, wrap_fsdp
 from rlframe.workers.full_tensors import iter_full_params
 from rlframe.workers.model_loading import ModelSpec, load_hf_model
@@ -132,7 +132,7 @@ def test_the_worker_syncs_the_rollout_only_when_it_may_differ_from_the_actor(tin
     real_update = rollout.update_weights
     rollout.update_weights = lambda tensors: (syncs.append(1), real_update(tensors))[1]
     worker = object.__new__(ActorRolloutRefWorker)
-    worker.device_type, worker.tp_group, worker.rollout, worker.actor_module = "cpu", None, rollout, actor
+    worker.device_type, worker.dims, worker.rollout, worker.actor_module = "cpu", ParallelDims.single(), rollout, actor
     worker._weights_dirty = True  # as after init_model
     worker.generation_pool = None  # one process: nothing to pool
     worker.profiler = Profiler(cfg.global_profiler, None, "actor_rollout_ref", 0, 1, "cpu")  # profiling off

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from rlframe.config.checks import check_fsdp_size
 from rlframe.config.schema import Section, key, section
 from rlframe.reward.config import RewardKwargsConfig
 from rlframe.reward.manager import get_reward_manager_cls
@@ -95,9 +94,6 @@ class RewardModelConfig(Section):
                 "the two, or set reward_model.use_reward_loop=false (verl 0.8's legacy worker: the reward model's "
                 "score is the reward)"
             )
-        if self.enable:
-            world_size = root.trainer.nnodes * root.trainer.n_gpus_per_node
-            check_fsdp_size(self.model.fsdp_config.fsdp_size, world_size, f"{path}.model.fsdp_config.fsdp_size")
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         # verl's count of reward-loop actors scoring concurrently; rlframe's reward manager scores on the driver
