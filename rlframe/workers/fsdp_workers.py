@@ -22,6 +22,7 @@ from rlframe.batch_plan import BatchPlan
 from rlframe.config import trace
 from rlframe.config.checks import resolve_device
 from rlframe.config.keys import LOG_PROB_FIELDS, REF
+from rlframe.config.schema import read_only
 from rlframe.distributed.parallel_dims import ParallelDims, tensor_parallel_group
 from rlframe.models.builtin import copy_to_shm
 from rlframe.protocol import DataProto, all_gather_data_proto
@@ -60,11 +61,12 @@ def fsdp_spec(fsdp_cfg: DictConfig, strategy: str, device_type: str) -> FSDPSpec
 class FSDPWorkerBase(Worker):
     """Shared set-up: process group, meshes, FSDP-wrapped models, SP gather/scatter."""
 
-    def __init__(self, config, plan: BatchPlan):
-        """`config`: the whole typed config (the driver's `PPOTrainerConfig`, interpolations resolved)."""
+    SECTIONS: tuple[str, ...]  # the top-level config sections this role reads (`schema.sections_of`)
+
+    def __init__(self, sections: dict, plan: BatchPlan):
+        """`sections`: this role's `SECTIONS` of the driver's typed tree (interpolations resolved), by key."""
         super().__init__()
-        self.config = OmegaConf.structured(config)  # typed sections: each role receives its own
-        OmegaConf.set_readonly(self.config, True)
+        self.config = read_only(sections)
         self.plan = plan
         self.device_type = resolve_device(self.config.trainer.device)
         self.dims = ParallelDims.single()
@@ -169,8 +171,11 @@ class FSDPWorkerBase(Worker):
 class ActorRolloutRefWorker(FSDPWorkerBase):
     """Actor and rollout in one process (hybrid engine), plus the reference policy when `with_ref`."""
 
-    def __init__(self, config: dict, plan: BatchPlan, with_ref: bool):
-        super().__init__(config, plan)
+    # `algorithm`: the update's mode (ActorUpdate); `data`: the tokenizer and the seed
+    SECTIONS = ("actor_rollout_ref", "algorithm", "data", "trainer", "global_profiler")
+
+    def __init__(self, sections: dict, plan: BatchPlan, with_ref: bool):
+        super().__init__(sections, plan)
         self.with_ref = with_ref
         self._strategy = str(self.config.actor_rollout_ref.actor.strategy)
         self._optimizer_offload = bool(self.config.actor_rollout_ref.actor.fsdp_config.optimizer_offload)
@@ -372,8 +377,11 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
 class CriticWorker(FSDPWorkerBase):
     """The value model: compute_values and update_critic."""
 
-    def __init__(self, config: dict, plan: BatchPlan):
-        super().__init__(config, plan)
+    # `actor_rollout_ref`: nccl_timeout; `data`: the seed
+    SECTIONS = ("critic", "actor_rollout_ref", "data", "trainer", "global_profiler")
+
+    def __init__(self, sections: dict, plan: BatchPlan):
+        super().__init__(sections, plan)
         self._strategy = str(self.config.critic.strategy)
         self._optimizer_offload = bool(self.config.critic.model.fsdp_config.optimizer_offload)
         self.profiler = self._profiler(self.config.critic.profiler, "critic")

@@ -66,10 +66,10 @@ def test_worker_scores_packed_with_offloaded_parameters(tiny_model_path, tmp_pat
     """The worker reads use_remove_padding and fsdp_config.param_offload: FSDP2 offloads, scores stay exact."""
     from helpers.small_config import SMALL
     from helpers.world import free_port
-    from omegaconf import OmegaConf
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     from rlframe.config.loader import resolved
+    from rlframe.config.schema import sections_of
     from rlframe.protocol import DataProto
     from rlframe.trainer.config import compose, typed
     from rlframe.workers.reward_model import RewardModelWorker
@@ -95,7 +95,7 @@ def test_worker_scores_packed_with_offloaded_parameters(tiny_model_path, tmp_pat
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    worker = RewardModelWorker(OmegaConf.to_container(cfg), plan=None)
+    worker = RewardModelWorker(sections_of(cfg, RewardModelWorker.SECTIONS), plan=None)
     try:
         worker.init_model(total_training_steps=1)
         assert worker.use_remove_padding
@@ -191,10 +191,10 @@ def test_reward_loop_worker_scores_the_rendered_chat(tiny_model_path, tmp_path, 
     loop would send its server, not on the policy's own ids (which the legacy worker scores)."""
     from helpers.small_config import SMALL
     from helpers.world import free_port
-    from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
     from rlframe.config.loader import resolved
+    from rlframe.config.schema import sections_of
     from rlframe.trainer.config import compose, typed
     from rlframe.workers.reward_model import RewardModelWorker, reward_loop_texts
 
@@ -219,7 +219,7 @@ def test_reward_loop_worker_scores_the_rendered_chat(tiny_model_path, tmp_path, 
         composed = compose(overrides)
         typed(composed)
         monkeypatch.setenv("MASTER_PORT", str(free_port()))
-        worker = RewardModelWorker(OmegaConf.to_container(resolved(composed)), plan=None)
+        worker = RewardModelWorker(sections_of(resolved(composed), RewardModelWorker.SECTIONS), plan=None)
         try:
             worker.init_model(total_training_steps=1)
             scores[use_reward_loop] = worker.compute_rm_score(data).batch["rm_scores"].sum(-1)
