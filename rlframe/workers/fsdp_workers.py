@@ -21,7 +21,6 @@ from rlframe.algorithms.update_mode import ActorUpdate
 from rlframe.batch_plan import BatchPlan
 from rlframe.config import trace
 from rlframe.config.checks import resolve_device
-from rlframe.config.keys import LOG_PROB_FIELDS, REF
 from rlframe.config.schema import read_only
 from rlframe.distributed.parallel_dims import ParallelDims, tensor_parallel_group
 from rlframe.models.builtin import copy_to_shm
@@ -32,7 +31,6 @@ from rlframe.workers import checkpoint as ckpt
 from rlframe.workers import lora
 from rlframe.workers.activation_offload import enable as enable_activation_offload
 from rlframe.workers.actor import PPOActor
-from rlframe.workers.batching import micro_batch_spec
 from rlframe.workers.critic import PPOCritic
 from rlframe.workers.dtypes import resolve_dtype
 from rlframe.workers.fsdp_wrap import FSDPSpec, wrap_fsdp
@@ -218,8 +216,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
                 ref_module = self._wrap(ref_model, cfg.ref.fsdp_config)
                 ref_module.requires_grad_(False)
             ref_model = RoleModel(ref_module, self._model_options(cfg.ref.use_torch_compile, cfg.actor.fsdp_config))
-            log_prob = micro_batch_spec(self.plan.ref, LOG_PROB_FIELDS.under(REF).max_token_len)
-            self.ref = PPOActor(ref_model, cfg.actor, self.plan.actor, self.dims, log_prob=log_prob, update=update)
+            self.ref = PPOActor(ref_model, cfg.actor, self.plan.actor, self.dims, log_prob=self.plan.ref, update=update)
         self.kill_points.hit("worker.init")  # crash-consistency tests (docs/reliability.md)
         self._init_rollout(cfg)
 
