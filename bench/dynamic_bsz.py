@@ -30,7 +30,6 @@ from _common import (
 )
 
 from rlframe.batch_plan import ForwardPlan, UpdatePlan
-from rlframe.seqpack import MicroBatchSpec
 from rlframe.workers.actor import PPOActor
 from rlframe.workers.batching import split_micro_batches
 from rlframe.workers.config.actor import ActorConfig
@@ -40,20 +39,22 @@ from rlframe.workers.updater import ModelOptions, RoleModel
 MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, vocab_size=512)
 
 
-def make_actor(model, num_seqs: int, micro: MicroBatchSpec) -> PPOActor:
-    """A one-process actor whose update and forward are cut as `micro`: one mini-batch of `num_seqs`."""
+def one_pass(num_seqs: int, micro_batch_size: int | None = None, max_token_len: int | None = None) -> UpdatePlan:
+    """The plan of one process's update of one mini-batch of `num_seqs`, its update and forward cut alike: by
+    `micro_batch_size` sequences (static), else by a budget of `max_token_len` tokens (dynamic)."""
+    dynamic = max_token_len is not None
     cut = {
         "sequence_parallel_size": 1,
         "dp_size": 1,
         "sequences_per_gpu": num_seqs,
         "sequences_per_dp": num_seqs,
-        "use_dynamic_bsz": micro.use_dynamic_bsz,
-        "micro_batch_size": micro.micro_batch_size,
-        "max_token_len_per_gpu": micro.max_token_len,
-        "max_token_len": micro.max_token_len,
-        "packing_algorithm": micro.packing_algorithm,
+        "use_dynamic_bsz": dynamic,
+        "micro_batch_size": micro_batch_size,
+        "max_token_len_per_gpu": max_token_len,
+        "max_token_len": max_token_len,
+        "packing_algorithm": "kk" if dynamic else None,
     }
-    plan = UpdatePlan(
+    return UpdatePlan(
         **cut,
         mini_batch_size=num_seqs,
         mini_batch_size_per_dp=num_seqs,
@@ -63,6 +64,10 @@ def make_actor(model, num_seqs: int, micro: MicroBatchSpec) -> PPOActor:
         grad_accum_steps=None,
         forward=ForwardPlan(**cut, num_micro_batches=None),
     )
+
+
+def make_actor(model, plan: UpdatePlan) -> PPOActor:
+    """A one-process actor cut as `plan`."""
     config = ActorConfig(clip_ratio_high=0.28, use_kl_loss=True, optim=OptimConfig(clip_grad=1.0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     return PPOActor(RoleModel(model, ModelOptions(use_remove_padding=True), optimizer), config, plan)
@@ -104,10 +109,10 @@ def main(argv=None) -> None:
     rows = []
     for size in args.micro_batch_sizes:
         modes = {
-            f"static {size} seqs": MicroBatchSpec(False, size, None, None),
-            f"dynamic {size * width} tokens": MicroBatchSpec(True, None, size * width, "kk"),
+            f"static {size} seqs": one_pass(args.num_seqs, micro_batch_size=size),
+            f"dynamic {size * width} tokens": one_pass(args.num_seqs, max_token_len=size * width),
         }
-        step_s, counts = compare(modes, data, args.num_seqs, args.steps)
+        step_s, counts = compare(modes, data, args.steps)
         static_s = next(iter(step_s.values()))
         for name in modes:
             tokens = counts[name]
@@ -127,13 +132,13 @@ def main(argv=None) -> None:
     )
 
 
-def compare(modes: dict[str, MicroBatchSpec], data, num_seqs: int, steps: int) -> tuple[dict, dict]:
+def compare(modes: dict[str, UpdatePlan], data, steps: int) -> tuple[dict, dict]:
     """Median update_policy seconds and per-micro-batch real token counts of each mode."""
     actors, counts = {}, {}
-    for name, micro in modes.items():
+    for name, plan in modes.items():
         model = tiny_causal_lm(**MODEL, use_remove_padding=True)  # same seed: same weights in every mode
-        actors[name] = make_actor(model, num_seqs, micro)
-        micro_batches, _ = split_micro_batches(data.batch, micro)
+        actors[name] = make_actor(model, plan)
+        micro_batches, _ = split_micro_batches(data.batch, plan)
         counts[name] = [int(m["attention_mask"].sum()) for m in micro_batches]
     times = {name: [] for name in modes}
     for actor in actors.values():

@@ -26,7 +26,7 @@ import sys
 import torch
 from _common import CPU_MIX, GPU_MIX, make_rl_batch, median, padding_stats, print_table, sample_lengths, timed
 
-from rlframe.seqpack import MicroBatchSpec
+from rlframe.batch_plan import ForwardPlan
 from rlframe.utils.flops import PEAK_ENV, device_peak_tflops, matmul_params, train_flops
 from rlframe.workers.batching import split_micro_batches
 from rlframe.workers.model_forward import forward_micro_batch
@@ -132,7 +132,8 @@ def main(argv=None) -> None:
     real, padded = padding_stats(data)
     seqlens = data.batch["attention_mask"].sum(-1).tolist()
     batch = data.batch.select("input_ids", "attention_mask", "position_ids", "responses").to(device)
-    micro_batches, _ = split_micro_batches(batch, MicroBatchSpec(True, None, args.max_token_len, "kk"))
+    cut = ForwardPlan(1, 1, len(batch), len(batch), True, None, None, args.max_token_len, args.max_token_len, "kk")
+    micro_batches, _ = split_micro_batches(batch, cut)
     flops = train_flops(num_matmul, shape["num_hidden_layers"], shape["hidden_size"], seqlens)
 
     def step() -> None:

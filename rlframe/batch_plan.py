@@ -50,6 +50,7 @@ class ForwardPlan(_Shares):
     max_token_len_per_gpu: int | None  # dynamic: the key's value
     max_token_len: int | None  # dynamic: token budget per micro-batch = per_gpu × sp
     packing_algorithm: str | None  # dynamic: kk | ffd
+    max_token_len_key: str | None = None  # dynamic: the key of the budget, which errors name
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class UpdatePlan(_Shares):
     max_token_len: int | None  # dynamic: token budget per micro-batch = per_gpu × sp
     packing_algorithm: str | None  # dynamic: kk | ffd
     forward: ForwardPlan
+    max_token_len_key: str | None = None  # dynamic: the key of the budget, which errors name
 
 
 @dataclass(frozen=True)
@@ -403,6 +405,7 @@ def _forward_plan(
         max_token_len_per_gpu=None if budget is None else budget.value // role.sp.value,
         max_token_len=None if budget is None else budget.value,
         packing_algorithm=_packing(role.packing) if dynamic else None,
+        max_token_len_key=section.key(fields.max_token_len) if dynamic else None,
     )
 
 
@@ -470,6 +473,7 @@ def _update_plan(
         max_token_len=None if budget is None else budget.value,
         packing_algorithm=_packing(section) if dynamic else None,
         forward=_forward_plan(*forward, role, world, sequences, max_seq),
+        max_token_len_key=keys.max_token_len if dynamic else None,
     )
 
 

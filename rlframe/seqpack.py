@@ -12,8 +12,6 @@ from __future__ import annotations
 import heapq
 import logging
 import math
-import numbers
-from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
@@ -571,42 +569,3 @@ def packing_metrics(group_loads, capacity=None) -> dict:
         metrics["utilization"] = float(loads.sum() / budget)
         metrics["wasted_tokens"] = float(budget - loads.sum())
     return metrics
-
-
-# ─────────────────────────────────────────── config ───────────────────────────────────────────
-
-
-@dataclass(frozen=True)
-class MicroBatchSpec:
-    """How one role cuts a batch into micro-batches, validated once and read-only afterwards.
-
-    Static: `micro_batch_size` sequences each. Dynamic (`use_dynamic_bsz`): at most `max_token_len`
-    tokens each (the per-GPU budget × sp), packed by `packing_algorithm` through
-    `rearrange_micro_batches`. `token_len_key` is the role's budget key, e.g.
-    `actor_rollout_ref.actor.ppo_max_token_len_per_gpu`, so errors name the exact setting. The
-    values come from the batch plan; the YAML holds their defaults.
-    """
-
-    use_dynamic_bsz: bool
-    micro_batch_size: int | None
-    max_token_len: int | None
-    packing_algorithm: str | None
-    token_len_key: str = DEFAULT_TOKEN_LEN_KEY
-
-    def __post_init__(self) -> None:
-        section, _, _ = self.token_len_key.rpartition(".")
-        packing_key = f"{section}.packing_algorithm" if section else "packing_algorithm"
-        if not self.use_dynamic_bsz:
-            _check_positive_int(self.micro_batch_size, "micro_batch_size (static micro-batching)")
-            return
-        if self.packing_algorithm not in ALLOCATE_FNS:
-            raise ValueError(
-                f"{packing_key}={self.packing_algorithm!r} is not a packing "
-                f"algorithm; valid values: {', '.join(ALLOCATE_FNS)}"
-            )
-        _check_positive_int(self.max_token_len, self.token_len_key)
-
-
-def _check_positive_int(value, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive integer")

@@ -138,6 +138,24 @@ def field_help(root: Any, dotted: str) -> str:
     return next(f.metadata.get("help", "") for f in fields_of(node) if f.name == name)
 
 
+def sections_of(tree: Any, names: tuple[str, ...]) -> dict[str, Any]:
+    """The top-level sections `names` of a config tree, by key: what the driver hands one worker."""
+    return {name: getattr(tree, name) for name in names}
+
+
+def read_only(sections: dict[str, Any]) -> Any:
+    """A worker's sections as one typed, read-only DictConfig under their own keys.
+
+    Each section keeps its key, so a read names the full key (`actor_rollout_ref.actor.clip_ratio`) in errors and
+    in the config-read trace (`rlframe.config.trace`), which wraps OmegaConf's reads.
+    """
+    from omegaconf import OmegaConf
+
+    out = OmegaConf.structured(sections)
+    OmegaConf.set_readonly(out, True)
+    return out
+
+
 # ───────────────────────────── the YAML of defaults ─────────────────────────────
 
 COMMENT_COLUMN = 39

@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlframe.batch_plan import BatchPlan
 from rlframe.config.checks import resolve_device
+from rlframe.config.schema import sections_of
 from rlframe.trainer.profiling import nsight_runtime_env
 from rlframe.utils.faults import DELAY_ENV
 
@@ -92,7 +93,6 @@ def create_worker_groups(
 
     from rlframe.single_controller.ray import (
         ClusterTooSmallError,
-        RayClassWithInitArgs,
         RayResourcePool,
         RayWorkerGroup,
         create_colocated_worker_cls,
@@ -113,12 +113,12 @@ def create_worker_groups(
     )
     nnodes, per_node = cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node
     pool = RayResourcePool([per_node] * nnodes, use_gpu=device_type == "cuda", node_wait_s=node_wait_s)
-    config = OmegaConf.to_object(cfg)  # workers receive the typed sections (interpolations resolved)
-    roles = {"actor_rollout": RayClassWithInitArgs(ActorRolloutRefWorker, config, plan, with_ref=plan.ref is not None)}
+    config = OmegaConf.to_object(cfg)  # the typed tree, built once (interpolations resolved)
+    roles = {"actor_rollout": _role(ActorRolloutRefWorker, config, plan, with_ref=plan.ref is not None)}
     if plan.critic is not None:
-        roles["critic"] = RayClassWithInitArgs(CriticWorker, config, plan)
+        roles["critic"] = _role(CriticWorker, config, plan)
     if cfg.reward_model.enable:
-        roles["reward_model"] = RayClassWithInitArgs(RewardModelWorker, config, plan)
+        roles["reward_model"] = _role(RewardModelWorker, config, plan)
     try:
         owner = RayWorkerGroup(
             pool,
@@ -153,13 +153,20 @@ def create_worker_groups(
     return groups
 
 
+def _role(worker_cls: type, config, *args, **kwargs):
+    """A role's worker class with its init arguments: only the sections it reads (`worker_cls.SECTIONS`), typed."""
+    from rlframe.single_controller.ray import RayClassWithInitArgs
+
+    return RayClassWithInitArgs(worker_cls, sections_of(config, worker_cls.SECTIONS), *args, **kwargs)
+
+
 def _create_rollout_group(cfg, plan: BatchPlan, config, groups: WorkerGroups, device_type: str, node_wait_s: float):
     """separate_async: RolloutWorkers on a pool of their own, drawing the sampling seeds the hybrid engine would.
 
     They start from the training processes' RNG state once every role is built: the state a hybrid worker's
     first generation draws its seed from (`RolloutWorker`).
     """
-    from rlframe.single_controller.ray import ClusterTooSmallError, RayClassWithInitArgs, RayResourcePool
+    from rlframe.single_controller.ray import ClusterTooSmallError, RayResourcePool
     from rlframe.trainer.worker_groups import RolloutGroup
     from rlframe.workers.rollout_worker import RolloutWorker
 
@@ -168,7 +175,7 @@ def _create_rollout_group(cfg, plan: BatchPlan, config, groups: WorkerGroups, de
     try:
         groups.rollout = RolloutGroup(
             groups._rollout_pool,
-            RayClassWithInitArgs(RolloutWorker, config, plan),
+            _role(RolloutWorker, config, plan),
             call_timeout_s=cfg.trainer.worker_timeout_s,
             runtime_env={"env_vars": {DELAY_ENV: os.environ[DELAY_ENV]}} if os.environ.get(DELAY_ENV) else None,
         )

@@ -29,11 +29,10 @@ from rlframe.algorithms.loss import (
 )
 from rlframe.algorithms.rollout_correction import PREFIX, bypass_policy_loss, is_weights, normalizer_sums
 from rlframe.algorithms.update_mode import ActorUpdate, UpdateMode
-from rlframe.batch_plan import UpdatePlan
-from rlframe.config.keys import ACTOR, LOG_PROB_FIELDS, ROLLOUT, UPDATE_FIELDS
+from rlframe.batch_plan import ForwardPlan, UpdatePlan
+from rlframe.config.keys import ACTOR
 from rlframe.distributed.parallel_dims import ParallelDims
 from rlframe.protocol import DataProto
-from rlframe.seqpack import MicroBatchSpec
 from rlframe.workers.batching import (
     GlobalCounts,
     response_mask_of,
@@ -42,7 +41,7 @@ from rlframe.workers.batching import (
 from rlframe.workers.config.actor import clip_ratio_bounds
 from rlframe.workers.model_forward import ScoringSpec, forward_micro_batch, layout_for
 from rlframe.workers.multimodal import RowImages, with_image_rows
-from rlframe.workers.updater import Batching, PPOUpdater, RoleModel, append_metrics
+from rlframe.workers.updater import PPOUpdater, RoleModel, append_metrics
 
 
 @dataclass
@@ -71,15 +70,14 @@ class PPOActor(PPOUpdater):
         plan: UpdatePlan,
         dims: ParallelDims | None = None,
         seed: int = 0,
-        log_prob: MicroBatchSpec | None = None,
+        log_prob: ForwardPlan | None = None,
         update: ActorUpdate | None = None,
     ):
         """`config` is the actor's section (`ActorConfig`: actor_rollout_ref.actor); `log_prob` replaces the
-        plan's forward micro-batching (the reference policy's, from its own keys); `update` is the update's
+        plan's forward pass (the reference policy's: the batch plan's `ref`); `update` is the update's
         mode, rollout correction and scoring temperature (`ActorUpdate.from_config`; default: decoupled, no
         correction, T = 1)."""
-        budget_keys = UPDATE_FIELDS.under(ACTOR).max_token_len, LOG_PROB_FIELDS.under(ROLLOUT).max_token_len
-        super().__init__(model, config, Batching.of(plan, *budget_keys, log_prob), dims or ParallelDims.single(), seed)
+        super().__init__(model, config, plan, dims or ParallelDims.single(), seed, forward=log_prob)
         self.update = update or ActorUpdate()
         self.clip_ratio_low, self.clip_ratio_high = clip_ratio_bounds(config)
         self.policy_loss_fn = get_policy_loss_fn(config.policy_loss.loss_mode)
@@ -93,9 +91,9 @@ class PPOActor(PPOUpdater):
 
     def _check_on_policy(self) -> None:
         """An update that computes its own old log-probs: one epoch, and nothing reads them before the loss."""
-        if self.batching.ppo_epochs != 1:
+        if self.plan.ppo_epochs != 1:
             raise ValueError(
-                f"an update that computes its own old log-probs takes one epoch: ppo_epochs={self.batching.ppo_epochs}"
+                f"an update that computes its own old log-probs takes one epoch: ppo_epochs={self.plan.ppo_epochs}"
             )
         if self.token_selector is not None:
             raise ValueError(
@@ -120,9 +118,9 @@ class PPOActor(PPOUpdater):
         layout = layout_for(self.options.use_remove_padding, self.dims.sp_group)
         return forward_micro_batch(self.module, micro, micro["responses"].shape[-1], spec, layout, images)
 
-    def _score(self, batch: TensorDict, spec: MicroBatchSpec, images: RowImages | None, **wanted) -> dict:
-        """The per-token outputs of one forward without gradients over `batch`, cut as `spec`, in its order."""
-        return self._no_grad_outputs(batch, spec, lambda micro: self._forward(micro, images=images, **wanted))
+    def _score(self, batch: TensorDict, plan: ForwardPlan | UpdatePlan, images: RowImages | None, **wanted) -> dict:
+        """The per-token outputs of one forward without gradients over `batch`, cut as `plan`, in its order."""
+        return self._no_grad_outputs(batch, plan, lambda micro: self._forward(micro, images=images, **wanted))
 
     def compute_log_prob(
         self, data: DataProto, calculate_entropy: bool = False
@@ -140,7 +138,7 @@ class PPOActor(PPOUpdater):
         batch, images = with_image_rows(data.batch, data.non_tensor_batch)
         return self._score(
             batch,
-            self.batching.forward,
+            self.forward_plan,
             images,
             calculate_entropy=calculate_entropy,
             calculate_sum_pi_squared=calculate_sum_pi_squared,
@@ -182,7 +180,7 @@ class PPOActor(PPOUpdater):
         for epoch_batch in self._epochs(batch):
             if on_policy:  # one epoch (checked when built)
                 epoch_batch = self._score_later_mini_batches(epoch_batch, ctx)
-            for index, mini in enumerate(epoch_batch.split(self.batching.mini_batch_size)):
+            for index, mini in enumerate(epoch_batch.split(self.plan.mini_batch_size_per_dp)):
                 ctx.own_old_log_probs = on_policy and index == 0
                 append_metrics(metrics, self._optimizer_step(self._prepare_mini_batch(mini, ctx), ctx))
         self._end_update()
@@ -207,13 +205,13 @@ class PPOActor(PPOUpdater):
         the separate pass scores them (its micro-batching, entropy included), under the parameters the update
         starts from.
         """
-        first = min(self.batching.mini_batch_size, len(batch))
+        first = min(self.plan.mini_batch_size_per_dp, len(batch))
         batch = batch.clone(recurse=False)
         later = batch[first:]
         batch["old_log_probs"] = torch.zeros_like(batch["advantages"])
         if len(later) > 0:
             self.module.eval()  # as the separate pass scores them
-            stats = self._score(later, self.batching.forward, ctx.images, calculate_entropy=True)
+            stats = self._score(later, self.forward_plan, ctx.images, calculate_entropy=True)
             self.module.train()
             batch["old_log_probs"][first:] = stats["log_probs"]
             ctx.on_policy_parts.append((later["on_policy_row"], stats["log_probs"], stats["entropy"]))
@@ -237,7 +235,7 @@ class PPOActor(PPOUpdater):
         micro-batches' losses; the sums are added over the DP group.
         """
         correction = self.update.correction
-        log_probs = self._score(mini, self.batching.update, ctx.images, calculate_entropy=False)["log_probs"]
+        log_probs = self._score(mini, self.plan, ctx.images, calculate_entropy=False)["log_probs"]
         with torch.no_grad():
             mask = response_mask_of(mini)
             weights, _ = is_weights(
@@ -318,7 +316,7 @@ class PPOActor(PPOUpdater):
         in rank order (equal row counts and widths: one dispatched batch), selected on every rank
         alike, and each rank keeps its own rows.
         """
-        log_probs = self._score(mini, self.batching.update, ctx.images, calculate_entropy=False)["log_probs"]
+        log_probs = self._score(mini, self.plan, ctx.images, calculate_entropy=False)["log_probs"]
         inputs = [mini["old_log_probs"], log_probs, mini["advantages"], response_mask_of(mini).to(log_probs.dtype)]
         rank, world = 0, 1
         if self.dims.reduces_over_dp:

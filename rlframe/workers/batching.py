@@ -17,8 +17,9 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from rlframe.algorithms.loss import Aggregation
+from rlframe.batch_plan import ForwardPlan, UpdatePlan
 from rlframe.distributed.parallel_dims import spans_ranks
-from rlframe.seqpack import MicroBatchSpec, get_reverse_idx, packing_metrics, rearrange_micro_batches
+from rlframe.seqpack import get_reverse_idx, packing_metrics, rearrange_micro_batches
 from rlframe.workers.multimodal import IMAGE_ROW
 
 # What a model forward reads; a role's update adds its loss keys (update_inputs).
@@ -27,36 +28,32 @@ MODEL_INPUTS = ("responses", "input_ids", "attention_mask", "position_ids")
 OPTIONAL_MODEL_INPUTS = (IMAGE_ROW,)
 
 
-def micro_batch_spec(plan, token_len_key: str) -> MicroBatchSpec:
-    """The MicroBatchSpec of one role's ForwardPlan/UpdatePlan (see rlframe.batch_plan)."""
-    return MicroBatchSpec(
-        plan.use_dynamic_bsz, plan.micro_batch_size, plan.max_token_len, plan.packing_algorithm, token_len_key
-    )
-
-
 def split_micro_batches(
-    batch: TensorDict, spec: MicroBatchSpec, dp_group=None
+    batch: TensorDict, plan: ForwardPlan | UpdatePlan, dp_group=None
 ) -> tuple[list[TensorDict], list[int] | None]:
-    """Micro-batches of `batch`, plus the reverse index that restores order (None when order is kept)."""
-    if not spec.use_dynamic_bsz:
-        return list(batch.split(spec.micro_batch_size)), None
+    """Micro-batches of `batch` cut as one pass of the batch plan says, plus the reverse index that restores
+    order (None when order is kept)."""
+    if not plan.use_dynamic_bsz:
+        return list(batch.split(plan.micro_batch_size)), None
     micro_batches, index_lists = rearrange_micro_batches(
         batch,
-        max_token_len=spec.max_token_len,
+        max_token_len=plan.max_token_len,
         dp_group=dp_group,
         same_micro_num_in_dp=True,
-        packing_algorithm=spec.packing_algorithm,
-        config_key=spec.token_len_key,
+        packing_algorithm=plan.packing_algorithm,
+        config_key=plan.max_token_len_key,
     )
     return micro_batches, get_reverse_idx(index_lists)
 
 
-def micro_batch_metrics(micro_batches: list[TensorDict], spec: MicroBatchSpec, prefix: str) -> dict[str, float]:
+def micro_batch_metrics(
+    micro_batches: list[TensorDict], plan: ForwardPlan | UpdatePlan, prefix: str
+) -> dict[str, float]:
     """Token loads of one mini-batch's dynamic micro-batches against the budget (the second balancing level)."""
-    if not spec.use_dynamic_bsz:
+    if not plan.use_dynamic_bsz:
         return {}
     loads = [int(micro["attention_mask"].sum()) for micro in micro_batches]
-    packed = packing_metrics(loads, capacity=spec.max_token_len)
+    packed = packing_metrics(loads, capacity=plan.max_token_len)
     return {
         f"{prefix}/micro_batch/{name}": float(packed[name])
         for name in ("num_groups", "max", "imbalance_ratio", "max_over_mean", "utilization", "wasted_tokens")

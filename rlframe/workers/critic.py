@@ -7,7 +7,6 @@ import torch
 from rlframe.algorithms.loss import compute_value_loss
 from rlframe.algorithms.masked import masked_mean
 from rlframe.batch_plan import UpdatePlan
-from rlframe.config.keys import CRITIC, UPDATE_FIELDS, VALUE_FIELDS
 from rlframe.distributed.parallel_dims import ParallelDims
 from rlframe.protocol import DataProto
 from rlframe.workers.batching import (
@@ -16,7 +15,7 @@ from rlframe.workers.batching import (
     update_inputs,
 )
 from rlframe.workers.model_forward import VALUES, forward_micro_batch, layout_for
-from rlframe.workers.updater import Batching, PPOUpdater, RoleModel
+from rlframe.workers.updater import PPOUpdater, RoleModel
 
 
 class PPOCritic(PPOUpdater):
@@ -26,8 +25,7 @@ class PPOCritic(PPOUpdater):
 
     def __init__(self, model: RoleModel, config, plan: UpdatePlan, dims: ParallelDims | None = None, seed: int = 0):
         """`config` is the `critic` section (`CriticConfig`); `plan` the critic's update plan."""
-        budget_keys = UPDATE_FIELDS.under(CRITIC).max_token_len, VALUE_FIELDS.under(CRITIC).max_token_len
-        super().__init__(model, config, Batching.of(plan, *budget_keys), dims or ParallelDims.single(), seed)
+        super().__init__(model, config, plan, dims or ParallelDims.single(), seed)
 
     def _values(self, micro) -> torch.Tensor:
         layout = layout_for(self.options.use_remove_padding, self.dims.sp_group)
@@ -36,7 +34,7 @@ class PPOCritic(PPOUpdater):
     def compute_values(self, data: DataProto) -> torch.Tensor:
         """Per-response-token values [bs, resp_len] in the input order."""
         self.module.eval()
-        values = self._no_grad_outputs(data.batch, self.batching.forward, lambda micro: {"values": self._values(micro)})
+        values = self._no_grad_outputs(data.batch, self.forward_plan, lambda micro: {"values": self._values(micro)})
         return values["values"]
 
     def update_critic(self, data: DataProto) -> dict[str, list[float]]:

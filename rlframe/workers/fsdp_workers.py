@@ -21,7 +21,7 @@ from rlframe.algorithms.update_mode import ActorUpdate
 from rlframe.batch_plan import BatchPlan
 from rlframe.config import trace
 from rlframe.config.checks import resolve_device
-from rlframe.config.keys import LOG_PROB_FIELDS, REF
+from rlframe.config.schema import read_only
 from rlframe.distributed.parallel_dims import ParallelDims, ParallelPlan
 from rlframe.models.builtin import copy_to_shm
 from rlframe.protocol import DataProto, all_gather_data_proto
@@ -31,7 +31,6 @@ from rlframe.workers import checkpoint as ckpt
 from rlframe.workers import lora
 from rlframe.workers.activation_offload import enable as enable_activation_offload
 from rlframe.workers.actor import PPOActor
-from rlframe.workers.batching import micro_batch_spec
 from rlframe.workers.critic import PPOCritic
 from rlframe.workers.dtypes import resolve_dtype
 from rlframe.workers.fsdp_wrap import FSDPSpec, wrap_fsdp
@@ -60,11 +59,12 @@ def fsdp_spec(fsdp_cfg: DictConfig, strategy: str, device_type: str) -> FSDPSpec
 class FSDPWorkerBase(Worker):
     """Shared set-up: process group, meshes, FSDP-wrapped models, SP gather/scatter."""
 
-    def __init__(self, config, plan: BatchPlan):
-        """`config`: the whole typed config (the driver's `PPOTrainerConfig`, interpolations resolved)."""
+    SECTIONS: tuple[str, ...]  # the top-level config sections this role reads (`schema.sections_of`)
+
+    def __init__(self, sections: dict, plan: BatchPlan):
+        """`sections`: this role's `SECTIONS` of the driver's typed tree (interpolations resolved), by key."""
         super().__init__()
-        self.config = OmegaConf.structured(config)  # typed sections: each role receives its own
-        OmegaConf.set_readonly(self.config, True)
+        self.config = read_only(sections)
         self.plan = plan
         self.device_type = resolve_device(self.config.trainer.device)
         self.dims = ParallelDims.single()
@@ -170,8 +170,11 @@ class FSDPWorkerBase(Worker):
 class ActorRolloutRefWorker(FSDPWorkerBase):
     """Actor and rollout in one process (hybrid engine), plus the reference policy when `with_ref`."""
 
-    def __init__(self, config: dict, plan: BatchPlan, with_ref: bool):
-        super().__init__(config, plan)
+    # `algorithm`: the update's mode (ActorUpdate); `data`: the tokenizer and the seed
+    SECTIONS = ("actor_rollout_ref", "algorithm", "data", "trainer", "global_profiler")
+
+    def __init__(self, sections: dict, plan: BatchPlan, with_ref: bool):
+        super().__init__(sections, plan)
         self.with_ref = with_ref
         self._strategy = str(self.config.actor_rollout_ref.actor.strategy)
         self._optimizer_offload = bool(self.config.actor_rollout_ref.actor.fsdp_config.optimizer_offload)
@@ -214,8 +217,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
                 ref_module = self._wrap(ref_model, cfg.ref.fsdp_config)
                 ref_module.requires_grad_(False)
             ref_model = RoleModel(ref_module, self._model_options(cfg.ref.use_torch_compile, cfg.actor.fsdp_config))
-            log_prob = micro_batch_spec(self.plan.ref, LOG_PROB_FIELDS.under(REF).max_token_len)
-            self.ref = PPOActor(ref_model, cfg.actor, self.plan.actor, self.dims, log_prob=log_prob, update=update)
+            self.ref = PPOActor(ref_model, cfg.actor, self.plan.actor, self.dims, log_prob=self.plan.ref, update=update)
         self.kill_points.hit("worker.init")  # crash-consistency tests (docs/reliability.md)
         self._init_rollout(cfg)
 
@@ -370,8 +372,11 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
 class CriticWorker(FSDPWorkerBase):
     """The value model: compute_values and update_critic."""
 
-    def __init__(self, config: dict, plan: BatchPlan):
-        super().__init__(config, plan)
+    # `actor_rollout_ref`: nccl_timeout; `data`: the seed
+    SECTIONS = ("critic", "actor_rollout_ref", "data", "trainer", "global_profiler")
+
+    def __init__(self, sections: dict, plan: BatchPlan):
+        super().__init__(sections, plan)
         self._strategy = str(self.config.critic.strategy)
         self._optimizer_offload = bool(self.config.critic.model.fsdp_config.optimizer_offload)
         self.profiler = self._profiler(self.config.critic.profiler, "critic")

@@ -113,8 +113,11 @@ def reward_loop_texts(data: DataProto, policy_tokenizer, rm_tokenizer) -> list[s
 class RewardModelWorker(FSDPWorkerBase):
     """FSDP-sharded reward model; `compute_rm_score` returns `rm_scores`."""
 
-    def __init__(self, config: dict, plan):
-        super().__init__(config, plan)
+    # `actor_rollout_ref`: the actor's FSDP strategy and nccl_timeout; `data`: the policy tokenizer's trust flag
+    SECTIONS = ("reward_model", "actor_rollout_ref", "data", "trainer")
+
+    def __init__(self, sections: dict, plan):
+        super().__init__(sections, plan)
         self._strategy = str(self.config.actor_rollout_ref.actor.strategy)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

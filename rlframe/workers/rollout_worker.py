@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 
 from rlframe.batch_plan import BatchPlan
 from rlframe.config.checks import resolve_device
+from rlframe.config.schema import read_only
 from rlframe.models.builtin import copy_to_shm
 from rlframe.protocol import DataProto
 from rlframe.single_controller import Dispatch, Worker, register
@@ -56,11 +57,12 @@ class VersionBoard:
 class RolloutWorker(Worker):
     """One rollout-only process: `init_model`, `generate_sequences`, `load_weights`."""
 
-    def __init__(self, config, plan: BatchPlan):
-        """`config`: the whole typed config (`PPOTrainerConfig`); only its rollout, model and data keys are read."""
+    SECTIONS = ("actor_rollout_ref", "data", "trainer")  # the rollout, the model, the tokenizer and the device
+
+    def __init__(self, sections: dict, plan: BatchPlan):
+        """`sections`: its `SECTIONS` of the driver's typed tree (interpolations resolved), by key."""
         super().__init__()
-        self.config = OmegaConf.structured(config)
-        OmegaConf.set_readonly(self.config, True)
+        self.config = read_only(sections)
         self.plan = plan
         self.device_type = resolve_device(self.config.trainer.device)
         self.version = 0

@@ -30,16 +30,14 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from rlframe.batch_plan import UpdatePlan
+from rlframe.batch_plan import ForwardPlan, UpdatePlan
 from rlframe.distributed.parallel_dims import ParallelDims
-from rlframe.seqpack import MicroBatchSpec
 from rlframe.workers.batching import (
     GlobalCounts,
     dp_sum,
     forward_inputs,
     global_counts,
     micro_batch_metrics,
-    micro_batch_spec,
     restore_order,
     split_micro_batches,
 )
@@ -66,29 +64,6 @@ class RoleModel:
     lr_scheduler: Any = None
 
 
-@dataclass(frozen=True)
-class Batching:
-    """How a role cuts its batches on one DP rank, read from its plan (rlframe.batch_plan)."""
-
-    mini_batch_size: int  # sequences per optimizer step on this DP rank
-    ppo_epochs: int
-    update: MicroBatchSpec  # micro-batches of the update
-    forward: MicroBatchSpec  # micro-batches of a forward-only pass
-
-    @classmethod
-    def of(cls, plan: UpdatePlan, budget_key: str, forward_budget_key: str, forward: MicroBatchSpec | None = None):
-        """The batching of `plan`; the keys name the update's and the forward pass's token budgets in errors.
-
-        `forward` replaces the plan's forward pass (the reference policy's).
-        """
-        return cls(
-            mini_batch_size=plan.mini_batch_size_per_dp,
-            ppo_epochs=plan.ppo_epochs,
-            update=micro_batch_spec(plan, budget_key),
-            forward=forward or micro_batch_spec(plan.forward, forward_budget_key),
-        )
-
-
 class PPOUpdater(ABC):
     """A role's model and the DP/SP dims it reduces over, trained by mini-batch optimizer steps.
 
@@ -97,10 +72,20 @@ class PPOUpdater(ABC):
 
     role: str
 
-    def __init__(self, model: RoleModel, config, batching: Batching, dims: ParallelDims, seed: int = 0):
+    def __init__(
+        self,
+        model: RoleModel,
+        config,
+        plan: UpdatePlan,
+        dims: ParallelDims,
+        seed: int = 0,
+        forward: ForwardPlan | None = None,
+    ):
+        """`plan` cuts the update into mini- and micro-batches; `forward` replaces its forward pass (`plan.forward`)."""
         self.module, self.options = model.module, model.options
         self.optimizer, self.lr_scheduler = model.optimizer, model.lr_scheduler
-        self.config, self.batching, self.dims = config, batching, dims
+        self.config, self.plan, self.dims = config, plan, dims
+        self.forward_plan = forward or plan.forward
         self.generator = torch.Generator().manual_seed(seed)
 
     def _train(self, batch: TensorDict, ctx: Any = None) -> dict[str, list[float]]:
@@ -108,14 +93,14 @@ class PPOUpdater(ABC):
         self.module.train()
         metrics: dict[str, list[float]] = {}
         for epoch_batch in self._epochs(batch):
-            for mini in epoch_batch.split(self.batching.mini_batch_size):
+            for mini in epoch_batch.split(self.plan.mini_batch_size_per_dp):
                 append_metrics(metrics, self._optimizer_step(mini, ctx))
         self._end_update()
         return metrics
 
     def _epochs(self, batch: TensorDict) -> Iterator[TensorDict]:
         """`batch` once per epoch, each epoch shuffling the last one's order when the role's `shuffle` is on."""
-        for _ in range(self.batching.ppo_epochs):
+        for _ in range(self.plan.ppo_epochs):
             if self.config.shuffle:
                 batch = batch[torch.randperm(len(batch), generator=self.generator)]
             yield batch
@@ -125,10 +110,10 @@ class PPOUpdater(ABC):
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
 
-    def _no_grad_outputs(self, batch: TensorDict, spec: MicroBatchSpec, forward) -> dict[str, torch.Tensor]:
-        """`forward(micro) -> {name: per-token tensor}` over `batch` cut as `spec`, without gradients, in its order."""
+    def _no_grad_outputs(self, batch: TensorDict, plan: ForwardPlan | UpdatePlan, forward) -> dict[str, torch.Tensor]:
+        """`forward(micro) -> {name: per-token tensor}` over `batch` cut as `plan`, without gradients, in its order."""
         with torch.no_grad():
-            micro_batches, reverse_idx = split_micro_batches(forward_inputs(batch), spec, self.dims.dp_group)
+            micro_batches, reverse_idx = split_micro_batches(forward_inputs(batch), plan, self.dims.dp_group)
             outputs = [forward(micro) for micro in micro_batches]
         return {name: restore_order([out[name] for out in outputs], reverse_idx) for name in outputs[0]}
 
@@ -144,7 +129,7 @@ class PPOUpdater(ABC):
         """Accumulate the gradient of `mini`'s loss over its micro-batches, then step; the step's metrics."""
         dp_group = self.dims.dp_group
         counts = global_counts(mini, dp_group)
-        micro_batches, _ = split_micro_batches(mini, self.batching.update, dp_group)
+        micro_batches, _ = split_micro_batches(mini, self.plan, dp_group)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         keep_gathered = not self.options.reshard_after_forward and hasattr(self.module, "set_reshard_after_backward")
@@ -158,7 +143,7 @@ class PPOUpdater(ABC):
                 value = float(value.detach() if isinstance(value, torch.Tensor) else value)
                 sums[f"{self.role}/{name}"] = sums.get(f"{self.role}/{name}", 0.0) + value
         step_metrics = dp_sum(sums, dp_group)
-        step_metrics.update(micro_batch_metrics(micro_batches, self.batching.update, self.role))
+        step_metrics.update(micro_batch_metrics(micro_batches, self.plan, self.role))
         step_metrics.update(apply_gradients(self.module, self.optimizer, self.config.optim.clip_grad, self.role))
         return step_metrics
 

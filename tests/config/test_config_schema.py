@@ -8,7 +8,7 @@ import pytest
 from helpers.small_config import SMALL
 
 from rlframe.config.loader import config_dir
-from rlframe.config.schema import Section, walk
+from rlframe.config.schema import Section, read_only, sections_of, walk
 from rlframe.explain.cli import main as explain_main
 from rlframe.trainer.config import PPOTrainerConfig, compose, default_yaml, typed
 from rlframe.trainer.main_ppo import prepare
@@ -260,3 +260,18 @@ def test_gdpo_needs_its_reward_keys_and_one_weight_each():
     with pytest.raises(ValueError, match=r"gdpo_reward_weights=\[1.0\]: give one weight per gdpo_reward_keys"):
         typed(compose([*gdpo, "algorithm.gdpo_reward_weights=[1.0]"]))
     typed(compose([*gdpo, "algorithm.gdpo_reward_weights=[1.0,2]"]))
+
+
+def test_a_worker_gets_its_sections_typed_read_only_and_named_by_full_key():
+    from omegaconf.errors import ReadonlyConfigError
+
+    from rlframe.workers.fsdp_workers import CriticWorker
+
+    tree = typed(compose(SMALL))
+    sections = sections_of(tree, CriticWorker.SECTIONS)
+    assert sections["critic"] is tree.critic and "algorithm" not in sections and "reward_model" not in sections
+    config = read_only(sections)
+    assert config.critic.model._get_full_key("path") == "critic.model.path"  # what the read trace records
+    assert config.critic.ppo_epochs == tree.critic.ppo_epochs and isinstance(config.critic.ppo_epochs, int)
+    with pytest.raises(ReadonlyConfigError):
+        config.critic.ppo_epochs = 3

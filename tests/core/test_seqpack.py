@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from rlframe.seqpack import (
-    MicroBatchSpec,
     calculate_workload,
     ffd_allocate,
     get_allocate_fn,
@@ -327,18 +326,3 @@ def test_packing_metrics_hand_checked():
     assert metrics["utilization"] == pytest.approx(0.8) and metrics["wasted_tokens"] == 6
     assert "utilization" not in packing_metrics([1, 1])
     assert packing_metrics([0, 0])["imbalance_ratio"] == 0.0
-
-
-def test_micro_batch_spec_validates_and_names_the_key():
-    spec = MicroBatchSpec(True, None, 4096, "ffd")
-    assert spec.packing_algorithm == "ffd" and spec.max_token_len == 4096
-    assert MicroBatchSpec(False, 2, None, None).micro_batch_size == 2  # static ignores packing
-    with pytest.raises(ValueError, match=r"^packing_algorithm='bfd'.*kk, ffd"):
-        MicroBatchSpec(True, None, 4096, "bfd")
-    actor_key = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
-    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.packing_algorithm='bfd'.*kk, ffd"):
-        MicroBatchSpec(True, None, 4096, "bfd", token_len_key=actor_key)
-    with pytest.raises(ValueError, match=r"critic\.ppo_max_token_len_per_gpu=0"):
-        MicroBatchSpec(True, None, 0, "kk", token_len_key="critic.ppo_max_token_len_per_gpu")
-    with pytest.raises(ValueError, match=r"micro_batch_size"):
-        MicroBatchSpec(False, 0, None, None)

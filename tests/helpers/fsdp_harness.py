@@ -151,6 +151,7 @@ def update_plan(sc: Scenario, num_seqs: int, ppo_epochs: int = 1) -> UpdatePlan:
         "max_token_len_per_gpu": None if budget is None else sc.max_token_len,
         "max_token_len": budget,
         "packing_algorithm": "kk" if sc.use_dynamic_bsz else None,
+        "max_token_len_key": f"{sc.role}.ppo_max_token_len_per_gpu" if sc.use_dynamic_bsz else None,
     }
     forward = ForwardPlan(**cut, num_micro_batches=None if micro is None else -(-per_dp // micro))
     return UpdatePlan(

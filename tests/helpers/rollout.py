@@ -8,6 +8,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from rlframe.config.loader import load_config, resolved
+from rlframe.config.schema import sections_of
 from rlframe.protocol import DataProto
 from rlframe.workers.rollout.config import RolloutConfig
 
@@ -84,7 +85,7 @@ def one_process_rollout_worker(model_path: str, rendezvous: str, *overrides: str
         ],
         check_files=False,
     )
-    worker = RolloutWorker(OmegaConf.to_object(cfg), plan)
+    worker = RolloutWorker(sections_of(OmegaConf.to_object(cfg), RolloutWorker.SECTIONS), plan)
     worker.init_model(torch.get_rng_state())
     try:
         yield worker

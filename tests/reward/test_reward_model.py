@@ -66,11 +66,11 @@ def test_worker_scores_packed_with_offloaded_parameters(tiny_model_path, tmp_pat
     """The worker reads use_remove_padding and fsdp_config.param_offload: FSDP2 offloads, scores stay exact."""
     from helpers.small_config import SMALL
     from helpers.world import free_port
-    from omegaconf import OmegaConf
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     from rlframe.batch_plan import make_batch_plan
     from rlframe.config.loader import resolved
+    from rlframe.config.schema import sections_of
     from rlframe.protocol import DataProto
     from rlframe.trainer.config import compose, typed
     from rlframe.workers.reward_model import RewardModelWorker
@@ -97,7 +97,7 @@ def test_worker_scores_packed_with_offloaded_parameters(tiny_model_path, tmp_pat
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    worker = RewardModelWorker(OmegaConf.to_container(cfg), plan)
+    worker = RewardModelWorker(sections_of(cfg, RewardModelWorker.SECTIONS), plan)
     try:
         worker.init_model(total_training_steps=1)
         assert worker.use_remove_padding
@@ -193,11 +193,11 @@ def test_reward_loop_worker_scores_the_rendered_chat(tiny_model_path, tmp_path, 
     loop would send its server, not on the policy's own ids (which the legacy worker scores)."""
     from helpers.small_config import SMALL
     from helpers.world import free_port
-    from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
     from rlframe.batch_plan import make_batch_plan
     from rlframe.config.loader import resolved
+    from rlframe.config.schema import sections_of
     from rlframe.trainer.config import compose, typed
     from rlframe.workers.reward_model import RewardModelWorker, reward_loop_texts
 
@@ -223,7 +223,7 @@ def test_reward_loop_worker_scores_the_rendered_chat(tiny_model_path, tmp_path, 
         typed(composed)
         monkeypatch.setenv("MASTER_PORT", str(free_port()))
         cfg = resolved(composed)
-        worker = RewardModelWorker(OmegaConf.to_container(cfg), make_batch_plan(cfg))
+        worker = RewardModelWorker(sections_of(cfg, RewardModelWorker.SECTIONS), make_batch_plan(cfg))
         try:
             worker.init_model(total_training_steps=1)
             scores[use_reward_loop] = worker.compute_rm_score(data).batch["rm_scores"].sum(-1)

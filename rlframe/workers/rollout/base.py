@@ -253,7 +253,7 @@ class Rollout(ABC):
         self.unwrapped.shutdown()
 
     def sampling_for(self, meta_info: dict) -> SamplingParams:
-        """This call's sampling: val_kwargs when `validate`, then `do_sample` / `temperature` overrides."""
+        """This call's sampling: val_kwargs when `validate`, then the `do_sample` override (ReMax's greedy baseline)."""
         return self.unwrapped.sampling_for(meta_info)
 
     def special_tokens_for(self, meta_info: dict) -> tuple[list[int], int]:
@@ -306,12 +306,13 @@ class BaseRollout(Rollout):
         return self
 
     def sampling_for(self, meta_info: dict) -> SamplingParams:
-        """This call's sampling: val_kwargs when `validate`, then `do_sample` / `temperature` overrides."""
+        """This call's sampling: val_kwargs when `validate`, then the `do_sample` override (ReMax's greedy baseline).
+
+        The temperature is the section's (or val_kwargs'), never the call's: the actor scores its log-probs at the
+        same one, decided once (`ActorUpdate`)."""
         params = SamplingParams.from_config(self.config, validate=bool(meta_info.get("validate", False)))
         if "do_sample" in meta_info:
             params = replace(params, do_sample=bool(meta_info["do_sample"]))
-        if "temperature" in meta_info:
-            params = replace(params, temperature=float(meta_info["temperature"]))
         params.check()
         return params
 

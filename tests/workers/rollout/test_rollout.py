@@ -55,6 +55,12 @@ def hf_rollout(tiny_model_path):
 
 
 # ---------------------------------------------------------------------------------------- contract
+def test_a_call_cannot_change_the_sampling_temperature(hf_rollout):
+    """The temperature is the section's: the actor scores its log-probs at the same one (ActorUpdate)."""
+    params = hf_rollout.sampling_for({"temperature": 5.0, "do_sample": True})
+    assert params.temperature == hf_rollout.config.temperature != 5.0 and params.do_sample
+
+
 def test_hf_rollout_output_contract_shapes_masks_and_log_probs(hf_rollout, tiny_model_path):
     prompts = make_prompts(do_sample=False)
     greedy = hf_rollout.generate_sequences(prompts).batch["responses"]
