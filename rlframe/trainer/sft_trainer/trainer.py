@@ -29,7 +29,7 @@ from rlframe.distributed.parallel_dims import ParallelDims
 from rlframe.models.builtin import resolve_model_path
 from rlframe.seqpack import MicroBatchSpec, get_seqlen_balanced_partitions
 from rlframe.trainer.checkpointing import LATEST
-from rlframe.trainer.sft_config import SFTTrainerConfig, sft_config
+from rlframe.trainer.sft_trainer.config import SFTTrainerConfig, sft_config
 from rlframe.trainer.tracking import Tracking
 from rlframe.utils.safe_files import remove_under
 from rlframe.workers import checkpoint as ckpt
@@ -316,6 +316,3 @@ def main(argv: list[str] | None = None) -> None:
     """The command line: verl's `key=value` overrides of sft_trainer_engine.yaml."""
     run_sft(sft_config(sys.argv[1:] if argv is None else argv))
 
-
-if __name__ == "__main__":
-    main()
