@@ -1,0 +1,166 @@
+"""The SFT trainer end to end on CPU (`python -m rlframe.trainer.sft_trainer` on builtin://tiny), and its config:
+verl 0.9.1's sft_trainer_engine.yaml keys with verl's defaults, each honoured or refused by name."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from rlframe.trainer.sft_trainer.config import sft_config
+
+
+def write_rows(path: str, num_rows: int, seed: int) -> str:
+    """Single-digit additions as two-message conversations."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for a, b in torch.randint(0, 10, (num_rows, 2), generator=gen).tolist():
+        rows.append({"messages": [{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": str(a + b)}]})
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def run_sft(overrides: list[str], cache_dir, nproc: int = 1) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RLFRAME_CACHE": str(cache_dir)}
+    launcher = ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}"] if nproc > 1 else []
+    command = [sys.executable, *launcher, "-m", "rlframe.trainer.sft_trainer", *overrides]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+
+
+def metrics_of(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("sft_data")
+    return write_rows(str(folder / "train.parquet"), 48, 0), write_rows(str(folder / "val.parquet"), 16, 1)
+
+
+def base_overrides(data, run_dir) -> list[str]:
+    train, val = data
+    return [
+        "model.path=builtin://tiny",
+        f"data.train_files={train}",
+        f"data.val_files={val}",
+        "data.train_batch_size=8",
+        "trainer.device=cpu",
+        "trainer.logger=[console]",
+        f"trainer.default_local_dir={run_dir}",
+    ]
+
+
+@pytest.mark.slow
+def test_sft_learns_and_writes_a_checkpoint_ppo_starts_from(data, tmp_path, cache_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlframe.trainer.config import compose, typed
+
+    run_dir = tmp_path / "run"
+    overrides = base_overrides(data, run_dir) + [
+        "trainer.total_training_steps=6",
+        "trainer.test_freq=3",
+        "checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+    ]
+    result = run_sft(overrides, cache_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics_of(run_dir)
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
+    losses = [row["train/loss"] for row in rows]
+    assert losses[-1] < losses[0] - 0.5, losses
+    validated = [row for row in rows if "val/loss" in row]
+    assert [row["step"] for row in validated] == [3, 6]
+    assert validated[1]["val/loss"] < validated[0]["val/loss"]
+    assert open(run_dir / "latest_checkpointed_iteration.txt").read() == "6"
+    hf_folder = str(run_dir / "global_step_6" / "actor" / "huggingface")
+    AutoModelForCausalLM.from_pretrained(hf_folder)
+    AutoTokenizer.from_pretrained(hf_folder)
+    ppo = typed(compose([f"actor_rollout_ref.model.path={hf_folder}"]))  # the PPO trainer's key takes it as it is
+    assert ppo.actor_rollout_ref.model.path == hf_folder
+
+
+@pytest.mark.slow
+def test_sft_resumes_from_its_latest_checkpoint(data, tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    first = run_sft(base_overrides(data, run_dir) + ["trainer.total_training_steps=2"], cache_dir)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_sft(base_overrides(data, run_dir) + ["trainer.total_training_steps=4"], cache_dir)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert [row["step"] for row in metrics_of(run_dir)] == [1, 2, 3, 4]
+    assert sorted(os.listdir(run_dir)) == ["global_step_2", "global_step_4", "latest_checkpointed_iteration.txt", "metrics.jsonl"]
+
+
+@pytest.mark.slow
+def test_torchrun_on_two_ranks_gives_the_single_process_losses(data, tmp_path, cache_dir):
+    steps = ["trainer.total_training_steps=3", "data.use_dynamic_bsz=false", "data.micro_batch_size_per_gpu=3"]
+    single = run_sft(base_overrides(data, tmp_path / "one") + steps, cache_dir)
+    assert single.returncode == 0, single.stderr[-3000:]
+    two = run_sft(base_overrides(data, tmp_path / "two") + steps + ["trainer.n_gpus_per_node=2"], cache_dir, nproc=2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    for one_rank, two_ranks in zip(metrics_of(tmp_path / "one"), metrics_of(tmp_path / "two"), strict=True):
+        for name in ("train/loss", "train/grad_norm", "val/loss"):
+            if name in one_rank:
+                assert two_ranks[name] == pytest.approx(one_rank[name], rel=1e-5), name
+
+
+@pytest.mark.slow
+def test_sft_with_lora_exports_the_merged_model(data, tmp_path, cache_dir):
+    from transformers import AutoModelForCausalLM
+
+    run_dir = tmp_path / "run"
+    overrides = base_overrides(data, run_dir) + [
+        "trainer.total_training_steps=2",
+        "model.lora_rank=4",
+        "model.lora_alpha=8",
+        "engine.strategy=fsdp2",
+        "checkpoint.save_contents=[model,extra,hf_model]",
+    ]
+    result = run_sft(overrides, cache_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    hf_folder = run_dir / "global_step_2" / "actor" / "huggingface"
+    assert (hf_folder / "lora_adapter").is_dir()
+    AutoModelForCausalLM.from_pretrained(str(hf_folder))
+
+
+def test_sft_config_takes_verls_defaults():
+    config = sft_config([])
+    assert (config.data.train_batch_size, config.data.use_dynamic_bsz, config.data.pad_mode) == (256, True, "no_padding")
+    assert (config.optim.lr, config.optim.clip_grad, config.engine.strategy) == (1e-3, 1.0, "fsdp")
+    assert config.checkpoint.load_contents == ["model", "optimizer", "extra"]  # follows save_contents
+    assert config.trainer.default_local_dir == "checkpoints/gsm8k-sft/test"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("data.trian_batch_size=8", "unknown SFT config key 'data.trian_batch_size'.*Did you mean data.train_batch_size"),
+        ("model.use_liger=true", "model.use_liger=True: not implemented in rlframe's SFT trainer: Liger kernels"),
+        ("model.mtp.enable=true", r"multi-token prediction; set \{'enable': True\}"),
+        ("engine.full_determinism=true", "engine.full_determinism=True: not implemented"),
+        ("data.pad_mode=left_right", "data.pad_mode='left_right' is not one of no_padding, right"),
+        ("data.max_length=many", "data.max_length has the wrong type"),
+        ("optim.optimizer=SGD", "optim.optimizer='SGD' is not one of AdamW"),
+        ("checkpoint.save_contents=[model,weights]", r"unknown entries \['weights'\]"),
+        ("data.train_batch_size=0", "data.train_batch_size=0 must be at least 1"),
+    ],
+)
+def test_bad_sft_keys_are_refused_by_name(override, message):
+    with pytest.raises(ValueError, match=message):
+        sft_config([override])
+
+
+def test_ulysses_needs_remove_padding():
+    with pytest.raises(ValueError, match="ulysses_sequence_parallel_size=2 needs model.use_remove_padding=true"):
+        sft_config(["engine.ulysses_sequence_parallel_size=2", "model.use_remove_padding=false"])
+
+
+@pytest.mark.slow
+def test_a_batch_larger_than_the_data_is_refused_before_training(data, tmp_path, cache_dir):
+    result = run_sft(base_overrides(data, tmp_path / "run") + ["data.train_batch_size=64"], cache_dir)
+    assert result.returncode != 0
+    assert "data.train_batch_size=64 is more than the 48 training rows" in result.stderr
