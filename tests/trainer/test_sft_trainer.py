@@ -19,7 +19,9 @@ def write_rows(path: str, num_rows: int, seed: int) -> str:
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for a, b in torch.randint(0, 10, (num_rows, 2), generator=gen).tolist():
-        rows.append({"messages": [{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": str(a + b)}]})
+        rows.append(
+            {"messages": [{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": str(a + b)}]}
+        )
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path
 
@@ -92,7 +94,12 @@ def test_sft_resumes_from_its_latest_checkpoint(data, tmp_path, cache_dir):
     second = run_sft(base_overrides(data, run_dir) + ["trainer.total_training_steps=4"], cache_dir)
     assert second.returncode == 0, second.stderr[-3000:]
     assert [row["step"] for row in metrics_of(run_dir)] == [1, 2, 3, 4]
-    assert sorted(os.listdir(run_dir)) == ["global_step_2", "global_step_4", "latest_checkpointed_iteration.txt", "metrics.jsonl"]
+    assert sorted(os.listdir(run_dir)) == [
+        "global_step_2",
+        "global_step_4",
+        "latest_checkpointed_iteration.txt",
+        "metrics.jsonl",
+    ]
 
 
 @pytest.mark.slow
@@ -129,7 +136,11 @@ def test_sft_with_lora_exports_the_merged_model(data, tmp_path, cache_dir):
 
 def test_sft_config_takes_verls_defaults():
     config = sft_config([])
-    assert (config.data.train_batch_size, config.data.use_dynamic_bsz, config.data.pad_mode) == (256, True, "no_padding")
+    assert (config.data.train_batch_size, config.data.use_dynamic_bsz, config.data.pad_mode) == (
+        256,
+        True,
+        "no_padding",
+    )
     assert (config.optim.lr, config.optim.clip_grad, config.engine.strategy) == (1e-3, 1.0, "fsdp")
     assert config.checkpoint.load_contents == ["model", "optimizer", "extra"]  # follows save_contents
     assert config.trainer.default_local_dir == "checkpoints/gsm8k-sft/test"
@@ -138,7 +149,10 @@ def test_sft_config_takes_verls_defaults():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("data.trian_batch_size=8", "unknown SFT config key 'data.trian_batch_size'.*Did you mean data.train_batch_size"),
+        (
+            "data.trian_batch_size=8",
+            "unknown SFT config key 'data.trian_batch_size'.*Did you mean data.train_batch_size",
+        ),
         ("model.use_liger=true", "model.use_liger=True: not implemented in rlframe's SFT trainer: Liger kernels"),
         ("model.mtp.enable=true", r"multi-token prediction; set \{'enable': True\}"),
         ("engine.full_determinism=true", "engine.full_determinism=True: not implemented"),

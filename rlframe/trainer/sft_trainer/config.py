@@ -156,7 +156,9 @@ class SFTModelConfig(Section):
 
 @dataclass
 class SFTEngineConfig(Section):
-    wrap_policy: Dict[str, Any] = verl_only({"min_num_params": 0}, "a size-based wrap policy (each decoder layer is one unit)")
+    wrap_policy: Dict[str, Any] = verl_only(
+        {"min_num_params": 0}, "a size-based wrap policy (each decoder layer is one unit)"
+    )
     param_offload: bool = key(False, "keep parameters on the CPU between uses")
     optimizer_offload: bool = verl_only(False, "optimizer offload in the SFT trainer")
     offload_policy: bool = verl_only(False, "FSDP2's CPU offload policy")
@@ -216,12 +218,15 @@ class SFTEngineConfig(Section):
             raise ValueError(f"{path}.ulysses_sequence_parallel_size={sp} must be at least 1")
         if sp > 1 and not root.model.use_remove_padding:
             raise ValueError(
-                f"{path}.ulysses_sequence_parallel_size={sp} needs model.use_remove_padding=true (Ulysses splits packed rows)"
+                f"{path}.ulysses_sequence_parallel_size={sp} needs model.use_remove_padding=true "
+                "(Ulysses splits packed rows)"
             )
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         none = "SFT computes no entropy"
-        out = {f"{path}.{name}": none for name in ("entropy_from_logits_with_chunking", "entropy_from_logits_chunk_size")}
+        out = {
+            f"{path}.{name}": none for name in ("entropy_from_logits_with_chunking", "entropy_from_logits_chunk_size")
+        }
         out[f"{path}.entropy_checkpointing"] = none
         if root.trainer.device != "cuda":
             out[f"{path}.use_torch_compile"] = "torch.compile is applied on CUDA only"
@@ -264,7 +269,9 @@ class SFTTrainerSection(Section):
     max_ckpt_to_keep: Optional[int] = key(None, "keep the newest N checkpoints; null: all")
     balance_batch: bool = verl_only(True, "turning off the balancing of rows across ranks (always on here)")
     resume_mode: str = key("auto", "auto | disable | resume_path", choices=("auto", "disable", "resume_path"))
-    resume_from_path: Optional[str] = key(None, "checkpoint folder (global_step_N) to resume from (auto: before the latest)")
+    resume_from_path: Optional[str] = key(
+        None, "checkpoint folder (global_step_N) to resume from (auto: before the latest)"
+    )
     device: str = key("cuda", "cuda | cpu", choices=("cuda", "cpu"))
     nnodes: int = key(1, "nodes (launch with torchrun; checked against its world size)")
     n_gpus_per_node: int = key(1, "processes per node (checked against torchrun's world size)")
@@ -309,4 +316,6 @@ def _unknown_key_message(full_key: str) -> str:
     known = [path for path, value, _ in walk(SFTTrainerConfig()) if not isinstance(value, Section)]
     close = difflib.get_close_matches(full_key, known, n=3, cutoff=0.6)
     hint = f" Did you mean {' or '.join(close)}?" if close else ""
-    return f"unknown SFT config key {full_key!r}: neither verl 0.9.1's sft_trainer_engine.yaml nor rlframe has it.{hint}"
+    return (
+        f"unknown SFT config key {full_key!r}: neither verl 0.9.1's sft_trainer_engine.yaml nor rlframe has it." + hint
+    )

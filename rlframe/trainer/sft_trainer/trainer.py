@@ -321,4 +321,3 @@ def run_sft(config: SFTTrainerConfig) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
     """The command line: verl's `key=value` overrides of sft_trainer_engine.yaml."""
     run_sft(sft_config(sys.argv[1:] if argv is None else argv))
-
