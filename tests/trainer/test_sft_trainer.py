@@ -168,6 +168,17 @@ def test_bad_sft_keys_are_refused_by_name(override, message):
         sft_config([override])
 
 
+def test_every_sft_key_is_in_docs_sft_md():
+    from pathlib import Path
+
+    from rlframe.config.schema import Section, walk
+    from rlframe.trainer.sft_trainer.config import SFTTrainerConfig
+
+    doc = (Path(__file__).parents[2] / "docs" / "sft.md").read_text()
+    keys = [path for path, value, _ in walk(SFTTrainerConfig()) if not isinstance(value, Section)]
+    assert [key for key in keys if f"| `{key}` |" not in doc] == []
+
+
 def test_ulysses_needs_remove_padding():
     with pytest.raises(ValueError, match="ulysses_sequence_parallel_size=2 needs model.use_remove_padding=true"):
         sft_config(["engine.ulysses_sequence_parallel_size=2", "model.use_remove_padding=false"])
