@@ -3,7 +3,7 @@
 An SFT row is laid out as the actor lays out a trajectory (`sft_batch`): the prompt is the row's tokens before its
 first trained token, the response is the rest, and `response_mask` is the loss mask over the response (zeros where
 a user or tool turn sits between two assistant turns). The forward (padded or packed, Ulysses), the micro-batching
-(static or dynamic) and the optimizer step are `PPOUpdater`'s; only the loss is SFT's:
+(static or dynamic) and the optimizer step are `PPOUpdater`'s; only the loss is SFT's (`rlframe.algorithms.sft`):
 
     loss = -Σ log p(trained tokens) / N,   N = the trained tokens of the whole step, summed over the DP ranks,
 
@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from rlframe.algorithms.sft import sft_loss
 from rlframe.distributed.parallel_dims import ParallelDims
 from rlframe.workers.batching import GlobalCounts, response_mask_of
 from rlframe.workers.model_forward import ScoringSpec, forward_micro_batch, layout_for
@@ -103,6 +104,5 @@ class SFTLearner(PPOUpdater):
 
     def _loss(self, micro: TensorDict, counts: GlobalCounts, ctx) -> tuple[torch.Tensor, dict]:
         """The micro-batch's share of the step's mean NLL over trained tokens (see the module doc)."""
-        log_probs = self._forward(micro)["log_probs"]
-        loss = -(log_probs * response_mask_of(micro)).sum() / counts.num_tokens.clamp(min=1)
+        loss = sft_loss(self._forward(micro)["log_probs"], response_mask_of(micro), counts.num_tokens)
         return loss, {"loss": loss.detach()}
