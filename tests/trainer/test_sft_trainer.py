@@ -87,19 +87,26 @@ def test_sft_learns_and_writes_a_checkpoint_ppo_starts_from(data, tmp_path, cach
 
 
 @pytest.mark.slow
-def test_sft_resumes_from_its_latest_checkpoint(data, tmp_path, cache_dir):
+def test_sft_resumed_from_its_latest_checkpoint_trains_as_a_straight_run(data, tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     first = run_sft(base_overrides(data, run_dir) + ["trainer.total_training_steps=2"], cache_dir)
     assert first.returncode == 0, first.stderr[-3000:]
     second = run_sft(base_overrides(data, run_dir) + ["trainer.total_training_steps=4"], cache_dir)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert [row["step"] for row in metrics_of(run_dir)] == [1, 2, 3, 4]
+    resumed = metrics_of(run_dir)
+    assert [row["step"] for row in resumed] == [1, 2, 3, 4]
     assert sorted(os.listdir(run_dir)) == [
         "global_step_2",
         "global_step_4",
         "latest_checkpointed_iteration.txt",
         "metrics.jsonl",
     ]
+    straight = run_sft(base_overrides(data, tmp_path / "straight") + ["trainer.total_training_steps=4"], cache_dir)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    for after_resume, without in zip(resumed[2:], metrics_of(tmp_path / "straight")[2:], strict=True):
+        for name in ("train/loss", "train/grad_norm", "train/lr", "val/loss"):
+            if name in without:
+                assert after_resume[name] == without[name], name  # bit for bit: optimizer, schedule, data order
 
 
 @pytest.mark.slow
