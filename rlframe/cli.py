@@ -12,8 +12,10 @@ USAGE = """usage: rlframe COMMAND [ARGS ...]
 
 commands:
   train KEY=VALUE ...        train (same as python -m rlframe.trainer.main_ppo KEY=VALUE ...)
-  sft KEY=VALUE ...          supervised fine-tuning with verl's SFT keys (same as
-                             python -m rlframe.trainer.sft_trainer KEY=VALUE ...; torchrun for several devices)
+  sft [--explain] KEY=VALUE ...
+                             supervised fine-tuning with verl's SFT keys (same as
+                             python -m rlframe.trainer.sft_trainer KEY=VALUE ...; torchrun for several devices);
+                             --explain prints the batch plan and the keys without effect, and starts nothing
   explain KEY=VALUE ...      print the batch plan of a config, its keys in effect and ignored, and
                              with --lengths uniform|bimodal|FILE a balancing/micro-batching simulation
   make-tiny-model OUT_DIR    write a tiny random-init model and tokenizer (no downloads)

@@ -196,3 +196,28 @@ def test_a_batch_larger_than_the_data_is_refused_before_training(data, tmp_path,
     result = run_sft(base_overrides(data, tmp_path / "run") + ["data.train_batch_size=64"], cache_dir)
     assert result.returncode != 0
     assert "data.train_batch_size=64 is more than the 48 training rows" in result.stderr
+
+
+def test_explain_prints_the_plan_and_starts_nothing(capsys):
+    from rlframe.cli import main
+
+    assert main(["sft", "--explain", "trainer.n_gpus_per_node=8", "engine.ulysses_sequence_parallel_size=2"]) == 0
+    out = capsys.readouterr().out
+    assert "world 8 = dp 4 × ulysses sp 2" in out
+    assert "rows per step 256 (data.train_batch_size) → 64 per DP rank" in out
+    assert "micro-batches of at most 16384 tokens" in out
+    assert "data.micro_batch_size_per_gpu: data.use_dynamic_bsz=true cuts by max_token_len_per_gpu" in out
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.n_gpus_per_node=8", "data.train_batch_size=6"], "data.train_batch_size=6 must be a multiple of"),
+        (["trainer.n_gpus_per_node=6", "engine.ulysses_sequence_parallel_size=4"], "must divide the world size 6"),
+    ],
+)
+def test_a_plan_that_does_not_divide_is_refused_before_work(overrides, message):
+    from rlframe.trainer.sft_trainer.plan import SFTPlan
+
+    with pytest.raises(ValueError, match=message):
+        SFTPlan.of(sft_config(overrides))

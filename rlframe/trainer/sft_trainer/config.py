@@ -3,7 +3,8 @@
 Every key of verl's SFT config is declared here with verl's default. A key rlframe implements is read by the SFT
 trainer (`rlframe.trainer.sft_trainer`); a key it does not implement is declared with `verl_only`: verl's default is
 taken (the same run), any other value is refused before work starts, naming the key, the value and why. A key that
-runs but has no effect here is reported by `inactive` (`python -m rlframe.trainer.sft_trainer --explain`). A key
+runs but has no effect here is reported by `inactive` (printed at the start of a run, and by
+`python -m rlframe.trainer.sft_trainer --explain`). A key
 verl does not have either is a typo: the typed schema refuses it with the closest keys.
 """
 

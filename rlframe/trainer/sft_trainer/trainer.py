@@ -23,13 +23,13 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from rlframe.config.schema import inactive_keys
 from rlframe.data.sft_dataset import SFTDataset
 from rlframe.distributed.parallel_dims import ParallelDims
 from rlframe.models.builtin import resolve_model_path
 from rlframe.seqpack import MicroBatchSpec, get_seqlen_balanced_partitions
 from rlframe.trainer.checkpointing import LATEST
 from rlframe.trainer.sft_trainer.config import SFTTrainerConfig, sft_config
+from rlframe.trainer.sft_trainer.plan import SFTPlan, explain
 from rlframe.trainer.tracking import Tracking
 from rlframe.utils.safe_files import remove_under
 from rlframe.workers import checkpoint as ckpt
@@ -76,21 +76,14 @@ class SFTTrainer:
         self.config = config
         data, model, engine, trainer = config.data, config.model, config.engine, config.trainer
         self.device_type = trainer.device
+        self.plan = SFTPlan.of(config)
         world = dist.get_world_size()
-        if trainer.nnodes * trainer.n_gpus_per_node != world:
+        if self.plan.world_size != world:
             raise ValueError(
                 f"trainer.nnodes={trainer.nnodes} × trainer.n_gpus_per_node={trainer.n_gpus_per_node} must equal "
                 f"the launched world size {world} (torchrun --nnodes/--nproc-per-node)"
             )
-        sp = engine.ulysses_sequence_parallel_size
-        if world % sp:
-            raise ValueError(f"engine.ulysses_sequence_parallel_size={sp} must divide the world size {world}")
-        self.dims = ParallelDims.build(self.device_type, world, sp, engine.fsdp_size)
-        if data.train_batch_size % self.dims.dp_size:
-            raise ValueError(
-                f"data.train_batch_size={data.train_batch_size} must be a multiple of the DP size "
-                f"{self.dims.dp_size} (world {world} / ulysses_sequence_parallel_size {sp})"
-            )
+        self.dims = ParallelDims.build(self.device_type, world, self.plan.sp_size, engine.fsdp_size)
         self.model_path = resolve_model_path(os.path.expanduser(model.path))
         self.tokenizer = AutoTokenizer.from_pretrained(
             model.tokenizer_path or self.model_path, trust_remote_code=model.trust_remote_code
@@ -157,16 +150,15 @@ class SFTTrainer:
         return SFTLearner(RoleModel(module, options, optimizer, scheduler), self.config, self._batching(), self.dims)
 
     def _batching(self) -> Batching:
-        data, sp = self.config.data, self.dims.sp_size
+        plan = self.plan
         cut = MicroBatchSpec(
-            use_dynamic_bsz=data.use_dynamic_bsz,
-            micro_batch_size=None if data.use_dynamic_bsz else data.micro_batch_size_per_gpu,
-            max_token_len=data.max_token_len_per_gpu * sp if data.use_dynamic_bsz else None,
-            packing_algorithm="kk" if data.use_dynamic_bsz else None,
+            use_dynamic_bsz=plan.use_dynamic_bsz,
+            micro_batch_size=plan.micro_batch_size,
+            max_token_len=plan.max_token_len,
+            packing_algorithm="kk" if plan.use_dynamic_bsz else None,
             token_len_key="data.max_token_len_per_gpu",
         )
-        rows_per_dp = data.train_batch_size // self.dims.dp_size
-        return Batching(mini_batch_size=rows_per_dp, ppo_epochs=1, update=cut, forward=cut)
+        return Batching(mini_batch_size=plan.rows_per_dp, ppo_epochs=1, update=cut, forward=cut)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
@@ -182,8 +174,7 @@ class SFTTrainer:
                 trainer.default_local_dir,
                 dataclasses.asdict(self.config),
             )
-            for name, reason in inactive_keys(self.config).items():
-                print(f"[rlframe sft] {name} has no effect: {reason}")
+            print("\n".join(f"[rlframe sft] {line}" for line in explain(self.config).splitlines()))
         metrics: dict[str, float] = {}
         for step in range(start + 1, self.total_steps + 1):
             batch, num_tokens = self._step_batch(step)
@@ -319,5 +310,9 @@ def run_sft(config: SFTTrainerConfig) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The command line: verl's `key=value` overrides of sft_trainer_engine.yaml."""
-    run_sft(sft_config(sys.argv[1:] if argv is None else argv))
+    """The command line: verl's `key=value` overrides of sft_trainer_engine.yaml; `--explain` prints the plan only."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--explain" in argv:
+        print(explain(sft_config([arg for arg in argv if arg != "--explain"])))
+        return
+    run_sft(sft_config(argv))
