@@ -40,16 +40,16 @@ def make_rows(vocab_size: int, num_rows: int = 8, seed: int = 0) -> list[dict]:
     return rows
 
 
-def reference(model_path: str, rows: list[dict]) -> dict:
+def reference(model_path: str, rows: list[dict], dtype: torch.dtype = torch.float32) -> dict:
     """The mean NLL over trained tokens and its gradient, row by row through a plain HF model."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     total = sum(int(row["loss_mask"][1:].sum()) for row in rows)
     loss = torch.zeros((), dtype=torch.float64)
     for row in rows:
         ids = row["input_ids"]
-        log_probs = torch.log_softmax(model(ids[None]).logits[0, :-1].float(), dim=-1)
+        log_probs = torch.log_softmax(model(ids[None]).logits[0, :-1], dim=-1)
         token_log_probs = log_probs.gather(-1, ids[1:, None])[:, 0]
         loss = loss - (token_log_probs * row["loss_mask"][1:]).sum() / total
     loss.backward()
@@ -65,12 +65,14 @@ def run_learner(
 ) -> dict:
     """One rank's SFT step on its DP share of `rows`: {"loss", "val_loss" (before the step), "grads"}.
 
-    `knobs`: use_remove_padding, use_dynamic_bsz, micro_batch_size, max_token_len (per GPU, × sp).
+    `knobs`: use_remove_padding, use_dynamic_bsz, micro_batch_size, max_token_len (per GPU, × sp), and optionally
+    dtype (float64 tells rounding from math on a deep model, docs/models.md).
     """
     dims = dims or ParallelDims.single()
-    model = load_hf_model(ModelSpec(model_path, "actor", torch.float32, knobs["use_remove_padding"]))
+    dtype = knobs.get("dtype", torch.float32)
+    model = load_hf_model(ModelSpec(model_path, "actor", dtype, knobs["use_remove_padding"]))
     if dims.fsdp_mesh is not None:
-        spec = FSDPSpec("fsdp2", torch.float32, torch.float32, param_offload=False, reshard_after_forward=True)
+        spec = FSDPSpec("fsdp2", dtype, dtype, param_offload=False, reshard_after_forward=True)
         model = wrap_fsdp(model, spec, dims.fsdp_mesh, "cpu")
     optimizer = RecordingSGD(model, keep=not dist.is_initialized() or dist.get_rank() == 0)
     per_dp = len(rows) // dims.dp_size
