@@ -91,12 +91,14 @@ def test_sft_resumed_from_its_latest_checkpoint_trains_as_a_straight_run(data, t
     run_dir = tmp_path / "run"
     first = run_sft(base_overrides(data, run_dir) + ["trainer.total_training_steps=2"], cache_dir)
     assert first.returncode == 0, first.stderr[-3000:]
-    second = run_sft(base_overrides(data, run_dir) + ["trainer.total_training_steps=4"], cache_dir)
+    with open(run_dir / "metrics.jsonl", "a") as f:  # a step an interrupted run logged after its last checkpoint
+        f.write(json.dumps({"step": 3, "train/loss": 0.0}) + "\n")
+    keep_one = ["trainer.total_training_steps=4", "trainer.max_ckpt_to_keep=1"]
+    second = run_sft(base_overrides(data, run_dir) + keep_one, cache_dir)
     assert second.returncode == 0, second.stderr[-3000:]
     resumed = metrics_of(run_dir)
     assert [row["step"] for row in resumed] == [1, 2, 3, 4]
     assert sorted(os.listdir(run_dir)) == [
-        "global_step_2",
         "global_step_4",
         "latest_checkpointed_iteration.txt",
         "metrics.jsonl",

@@ -174,6 +174,7 @@ class SFTTrainer:
                 trainer.default_local_dir,
                 dataclasses.asdict(self.config),
             )
+            tracking.drop_steps_after(start)  # a resumed run logs the steps after its checkpoint again
             print("\n".join(f"[rlframe sft] {line}" for line in explain(self.config).splitlines()))
         metrics: dict[str, float] = {}
         for step in range(start + 1, self.total_steps + 1):
