@@ -216,6 +216,7 @@ def test_explain_prints_the_plan_and_starts_nothing(capsys):
     [
         (["trainer.n_gpus_per_node=8", "data.train_batch_size=6"], "data.train_batch_size=6 must be a multiple of"),
         (["trainer.n_gpus_per_node=6", "engine.ulysses_sequence_parallel_size=4"], "must divide the world size 6"),
+        (["model.lora_rank=4", "engine.strategy=fsdp"], "set engine.strategy=fsdp2, or launch two or more ranks"),
     ],
 )
 def test_a_plan_that_does_not_divide_is_refused_before_work(overrides, message):

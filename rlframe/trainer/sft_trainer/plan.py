@@ -37,6 +37,12 @@ class SFTPlan:
                 f"engine.ulysses_sequence_parallel_size={sp} must divide the world size {world} "
                 f"(trainer.nnodes={trainer.nnodes} × trainer.n_gpus_per_node={trainer.n_gpus_per_node})"
             )
+        if config.model.lora_rank > 0 and config.engine.strategy == "fsdp" and world == 1:
+            # FSDP1 on one rank runs NO_SHARD, whose state-dict hook fails on PEFT's names when a checkpoint is saved
+            raise ValueError(
+                f"model.lora_rank={config.model.lora_rank} with engine.strategy=fsdp on one process cannot save its "
+                "checkpoint (FSDP1's NO_SHARD state dict); set engine.strategy=fsdp2, or launch two or more ranks"
+            )
         dp = world // sp
         if data.train_batch_size % dp:
             raise ValueError(

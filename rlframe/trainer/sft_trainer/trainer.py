@@ -121,12 +121,6 @@ class SFTTrainer:
         )
         model = load_hf_model(spec)
         lora_spec = lora.LoraSpec.from_config(model_cfg)
-        if lora_spec is not None and engine.strategy == "fsdp" and dist.get_world_size() == 1:
-            # FSDP1 on one rank runs NO_SHARD, whose state-dict hook fails on PEFT's names when a checkpoint is saved
-            raise ValueError(
-                f"model.lora_rank={model_cfg.lora_rank} with engine.strategy=fsdp on one process cannot save its "
-                "checkpoint (FSDP1's NO_SHARD state dict); set engine.strategy=fsdp2, or launch two or more ranks"
-            )
         if lora_spec is not None:
             model = lora.apply_lora(model, lora_spec)
         compute = resolve_dtype(engine.dtype if self.device_type == "cuda" else "fp32", self.device_type)
