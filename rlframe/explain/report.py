@@ -67,7 +67,13 @@ def explain(
         if model
         else f"model     {model_path}: no config.json here, head checks skipped"
     )
-    parts = [_rule("batch plan"), model_line, attention_line(resolved), *vision_lines(model_path, cfg), format_plan(plan)]
+    parts = [
+        _rule("batch plan"),
+        model_line,
+        attention_line(resolved),
+        *vision_lines(model_path, cfg),
+        format_plan(plan),
+    ]
     agents = format_agents(cfg, plan)
     if agents:
         parts += [_rule("agent loop"), agents]

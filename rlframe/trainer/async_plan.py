@@ -1,10 +1,10 @@
 """What `trainer.v1.trainer_mode=separate_async` runs on and holds: the two pools, η and L, the batches in flight.
 
-`make_async_plan` computes, before Ray starts, what `AsyncRayPPOTrainer` will do with a config: the training and
-rollout pools, the staleness bound η and the lookahead L (`staleness_bound`, `lookahead`: the numbers the trainer
-runs with), the sequences that can be in flight and the bytes of their rollout tensors, the weight copy each
-push puts in Ray's object store, and which objective the update optimizes on stale samples. `rlframe explain`
-prints it (docs/async.md shows an example).
+`make_async_plan` computes, before Ray starts, what the asynchronous rollout stage (`PooledSource`) will do with a
+config: the training and rollout pools, the staleness bound η and the lookahead L (`staleness_bound`, `lookahead`:
+the numbers the trainer runs with), the sequences that can be in flight and the bytes of their rollout tensors, the
+weight copy each push puts in Ray's object store, and which objective the update optimizes on stale samples.
+`rlframe explain` prints it (docs/async.md shows an example).
 """
 
 from __future__ import annotations

@@ -207,7 +207,7 @@ def train_with_restarts(run: PreparedRun, verbose: bool = False) -> dict:
         groups = trainer = None
         try:  # a worker lost while the groups start (building its models) restarts like one lost later
             groups = create_worker_groups(cfg, run.plan, run.schedule_steps, verbose=verbose, node_wait_s=node_wait_s)
-            trainer = trainer_class(cfg)(run, groups)
+            trainer = RayPPOTrainer(run, groups)
             trainer.num_restarts = restart
             if resume_from is not None:  # else: as trainer.resume_mode says, like the first attempt
                 trainer.checkpointer.restart_from(resume_from)
@@ -232,13 +232,6 @@ def train_with_restarts(run: PreparedRun, verbose: bool = False) -> dict:
             if groups is not None:
                 groups.shutdown()
     raise AssertionError("unreachable: the last attempt returns or raises")
-
-
-def trainer_class(cfg: DictConfig) -> type[RayPPOTrainer]:
-    """The trainer of trainer.v1.trainer_mode: sync's loop, or separate_async's (`async_trainer`)."""
-    from rlframe.trainer.async_trainer import AsyncRayPPOTrainer
-
-    return AsyncRayPPOTrainer if cfg.trainer.v1.trainer_mode == "separate_async" else RayPPOTrainer
 
 
 def lost_worker(error: BaseException) -> WorkerGroupError | None:

@@ -1,8 +1,9 @@
 """RayPPOTrainer: the driver's training loop, one short named step after another.
 
-`fit` reads top to bottom: repeat prompts n times → generate → balance across DP ranks → reward →
-old log-probs → reference → values → advantages → critic update → actor update → validate →
-checkpoint → log. Heavy work runs on the worker groups; the driver only does O(batch) math.
+`fit` reads top to bottom: the rollout stage's next scored batch (`rollout_stage.py`: generate and reward, on the
+training processes' engine or on a rollout pool) → balance across DP ranks → old log-probs → reference → values →
+advantages → critic update → actor update → the source's turn (a pool's weight push) → validate → checkpoint →
+log. Heavy work runs on the worker groups; the driver only does O(batch) math.
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +22,6 @@ from rlframe.algorithms.advantage import (
     ALGORITHM_KEYS,
     OTB_ESTIMATORS,
     compute_advantage,
-    gdpo_component_scores,
     gdpo_metrics,
 )
 from rlframe.algorithms.config import RolloutCorrection, pf_ppo_applies
@@ -35,12 +33,10 @@ from rlframe.algorithms.update_mode import UpdateMode, update_mode
 from rlframe.batch_plan import BatchPlan
 from rlframe.config.checks import resolve_device
 from rlframe.config.secrets import Secrets
-from rlframe.models.vision import MULTIMODAL_KEYS
 from rlframe.protocol import DataProto
-from rlframe.reward.manager import drop_failed_samples, extra_info_metrics, group_index
+from rlframe.reward.manager import group_index
 from rlframe.seqpack import balance_dp_partitions, packing_metrics
 from rlframe.trainer.checkpointing import TrainerCheckpointer
-from rlframe.trainer.dynamic_sampling import DynamicSampler
 from rlframe.trainer.metrics import (
     compute_data_metrics,
     compute_throughput_metrics,
@@ -50,26 +46,16 @@ from rlframe.trainer.metrics import (
 from rlframe.trainer.pending_prompts import STATE_KEY as PENDING_KEY
 from rlframe.trainer.pending_prompts import PendingPrompts, plain_rows
 from rlframe.trainer.profiling import StepProfiler
+from rlframe.trainer.rollout_stage import BatchSource, ColocatedSource, Scorer, generate, timer
 from rlframe.trainer.tracking import ProgressBar, Tracking
 from rlframe.utils.faults import KillPoints
 from rlframe.utils.flops import device_peak_tflops, train_flops
-from rlframe.workers.rollout.config import uses_tool_agent
-from rlframe.workers.rollout.multi_turn import AGENT_INPUT_KEYS, check_agent_rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from rlframe.reward.manager import RewardManager
     from rlframe.trainer.launch import WorkerGroups
-
-PROMPT_KEYS = ["input_ids", "attention_mask", "position_ids"]
-
-
-@contextmanager
-def timer(name: str, timings: dict):
-    start = time.perf_counter()
-    yield
-    timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
 
 
 @dataclass(frozen=True)
@@ -134,11 +120,10 @@ class RayPPOTrainer:
         config, plan = run.cfg, run.plan
         self.config, self.plan, self.tokenizer = config, plan, run.tokenizer
         self.train_dataloader, self.val_dataloader = run.train_loader, run.val_loader
-        self.reward_fn, self.val_reward_fn = run.reward_fn, run.val_reward_fn
+        self.val_reward_fn = run.val_reward_fn
         self.secrets = run.secrets
         self.actor_rollout_wg = groups.actor_rollout
         self.critic_wg = groups.critic
-        self.reward_model_wg = groups.reward_model
         self.step_profiler = StepProfiler(config.global_profiler, [self.actor_rollout_wg, self.critic_wg])
         self.use_critic = plan.critic is not None
         self.use_reference = plan.ref is not None
@@ -153,12 +138,9 @@ class RayPPOTrainer:
             algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon
         )
         self.checkpointer = TrainerCheckpointer(config.trainer, run.kill_points)
-        self.sampler = None  # DAPO's dynamic sampling: collects informative groups over generation rounds
-        if plan.filter_groups:
-            metric = algo.filter_groups.metric
-            self.sampler = DynamicSampler(plan.train_batch_size, plan.n, plan.max_num_gen_batches, metric)
-        self._pending = None  # (metrics, timings, start) of a step whose generation rounds are under way
         self.pending = PendingPrompts()  # prompts handed out by the loader and not trained yet (a checkpoint's)
+        self.scorer = Scorer(config, run.reward_fn, groups.reward_model)
+        self.source = self._batch_source(groups)
         self.global_step = 0
         self.num_restarts = 0  # workers recreated before this attempt (main_ppo.train_with_restarts)
         self.flops_info, self.peak_tflops = None, None
@@ -168,38 +150,34 @@ class RayPPOTrainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict:
-        """Train until total_training_steps; returns the last step's metrics."""
+        """Train until total_training_steps (or the data's end); returns the last step's metrics."""
         progress, validation = self._start()
         if validation is not None:  # trainer.val_only: the validation was the run
             return validation
+        self.source.start(self.global_step)
         last_metrics: dict = {}
-        passes = 0
         while self.global_step < self.total_training_steps:
-            for batch in self.pending.batches(self.train_dataloader, self.train_dataloader.batch_size):
-                self.step_profiler.begin(self.global_step + 1)  # the step this batch generates for
-                rolled_out = self._rollout_step(batch)
-                if rolled_out is None:  # dynamic sampling: the training batch is not full yet
-                    continue
-                self.global_step += 1
-                last_metrics = self._train_step(*rolled_out)
-                is_last = self.global_step >= self.total_training_steps
-                self._end_step(last_metrics, progress, is_last)
-                if is_last:
-                    break
-            passes += 1
-            # dynamic sampling spends several loader batches per step: the data's epochs end the run first
-            if self.sampler is not None and passes >= self.config.trainer.total_epochs:
-                if self.sampler.num_gen_batches:
-                    print(
-                        f"[rlframe] dynamic sampling: the data ran out after {self.sampler.num_gen_batches} more "
-                        f"generation rounds with {self.sampler.num_prompts} of data.train_batch_size="
-                        f"{self.plan.train_batch_size} prompts kept; that partial batch is not trained on",
-                        flush=True,
-                    )
+            self.step_profiler.begin(self.global_step + 1)  # the step the next batch is for
+            ready = self.source.next_batch(self.global_step + 1)
+            if ready is None:  # the data ran out first (dynamic sampling spends several loader batches a step)
                 break
+            self.global_step += 1
+            last_metrics = self._train_step(ready.batch, ready.metrics, ready.timings, ready.start)
+            self.source.after_update(self.global_step, last_metrics)
+            self._end_step(last_metrics, progress, self.global_step >= self.total_training_steps)
+        self.source.close()
         progress.close()
         self.tracker.finish()
         return last_metrics
+
+    def _batch_source(self, groups: WorkerGroups) -> BatchSource:
+        """The rollout stage of this trainer mode: the training processes' engine, or a rollout pool of its own."""
+        args = (self.config, self.plan, self.train_dataloader, self.pending)
+        if self.config.trainer.v1.trainer_mode == "separate_async":
+            from rlframe.trainer.pooled_source import PooledSource
+
+            return PooledSource(*args, groups, self.scorer, self.total_training_steps)
+        return ColocatedSource(*args, groups.actor_rollout, self.scorer)
 
     def _start(self) -> tuple[ProgressBar, dict | None]:
         """Open the trackers, resume, validate before training: (the progress bar, the validation if val_only)."""
@@ -261,34 +239,6 @@ class RayPPOTrainer:
             self.tracker.log(metrics, step=self.global_step)
         self.step_profiler.end(self.global_step, is_last)
         progress.update(metrics)
-
-    def _rollout_step(self, batch: DataProto) -> tuple | None:
-        """Generate and score one loader batch; (batch, metrics, timings, start) once a training batch is ready.
-
-        Without dynamic sampling every loader batch is a training batch. With it, the informative
-        groups of successive rounds are collected until train_batch_size prompts (see DynamicSampler).
-        """
-        if self._pending is None:
-            self._pending = ({}, {}, time.perf_counter())
-        metrics, timings, step_start = self._pending
-        batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
-        if self.config.algorithm.adv_estimator == "remax":
-            with timer("gen_max", timings):
-                batch.batch["reward_baselines"] = self._remax_baselines(batch)
-        batch = batch.repeat(self.plan.n, interleave=True)
-        with timer("gen", timings):
-            batch, gen_metrics = self._generate(batch, validate=False)
-            metrics.update(gen_metrics)
-        with timer("reward", timings):
-            extra_info = self._compute_reward(batch, metrics)
-        if self.sampler is not None:
-            with timer("filter_groups", timings):
-                if not self.sampler.add(batch, extra_info):
-                    return None
-                batch, sampling_metrics = self.sampler.take()
-            metrics.update(sampling_metrics)
-        self._pending = None
-        return batch, metrics, timings, step_start
 
     def _train_step(self, batch: DataProto, metrics: dict, timings: dict, step_start: float) -> dict:
         if self.plan.balance_batch:
@@ -361,7 +311,7 @@ class RayPPOTrainer:
         return flops / (seconds * self.num_devices * self.peak_tflops * 1e12)
 
     def _driver_state(self) -> dict:
-        pending = plain_rows(list(self.pending.rows))
+        pending = plain_rows(self.source.untrained_prompts())
         return {"global_step": self.global_step, "kl_coef": self.kl_ctrl.value, PENDING_KEY: pending}
 
     def _restore_driver_state(self, state: dict) -> None:
@@ -369,33 +319,6 @@ class RayPPOTrainer:
         self.pending.restore(state)  # an asynchronous run's untrained prompts come first
 
     # ------------------------------------------------------------------ the steps
-    def _generate(self, batch: DataProto, **meta_info) -> tuple[DataProto, dict]:
-        """Send the batch's prompts to the rollout; merge the responses back. Returns (batch, metrics)."""
-        batch, gen_batch = self._generation_inputs(batch, **meta_info)
-        return self._merge_generated(batch, self.actor_rollout_wg.generate_sequences(gen_batch))  # dispatch pads
-
-    def _generation_inputs(self, batch: DataProto, **meta_info) -> tuple[DataProto, DataProto]:
-        """(the batch without its prompts, what the rollout receives: the prompts and an agent's inputs)."""
-        gen_batch = batch.pop(batch_keys=PROMPT_KEYS)
-        check_agent_rows(batch.non_tensor_batch.get("agent_name"), self.config.actor_rollout_ref.rollout)
-        if uses_tool_agent(self.config.actor_rollout_ref.rollout):  # the agent reads the chat and tool arguments
-            gen_batch.non_tensor_batch = {k: v for k, v in batch.non_tensor_batch.items() if k in AGENT_INPUT_KEYS}
-        # a vision-language model's images: the engine reads them, and the batch keeps them for training
-        gen_batch.non_tensor_batch.update({k: v for k, v in batch.non_tensor_batch.items() if k in MULTIMODAL_KEYS})
-        gen_batch.meta_info = meta_info
-        return batch, gen_batch
-
-    @staticmethod
-    def _merge_generated(batch: DataProto, output: DataProto) -> tuple[DataProto, dict]:
-        metrics = reduce_metrics(output.meta_info.pop("metrics", {}))
-        output.meta_info = {}
-        return batch.union(output), metrics
-
-    def _remax_baselines(self, prompts: DataProto) -> torch.Tensor:
-        """ReMax: the score of one greedy response per prompt, the baseline of that prompt's samples."""
-        greedy, _ = self._generate(prompts.select(deepcopy=True), validate=False, do_sample=False)
-        return self.reward_fn(greedy, return_dict=True)["reward_tensor"].sum(-1)
-
     def _balance_batch(self, batch: DataProto, metrics: dict) -> None:
         """Reorder so each DP rank's share of the step costs about the same (Karmarkar–Karp, equal sizes).
 
@@ -428,27 +351,6 @@ class RayPPOTrainer:
                 for name in ("imbalance_ratio", "std", "cv", "max_over_mean")
             }
         )
-
-    def _compute_reward(self, batch: DataProto, metrics: dict) -> dict:
-        """Rule-based scores; with a reward model enabled, its scores are the reward (as in verl).
-
-        Returns the reward manager's per-sample extra info (lists by name).
-        """
-        result = self.reward_fn(batch, return_dict=True)
-        batch.batch["token_level_scores"] = result["reward_tensor"]
-        if self.reward_model_wg is not None:
-            rm_scores = self.reward_model_wg.compute_rm_score(batch).batch["rm_scores"]
-            batch.batch["token_level_scores"] = rm_scores
-            metrics["reward/rule_score/mean"] = float(result["reward_tensor"].sum(-1).mean())
-        elif result["dropped"].any():  # custom_reward_function.on_scorer_error=drop
-            drop_failed_samples(batch, result["dropped"])
-        metrics.update(result.get("metrics", {}))
-        extra_info = result.get("reward_extra_info", {})
-        metrics.update(extra_info_metrics(extra_info))
-        if self.config.algorithm.adv_estimator == "gdpo":  # the components travel with their samples
-            keys = self.config.algorithm.gdpo_reward_keys
-            batch.batch["gdpo_scores"] = gdpo_component_scores(extra_info, keys, len(batch))
-        return extra_info
 
     def _dump_rollouts(self, batch: DataProto, folder: str) -> None:
         """One jsonl file per step: prompt, response, score and uid of every sample."""
@@ -566,7 +468,8 @@ class RayPPOTrainer:
         scores: dict[str, list[float]] = {}
         n = self.config.actor_rollout_ref.rollout.val_kwargs.n
         for batch_dict in self.val_dataloader:
-            batch, _ = self._generate(DataProto.from_single_dict(batch_dict).repeat(n, interleave=True), validate=True)
+            batch = DataProto.from_single_dict(batch_dict).repeat(n, interleave=True)
+            batch, _ = generate(self.actor_rollout_wg, batch, self.config.actor_rollout_ref.rollout, validate=True)
             result = self.val_reward_fn(batch, return_dict=True)
             sources = batch.non_tensor_batch[self.config.data.reward_fn_key]
             for source, score, dropped in zip(sources, result["reward_tensor"].sum(-1).tolist(), result["dropped"]):

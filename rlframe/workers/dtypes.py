@@ -1,5 +1,4 @@
-"""Dtype names as the config spells them (`param_dtype: bf16`, `auto`) and the torch dtype each resolves to.
-"""
+"""Dtype names as the config spells them (`param_dtype: bf16`, `auto`) and the torch dtype each resolves to."""
 
 from __future__ import annotations
 

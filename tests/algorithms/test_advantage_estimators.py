@@ -404,6 +404,7 @@ def test_trainer_gives_gdpo_the_scorers_components_and_logs_them():
     from rlframe.protocol import DataProto
     from rlframe.trainer.config import compose
     from rlframe.trainer.ray_trainer import RayPPOTrainer
+    from rlframe.trainer.rollout_stage import Scorer
 
     mask, index, scores, _ = gdpo_batch(0)
     keys = ["format_reward", "accuracy_reward"]
@@ -411,9 +412,8 @@ def test_trainer_gives_gdpo_the_scorers_components_and_logs_them():
     batch = DataProto.from_dict({"response_mask": mask}, non_tensors={"uid": index})
     extra = {"score": [0.0] * len(index), **{key: scores[:, k].tolist() for k, key in enumerate(keys)}}
     result = {"reward_tensor": torch.zeros_like(mask), "dropped": torch.zeros(len(index), dtype=torch.bool)}
-    trainer = SimpleNamespace(config=config, use_critic=False, reward_model_wg=None)
-    trainer.reward_fn = lambda b, return_dict: {**result, "reward_extra_info": extra}
-    RayPPOTrainer._compute_reward(trainer, batch, {})
+    trainer = SimpleNamespace(config=config, use_critic=False)
+    Scorer(config, lambda b, return_dict: {**result, "reward_extra_info": extra}, None).score(batch, {})
     metrics = {}
     RayPPOTrainer._compute_advantage(trainer, batch, metrics)
     prompt = torch.zeros(len(index), 1, dtype=torch.long)
@@ -428,6 +428,6 @@ def test_trainer_gives_gdpo_the_scorers_components_and_logs_them():
     torch.testing.assert_close(batch.batch["advantages"], verl_adv)
     assert metrics["gdpo/accuracy_reward/max"] == pytest.approx(float(scores[:, 1].max()))
     assert metrics["gdpo/format_reward/std"] == pytest.approx(float(np.std(scores[:, 0].numpy())))
-    trainer.reward_fn = lambda b, return_dict: {**result, "reward_extra_info": {"score": extra["score"]}}
+    scorer = Scorer(config, lambda b, return_dict: {**result, "reward_extra_info": {"score": extra["score"]}}, None)
     with pytest.raises(ValueError, match="gdpo_reward_keys names 'format_reward', which the reward function did not"):
-        RayPPOTrainer._compute_reward(trainer, batch, {})
+        scorer.score(batch, {})

@@ -53,12 +53,13 @@ def ray_cluster(tmp_path_factory):
 def train_in_process(overrides: list[str]) -> tuple[list[dict], dict[str, torch.Tensor]]:
     """(the run's logged metrics, the actor's final parameters by HF name)."""
     from rlframe.trainer.launch import create_worker_groups
-    from rlframe.trainer.main_ppo import prepare, trainer_class
+    from rlframe.trainer.main_ppo import prepare
+    from rlframe.trainer.ray_trainer import RayPPOTrainer
 
     run = prepare(overrides)
     groups = create_worker_groups(run.cfg, run.plan, run.schedule_steps)
     try:
-        trainer_class(run.cfg)(run, groups).fit()
+        RayPPOTrainer(run, groups).fit()
         weights = groups.actor_rollout.export_weights()
     finally:
         groups.shutdown()

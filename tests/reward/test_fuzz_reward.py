@@ -252,15 +252,12 @@ def test_dapo_reads_an_acc_that_is_not_a_number_as_missing(tokenizer, acc):
 
 
 def trainer_reward_step(reward_fn, *overrides):
-    """The trainer's reward step (`RayPPOTrainer._compute_reward`) on a batch of 4 responses, without workers."""
-    from types import SimpleNamespace
-
+    """The rollout stage's reward step (`Scorer.score`) on a batch of 4 responses, without workers."""
     from rlframe.trainer.config import compose
-    from rlframe.trainer.ray_trainer import RayPPOTrainer
+    from rlframe.trainer.rollout_stage import Scorer
 
-    trainer = SimpleNamespace(config=compose(list(overrides)), reward_model_wg=None, reward_fn=reward_fn)
     batch, metrics = batch_of(reward_fn.tokenizer, 4), {}
-    RayPPOTrainer._compute_reward(trainer, batch, metrics)
+    Scorer(compose(list(overrides)), reward_fn, None).score(batch, metrics)
     return batch, metrics
 
 

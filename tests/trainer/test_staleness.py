@@ -1,6 +1,6 @@
 """The staleness core (rlframe/trainer/staleness.py) under a simulated rollout pool with random generation times.
 
-A discrete-event simulator drives `GroupLedger` the way `AsyncRayPPOTrainer` does: chunks of groups go to the
+A discrete-event simulator drives `GroupLedger` the way `PooledSource` does: chunks of groups go to the
 replica free soonest, each replica runs its chunks in order and a chunk takes a heavy-tailed random time, a step
 starts when the ledger says `Take` and publishes a new version when it ends. After every event it checks the bound:
 no admission past (L + 1) · B groups in flight, no trained group older than η; and what each strategy promises about

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from rlframe.config.keys import ROLLOUT
 from rlframe.protocol import DataProto, all_gather_data_proto
+from rlframe.workers.rollout import hf_rollout, sglang_rollout, vllm_rollout
 from rlframe.workers.rollout.agent_loop import AgentLoopRollout
 from rlframe.workers.rollout.base import (
     BaseRollout,
@@ -25,7 +26,6 @@ from rlframe.workers.rollout.base import (
     response_metrics,
     seeded,
 )
-from rlframe.workers.rollout import hf_rollout, sglang_rollout, vllm_rollout
 from rlframe.workers.rollout.config import RolloutConfig, uses_tool_agent
 from rlframe.workers.rollout.multi_turn import build_multi_turn
 from rlframe.workers.rollout.registry import engine_for, register

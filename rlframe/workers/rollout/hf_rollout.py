@@ -19,10 +19,10 @@ import torch
 from rlframe.models.vision import causal_lm_class, generation_image_inputs
 from rlframe.protocol import DataProto
 from rlframe.workers.rollout.base import BaseRollout, ServedModel, position_seed
+from rlframe.workers.rollout.sampling import SamplingParams
 from rlframe.workers.rollout.spec import Capabilities, EngineSpec
 from rlframe.workers.rollout.tp import apply_tensor_parallel, load_full_tensors, tp_mesh_from_group
 from rlframe.workers.rollout.vllm_rollout import VLLM_ONLY_KEYS
-from rlframe.workers.rollout.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from rlframe.workers.rollout.config import RolloutConfig

@@ -41,9 +41,9 @@ from rlframe.models.vision import MULTIMODAL_KEYS, images_of, mrope_position_ids
 from rlframe.protocol import DataProto
 from rlframe.workers.rollout.base import BaseRollout, Rollout, check_prompts
 from rlframe.workers.rollout.config import uses_tool_agent
+from rlframe.workers.rollout.sampling import SamplingParams
 from rlframe.workers.rollout.tool_text import AddedTokens, encode_pieces, split_rendering
 from rlframe.workers.rollout.tools import ToolCallResult, ToolRunner
-from rlframe.workers.rollout.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 KEY = "actor_rollout_ref.rollout.multi_turn"

@@ -1,9 +1,9 @@
 """The rollout engines, keyed like verl's `(name, mode)`: `register` one, `engine_for` the one a config names.
 
-The built-in engines are registered by the package (`rollout/__init__.py`, one line each), so they are known as
-soon as any rollout module is imported; an engine is one module exporting an `EngineSpec` (`spec.py`) and one
-`register` line (docs/rollout.md, "Adding an engine"). This module imports no engine, so the config can ask it. The config's choices for
-`actor_rollout_ref.rollout.name` are the registered names.
+The built-in engines are registered by the package (`rollout/__init__.py`, one line each), so they are known as soon
+as any rollout module is imported; an engine is one module exporting an `EngineSpec` (`spec.py`) and one `register`
+line (docs/rollout.md, "Adding an engine"). This module imports no engine, so the config can ask it. The config's
+choices for `actor_rollout_ref.rollout.name` are the registered names.
 """
 
 from __future__ import annotations
@@ -50,4 +50,3 @@ def engine_for(name: str, mode: str = "async") -> EngineSpec:
         modes = [known_mode for known, known_mode in _ENGINES if known == name]
         raise ValueError(f"{ROLLOUT}.name={name} runs under {ROLLOUT}.mode {' or '.join(modes)}, not {mode!r}")
     return _ENGINES[(name, mode)]
-

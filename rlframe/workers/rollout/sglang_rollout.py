@@ -52,10 +52,10 @@ from rlframe.config.keys import ROLLOUT
 from rlframe.protocol import DataProto
 from rlframe.workers.rollout.base import BaseRollout, ServedModel, position_seed
 from rlframe.workers.rollout.engine_args import engine_passthrough, model_max_position_embeddings, resolve_max_model_len
+from rlframe.workers.rollout.sampling import SamplingParams
 from rlframe.workers.rollout.spec import Capabilities, EngineSpec, check_owned_args
 from rlframe.workers.rollout.tp import group_rank_and_size
 from rlframe.workers.rollout.vllm_rollout import preserved_rng_state
-from rlframe.workers.rollout.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from rlframe.workers.rollout.config import RolloutConfig

@@ -69,6 +69,7 @@ from rlframe.workers.rollout.engine_args import (
     resolve_max_model_len,
 )
 from rlframe.workers.rollout.engine_memory import check_engine_memory
+from rlframe.workers.rollout.sampling import SamplingParams
 from rlframe.workers.rollout.spec import Capabilities, EngineSpec, check_owned_args
 from rlframe.workers.rollout.vllm_cpu import (
     CPU_INSTALL_HINT,
@@ -82,7 +83,6 @@ from rlframe.workers.rollout.vllm_cpu import (
     worker_tied_aliases,
 )
 from rlframe.workers.rollout.vllm_server import NO_TOKENS, VLLMServer, completions_to_tensors, engine_prompt
-from rlframe.workers.rollout.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from rlframe.workers.rollout.config import RolloutConfig

@@ -1,14 +1,14 @@
-"""AsyncRayPPOTrainer: `trainer.v1.trainer_mode=separate_async`, streaming groups through a rollout pool of its own.
+"""PooledSource: `trainer.v1.trainer_mode=separate_async`, streaming groups through a rollout pool of its own.
 
 The rollout pool (`WorkerGroups.rollout`, `RolloutWorker`s) generates while the training pool trains. The driver
 admits prompt groups as the staleness core allows (`GroupLedger`: AReaL's rule, at most (L + 1) · B groups
 generating or finished-but-untrained, L = min(num_warmup_batches, η), η = max_off_policy_threshold - 1) and sends
 them in chunks of ⌈B / replicas⌉ groups to the replica with the fewest calls queued. A step starts when the ledger
 says `Take`: the B finished groups with the oldest admission version. Finished groups older than η are evicted
-(`drop`, or `regenerate` their prompts) and `wait` holds the step for older running groups instead. The step runs
-the sync trainer's own `_train_step`, then exports the actor's weights and queues them on every replica as version
-`global_step`; Ray runs an actor's calls in submission order, so a generation already queued finishes with the
-weights it started with and the next one starts with the new ones.
+(`drop`, or `regenerate` their prompts) and `wait` holds the step for older running groups instead. The trainer's
+loop trains the step as any other (`rollout_stage.py`), then the source exports the actor's weights and queues them
+on every replica as version `global_step`; Ray runs an actor's calls in submission order, so a generation already
+queued finishes with the weights it started with and the next one starts with the new ones.
 
 With `actor_rollout_ref.rollout.partial_rollout` (the default), a push first announces the new version on a
 `VersionBoard`: the generations running on older weights stop at their next decoding step, and the rows they cut
@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import math
 import time
-import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,14 +33,18 @@ import torch
 from rlframe.protocol import DataProto
 from rlframe.trainer.config import lookahead, staleness_bound
 from rlframe.trainer.metrics import compute_staleness_metrics, reduce_metrics
-from rlframe.trainer.pending_prompts import STATE_KEY as PENDING_KEY
-from rlframe.trainer.pending_prompts import plain_rows
-from rlframe.trainer.ray_trainer import PreparedRun, RayPPOTrainer, timer
+from rlframe.trainer.pending_prompts import PendingPrompts
+from rlframe.trainer.rollout_stage import BatchSource, Scorer, StepBatch, assign_uids, generation_inputs, timer
 from rlframe.trainer.staleness import Evict, GroupLedger, Take
 from rlframe.workers.rollout.base import SEED_KEY
 from rlframe.workers.rollout.partial import INTERRUPTED_KEY, VERSIONS_KEY
 
 if TYPE_CHECKING:  # Ray is imported only when the groups are created
+    from collections.abc import Iterator
+
+    from omegaconf import DictConfig
+
+    from rlframe.batch_plan import BatchPlan
     from rlframe.single_controller.ray import PendingCall, RayWorkerGroup
     from rlframe.trainer.launch import WorkerGroups
 
@@ -59,17 +61,27 @@ class Chunk:
     meta_info: dict  # the call's sampling settings, which a continuation of its rows keeps
 
 
-class AsyncRayPPOTrainer(RayPPOTrainer):
+class PooledSource(BatchSource):
     """separate_async: generation of the next groups on the rollout pool overlaps the training of this step."""
 
-    def __init__(self, run: PreparedRun, groups: WorkerGroups):
-        super().__init__(run, groups)
+    def __init__(
+        self,
+        config: DictConfig,
+        plan: BatchPlan,
+        loader,
+        pending: PendingPrompts,
+        groups: WorkerGroups,
+        scorer: Scorer,
+        total_steps: int,
+    ):
         if groups.rollout is None:
             raise ValueError("trainer.v1.trainer_mode=separate_async needs the rollout pool's worker group")
-        self.rollout_wg = groups.rollout
+        self.rollout_cfg, self.plan, self.loader, self.pending = config.actor_rollout_ref.rollout, plan, loader, pending
+        self.scorer, self.total_steps = scorer, total_steps
+        self.actor_wg, self.rollout_wg = groups.actor_rollout, groups.rollout
         self.replicas: list[RayWorkerGroup] = groups.rollout.rank_views()  # TP 1: one replica per process
-        v1 = self.config.trainer.v1
-        batch_groups = self.plan.train_batch_size
+        v1 = config.trainer.v1
+        batch_groups = plan.train_batch_size
         self.ledger = GroupLedger(batch_groups, staleness_bound(v1), lookahead(v1), v1.sampler.max_off_policy_strategy)
         self.groups_per_call = math.ceil(batch_groups / len(self.replicas))
         self.published_version = 0  # the weights the rollout pool generates with once its queued calls have run
@@ -78,8 +90,10 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
         self._rows: dict[int, DataProto] = {}  # group id -> its n generated rows, once finished
         self._samples: dict[int, dict[int, DataProto]] = {}  # group id -> its rows finished so far, by sample index
         self._chunks: list[Chunk] = []
+        self._take: list[int] = []  # the groups the step under way trains
+        self._batches: Iterator[DataProto] | None = None
         self._board = None  # partial rollout: where a push announces its version first (a VersionBoard actor)
-        if self.config.actor_rollout_ref.rollout.partial_rollout:
+        if self.rollout_cfg.partial_rollout:
             import ray
 
             from rlframe.workers.rollout_worker import VersionBoard
@@ -91,64 +105,59 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
         self._evicted = {"groups": 0, "spans": [], "tokens": 0}  # since the last step's metrics
         self._rollout_idle_s = 0.0  # reported by the generate calls returned since the last step's metrics
 
-    def fit(self) -> dict:
-        """Train until total_training_steps; returns the last step's metrics."""
-        progress, validation = self._start()
-        if validation is not None:
-            return validation
-        if self.global_step > 0:  # resumed: the rollout pool starts from the checkpoint's weights
-            self._push_weights()
-        loader = self._loader_batches()
-        last_metrics: dict = {}
-        while self.global_step < self.total_training_steps:
-            self.step_profiler.begin(self.global_step + 1)
-            metrics, timings, start = {}, {}, time.perf_counter()
-            with timer("gen", timings):  # verl's meaning here: how long training waited for the samples
-                take = self._wait_for_batch(loader)
-            if take is None:  # only an empty pass over the loader leaves nothing to admit and nothing generating
-                raise RuntimeError(
-                    f"separate_async: the training loader gave no batch in a whole pass (step {self.global_step} of "
-                    f"{self.total_training_steps}); data.train_files holds fewer than data.train_batch_size="
-                    f"{self.plan.train_batch_size} prompts?"
-                )
-            self.global_step += 1
-            batch = DataProto.concat([self._rows.pop(gid) for gid in take])
-            metrics.update(self._step_async_metrics(batch, take))
-            with timer("reward", timings):
-                self._compute_reward(batch, metrics)
-            last_metrics = self._train_step(batch, metrics, timings, start)
-            self.ledger.remove(take)
-            for gid in take:
-                self._prompt_of.pop(gid)
-            with timer("update_weights", timings):
-                self._push_weights()
-            last_metrics["timing_s/update_weights"] = timings["update_weights"]
-            self._admit(loader)  # before validation: the rollout pool generates while it runs
-            is_last = self.global_step >= self.total_training_steps
-            self._end_step(last_metrics, progress, is_last)
+    def start(self, step: int) -> None:
+        if step > 0:  # resumed: the rollout pool starts from the checkpoint's weights
+            self._push_weights(step)
+        self._batches = self._loader_batches()
+
+    def next_batch(self, step: int) -> StepBatch | None:
+        ready = StepBatch(DataProto())
+        with timer("gen", ready.timings):  # verl's meaning here: how long training waited for the samples
+            take = self._wait_for_batch(step)
+        if take is None:  # only an empty pass over the loader leaves nothing to admit and nothing generating
+            raise RuntimeError(
+                f"separate_async: the training loader gave no batch in a whole pass (step {step - 1} of "
+                f"{self.total_steps}); data.train_files holds fewer than data.train_batch_size="
+                f"{self.plan.train_batch_size} prompts?"
+            )
+        self._take = take
+        ready.batch = DataProto.concat([self._rows.pop(gid) for gid in take])
+        ready.metrics.update(self._step_async_metrics(ready.batch, take, step))
+        with timer("reward", ready.timings):
+            self.scorer.score(ready.batch, ready.metrics)
+        return ready
+
+    def after_update(self, step: int, metrics: dict) -> None:
+        """The step's groups are trained: push the new weights, then admit (the pool generates during validation)."""
+        self.ledger.remove(self._take)
+        for gid in self._take:
+            self._prompt_of.pop(gid)
+        self._take = []
+        start = time.perf_counter()
+        self._push_weights(step)
+        metrics["timing_s/update_weights"] = time.perf_counter() - start
+        self._admit(step)
+
+    def close(self) -> None:
         if self._push is not None:
             self._push.result()
-        progress.close()
-        self.tracker.finish()
-        return last_metrics
 
     def _loader_batches(self) -> Iterator[DataProto]:
         """The loader's batches, pass after pass while steps remain (as the sync loop reads it; a resumed run
         continues the pass it was in)."""
         while True:
             empty = True
-            for batch_dict in self.train_dataloader:
+            for batch_dict in self.loader:
                 empty = False
                 yield DataProto.from_single_dict(batch_dict)
             if empty:
                 return
 
-    def _wait_for_batch(self, loader: Iterator[DataProto]) -> list[int] | None:
+    def _wait_for_batch(self, step: int) -> list[int] | None:
         """Admit, evict and collect generations until the ledger gives the next step's groups (None: the loader
         is empty)."""
-        step = self.global_step + 1
         while True:
-            self._admit(loader)
+            self._admit(step - 1)
             decision = self.ledger.decide(step)
             if isinstance(decision, Take):
                 return decision.groups
@@ -159,19 +168,21 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
             else:  # nothing generating, nothing left to admit
                 return None
 
-    def _admit(self, loader: Iterator[DataProto]) -> None:
+    def _admit(self, trained_steps: int) -> None:
         """Start as many groups as the ledger has room for and the remaining steps need, a chunk per call."""
-        steps_left = self.total_training_steps - self.global_step
+        steps_left = self.total_steps - trained_steps
         while True:
             wanted = min(self.ledger.room(), steps_left * self.plan.train_batch_size - self.ledger.in_flight)
-            prompts = self._next_prompts(loader, min(wanted, self.groups_per_call))
+            prompts = self._next_prompts(min(wanted, self.groups_per_call))
             if not prompts:
                 return
             gids = [self.ledger.admit(self.published_version) for _ in prompts]
             self._prompt_of.update(zip(gids, prompts))
             batch = DataProto.concat(prompts)
-            batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))], dtype=object)
-            batch, gen_batch = self._generation_inputs(batch.repeat(self.plan.n, interleave=True), validate=False)
+            assign_uids(batch)
+            batch, gen_batch = generation_inputs(
+                batch.repeat(self.plan.n, interleave=True), self.rollout_cfg, validate=False
+            )
             slots = [(gid, j) for gid in gids for j in range(self.plan.n)]
             self._submit("generate_sequences", gen_batch, batch, slots)
 
@@ -181,11 +192,11 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
         call = self.replicas[replica].submit(method, rollout_rows)
         self._chunks.append(Chunk(call, replica, batch, slots, dict(rollout_rows.meta_info)))
 
-    def _next_prompts(self, loader: Iterator[DataProto], count: int) -> list[DataProto]:
+    def _next_prompts(self, count: int) -> list[DataProto]:
         """Up to `count` prompts: the waiting ones first (regenerated, or restored from a checkpoint), then the
         loader's, a whole loader batch taken into the queue at a time."""
         while len(self.pending.rows) < count:
-            batch = next(loader, None)
+            batch = next(self._batches, None)
             if batch is None:
                 break
             self.pending.rows.extend(batch.split(1))
@@ -245,17 +256,15 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
         if self.ledger.strategy == "regenerate":
             self.pending.rows.extendleft(reversed(prompts))
 
-    def _step_async_metrics(self, batch: DataProto, take: list[int]) -> dict:
+    def _step_async_metrics(self, batch: DataProto, take: list[int], step: int) -> dict:
         """The step's staleness (checked against η), evictions, occupancy and rollout metrics; the versions
         leave the batch, which then is the sync loop's."""
         versions = batch.pop(batch_keys=[VERSIONS_KEY]).batch[VERSIONS_KEY]
         admitted = torch.tensor([self.ledger.finished[gid] for gid in take]).repeat_interleave(self.plan.n)
-        metrics = compute_staleness_metrics(versions, admitted, self.global_step)
+        metrics = compute_staleness_metrics(versions, admitted, step)
         worst = metrics["training/off_policy/trajectory_staleness_worst/max"]  # from each sample's oldest token
         if worst > self.ledger.max_staleness:
-            raise AssertionError(
-                f"step {self.global_step} trains tokens of staleness {worst:g} > η={self.ledger.max_staleness}"
-            )
+            raise AssertionError(f"step {step} trains tokens of staleness {worst:g} > η={self.ledger.max_staleness}")
         metrics.update(reduce_metrics(_merged(self._gen_metrics)))
         self._gen_metrics.clear()
         evicted = self._evicted
@@ -275,24 +284,22 @@ class AsyncRayPPOTrainer(RayPPOTrainer):
         self._interrupted = 0
         return metrics
 
-    def _driver_state(self) -> dict:
-        """The sync loop's state plus every prompt not trained yet, oldest first: the groups generating or finished
-        (their responses are not saved: a resumed run generates them again, at its own version) and the prompts
-        waiting for room. The loader's own state is past all of them."""
-        untrained = [self._prompt_of[gid] for gid in sorted(self._prompt_of)] + list(self.pending.rows)
-        return {**super()._driver_state(), PENDING_KEY: plain_rows(untrained)}
+    def untrained_prompts(self) -> list[DataProto]:
+        """The groups generating or finished (their responses are not saved: a resumed run generates them again, at
+        its own version), then the prompts waiting for room. The loader's own state is past all of them."""
+        return [self._prompt_of[gid] for gid in sorted(self._prompt_of)] + list(self.pending.rows)
 
-    def _push_weights(self) -> None:
-        """Queue the actor's weights on the rollout pool as version global_step (after the calls queued there). With
+    def _push_weights(self, step: int) -> None:
+        """Queue the actor's weights on the rollout pool as version `step` (after the calls queued there). With
         partial rollout the version is announced first, and the calls submitted before it are collected after."""
         if self._push is not None:  # the previous push ran before the generation this step trained on
             self._push.result()
-        weights = self.actor_rollout_wg.export_weights()
+        weights = self.actor_wg.export_weights()
         if self._board is not None:  # running generations stop now; what they cut continues on these weights
-            self._board.announce.remote(self.global_step)
-        self._push = self.rollout_wg.submit("load_weights", self.global_step, weights)
-        self.published_version = self.global_step
-        if self._board is not None and self.global_step < self.total_training_steps:
+            self._board.announce.remote(step)
+        self._push = self.rollout_wg.submit("load_weights", step, weights)
+        self.published_version = step
+        if self._board is not None and step < self.total_steps:
             # every call queued before the weights returns at its next decoding step (or at once, not started), so
             # the cut rows are sent again now: their continuations run first on the new weights, before any group
             # admitted after this push, which would otherwise overtake them and leave them to go stale
