@@ -224,3 +224,50 @@ def test_a_plan_that_does_not_divide_is_refused_before_work(overrides, message):
 
     with pytest.raises(ValueError, match=message):
         SFTPlan.of(sft_config(overrides))
+
+
+def _verl_sft_defaults() -> dict:
+    """{dotted key: default} of verl 0.9.1's sft_trainer_engine.yaml with its model, engine and optim groups."""
+    import yaml
+    from helpers.verl_reference import verl_source
+
+    source = verl_source()
+    if not source:
+        pytest.skip("verl 0.9.1's source is not available (set RLFRAME_VERL_SRC)")
+    root = os.path.join(source, "verl", "trainer", "config")
+
+    def flat(node: dict, prefix: str) -> dict:
+        out = {}
+        for name, value in node.items():
+            if name in ("_target_", "defaults"):
+                continue
+            path = f"{prefix}.{name}" if prefix else name
+            out.update(flat(value, path) if isinstance(value, dict) and value else {path: value})
+        return out
+
+    with open(os.path.join(root, "sft_trainer_engine.yaml")) as f:
+        keys = flat(yaml.safe_load(f), "")
+    for group in ("model/hf_model", "engine/fsdp", "optim/fsdp", "profiler/profiler"):
+        with open(os.path.join(root, f"{group}.yaml")) as f:
+            keys.update(flat(yaml.safe_load(f) or {}, group.split("/")[0]))
+    return keys
+
+
+def test_every_verl_sft_key_is_declared_with_verls_default():
+    from omegaconf import OmegaConf
+
+    from rlframe.config.schema import Section, walk
+    from rlframe.trainer.sft_trainer.config import SFTTrainerConfig
+
+    verl = _verl_sft_defaults()
+    ours = {path: value for path, value, _ in walk(SFTTrainerConfig()) if not isinstance(value, Section)}
+    whole_dicts = [path for path, value in ours.items() if isinstance(value, dict)]  # declared as one key
+    assert [k for k in verl if k not in ours and not any(k.startswith(d + ".") for d in whole_dicts)] == []
+    assert [k for k in ours if k not in verl and not any(v.startswith(k + ".") for v in verl)] == []
+    resolved = OmegaConf.to_container(OmegaConf.structured(SFTTrainerConfig), resolve=True)
+    documented = {"data.enable_thinking_default"}  # verl's YAML says `none`, a string (docs/sft.md)
+    for path, default in verl.items():
+        if path in ours and path not in documented and not isinstance(ours[path], dict):
+            value = OmegaConf.select(OmegaConf.create(resolved), path)
+            expected = float(default) if isinstance(value, float) else default  # PyYAML reads 1e-3 as a string
+            assert value == expected or "${" in str(default), path
