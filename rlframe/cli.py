@@ -1,4 +1,4 @@
-"""The `rlframe` command: `train`, `explain`, `make-tiny-model`, `prepare-model`, `plot`, `report`, `compare`.
+"""The `rlframe` command: `train`, `sft`, `explain`, `make-tiny-model`, `prepare-model`, `plot`, `report`, `compare`.
 
 Each subcommand forwards its arguments to the module that owns it, imported only when used, so
 `rlframe explain` never imports Ray or torch's distributed stack.
@@ -12,6 +12,10 @@ USAGE = """usage: rlframe COMMAND [ARGS ...]
 
 commands:
   train KEY=VALUE ...        train (same as python -m rlframe.trainer.main_ppo KEY=VALUE ...)
+  sft [--explain] KEY=VALUE ...
+                             supervised fine-tuning with verl's SFT keys (same as
+                             python -m rlframe.trainer.sft_trainer KEY=VALUE ...; torchrun for several devices);
+                             --explain prints the batch plan and the keys without effect, and starts nothing
   explain KEY=VALUE ...      print the batch plan of a config, its keys in effect and ignored, and
                              with --lengths uniform|bimodal|FILE a balancing/micro-batching simulation
   make-tiny-model OUT_DIR    write a tiny random-init model and tokenizer (no downloads)
@@ -32,6 +36,13 @@ def _train(args: list[str]) -> int:
     from rlframe.trainer import main_ppo
 
     main_ppo.main(args)
+    return 0
+
+
+def _sft(args: list[str]) -> int:
+    from rlframe.trainer.sft_trainer.trainer import main as sft_main
+
+    sft_main(args)
     return 0
 
 
@@ -80,7 +91,7 @@ def _merge(args: list[str]) -> int:
 
 COMMANDS = {"train": _train, "explain": _explain, "make-tiny-model": _make_tiny_model, "prepare-model": _prepare_model}
 COMMANDS.update({"plot": _plot, "report": _report, "compare": _compare})
-COMMANDS["merge"] = _merge
+COMMANDS.update({"merge": _merge, "sft": _sft})
 
 
 def main(argv: list[str] | None = None) -> int:
