@@ -154,7 +154,7 @@ class ChatTemplateTurns:
         self._check_exact(probe + [{"role": "tool", "content": _PROBE_TOOL_TEXT}])
         rendered = self._render_text(probe, add_generation_prompt=False)
         after = rendered[rendered.rindex(_PROBE_ASSISTANT_TEXT) + len(_PROBE_ASSISTANT_TEXT) :]
-        closing = self.encode(after)  # e.g. ChatML: <|im_end|> "\n"
+        self.closing = closing = self.encode(after)  # e.g. ChatML: <|im_end|> "\n"
         # generation stops at an EOS; the rest of the template's closing is context added after it
         self.closing_rest = closing[1:] if closing and closing[0] in eos_ids else closing
 
