@@ -55,6 +55,7 @@ from rlframe.utils.faults import KillPoints
 from rlframe.utils.flops import device_peak_tflops, train_flops
 from rlframe.workers.rollout.config import uses_tool_agent
 from rlframe.workers.rollout.multi_turn import AGENT_INPUT_KEYS, check_agent_rows
+from rlframe.workers.rollout.openai_agent import SAMPLE_KEYS as OPENAI_SAMPLE_KEYS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -378,8 +379,12 @@ class RayPPOTrainer:
         """(the batch without its prompts, what the rollout receives: the prompts and an agent's inputs)."""
         gen_batch = batch.pop(batch_keys=PROMPT_KEYS)
         check_agent_rows(batch.non_tensor_batch.get("agent_name"), self.config.actor_rollout_ref.rollout)
-        if uses_tool_agent(self.config.actor_rollout_ref.rollout):  # the agent reads the chat and tool arguments
+        rollout = self.config.actor_rollout_ref.rollout
+        if uses_tool_agent(rollout):  # the agent reads the chat and tool arguments
             gen_batch.non_tensor_batch = {k: v for k, v in batch.non_tensor_batch.items() if k in AGENT_INPUT_KEYS}
+        if rollout.agent.default_agent_loop == "openai_agent":  # the user's agent gets the row's sample
+            keys = (*OPENAI_SAMPLE_KEYS, "agent_name")
+            gen_batch.non_tensor_batch = {k: v for k, v in batch.non_tensor_batch.items() if k in keys}
         # a vision-language model's images: the engine reads them, and the batch keeps them for training
         gen_batch.non_tensor_batch.update({k: v for k, v in batch.non_tensor_batch.items() if k in MULTIMODAL_KEYS})
         gen_batch.meta_info = meta_info

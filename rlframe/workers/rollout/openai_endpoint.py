@@ -130,6 +130,7 @@ class OpenAIEndpoint:
         self.chat_template_kwargs = chat_template_kwargs
         self.policy_version = 0  # recorded with every sampled turn; the trainer sets it when weights change
         self.episodes: dict[str, Episode] = {}
+        self._records = threading.Lock()  # an episode closes between requests, never while one is recorded
         self._turns: dict[str, ChatTemplateTurns] = {}  # by the tools' JSON
         self._request_index = itertools.count()
         self._server = None
@@ -160,8 +161,9 @@ class OpenAIEndpoint:
         return episode, f"http://{self.host}:{self.port}/sessions/{episode.token}/v1"
 
     def close_episode(self, episode: Episode) -> Episode:
-        """Stop serving the episode's session; its record is returned."""
-        return self.episodes.pop(episode.token)
+        """Stop serving the episode's session (a request still running is answered 404); its record is returned."""
+        with self._records:
+            return self.episodes.pop(episode.token)
 
     # ------------------------------------------------------------------ the HTTP application
     def app(self):
@@ -275,19 +277,38 @@ class OpenAIEndpoint:
             episode, trajectory.prompt_ids + trajectory.response_ids + context, max_tokens, body.n, stops
         )
         call_prefix = secrets.token_hex(4)
-        for index, (ids, log_probs, text, reason) in enumerate(samples):
-            target = trajectory if index == 0 else copy.deepcopy(before)
-            reply = assistant_message(text, f"{call_prefix}{index}")
-            if "tool_calls" in reply and reason == "stop" and ids[-1] in self.eos_ids:
-                reason = "tool_calls"
-            ended = bool(ids) and ids[-1] in self.eos_ids
-            record_turn(episode, target, context, messages, (ids, log_probs, ended), reply, self.policy_version)
-            choice = {"index": index, "message": reply, "finish_reason": reason, "logprobs": None}
-            if body.logprobs:
-                choice["logprobs"] = {"content": self._token_logprobs(ids, log_probs)}
-            choices.append(choice)
+        with self._records:
+            self._episode(episode.token)  # still open
+            for index, sample in enumerate(samples):
+                choices.append(
+                    self._chat_choice(
+                        episode,
+                        index,
+                        sample,
+                        (trajectory, before, context),
+                        messages,
+                        f"{call_prefix}{index}",
+                        body.logprobs,
+                    )
+                )
         prompt_tokens = len(before.prompt_ids) + len(before.response_ids) + len(context)
         return self._response("chat.completion", choices, prompt_tokens, samples)
+
+    def _chat_choice(self, episode, index, sample, where, messages, call_id, logprobs: bool) -> dict:
+        """Record choice `index` and answer it; other choices (and a concurrent request's) branch from `before`."""
+        ids, log_probs, text, reason = sample
+        trajectory, before, context = where
+        untouched = trajectory.messages == before.messages  # no concurrent request extended it meanwhile
+        target = trajectory if index == 0 and untouched else copy.deepcopy(before)
+        reply = assistant_message(text, call_id)
+        if "tool_calls" in reply and reason == "stop" and ids[-1] in self.eos_ids:
+            reason = "tool_calls"
+        ended = bool(ids) and ids[-1] in self.eos_ids
+        record_turn(episode, target, context, messages, (ids, log_probs, ended), reply, self.policy_version)
+        choice = {"index": index, "message": reply, "finish_reason": reason, "logprobs": None}
+        if logprobs:
+            choice["logprobs"] = {"content": self._token_logprobs(ids, log_probs)}
+        return choice
 
     def _template_turns(self, tools: list[dict] | None) -> ChatTemplateTurns:
         key = json.dumps(tools, sort_keys=True)
@@ -320,7 +341,10 @@ class OpenAIEndpoint:
             reply = {"role": "assistant", "content": text}
             ended = bool(ids) and ids[-1] in self.eos_ids
             prompt_message = {"role": "completion_prompt", "content": body.prompt}
-            record_turn(episode, trajectory, [], [prompt_message], (ids, log_probs, ended), reply, self.policy_version)
+            with self._records:
+                self._episode(episode.token)  # still open
+                turn = (ids, log_probs, ended)
+                record_turn(episode, trajectory, [], [prompt_message], turn, reply, self.policy_version)
             choice = {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
             if body.logprobs is not None:
                 entries = self._token_logprobs(ids, log_probs)
