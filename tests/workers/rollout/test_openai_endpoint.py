@@ -20,6 +20,7 @@ import torch
 from helpers.rollout import load_tokenizer, rollout_config
 
 from rlframe.workers.rollout import build_rollout
+from rlframe.workers.rollout.episodes import Episode
 from rlframe.workers.rollout.openai_endpoint import EpisodeBudget, OpenAIEndpoint
 from rlframe.workers.rollout.server import BatchingServer
 
@@ -132,16 +133,10 @@ def test_chat_completion_is_recorded_token_for_token(engine):
     assert answer.usage.completion_tokens == len(sampled)
     assert [entry.logprob for entry in choice.logprobs.content] == trajectory.log_probs
     # exactly what the engine samples after the rendered prompt with the request's seed
-    expected = engine_sample(engine, trajectory.prompt_ids, _first_seed(7), 12)
+    expected = engine_sample(engine, trajectory.prompt_ids, Episode("", 7).request_seed(0), 12)
     assert expected.tokens == sampled
     torch.testing.assert_close(torch.tensor(expected.log_probs), torch.tensor(trajectory.log_probs))
     assert trajectory.policy_versions == [0]
-
-
-def _first_seed(episode_seed: int) -> int:
-    from rlframe.workers.rollout.episodes import Episode
-
-    return Episode("", episode_seed).request_seed(0)
 
 
 def test_streaming_models_and_completions(engine):
@@ -305,7 +300,7 @@ def test_32_concurrent_sessions_sample_like_one_at_a_time(engine):
     assert max(server._batch_sizes) > 1  # batched together
     for seed, (record, _) in enumerate(opened):
         [trajectory] = record.trajectories
-        expected = engine_sample(engine, trajectory.prompt_ids, _first_seed(seed), 6)
+        expected = engine_sample(engine, trajectory.prompt_ids, Episode("", seed).request_seed(0), 6)
         assert expected.tokens == trajectory.response_ids
 
 
@@ -313,3 +308,57 @@ def test_the_endpoint_listens_on_loopback_only_by_default(engine):
     with serving(engine, 0) as (_, endpoint):
         sockets = endpoint._server.servers[0].sockets
         assert all(s.getsockname()[0] == "127.0.0.1" for s in sockets)
+
+
+# ------------------------------------------------------------------------------------------ token-exactness
+@pytest.fixture(params=["tiny", "smollm2"])
+def model_path(request):
+    return request.getfixturevalue("tiny_model_path" if request.param == "tiny" else "smollm2_path")
+
+
+@pytest.mark.slow
+def test_a_two_turn_trajectory_trains_the_sampled_tokens_with_the_actors_log_probs(model_path):
+    """The recorded trajectory holds the engine's samples, masked exactly; a plain forward of the same weights (the
+    actor's computation) gives the rollout's log-probs on them, up to fp32 noise."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = rollout_config(
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "actor_rollout_ref.rollout.mode=sync",
+        "data.max_prompt_length=256",
+        "data.max_response_length=160",
+    )
+    engine = build_rollout("hf", cfg, model_path, load_tokenizer(model_path), "cpu")
+    engine.test_tokenizer = load_tokenizer(model_path)
+    with serving(engine, 1) as (server, endpoint), episode(server, endpoint, seed=3) as (record, base_url):
+
+        async def run():
+            async with client(base_url) as api:
+                messages = [{"role": "user", "content": "Name a colour."}]
+                first = await api.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
+                messages += [
+                    first.choices[0].message.model_dump(exclude_none=True),
+                    {"role": "user", "content": "Another?"},
+                ]
+                await api.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
+
+        asyncio.run(run())
+    [trajectory] = record.trajectories
+    mask = trajectory.response_mask
+    runs = [k for k, previous in zip(mask, [None] + mask) if k != previous]
+    assert runs == [1, 0, 1]
+    # each turn is what the engine samples after exactly the context before it
+    second = mask.index(1, mask.index(0))
+    for start, end, number in ((0, mask.index(0), 0), (second, len(mask), 1)):
+        context = trajectory.prompt_ids + trajectory.response_ids[:start]
+        seed = Episode("", 3, num_requests=number).request_seed(0)
+        expected = engine_sample(engine, context, seed, 8)
+        assert expected.tokens == trajectory.response_ids[start:end]
+    # the actor's log-probs of the trained tokens equal the rollout's
+    actor = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+    ids = torch.tensor([trajectory.prompt_ids + trajectory.response_ids])
+    with torch.no_grad():
+        logits = actor(ids).logits[0, len(trajectory.prompt_ids) - 1 : -1]
+    actor_log_probs = torch.log_softmax(logits, -1).gather(1, ids[0, len(trajectory.prompt_ids) :, None])[:, 0]
+    trained = torch.tensor(mask).bool()
+    torch.testing.assert_close(actor_log_probs[trained], torch.tensor(trajectory.log_probs)[trained], atol=2e-4, rtol=0)
