@@ -278,7 +278,8 @@ class RayPPOTrainer:
                 batch.batch["reward_baselines"] = self._remax_baselines(batch)
         batch = batch.repeat(self.plan.n, interleave=True)
         with timer("gen", timings):
-            batch, gen_metrics = self._generate(batch, validate=False)
+            # the weights have had global_step updates: the OpenAI endpoint records it with each sampled turn
+            batch, gen_metrics = self._generate(batch, validate=False, policy_version=self.global_step)
             metrics.update(gen_metrics)
         with timer("reward", timings):
             extra_info = self._compute_reward(batch, metrics)

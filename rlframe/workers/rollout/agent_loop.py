@@ -150,7 +150,7 @@ class AgentLoopRollout(Rollout):
                 f"rows name agent_name {sorted(set(map(str, names)))}, but with "
                 "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent every row runs openai_agent"
             )
-        agents.serve_with(server)
+        agents.serve_with(server, int(prompts.meta_info.get("policy_version", 0)))
 
         async def agent(row: int, _) -> tuple:
             return await agents.run_episode(row, prompts, seeds[row])

@@ -62,9 +62,10 @@ class OpenAIAgents:
     async def _generate(self, request: GenerationRequest):
         return await self._server.generate(request, away=True)
 
-    def serve_with(self, server: RolloutServer) -> None:
-        """Send the endpoint's requests to this rollout call's server (started at the first call)."""
-        self._server = server
+    def serve_with(self, server: RolloutServer, policy_version: int) -> None:
+        """Send the endpoint's requests to this rollout call's server (started at the first call); its turns are
+        recorded with `policy_version` (the trainer's weight updates so far)."""
+        self._server, self.endpoint.policy_version = server, policy_version
         if self.endpoint._server is None:
             self.endpoint.start()
 

@@ -181,6 +181,10 @@ class OpenAIEndpoint:
         async def validation_error(_, error: RequestValidationError):
             return JSONResponse(OpenAIError(400, str(error)).body(), status_code=400)
 
+        @app.exception_handler(Exception)
+        async def server_error(_, error: Exception):  # e.g. the rollout server stopped: the agent reads why
+            return JSONResponse(OpenAIError(500, f"the endpoint failed: {error!r}").body(), status_code=500)
+
         @app.get("/sessions/{token}/v1/models")
         async def models(token: str):
             self._episode(token)

@@ -362,3 +362,27 @@ def test_a_two_turn_trajectory_trains_the_sampled_tokens_with_the_actors_log_pro
     actor_log_probs = torch.log_softmax(logits, -1).gather(1, ids[0, len(trajectory.prompt_ids) :, None])[:, 0]
     trained = torch.tensor(mask).bool()
     torch.testing.assert_close(actor_log_probs[trained], torch.tensor(trajectory.log_probs)[trained], atol=2e-4, rtol=0)
+
+
+def test_an_engine_failure_answers_500_in_openai_shape_and_the_endpoint_keeps_serving(engine):
+    from rlframe.workers.rollout.server import Completion
+
+    calls = []
+
+    async def generate(request):
+        calls.append(request)
+        if len(calls) == 1:
+            raise RuntimeError("the rollout server stopped")
+        return Completion([engine.eos_ids[0]], [-0.1])
+
+    endpoint = OpenAIEndpoint(generate, engine.test_tokenizer, engine.eos_ids, (256, 160), MODEL)
+    endpoint.start()
+    try:
+        _, base_url = endpoint.open_episode(0)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+        failed = httpx.post(f"{base_url}/chat/completions", json=body, timeout=30)
+        assert failed.status_code == 500 and "the rollout server stopped" in failed.json()["error"]["message"]
+        served = httpx.post(f"{base_url}/chat/completions", json=body, timeout=30)
+        assert served.status_code == 200 and served.json()["choices"][0]["finish_reason"] == "stop"
+    finally:
+        endpoint.stop()
