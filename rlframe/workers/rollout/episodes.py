@@ -55,9 +55,9 @@ class Episode:
     num_generated_tokens: int = 0
     num_errors: int = 0  # requests answered with an error (bad request, budget, context)
 
-    def request_seed(self, choice: int) -> int:
-        """The sample seed of choice `choice` of this episode's current request (distinct per request and choice)."""
-        return random.Random(f"{self.seed}:{self.num_requests}:{choice}").getrandbits(31)
+    def request_seeds(self, number: int, n: int) -> list[int]:
+        """The sample seeds of the `n` choices of this episode's request `number` (from 0, in arrival order)."""
+        return [random.Random(f"{self.seed}:{number}:{choice}").getrandbits(31) for choice in range(n)]
 
     def extended_by(self, messages: list[dict]) -> EpisodeTrajectory | None:
         """The newest trajectory whose whole conversation `messages` begins with and adds to, if any."""

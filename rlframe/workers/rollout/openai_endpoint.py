@@ -231,10 +231,11 @@ class OpenAIEndpoint:
 
     async def _counted(self, episode: Episode, model: type[BaseModel], raw: bytes, handle) -> tuple[BaseModel, dict]:
         """One request of the episode, parsed as `model` and answered by `handle` within the episode's budget;
-        an error it answers is counted."""
+        an error it answers is counted. Requests are numbered on arrival: concurrent ones sample with other seeds."""
+        number, episode.num_requests = episode.num_requests, episode.num_requests + 1
         try:
             budget = self.budget
-            if budget.max_requests and episode.num_requests >= budget.max_requests:
+            if budget.max_requests and number >= budget.max_requests:
                 raise OpenAIError(
                     429,
                     f"the episode's budget of {budget.max_requests} requests is spent",
@@ -247,15 +248,13 @@ class OpenAIEndpoint:
                     code="episode_budget_exhausted",
                 )
             body = _parse(model, raw)
-            return body, await handle(episode, body)
+            return body, await handle(episode, number, body)
         except OpenAIError:
             episode.num_errors += 1
             raise
-        finally:
-            episode.num_requests += 1
 
     # ------------------------------------------------------------------ chat completions
-    async def _chat(self, episode: Episode, body: ChatRequest) -> dict:
+    async def _chat(self, episode: Episode, number: int, body: ChatRequest) -> dict:
         self._check_model(body.model)
         stops = body.stops()
         try:
@@ -277,9 +276,8 @@ class OpenAIEndpoint:
         max_tokens = min(room, body.max_completion_tokens or body.max_tokens or room)
         before = copy.deepcopy(trajectory)  # choices after the first branch from here
         choices = []
-        samples = await self._sample(
-            episode, trajectory.prompt_ids + trajectory.response_ids + context, max_tokens, body.n, stops
-        )
+        full_context = trajectory.prompt_ids + trajectory.response_ids + context
+        samples = await self._sample(episode.request_seeds(number, body.n), full_context, max_tokens, stops)
         call_prefix = secrets.token_hex(4)
         with self._records:
             self._episode(episode.token)  # still open
@@ -324,7 +322,7 @@ class OpenAIEndpoint:
         return self._turns[key]
 
     # ------------------------------------------------------------------ completions
-    async def _completion(self, episode: Episode, body: CompletionRequest) -> dict:
+    async def _completion(self, episode: Episode, number: int, body: CompletionRequest) -> dict:
         """A text prompt, tokenized as it is; recorded as a one-turn trajectory of the episode."""
         self._check_model(body.model)
         stops = body.stops()
@@ -338,7 +336,7 @@ class OpenAIEndpoint:
                 "context_length_exceeded",
             )
         max_tokens = min(response_length, body.max_tokens or 16)
-        samples = await self._sample(episode, prompt_ids, max_tokens, body.n, stops)
+        samples = await self._sample(episode.request_seeds(number, body.n), prompt_ids, max_tokens, stops)
         choices = []
         for index, (ids, log_probs, text, reason) in enumerate(samples):
             trajectory = EpisodeTrajectory([], prompt_ids)
@@ -362,12 +360,9 @@ class OpenAIEndpoint:
         return self._response("text_completion", choices, len(prompt_ids), samples)
 
     # ------------------------------------------------------------------ sampling
-    async def _sample(self, episode: Episode, context: list[int], max_tokens: int, n: int, stops: list[str]):
-        """`n` samples after `context`: (ids, log-probs, text, finish reason) each, cut after a stop string."""
-        requests = [
-            GenerationRequest(next(self._request_index), context, max_tokens, episode.request_seed(choice))
-            for choice in range(n)
-        ]
+    async def _sample(self, seeds: list[int], context: list[int], max_tokens: int, stops: list[str]):
+        """One sample per seed after `context`: (ids, log-probs, text, finish reason) each, cut after a stop string."""
+        requests = [GenerationRequest(next(self._request_index), context, max_tokens, seed) for seed in seeds]
         completions = await asyncio.gather(*(self.generate(request) for request in requests))
         return [self._finish(c.tokens, c.log_probs, max_tokens, stops) for c in completions]
 

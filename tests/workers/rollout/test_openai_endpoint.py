@@ -133,7 +133,7 @@ def test_chat_completion_is_recorded_token_for_token(engine):
     assert answer.usage.completion_tokens == len(sampled)
     assert [entry.logprob for entry in choice.logprobs.content] == trajectory.log_probs
     # exactly what the engine samples after the rendered prompt with the request's seed
-    expected = engine_sample(engine, trajectory.prompt_ids, Episode("", 7).request_seed(0), 12)
+    expected = engine_sample(engine, trajectory.prompt_ids, Episode("", 7).request_seeds(0, 1)[0], 12)
     assert expected.tokens == sampled
     torch.testing.assert_close(torch.tensor(expected.log_probs), torch.tensor(trajectory.log_probs))
     assert trajectory.policy_versions == [0]
@@ -300,7 +300,7 @@ def test_32_concurrent_sessions_sample_like_one_at_a_time(engine):
     assert max(server._batch_sizes) > 1  # batched together
     for seed, (record, _) in enumerate(opened):
         [trajectory] = record.trajectories
-        expected = engine_sample(engine, trajectory.prompt_ids, Episode("", seed).request_seed(0), 6)
+        expected = engine_sample(engine, trajectory.prompt_ids, Episode("", seed).request_seeds(0, 1)[0], 6)
         assert expected.tokens == trajectory.response_ids
 
 
@@ -351,7 +351,7 @@ def test_a_two_turn_trajectory_trains_the_sampled_tokens_with_the_actors_log_pro
     second = mask.index(1, mask.index(0))
     for start, end, number in ((0, mask.index(0), 0), (second, len(mask), 1)):
         context = trajectory.prompt_ids + trajectory.response_ids[:start]
-        seed = Episode("", 3, num_requests=number).request_seed(0)
+        seed = Episode("", 3).request_seeds(number, 1)[0]
         expected = engine_sample(engine, context, seed, 8)
         assert expected.tokens == trajectory.response_ids[start:end]
     # the actor's log-probs of the trained tokens equal the rollout's
