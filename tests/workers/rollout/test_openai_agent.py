@@ -159,3 +159,16 @@ def test_the_reward_manager_takes_the_agents_results(tiny_model_path):
     assert scored_rows == ["1"]  # only the row whose agent left it to the reward function
     assert out["reward_extra_info"]["score"] == [7.0, 0.5, 2.0, 0.0]
     assert out["metrics"]["reward/num_scorer_errors"] == 1  # the failed agent counts like a failed scorer
+
+
+def test_the_example_calculator_agent_runs_through_the_endpoint(tiny_model_path):
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[3] / "examples" / "openai_agent" / "calculator_agent.py"
+    rollout = openai_rollout(tiny_model_path, str(example), "run_agent")
+    out = generate_in_tp_group(rollout, rows(tiny_model_path, 2))
+    assert list(out.non_tensor_batch[AGENT_SCORE_KEY]) == [None, None]  # the reward function scores the rows
+    assert out.meta_info["metrics"]["openai_agent/failed_ratio"] == 0
+    assert out.batch["response_mask"].sum() > 0
+    calculate = rollout.openai_agents.function.__globals__["calculate"]
+    assert calculate("123 * 45") == "5535" and calculate("__import__('os')").startswith("error")
