@@ -120,7 +120,7 @@ class OpenAIAgents:
         non_tensor[AGENT_SCORE_KEY] = np.array([result for _, result in episodes] + [None], dtype=object)[:-1]
         non_tensor["__num_turns__"] = np.array([len(t.policy_versions) for t in trajectories])
         out = DataProto.from_dict({k: v.to(device) for k, v in tensors.items()}, non_tensor)
-        out.meta_info["metrics"] = _metrics(episodes, response_mask)
+        out.meta_info["metrics"] = _metrics(episodes)
         return out
 
     def _row_trajectory(self, prompts: DataProto, row: int, episode: Episode) -> EpisodeTrajectory:
@@ -140,7 +140,7 @@ def _checked(result):
     raise AgentFailed(f"the agent returned {result!r}; return a float, a dict with 'score', or None")
 
 
-def _metrics(episodes: list[tuple[Episode, object]], response_mask: torch.Tensor) -> dict[str, float]:
+def _metrics(episodes: list[tuple[Episode, object]]) -> dict[str, float]:
     num = max(len(episodes), 1)
     return {
         "openai_agent/failed_ratio": sum(isinstance(r, AgentFailed) for _, r in episodes) / num,
@@ -149,5 +149,4 @@ def _metrics(episodes: list[tuple[Episode, object]], response_mask: torch.Tensor
         "openai_agent/trajectories_per_episode": sum(len(e.trajectories) for e, _ in episodes) / num,
         "openai_agent/untrained_trajectories_per_episode": sum(max(len(e.trajectories) - 1, 0) for e, _ in episodes)
         / num,
-        "perf/rollout_trained_tokens": int(response_mask.sum()),
     }

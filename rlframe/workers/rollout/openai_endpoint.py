@@ -120,13 +120,13 @@ class OpenAIEndpoint:
         model_name: str,
         *,
         host: str = "127.0.0.1",
-        port: int = 0,
         budget: EpisodeBudget = EpisodeBudget(),
         chat_template_kwargs: dict | None = None,
     ):
         """`generate` is a rollout server's `generate`; `limits` is (prompt_length, response_length)."""
         self.generate, self.tokenizer, self.eos_ids = generate, copy.deepcopy(tokenizer), list(eos_ids)
-        self.limits, self.model_name, self.host, self.port, self.budget = limits, model_name, host, port, budget
+        self.limits, self.model_name, self.host, self.budget = limits, model_name, host, budget
+        self.port = 0  # a free one, known once started
         self.chat_template_kwargs = chat_template_kwargs
         self.policy_version = 0  # recorded with every sampled turn; the trainer sets it when weights change
         self.episodes: dict[str, Episode] = {}
@@ -138,14 +138,14 @@ class OpenAIEndpoint:
 
     # ------------------------------------------------------------------ lifecycle and sessions
     def start(self) -> None:
-        """Serve on `host:port` from a daemon thread (port 0: a free one, then `self.port`)."""
+        """Serve on `host` at a free port (then `self.port`) from a daemon thread."""
         config = uvicorn.Config(self.app(), host=self.host, port=self.port, log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="openai-endpoint", daemon=True)
         self._thread.start()
         while not self._server.started:
             if not self._thread.is_alive():
-                raise RuntimeError(f"the OpenAI endpoint could not listen on {self.host}:{self.port}")
+                raise RuntimeError(f"the OpenAI endpoint could not listen on {self.host!r} (agent.openai_agent.host)")
             time.sleep(0.01)
         self.port = self._server.servers[0].sockets[0].getsockname()[1]
 
