@@ -170,7 +170,8 @@ class MultiTurnConfig(Section):
         out[f"{path}.num_repeat_rollouts"] = "only null: verl's interaction repeats are not implemented"
         out[f"{path}.format"] = "only hermes"
         if not uses_tool_agent(root.actor_rollout_ref.rollout):
-            why = f"no tools configured and {ROLLOUT}.agent.default_agent_loop=single_turn_agent: no tool agent runs"
+            default = root.actor_rollout_ref.rollout.agent.default_agent_loop
+            why = f"no tools configured and {ROLLOUT}.agent.default_agent_loop={default}: no tool agent runs"
             tool_keys = ("enable", "tool_config_path", "function_tool_path", "use_inference_chat_template")
             out.update({f"{path}.{f.name}": why for f in dataclasses.fields(self) if f.name not in tool_keys})
         return out
