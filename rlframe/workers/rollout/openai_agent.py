@@ -16,6 +16,7 @@ episode that made no request has an empty response (nothing trained).
 from __future__ import annotations
 
 import asyncio
+import copy
 
 import numpy as np
 import torch
@@ -56,7 +57,8 @@ class OpenAIAgents:
             budget=budget,
             chat_template_kwargs=chat_template_kwargs,
         )
-        self.turns = ChatTemplateTurns(self.endpoint.tokenizer, None, engine.eos_ids, chat_template_kwargs)
+        # its own tokenizer copy: the endpoint's thread tokenizes with the other (a fast tokenizer is not shared)
+        self.turns = ChatTemplateTurns(copy.deepcopy(tokenizer), None, engine.eos_ids, chat_template_kwargs)
         self._server: RolloutServer | None = None  # the current rollout call's server
 
     async def _generate(self, request: GenerationRequest):

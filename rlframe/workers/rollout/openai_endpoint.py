@@ -33,7 +33,6 @@ from typing import Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
@@ -177,10 +176,6 @@ class OpenAIEndpoint:
         async def http_error(_, error: HTTPException):
             return JSONResponse(OpenAIError(error.status_code, str(error.detail)).body(), status_code=error.status_code)
 
-        @app.exception_handler(RequestValidationError)
-        async def validation_error(_, error: RequestValidationError):
-            return JSONResponse(OpenAIError(400, str(error)).body(), status_code=400)
-
         @app.exception_handler(Exception)
         async def server_error(_, error: Exception):  # e.g. the rollout server stopped: the agent reads why
             return JSONResponse(OpenAIError(500, f"the endpoint failed: {error!r}").body(), status_code=500)
@@ -303,9 +298,9 @@ class OpenAIEndpoint:
         untouched = trajectory.messages == before.messages  # no concurrent request extended it meanwhile
         target = trajectory if index == 0 and untouched else copy.deepcopy(before)
         reply = assistant_message(text, call_id)
-        if "tool_calls" in reply and reason == "stop" and ids[-1] in self.eos_ids:
-            reason = "tool_calls"
         ended = bool(ids) and ids[-1] in self.eos_ids
+        if "tool_calls" in reply and ended:
+            reason = "tool_calls"
         record_turn(episode, target, context, messages, (ids, log_probs, ended), reply, self.policy_version)
         choice = {"index": index, "message": reply, "finish_reason": reason, "logprobs": None}
         if logprobs:
@@ -318,7 +313,7 @@ class OpenAIEndpoint:
             try:
                 self._turns[key] = ChatTemplateTurns(self.tokenizer, tools, self.eos_ids, self.chat_template_kwargs)
             except Exception as error:  # a template that cannot render these tools is the request's problem
-                raise OpenAIError(400, f"tools: the chat template cannot render them ({error!r})", "tools") from error
+                raise OpenAIError(400, f"the chat template cannot render these tools: {error!r}", "tools") from error
         return self._turns[key]
 
     # ------------------------------------------------------------------ completions
