@@ -7,10 +7,11 @@ set -euo pipefail
 PYTHON="${PYTHON:-python}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 RUN_DIR="${RUN_DIR:-checkpoints/rlframe/smollm2_openai_agent_grpo}"
+"$PYTHON" "$HERE/prepare_data.py" "$RUN_DIR/data"  # calc_multiply's rows name tool_agent: the column is dropped
 "$PYTHON" -m rlframe.trainer.main_ppo \
     algorithm.adv_estimator=grpo \
     actor_rollout_ref.model.path=builtin://smollm2-135m-instruct \
-    data.train_files=builtin://calc_multiply data.val_files=builtin://calc_multiply \
+    data.train_files="$RUN_DIR/data/train.parquet" data.val_files="$RUN_DIR/data/val.parquet" \
     data.train_batch_size=4 actor_rollout_ref.rollout.n=6 \
     data.max_prompt_length=192 data.max_response_length=64 data.filter_overlong_prompts=true \
     actor_rollout_ref.rollout.temperature=0.7 \
