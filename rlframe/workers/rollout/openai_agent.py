@@ -68,8 +68,7 @@ class OpenAIAgents:
         """Send the endpoint's requests to this rollout call's server (started at the first call); its turns are
         recorded with `policy_version` (the trainer's weight updates so far)."""
         self._server, self.endpoint.policy_version = server, policy_version
-        if self.endpoint._server is None:
-            self.endpoint.start()
+        self.endpoint.start()
 
     async def run_episode(self, row: int, prompts: DataProto, seed: int) -> tuple[Episode, object]:
         """Row `row`'s episode: the agent's run against its session, and its result (or an `AgentFailed`)."""
@@ -82,7 +81,7 @@ class OpenAIAgents:
                 result = await asyncio.wait_for(self.function(base_url, sample), self.timeout_s)
             return episode, _checked(result)
         except Exception as error:  # noqa: BLE001 - one agent's failure must not stop the step
-            why = f"timed out after {self.timeout_s} s" if isinstance(error, TimeoutError) else repr(error)
+            why = f"timed out after {self.timeout_s} s" if isinstance(error, asyncio.TimeoutError) else repr(error)
             return episode, AgentFailed(f"row {row}: the agent failed: {why}")
         finally:
             self.endpoint.close_episode(episode)

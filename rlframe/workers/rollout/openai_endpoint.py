@@ -137,7 +137,9 @@ class OpenAIEndpoint:
 
     # ------------------------------------------------------------------ lifecycle and sessions
     def start(self) -> None:
-        """Serve on `host` at a free port (then `self.port`) from a daemon thread."""
+        """Serve on `host` at a free port (then `self.port`) from a daemon thread; once (later calls do nothing)."""
+        if self._server is not None:
+            return
         config = uvicorn.Config(self.app(), host=self.host, port=self.port, log_level="warning", lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="openai-endpoint", daemon=True)
