@@ -99,6 +99,8 @@ def format_agents(cfg, plan: BatchPlan) -> str:
         )
     else:
         lines.append("mode      sync: the whole batch is generated at once" + (", tool rows turn by turn" * tool_agent))
+    if rollout.agent.default_agent_loop == "openai_agent":
+        lines += _openai_agent_lines(rollout.agent.openai_agent, plan)
     if not tool_agent:
         return "\n".join(lines) if rollout.mode == "async" else ""
     mt = rollout.multi_turn
@@ -116,6 +118,21 @@ def format_agents(cfg, plan: BatchPlan) -> str:
         "turns and template tokens are attended to but get response_mask 0: no loss, KL, entropy or advantage",
     ]
     return "\n".join(lines)
+
+
+def _openai_agent_lines(agent, plan: BatchPlan) -> list[str]:
+    """The user's agent behind the OpenAI endpoint (docs/agents.md)."""
+
+    def limit(value, unit: str) -> str:
+        return f"≤ {value:g} {unit}" if value else f"no {unit} limit"
+
+    return [
+        f"agent     openai_agent: `await {agent.name}(base_url, sample)` from {agent.path} per row, each against its "
+        f"own session of the replica's OpenAI endpoint on {agent.host}",
+        f"budgets   per episode {limit(agent.timeout_s, 's')}, {limit(agent.max_requests, 'requests')}, "
+        f"{limit(agent.max_generated_tokens, 'generated tokens')}; a trajectory's first prompt ≤ "
+        f"{plan.max_prompt_length} tokens, the rest ≤ {plan.max_response_length} (response_mask 1 on sampled tokens)",
+    ]
 
 
 def _count(number: int, one: str, many: str) -> str:

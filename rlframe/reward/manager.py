@@ -33,6 +33,8 @@ from rlframe.reward.custom import load_custom_reward_function
 from rlframe.reward.isolated import IsolatedScorer
 from rlframe.reward.scorers import default_compute_score
 
+AGENT_SCORE_KEY = "agent_score"  # a rollout's non-tensor column of agent results (None: the scorer scores the row)
+
 logger = logging.getLogger(__name__)
 
 
@@ -136,10 +138,23 @@ class RewardManager:
         ground_truths = [reward_model["ground_truth"] for reward_model in data.non_tensor_batch["reward_model"]]
         extra_infos = list(data.non_tensor_batch.get("extra_info", [None] * len(data)))
 
-        columns = (data_sources, solution_strs, ground_truths, extra_infos)
-        results, num_timeouts = self._isolated.score(*columns) if self._isolated else (self.score_samples(*columns), 0)
-        if len(results) != len(data):
-            raise ValueError(f"the scorer returned {len(results)} results for a batch of {len(data)}")
+        # rows an OpenAI agent scored itself (workers/rollout/openai_agent.py): its result, or its failure
+        agent_results = data.non_tensor_batch.get(AGENT_SCORE_KEY, [None] * len(data))
+        rows = [i for i, result in enumerate(agent_results) if result is None]
+        columns = tuple(
+            [column[i] for i in rows] for column in (data_sources, solution_strs, ground_truths, extra_infos)
+        )
+        if not rows:
+            scored, num_timeouts = [], 0
+        elif self._isolated:
+            scored, num_timeouts = self._isolated.score(*columns)
+        else:
+            scored, num_timeouts = self.score_samples(*columns), 0
+        if len(scored) != len(rows):
+            raise ValueError(f"the scorer returned {len(scored)} results for a batch of {len(rows)}")
+        results = list(agent_results)
+        for i, result in zip(rows, scored):
+            results[i] = result
         scores, extras, errors = [], [], []
         for i, result in enumerate(results):
             try:

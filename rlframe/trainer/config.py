@@ -273,6 +273,11 @@ def _separate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
             "multi-turn rollouts with tools are not run on the rollout pool yet",
         ),
         (
+            rollout.agent.default_agent_loop == "openai_agent",
+            "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent",
+            "the OpenAI endpoint does not run on the rollout pool yet (partial rollout of an endpoint request)",
+        ),
+        (
             model.lora_rank > 0,
             f"actor_rollout_ref.model.lora_rank={model.lora_rank}",
             "LoRA weights are not pushed yet",

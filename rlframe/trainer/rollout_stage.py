@@ -34,6 +34,7 @@ from rlframe.trainer.metrics import reduce_metrics
 from rlframe.trainer.pending_prompts import PendingPrompts
 from rlframe.workers.rollout.config import uses_tool_agent
 from rlframe.workers.rollout.multi_turn import AGENT_INPUT_KEYS, check_agent_rows
+from rlframe.workers.rollout.openai_agent import SAMPLE_KEYS as OPENAI_SAMPLE_KEYS
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -107,6 +108,9 @@ def generation_inputs(batch: DataProto, rollout_cfg, **meta_info) -> tuple[DataP
     check_agent_rows(batch.non_tensor_batch.get("agent_name"), rollout_cfg)
     if uses_tool_agent(rollout_cfg):  # the agent reads the chat and tool arguments
         gen_batch.non_tensor_batch = {k: v for k, v in batch.non_tensor_batch.items() if k in AGENT_INPUT_KEYS}
+    if rollout_cfg.agent.default_agent_loop == "openai_agent":  # the user's agent gets the row's sample
+        keys = (*OPENAI_SAMPLE_KEYS, "agent_name")
+        gen_batch.non_tensor_batch = {k: v for k, v in batch.non_tensor_batch.items() if k in keys}
     # a vision-language model's images: the engine reads them, and the batch keeps them for training
     gen_batch.non_tensor_batch.update({k: v for k, v in batch.non_tensor_batch.items() if k in MULTIMODAL_KEYS})
     gen_batch.meta_info = meta_info
@@ -186,7 +190,7 @@ class ColocatedSource(BatchSource):
             self._batches = self._loader_batches()
         ready, rounds = StepBatch(DataProto()), []
         for prompts in self._batches:
-            batch = self._rollout(prompts, ready, rounds)
+            batch = self._rollout(prompts, step, ready, rounds)
             if batch is not None:
                 ready.batch = batch
                 ready.metrics.update(reduce_metrics(merged_metrics(rounds)))  # every round's generation
@@ -208,7 +212,7 @@ class ColocatedSource(BatchSource):
                 self.sampler.report_data_end()
                 return
 
-    def _rollout(self, prompts: DataProto, ready: StepBatch, rounds: list[dict]) -> DataProto | None:
+    def _rollout(self, prompts: DataProto, step: int, ready: StepBatch, rounds: list[dict]) -> DataProto | None:
         """Generate and score one loader batch; the training batch once one is full (dynamic sampling: else None)."""
         metrics, timings = ready.metrics, ready.timings
         assign_uids(prompts)
@@ -217,7 +221,8 @@ class ColocatedSource(BatchSource):
                 prompts.batch["reward_baselines"] = self._remax_baselines(prompts)
         batch = prompts.repeat(self.plan.n, interleave=True)
         with timer("gen", timings):
-            batch, gen_metrics = generate(self.wg, batch, self.rollout_cfg, validate=False)
+            # the weights have had step - 1 updates: the OpenAI endpoint records it with each sampled turn
+            batch, gen_metrics = generate(self.wg, batch, self.rollout_cfg, validate=False, policy_version=step - 1)
             rounds.append(gen_metrics)
         with timer("reward", timings):
             extra_info = self.scorer.score(batch, metrics)

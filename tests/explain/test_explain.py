@@ -166,6 +166,25 @@ def test_explain_explains_a_multi_turn_config(capsys):
     assert "agent-loop threads" not in out
 
 
+def test_explain_explains_an_openai_agent_config(capsys):
+    agent = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "openai_agent", "calculator_agent.py")
+    overrides = [
+        "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent",
+        f"actor_rollout_ref.rollout.agent.openai_agent.path={agent}",
+        "actor_rollout_ref.rollout.agent.openai_agent.name=run_agent",
+        "actor_rollout_ref.rollout.agent.openai_agent.max_requests=6",
+    ]
+    assert main([*SMALL, *overrides]) == 0
+    out = capsys.readouterr().out
+    for fragment in (
+        "openai_agent: `await run_agent(base_url, sample)`",
+        "OpenAI endpoint on 127.0.0.1",
+        "per episode ≤ 600 s, ≤ 6 requests, no generated tokens limit",
+        "default_agent_loop=openai_agent: no tool agent runs",
+    ):
+        assert fragment in out, fragment
+
+
 def test_explain_json_and_warnings(capsys):
     assert (
         main(

@@ -71,7 +71,7 @@ def test_each_loader_batch_becomes_a_scored_batch_of_n_samples_per_prompt_in_gro
     assert uids[0] == uids[1] != uids[2] == uids[3]  # n samples side by side share their prompt's uid
     assert ready.batch.batch["token_level_scores"][:, 0].tolist() == [0, 0, 1, 1]
     assert {"gen", "reward"} <= ready.timings.keys() and "gen/rows" in ready.metrics
-    assert workers.calls == [{"validate": False}]  # nothing else travels with the prompts
+    assert workers.calls == [{"validate": False, "policy_version": 0}]  # nothing else travels with the prompts
 
 
 def test_dynamic_sampling_collects_informative_groups_over_rounds_and_the_data_ends_the_run():
@@ -104,6 +104,6 @@ def test_a_checkpoints_untrained_prompts_are_generated_first_and_reported_until_
 def test_remax_scores_one_greedy_response_per_prompt_before_the_samples():
     src, workers = source(lambda i: False, "algorithm.adv_estimator=remax")
     ready = src.next_batch(1)
-    assert workers.calls == [{"validate": False, "do_sample": False}, {"validate": False}]
+    assert workers.calls == [{"validate": False, "do_sample": False}, {"validate": False, "policy_version": 0}]
     assert ready.batch.batch["reward_baselines"].tolist() == [0, 0, 1, 1]  # each prompt's greedy score, n times
     assert "gen_max" in ready.timings

@@ -28,6 +28,7 @@ from rlframe.workers.rollout.base import (
 )
 from rlframe.workers.rollout.config import RolloutConfig, uses_tool_agent
 from rlframe.workers.rollout.multi_turn import build_multi_turn
+from rlframe.workers.rollout.openai_agent import OpenAIAgents
 from rlframe.workers.rollout.registry import engine_for, register
 from rlframe.workers.rollout.sampling import SamplingParams
 from rlframe.workers.rollout.tp import group_rank_and_size
@@ -75,8 +76,11 @@ def build_rollout(
     multi_turn = None
     if uses_tool_agent(cfg):  # rows may call tools: the multi-turn logic drives the engine
         multi_turn = build_multi_turn(rollout, tokenizer, chat_template_kwargs)
+    openai_agents = None
+    if cfg.agent.default_agent_loop == "openai_agent":  # the user's agent, through the OpenAI endpoint
+        openai_agents = OpenAIAgents(rollout, tokenizer, chat_template_kwargs)
     if str(cfg.mode) == "async":  # agent loops on a rollout server (agent_loop.py, server.py)
-        return AgentLoopRollout(rollout, int(cfg.agent.num_workers), multi_turn)
+        return AgentLoopRollout(rollout, int(cfg.agent.num_workers), multi_turn, openai_agents)
     return multi_turn or rollout  # sync: the whole batch at once (tool rows turn by turn)
 
 

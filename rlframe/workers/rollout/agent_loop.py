@@ -36,6 +36,7 @@ from rlframe.models.vision import row_images
 from rlframe.protocol import DataProto
 from rlframe.workers.rollout.base import BaseRollout, Rollout, build_rollout_output, check_prompts, response_metrics
 from rlframe.workers.rollout.multi_turn import MultiTurnRollout, Trajectory
+from rlframe.workers.rollout.openai_agent import OpenAIAgents
 from rlframe.workers.rollout.server import BatchingServer, Completion, GenerationRequest, RolloutServer
 from rlframe.workers.rollout.tp import group_rank_and_size
 
@@ -44,11 +45,17 @@ class AgentLoopRollout(Rollout):
     """The rollout of `mode=async`; the engine's weights, memory and LoRA lifecycle pass through unchanged
     (`Rollout`'s methods, on `unwrapped`)."""
 
-    def __init__(self, engine: BaseRollout, num_workers: int, multi_turn: MultiTurnRollout | None = None):
+    def __init__(
+        self,
+        engine: BaseRollout,
+        num_workers: int,
+        multi_turn: MultiTurnRollout | None = None,
+        openai_agents: OpenAIAgents | None = None,
+    ):
         if num_workers < 1:
             raise ValueError(f"actor_rollout_ref.rollout.agent.num_workers={num_workers}: must be >= 1")
         self.engine, self.num_workers, self.config = engine, num_workers, engine.config
-        self.multi_turn = multi_turn
+        self.multi_turn, self.openai_agents = multi_turn, openai_agents
         self._worker_agents = [_worker_copy(multi_turn) for _ in range(num_workers)] if multi_turn else []
         self._loops: _EventLoopThreads | None = None  # the worker threads, started at the first generation
 
@@ -71,7 +78,9 @@ class AgentLoopRollout(Rollout):
             server.follow()
             return _from_leader(None, self.engine.tp_group)
         start = time.perf_counter()
-        if self.multi_turn is None:
+        if self.openai_agents is not None:
+            out = self._openai_agent(prompts, seeds, server, pad_id)
+        elif self.multi_turn is None:
             out = self._single_turn(prompts, seeds, server, params.response_length, eos_ids, pad_id)
         else:
             out = self._tool_agent(prompts, seeds, server, params.response_length, eos_ids, pad_id)
@@ -130,6 +139,24 @@ class AgentLoopRollout(Rollout):
         start = time.perf_counter()
         _, server_metrics = self._run(list(enumerate(trajectories)), agent, server)
         out = self.multi_turn.finish(prompts, trajectories, response_length, pad_id, time.perf_counter() - start)
+        out.meta_info["metrics"].update(server_metrics)
+        return out
+
+    def _openai_agent(self, prompts, seeds, server, pad_id) -> DataProto:
+        agents = self.openai_agents
+        names = prompts.non_tensor_batch.get("agent_name")
+        if names is not None and set(map(str, names)) - {"openai_agent"}:
+            raise ValueError(
+                f"rows name agent_name {sorted(set(map(str, names)))}, but with "
+                "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent every row runs openai_agent"
+            )
+        agents.serve_with(server, int(prompts.meta_info.get("policy_version", 0)))
+
+        async def agent(row: int, _) -> tuple:
+            return await agents.run_episode(row, prompts, seeds[row])
+
+        episodes, server_metrics = self._run(list(range(len(prompts))), agent, server)
+        out = agents.finish(prompts, episodes, pad_id)
         out.meta_info["metrics"].update(server_metrics)
         return out
 

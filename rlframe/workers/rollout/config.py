@@ -170,10 +170,42 @@ class MultiTurnConfig(Section):
         out[f"{path}.num_repeat_rollouts"] = "only null: verl's interaction repeats are not implemented"
         out[f"{path}.format"] = "only hermes"
         if not uses_tool_agent(root.actor_rollout_ref.rollout):
-            why = f"no tools configured and {ROLLOUT}.agent.default_agent_loop=single_turn_agent: no tool agent runs"
+            default = root.actor_rollout_ref.rollout.agent.default_agent_loop
+            why = f"no tools configured and {ROLLOUT}.agent.default_agent_loop={default}: no tool agent runs"
             tool_keys = ("enable", "tool_config_path", "function_tool_path", "use_inference_chat_template")
             out.update({f"{path}.{f.name}": why for f in dataclasses.fields(self) if f.name not in tool_keys})
         return out
+
+
+def _check_non_negative_float(value: float) -> None:
+    if value < 0:
+        raise ValueError("must be >= 0 (0: no limit)")
+
+
+@dataclass
+class OpenAIAgentConfig(Section):
+    path: Optional[str] = key(None, "openai_agent: the Python file that defines the agent function")
+    name: Optional[str] = key(None, "openai_agent: the function, called as `await name(base_url, sample)`")
+    timeout_s: float = key(600.0, "seconds an episode may run (0: no limit)", check=_check_non_negative_float)
+    max_requests: int = key(0, "requests an episode may send (0: no limit)", check=_check_non_negative)
+    max_generated_tokens: int = key(0, "tokens an episode may have generated (0: no limit)", check=_check_non_negative)
+    host: str = key("127.0.0.1", "address the endpoint listens on (loopback: nothing outside the node reaches it)")
+
+    def check(self, path: str, root: Any) -> None:
+        if root.actor_rollout_ref.rollout.agent.default_agent_loop != "openai_agent":
+            return
+        if not self.path or not self.name:
+            raise ValueError(f"{ROLLOUT}.agent.default_agent_loop=openai_agent needs {path}.path and {path}.name")
+        if root.actor_rollout_ref.rollout.mode != "async":
+            raise ValueError(f"{ROLLOUT}.agent.default_agent_loop=openai_agent needs {ROLLOUT}.mode=async")
+        from rlframe.workers.rollout.agent_function import load_agent
+
+        load_agent(self.path, self.name)  # a bad file fails before Ray starts
+
+    def inactive(self, path: str, root: Any) -> dict[str, str]:
+        if root.actor_rollout_ref.rollout.agent.default_agent_loop == "openai_agent":
+            return {}
+        return {path: f"{ROLLOUT}.agent.default_agent_loop is not openai_agent"}
 
 
 @dataclass
@@ -182,11 +214,14 @@ class AgentConfig(Section):
         8, "mode=async: agent-loop worker threads, each running its share of the trajectories", check=_check_positive
     )
     default_agent_loop: str = key(
-        "single_turn_agent", "agent of rows without agent_name", choices=("single_turn_agent", "tool_agent")
+        "single_turn_agent",
+        "agent of rows without agent_name",
+        choices=("single_turn_agent", "tool_agent", "openai_agent"),
     )
     agent_loop_config_path: Optional[str] = key(
         None, "custom agent loops: only null", check=_check_must_be_null("a custom agent loop")
     )
+    openai_agent: OpenAIAgentConfig = section(OpenAIAgentConfig, "your agent, trained through an OpenAI endpoint")
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = {f"{path}.agent_loop_config_path": "only null: custom agent loops are not implemented"}

@@ -61,8 +61,8 @@ AGENT_INPUT_KEYS = ("raw_prompt", "extra_info", "agent_name")
 def check_agent_rows(agent_names, rollout_cfg) -> None:
     """Refuse rows that ask for the tool agent when the rollout was built without it (no tools, default agent
     single_turn_agent): they would silently run single-turn."""
-    if agent_names is None or uses_tool_agent(rollout_cfg):
-        return
+    if agent_names is None or uses_tool_agent(rollout_cfg) or rollout_cfg.agent.default_agent_loop == "openai_agent":
+        return  # the agent loops check the rows themselves
     asking = sorted({str(name) for name in agent_names} - {"single_turn_agent"})
     if asking:
         raise ValueError(
@@ -154,7 +154,7 @@ class ChatTemplateTurns:
         self._check_exact(probe + [{"role": "tool", "content": _PROBE_TOOL_TEXT}])
         rendered = self._render_text(probe, add_generation_prompt=False)
         after = rendered[rendered.rindex(_PROBE_ASSISTANT_TEXT) + len(_PROBE_ASSISTANT_TEXT) :]
-        closing = self.encode(after)  # e.g. ChatML: <|im_end|> "\n"
+        self.closing = closing = self.encode(after)  # e.g. ChatML: <|im_end|> "\n"
         # generation stops at an EOS; the rest of the template's closing is context added after it
         self.closing_rest = closing[1:] if closing and closing[0] in eos_ids else closing
 

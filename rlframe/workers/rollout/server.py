@@ -83,14 +83,23 @@ class RolloutServer(ABC):
         self._closed: BaseException | None = None
 
     # ------------------------------------------------------------------ the agent loops' side (any thread)
-    async def generate(self, request: GenerationRequest) -> Completion:
+    async def generate(self, request: GenerationRequest, away: bool = False) -> Completion:
+        """`away`: the caller's trajectory counts as away (an HTTP agent between its requests, `openai_endpoint.py`)
+        except while this request waits."""
         future: Future = Future()
         with self._cond:
             if self._closed is not None:
                 raise RuntimeError("the rollout server stopped") from self._closed
             self._waiting.append(_Pending(request, future, time.perf_counter()))
+            self._away -= int(away)
             self._cond.notify_all()
-        return await asyncio.wrap_future(future)
+        try:
+            return await asyncio.wrap_future(future)
+        finally:
+            if away:
+                with self._cond:
+                    self._away += 1
+                    self._cond.notify_all()
 
     @contextmanager
     def away(self):

@@ -1,0 +1,174 @@
+"""`default_agent_loop=openai_agent`: a user's agent written with the `openai` package runs per row through the
+endpoint, and the rows come out with the engine's sampled tokens and log-probs, `response_mask` marking exactly them.
+
+The HF engine on the tiny model serves every request; the agents are written to a file as a user would write them.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+import pytest
+from helpers.multi_turn import make_prompts
+from helpers.rewards import make_batch
+from helpers.rollout import load_tokenizer, rollout_config
+
+from rlframe.reward.manager import AGENT_SCORE_KEY, NaiveRewardManager
+from rlframe.workers.rollout import build_rollout, generate_in_tp_group
+from rlframe.workers.rollout.openai_agent import AgentFailed
+
+AGENTS = textwrap.dedent(
+    """
+    import asyncio
+    import openai
+
+    SEEN = {}  # row index -> the log-probs of each reply the agent received
+
+    async def two_turns(base_url, sample):
+        api = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+        messages = list(sample["prompt"])
+        replies = SEEN.setdefault(sample["extra_info"]["index"], [])
+        for _ in range(2):
+            answer = await api.chat.completions.create(model="policy", messages=messages, max_tokens=5, logprobs=True)
+            replies.append([entry.logprob for entry in answer.choices[0].logprobs.content])
+            messages += [answer.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+        return {"score": float(len(messages)), "turns": 2.0}
+
+    async def leaves_it_to_the_reward(base_url, sample):
+        api = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+        await api.chat.completions.create(model="policy", messages=sample["prompt"], max_tokens=3)
+        return None
+
+    async def fails(base_url, sample):
+        if sample["extra_info"]["index"] % 2:
+            raise RuntimeError("the agent crashed")
+        return 1.0
+
+    async def sleeps(base_url, sample):
+        await asyncio.sleep(30)
+        return 1.0
+
+    async def spends_its_budget(base_url, sample):
+        api = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+        for _ in range(3):  # the third request answers 429: the agent's exception fails the episode
+            await api.chat.completions.create(model="policy", messages=sample["prompt"], max_tokens=2)
+        return 1.0
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def agent_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("agents") / "agents.py"
+    path.write_text(AGENTS)
+    return str(path)
+
+
+def openai_rollout(tiny_model_path, agent_file, name: str, *overrides):
+    cfg = rollout_config(
+        "data.max_prompt_length=64",
+        "data.max_response_length=48",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent",
+        f"actor_rollout_ref.rollout.agent.openai_agent.path={agent_file}",
+        f"actor_rollout_ref.rollout.agent.openai_agent.name={name}",
+        "actor_rollout_ref.rollout.agent.num_workers=2",
+        *overrides,
+    )
+    return build_rollout("hf", cfg, tiny_model_path, load_tokenizer(tiny_model_path), "cpu")
+
+
+def rows(tiny_model_path, num: int):
+    tokenizer = load_tokenizer(tiny_model_path)
+    users = [f"question {i}" for i in range(num)]
+    return make_prompts(
+        tokenizer,
+        users,
+        data_source=np.array(["test"] * num, dtype=object),
+        reward_model=np.array([{"ground_truth": "4"}] * num, dtype=object),
+        extra_info=np.array([{"index": i} for i in range(num)], dtype=object),
+    )
+
+
+def test_rows_hold_exactly_the_sampled_tokens_of_a_two_turn_agent(tiny_model_path, agent_file):
+    rollout = openai_rollout(tiny_model_path, agent_file, "two_turns")
+    out = generate_in_tp_group(rollout, rows(tiny_model_path, 4))
+    assert [r["score"] for r in out.non_tensor_batch[AGENT_SCORE_KEY]] == [5.0] * 4
+    assert out.meta_info["metrics"]["openai_agent/failed_ratio"] == 0
+    seen = rollout.openai_agents.function.__globals__["SEEN"]  # row index -> the log-probs of each reply
+    prompt_width = out.batch["prompts"].shape[1]
+    for row in range(4):
+        length = int(out.batch["attention_mask"][row, prompt_width:].sum())
+        mask = out.batch["response_mask"][row, :length].tolist()
+        runs = [k for k, previous in zip(mask, [None] + mask) if k != previous]
+        assert runs == [1, 0, 1], mask  # two sampled turns, the template's turn between them untrained
+        trained = out.batch["rollout_log_probs"][row, :length][out.batch["response_mask"][row, :length].bool()]
+        replies = seen[row]
+        assert trained.tolist() == [p for reply in replies for p in reply]  # the very log-probs the agent received
+        untrained = out.batch["rollout_log_probs"][row, :length][~out.batch["response_mask"][row, :length].bool()]
+        assert untrained.abs().sum() == 0
+
+
+def test_the_reward_function_scores_when_the_agent_returns_none(tiny_model_path, agent_file):
+    rollout = openai_rollout(tiny_model_path, agent_file, "leaves_it_to_the_reward")
+    out = generate_in_tp_group(rollout, rows(tiny_model_path, 2))
+    assert list(out.non_tensor_batch[AGENT_SCORE_KEY]) == [None, None]
+    assert out.batch["response_mask"].sum() > 0
+
+
+def test_a_failing_agent_fails_its_episode_not_the_step(tiny_model_path, agent_file):
+    rollout = openai_rollout(tiny_model_path, agent_file, "fails")
+    out = generate_in_tp_group(rollout, rows(tiny_model_path, 4))
+    results = list(out.non_tensor_batch[AGENT_SCORE_KEY])
+    assert results[0] == 1.0 and results[2] == 1.0
+    assert isinstance(results[1], AgentFailed) and "the agent crashed" in str(results[1])
+    assert out.meta_info["metrics"]["openai_agent/failed_ratio"] == 0.5
+    assert out.batch["response_mask"].sum() == 0  # no request: nothing to train
+
+
+def test_timeouts_and_request_budgets_fail_the_episode(tiny_model_path, agent_file):
+    slow = openai_rollout(
+        tiny_model_path, agent_file, "sleeps", "actor_rollout_ref.rollout.agent.openai_agent.timeout_s=0.5"
+    )
+    [result] = generate_in_tp_group(slow, rows(tiny_model_path, 1)).non_tensor_batch[AGENT_SCORE_KEY]
+    assert isinstance(result, AgentFailed) and "timed out after 0.5 s" in str(result)
+    spender = openai_rollout(
+        tiny_model_path, agent_file, "spends_its_budget", "actor_rollout_ref.rollout.agent.openai_agent.max_requests=2"
+    )
+    out = generate_in_tp_group(spender, rows(tiny_model_path, 1))
+    [result] = out.non_tensor_batch[AGENT_SCORE_KEY]
+    assert isinstance(result, AgentFailed) and "429" in str(result)
+    assert out.meta_info["metrics"]["openai_agent/request_errors_per_episode"] == 1
+
+
+def test_the_reward_manager_takes_the_agents_results(tiny_model_path):
+    tokenizer = load_tokenizer(tiny_model_path)
+    data = make_batch(tokenizer, ["1", "2", "3", "4"], ["test"] * 4, ["1"] * 4)
+    data.non_tensor_batch[AGENT_SCORE_KEY] = np.array(
+        [None, 0.5, {"score": 2.0, "turns": 3.0}, AgentFailed("row 3: the agent failed: RuntimeError()")] + [0],
+        dtype=object,
+    )[:-1]
+    scored_rows = []
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        scored_rows.append(solution_str)
+        return 7.0
+
+    out = NaiveRewardManager(tokenizer, compute_score=compute_score)(data, return_dict=True)
+    assert scored_rows == ["1"]  # only the row whose agent left it to the reward function
+    assert out["reward_extra_info"]["score"] == [7.0, 0.5, 2.0, 0.0]
+    assert out["metrics"]["reward/num_scorer_errors"] == 1  # the failed agent counts like a failed scorer
+
+
+def test_the_example_calculator_agent_runs_through_the_endpoint(tiny_model_path):
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[3] / "examples" / "openai_agent" / "calculator_agent.py"
+    rollout = openai_rollout(tiny_model_path, str(example), "run_agent")
+    out = generate_in_tp_group(rollout, rows(tiny_model_path, 2))
+    assert list(out.non_tensor_batch[AGENT_SCORE_KEY]) == [None, None]  # the reward function scores the rows
+    assert out.meta_info["metrics"]["openai_agent/failed_ratio"] == 0
+    assert out.batch["response_mask"].sum() > 0
+    calculate = rollout.openai_agents.function.__globals__["calculate"]
+    assert calculate("123 * 45") == "5535" and calculate("__import__('os')").startswith("error")
