@@ -19,10 +19,11 @@ import torch.distributed as dist
 from tensordict import TensorDict
 
 from rlframe.algorithms.sft import sft_loss
+from rlframe.batch_plan import ForwardPlan, UpdatePlan
 from rlframe.distributed.parallel_dims import ParallelDims
 from rlframe.workers.batching import GlobalCounts, response_mask_of
 from rlframe.workers.model_forward import ScoringSpec, forward_micro_batch, layout_for
-from rlframe.workers.updater import Batching, PPOUpdater, RoleModel
+from rlframe.workers.updater import PPOUpdater, RoleModel
 
 
 def sft_batch(rows: list[dict], pad_token_id: int) -> TensorDict:
@@ -66,14 +67,46 @@ def _split_row(row: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tor
     return ids[:split], ids[split:], positions, loss_mask[split:]
 
 
+def sft_update_plan(
+    rows_per_dp: int, dims: ParallelDims, micro_batch_size: int | None, max_token_len: int | None, token_len_key: str
+) -> UpdatePlan:
+    """One optimizer step per batch of `rows_per_dp` rows on each DP rank, cut in micro-batches of `micro_batch_size`
+    rows, or (`micro_batch_size` None) dynamically under a budget of `max_token_len` tokens (`token_len_key`)."""
+    dynamic = micro_batch_size is None
+    cut = dict(
+        sequence_parallel_size=dims.sp_size,
+        dp_size=dims.dp_size,
+        sequences_per_gpu=rows_per_dp,
+        sequences_per_dp=rows_per_dp,
+        use_dynamic_bsz=dynamic,
+        micro_batch_size=micro_batch_size,
+        max_token_len_per_gpu=max_token_len // dims.sp_size if dynamic else None,
+        max_token_len=max_token_len if dynamic else None,
+        packing_algorithm="kk" if dynamic else None,
+        max_token_len_key=token_len_key if dynamic else None,
+    )
+    steps = None if dynamic else -(-rows_per_dp // micro_batch_size)
+    return UpdatePlan(
+        **cut,
+        mini_batch_size=rows_per_dp * dims.dp_size,
+        mini_batch_size_per_dp=rows_per_dp,
+        num_mini_batches=1,
+        ppo_epochs=1,
+        optimizer_steps_per_step=1,
+        grad_accum_steps=steps,
+        forward=ForwardPlan(**cut, num_micro_batches=steps),
+    )
+
+
 class SFTLearner(PPOUpdater):
     """A (possibly FSDP-wrapped) causal LM trained on SFT batches: one optimizer step per batch."""
 
     role = "train"
 
-    def __init__(self, model: RoleModel, config, batching: Batching, dims: ParallelDims | None = None):
-        """`config`: the SFT config (`SFTTrainerConfig`; the updater reads `optim.clip_grad`)."""
-        super().__init__(model, config, batching, dims or ParallelDims.single())
+    def __init__(self, model: RoleModel, config, plan: UpdatePlan, dims: ParallelDims | None = None):
+        """`config`: the SFT config (`SFTTrainerConfig`; the updater reads `optim.clip_grad`); `plan`:
+        `sft_update_plan`."""
+        super().__init__(model, config, plan, dims or ParallelDims.single())
 
     def train_batch(self, batch: TensorDict) -> dict[str, float]:
         """One optimizer step over this rank's share of a step's rows; the step's metrics (`train/loss`, ...)."""
@@ -85,7 +118,7 @@ class SFTLearner(PPOUpdater):
     def nll_sums(self, batch: TensorDict) -> torch.Tensor:
         """[Σ -log p over the trained tokens, their count] of `batch`, summed over the DP ranks, without gradients."""
         self.module.eval()
-        log_probs = self._no_grad_outputs(batch, self.batching.forward, self._forward)["log_probs"]
+        log_probs = self._no_grad_outputs(batch, self.forward_plan, self._forward)["log_probs"]
         mask = response_mask_of(batch)
         sums = torch.stack([-(log_probs * mask).sum(), mask.sum()]).to(torch.float64)
         if self.dims.reduces_over_dp:

@@ -17,12 +17,11 @@ import torch.distributed as dist
 from helpers.fsdp_harness import RecordingSGD
 from helpers.world import spawned_world
 from rlframe.distributed.parallel_dims import ParallelDims
-from rlframe.seqpack import MicroBatchSpec
 from rlframe.trainer.sft_trainer.config import sft_config
 from rlframe.workers.fsdp_wrap import FSDPSpec, wrap_fsdp
 from rlframe.workers.model_loading import ModelSpec, load_hf_model
-from rlframe.workers.sft import SFTLearner, sft_batch
-from rlframe.workers.updater import Batching, ModelOptions, RoleModel
+from rlframe.workers.sft import SFTLearner, sft_batch, sft_update_plan
+from rlframe.workers.updater import ModelOptions, RoleModel
 
 
 def make_rows(vocab_size: int, num_rows: int = 8, seed: int = 0) -> list[dict]:
@@ -78,15 +77,11 @@ def run_learner(
     per_dp = len(rows) // dims.dp_size
     share = rows[dims.dp_rank * per_dp : (dims.dp_rank + 1) * per_dp]
     dynamic = knobs["use_dynamic_bsz"]
-    cut = MicroBatchSpec(
-        dynamic,
-        None if dynamic else knobs["micro_batch_size"],
-        knobs["max_token_len"] * dims.sp_size if dynamic else None,
-        "kk" if dynamic else None,
-    )
+    micro, budget = (None, knobs["max_token_len"] * dims.sp_size) if dynamic else (knobs["micro_batch_size"], None)
+    plan = sft_update_plan(per_dp, dims, micro, budget, "data.max_token_len_per_gpu")
     config = sft_config(["optim.clip_grad=1e9"])
     options = ModelOptions(use_remove_padding=knobs["use_remove_padding"])
-    learner = SFTLearner(RoleModel(model, options, optimizer), config, Batching(per_dp, 1, cut, cut), dims)
+    learner = SFTLearner(RoleModel(model, options, optimizer), config, plan, dims)
     batch = sft_batch(share, pad_token_id=0)
     sums = learner.nll_sums(batch)
     metrics = learner.train_batch(batch)

@@ -23,10 +23,11 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from rlframe.batch_plan import UpdatePlan
 from rlframe.data.sft_dataset import SFTDataset
 from rlframe.distributed.parallel_dims import ParallelDims
 from rlframe.models.builtin import resolve_model_path
-from rlframe.seqpack import MicroBatchSpec, get_seqlen_balanced_partitions
+from rlframe.seqpack import get_seqlen_balanced_partitions
 from rlframe.trainer.checkpointing import LATEST
 from rlframe.trainer.sft_trainer.config import SFTTrainerConfig, sft_config
 from rlframe.trainer.sft_trainer.plan import SFTPlan, explain
@@ -39,8 +40,8 @@ from rlframe.workers.fsdp_wrap import FSDPSpec, wrap_fsdp
 from rlframe.workers.lr_schedule import build_lr_scheduler
 from rlframe.workers.model_loading import ModelSpec, load_hf_model
 from rlframe.workers.optimizer import build_optimizer
-from rlframe.workers.sft import SFTLearner, sft_batch
-from rlframe.workers.updater import Batching, ModelOptions, RoleModel
+from rlframe.workers.sft import SFTLearner, sft_batch, sft_update_plan
+from rlframe.workers.updater import ModelOptions, RoleModel
 
 _STEP_DIR = re.compile(r"global_step_(\d+)$")
 
@@ -141,18 +142,12 @@ class SFTTrainer:
             use_torch_compile=engine.use_torch_compile and self.device_type == "cuda",
             reshard_after_forward=engine.reshard_after_forward,
         )
-        return SFTLearner(RoleModel(module, options, optimizer, scheduler), self.config, self._batching(), self.dims)
+        return SFTLearner(RoleModel(module, options, optimizer, scheduler), self.config, self._update_plan(), self.dims)
 
-    def _batching(self) -> Batching:
+    def _update_plan(self) -> UpdatePlan:
         plan = self.plan
-        cut = MicroBatchSpec(
-            use_dynamic_bsz=plan.use_dynamic_bsz,
-            micro_batch_size=plan.micro_batch_size,
-            max_token_len=plan.max_token_len,
-            packing_algorithm="kk" if plan.use_dynamic_bsz else None,
-            token_len_key="data.max_token_len_per_gpu",
-        )
-        return Batching(mini_batch_size=plan.rows_per_dp, ppo_epochs=1, update=cut, forward=cut)
+        micro = None if plan.use_dynamic_bsz else plan.micro_batch_size
+        return sft_update_plan(plan.rows_per_dp, self.dims, micro, plan.max_token_len, "data.max_token_len_per_gpu")
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> dict[str, float]:
@@ -205,7 +200,7 @@ class SFTTrainer:
         dp, rank = self.dims.dp_size, self.dims.dp_rank
         indices = list(range(rank, len(self.val_rows), dp))
         per_rank = -(-len(self.val_rows) // dp)
-        chunk = self.learner.batching.mini_batch_size
+        chunk = self.learner.plan.mini_batch_size_per_dp
         sums = torch.zeros(2, dtype=torch.float64)
         for start in range(0, per_rank, chunk):  # the same number of calls on every rank
             wanted = range(start, min(start + chunk, per_rank))
