@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from helpers.fsdp_harness import RecordingSGD
 from helpers.world import spawned_world
-from rlframe.distributed.parallel_dims import ParallelDims
+from rlframe.distributed.parallel_dims import ParallelDims, ParallelPlan
 from rlframe.trainer.sft_trainer.config import sft_config
 from rlframe.workers.fsdp_wrap import FSDPSpec, wrap_fsdp
 from rlframe.workers.model_loading import ModelSpec, load_hf_model
@@ -89,7 +89,7 @@ def run_learner(
 
 
 def _rank_job(rank: int, model_path: str, rows_path: str, sp: int, knobs: dict) -> dict:
-    dims = ParallelDims.build("cpu", dist.get_world_size(), sp)
+    dims = ParallelDims.build(ParallelPlan(dist.get_world_size(), sp), "cpu")
     return run_learner(model_path, torch.load(rows_path), knobs, dims)
 
 

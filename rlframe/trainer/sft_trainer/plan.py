@@ -23,6 +23,7 @@ class SFTPlan:
     rows_per_dp: int  # rows_per_step // dp_size: one optimizer step's rows on each DP rank
     use_dynamic_bsz: bool
     micro_batch_size: int | None  # static: rows per forward/backward
+    fsdp_size: int  # engine.fsdp_size, checked: -1 or a divisor of the world
     num_micro_batches: int | None  # static: ceil(rows_per_dp / micro_batch_size)
     max_token_len: int | None  # dynamic: tokens per micro-batch, data.max_token_len_per_gpu × sp_size
 
@@ -36,6 +37,12 @@ class SFTPlan:
             raise ValueError(
                 f"engine.ulysses_sequence_parallel_size={sp} must divide the world size {world} "
                 f"(trainer.nnodes={trainer.nnodes} × trainer.n_gpus_per_node={trainer.n_gpus_per_node})"
+            )
+        fsdp_size = config.engine.fsdp_size
+        if fsdp_size != -1 and (fsdp_size < 1 or world % fsdp_size):
+            raise ValueError(
+                f"engine.fsdp_size={fsdp_size} must be -1 (shard over all {world} ranks) or a divisor of the world "
+                f"size {world} (HSDP: shard within groups of that many ranks)"
             )
         if config.model.lora_rank > 0 and config.engine.strategy == "fsdp" and world == 1:
             # FSDP1 on one rank runs NO_SHARD, whose state-dict hook fails on PEFT's names when a checkpoint is saved
@@ -55,6 +62,7 @@ class SFTPlan:
         return cls(
             world_size=world,
             sp_size=sp,
+            fsdp_size=fsdp_size,
             dp_size=dp,
             rows_per_step=data.train_batch_size,
             rows_per_dp=rows_per_dp,

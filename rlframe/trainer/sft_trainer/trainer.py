@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from rlframe.batch_plan import UpdatePlan
 from rlframe.data.sft_dataset import SFTDataset
-from rlframe.distributed.parallel_dims import ParallelDims
+from rlframe.distributed.parallel_dims import ParallelDims, ParallelPlan
 from rlframe.models.builtin import resolve_model_path
 from rlframe.seqpack import get_seqlen_balanced_partitions
 from rlframe.trainer.checkpointing import LATEST
@@ -75,7 +75,7 @@ class SFTTrainer:
         from transformers import AutoTokenizer
 
         self.config = config
-        data, model, engine, trainer = config.data, config.model, config.engine, config.trainer
+        data, model, trainer = config.data, config.model, config.trainer
         self.device_type = trainer.device
         self.plan = SFTPlan.of(config)
         world = dist.get_world_size()
@@ -84,7 +84,8 @@ class SFTTrainer:
                 f"trainer.nnodes={trainer.nnodes} × trainer.n_gpus_per_node={trainer.n_gpus_per_node} must equal "
                 f"the launched world size {world} (torchrun --nnodes/--nproc-per-node)"
             )
-        self.dims = ParallelDims.build(self.device_type, world, self.plan.sp_size, engine.fsdp_size)
+        parallel = ParallelPlan(world, self.plan.sp_size, self.plan.fsdp_size)
+        self.dims = ParallelDims.build(parallel, self.device_type)
         self.model_path = resolve_model_path(os.path.expanduser(model.path))
         self.tokenizer = AutoTokenizer.from_pretrained(
             model.tokenizer_path or self.model_path, trust_remote_code=model.trust_remote_code
