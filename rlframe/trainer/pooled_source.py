@@ -172,15 +172,17 @@ class PooledSource(BatchSource):
     def _loader_batches(self) -> Iterator[DataProto]:
         """The loader's batches, pass after pass while steps remain (as the sync loop reads it; a resumed run
         continues the pass it was in). Dynamic sampling reads trainer.total_epochs passes, as the sync loop does."""
-        passes = 0
+        passes, empty_before = 0, False
         while True:
             empty = True
             for batch_dict in self.loader:
                 empty = False
                 yield DataProto.from_single_dict(batch_dict)
             passes += 1
-            if empty or (self.sampler is not None and passes >= self.total_epochs):
+            # a run resumed at an epoch's end first reads that epoch's empty rest
+            if (empty and empty_before) or (self.sampler is not None and passes >= self.total_epochs):
                 return
+            empty_before = empty
 
     def _wait_for_batch(self, step: int) -> list[int] | None:
         """Admit, evict and collect generations until the ledger gives the next step's groups (None: the loader

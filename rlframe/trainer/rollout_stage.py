@@ -199,15 +199,16 @@ class ColocatedSource(BatchSource):
 
     def _loader_batches(self) -> Iterator[DataProto]:
         """The pending prompts, then the loader's batches, pass after pass (dynamic sampling: total_epochs passes)."""
-        passes = 0
+        passes, empty_before = 0, False
         while True:
             empty = True
             for batch in self.pending.batches(self.loader, self.loader.batch_size):
                 empty = False
                 yield batch
             passes += 1
-            if empty:
+            if empty and empty_before:  # a run resumed at an epoch's end first reads that epoch's empty rest
                 return
+            empty_before = empty
             if self.sampler is not None and passes >= self.total_epochs:
                 self.sampler.report_data_end()
                 return
