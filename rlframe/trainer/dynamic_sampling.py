@@ -70,6 +70,13 @@ def _spread(values: np.ndarray) -> float:
 class DynamicSampler:
     """Collects the informative groups of generation rounds until a training batch is full."""
 
+    @classmethod
+    def of(cls, config, plan) -> DynamicSampler | None:
+        """The sampler `algorithm.filter_groups` asks for, sized by the batch plan; None when it is off."""
+        if not plan.filter_groups:
+            return None
+        return cls(plan.train_batch_size, plan.n, plan.max_num_gen_batches, config.algorithm.filter_groups.metric)
+
     def __init__(self, train_batch_size: int, n: int, max_num_gen_batches: int, metric: str):
         self.train_batch_size, self.n = train_batch_size, n
         self.max_num_gen_batches, self.metric = max_num_gen_batches, metric

@@ -77,11 +77,8 @@ class PooledSource(BatchSource):
         config, plan = inputs.config, inputs.plan
         self.rollout_cfg, self.plan, self.total_steps = config.actor_rollout_ref.rollout, plan, total_steps
         self.loader, self.pending, self.scorer = inputs.loader, inputs.pending, inputs.scorer
-        self.sampler = None  # DAPO's dynamic sampling: a round is one take of B finished groups
+        self.sampler = DynamicSampler.of(config, plan)  # DAPO's: a round is one take of B finished groups
         self.total_epochs = int(config.trainer.total_epochs)
-        if plan.filter_groups:
-            metric = config.algorithm.filter_groups.metric
-            self.sampler = DynamicSampler(plan.train_batch_size, plan.n, plan.max_num_gen_batches, metric)
         self.actor_wg, self.rollout_wg = groups.actor_rollout, groups.rollout
         self.replicas: list[RayWorkerGroup] = groups.rollout.rank_views()  # TP 1: one replica per process
         v1 = config.trainer.v1

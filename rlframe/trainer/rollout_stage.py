@@ -32,6 +32,7 @@ from rlframe.reward.manager import drop_failed_samples, extra_info_metrics
 from rlframe.trainer.dynamic_sampling import DynamicSampler
 from rlframe.trainer.metrics import reduce_metrics
 from rlframe.trainer.pending_prompts import PendingPrompts
+from rlframe.workers.rollout.base import PROMPT_KEYS
 from rlframe.workers.rollout.config import uses_tool_agent
 from rlframe.workers.rollout.multi_turn import AGENT_INPUT_KEYS, check_agent_rows
 from rlframe.workers.rollout.openai_agent import SAMPLE_KEYS as OPENAI_SAMPLE_KEYS
@@ -42,8 +43,6 @@ if TYPE_CHECKING:
     from rlframe.batch_plan import BatchPlan
     from rlframe.reward.manager import RewardManager
     from rlframe.single_controller.ray import RayWorkerGroup
-
-PROMPT_KEYS = ["input_ids", "attention_mask", "position_ids"]
 
 
 @contextmanager
@@ -104,7 +103,7 @@ def assign_uids(prompts: DataProto) -> None:
 
 def generation_inputs(batch: DataProto, rollout_cfg, **meta_info) -> tuple[DataProto, DataProto]:
     """(the batch without its prompts, what the rollout receives: the prompts and an agent's inputs)."""
-    gen_batch = batch.pop(batch_keys=PROMPT_KEYS)
+    gen_batch = batch.pop(batch_keys=list(PROMPT_KEYS))
     check_agent_rows(batch.non_tensor_batch.get("agent_name"), rollout_cfg)
     if uses_tool_agent(rollout_cfg):  # the agent reads the chat and tool arguments
         gen_batch.non_tensor_batch = {k: v for k, v in batch.non_tensor_batch.items() if k in AGENT_INPUT_KEYS}
@@ -179,10 +178,7 @@ class ColocatedSource(BatchSource):
         self.loader, self.pending, self.scorer = inputs.loader, inputs.pending, inputs.scorer
         self.remax = config.algorithm.adv_estimator == "remax"
         self.total_epochs = int(config.trainer.total_epochs)
-        self.sampler = None  # DAPO's dynamic sampling: collects informative groups over generation rounds
-        if plan.filter_groups:
-            metric = config.algorithm.filter_groups.metric
-            self.sampler = DynamicSampler(plan.train_batch_size, plan.n, plan.max_num_gen_batches, metric)
+        self.sampler = DynamicSampler.of(config, plan)  # DAPO's: None without algorithm.filter_groups
         self._batches: Iterator[DataProto] | None = None
 
     def next_batch(self, step: int) -> StepBatch | None:
