@@ -249,7 +249,6 @@ class SeparateAsyncConfig(Section):
 # What separate_async does not implement yet: (is it set?, the key and value, why). docs/async.md lists them.
 def _separate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
     rollout, model = root.actor_rollout_ref.rollout, root.actor_rollout_ref.model
-    agent_tools = bool(rollout.multi_turn.tool_config_path or rollout.multi_turn.function_tool_path)
     engine = find_engine(rollout.name)
     return [
         (
@@ -266,11 +265,6 @@ def _separate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
             root.algorithm.adv_estimator == "remax",
             "algorithm.adv_estimator=remax",
             "ReMax's greedy baselines are not generated on the rollout pool yet",
-        ),
-        (
-            agent_tools or rollout.agent.default_agent_loop == "tool_agent",
-            "actor_rollout_ref.rollout.multi_turn / agent.default_agent_loop=tool_agent",
-            "multi-turn rollouts with tools are not run on the rollout pool yet",
         ),
         (
             rollout.agent.default_agent_loop == "openai_agent",

@@ -44,8 +44,8 @@ from rlframe.trainer.rollout_stage import (
     timer,
 )
 from rlframe.trainer.staleness import Evict, GroupLedger, Take
-from rlframe.workers.rollout.base import SEED_KEY
-from rlframe.workers.rollout.partial import INTERRUPTED_KEY, VERSIONS_KEY
+from rlframe.workers.rollout.base import SEED_KEY, STOP_KEY, TRAJECTORY_KEY, VERSIONS_KEY
+from rlframe.workers.rollout.partial import interrupted
 
 ADMITTED_KEY = "admitted_version"  # each row's group's admission version, from its take until its step's metrics
 
@@ -243,7 +243,8 @@ class PooledSource(BatchSource):
         self._gen_metrics.append(output.meta_info.pop("metrics", {}))
         self._rollout_idle_s += output.meta_info.pop("idle_s")
         output.meta_info = {}
-        cut = output.pop(batch_keys=[INTERRUPTED_KEY]).batch[INTERRUPTED_KEY]
+        cut = interrupted(output)  # the engine's own stop reasons: only interrupted rows go on
+        output.pop(batch_keys=[STOP_KEY])
         again = torch.nonzero(cut).flatten()
         fields = chunk.batch.select_idxs(again)  # before the union below adds the generated keys to chunk.batch
         rows = chunk.batch.union(output)
@@ -253,6 +254,7 @@ class PooledSource(BatchSource):
             resend.meta_info = dict(chunk.meta_info)
             self._submit("continue_sequences", resend, fields, [chunk.slots[i] for i in again])
         rows.pop(non_tensor_batch_keys=[SEED_KEY])
+        rows.non_tensor_batch.pop(TRAJECTORY_KEY, None)  # a tool agent's: only a cut row's state is kept (resent)
         returned: dict[int, list[tuple[int, int]]] = {}  # group id -> (sample index, row) of its rows back now
         for i in torch.nonzero(~cut).flatten().tolist():
             gid, j = chunk.slots[i]

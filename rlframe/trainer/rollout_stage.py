@@ -32,7 +32,7 @@ from rlframe.reward.manager import drop_failed_samples, extra_info_metrics
 from rlframe.trainer.dynamic_sampling import DynamicSampler
 from rlframe.trainer.metrics import reduce_metrics
 from rlframe.trainer.pending_prompts import PendingPrompts
-from rlframe.workers.rollout.base import PROMPT_KEYS
+from rlframe.workers.rollout.base import PROMPT_KEYS, drop_rollout_state
 from rlframe.workers.rollout.config import uses_tool_agent
 from rlframe.workers.rollout.multi_turn import AGENT_INPUT_KEYS, check_agent_rows
 from rlframe.workers.rollout.openai_agent import SAMPLE_KEYS as OPENAI_SAMPLE_KEYS
@@ -120,7 +120,7 @@ def merge_generated(batch: DataProto, output: DataProto) -> tuple[DataProto, dic
     """The batch with the rollout's output joined back; (it, the rollout's metrics, lists by name)."""
     metrics = output.meta_info.pop("metrics", {})
     output.meta_info = {}
-    return batch.union(output), metrics
+    return batch.union(drop_rollout_state(output)), metrics
 
 
 def merged_metrics(metric_dicts: list[dict]) -> dict:

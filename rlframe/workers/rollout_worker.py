@@ -16,7 +16,9 @@ synchronous run on one. Each row's seed comes back with it (`sample_seed`), for 
 Partial rollout (`actor_rollout_ref.rollout.partial_rollout`, `rollout/partial.py`): the driver announces each new
 version on a `VersionBoard` before it queues the weights. A generation running on older weights sees the
 announcement at its next decoding step (the board is asked at most every `BOARD_POLL_S`) and stops; the rows it
-cut come back `interrupted`, and `continue_sequences` later finishes them under the new weights.
+cut come back `Stop.INTERRUPTED`, and `continue_sequences` later finishes them under the new weights. A tool agent's
+trajectory is cut inside a turn (the same interrupt) or between turns (its next generation request finds the
+interrupt set and generates nothing); it comes back with its state and continues from it.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ from rlframe.models.builtin import copy_to_shm
 from rlframe.protocol import DataProto
 from rlframe.single_controller import Dispatch, Worker, register
 from rlframe.utils.faults import DelayPoints
-from rlframe.workers.rollout.base import SEED_KEY, call_seed, seeded
-from rlframe.workers.rollout.partial import INTERRUPTED_KEY, VERSIONS_KEY, continue_generation, interrupted_rows
+from rlframe.workers.rollout.base import SEED_KEY, TRAJECTORY_KEY, VERSIONS_KEY, call_seed, seeded
+from rlframe.workers.rollout.partial import continue_generation
 
 BOARD_POLL_S = 0.02  # how often a running generation asks the board whether newer weights were announced
 
@@ -129,8 +131,9 @@ class RolloutWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Generate this replica's share; stamp the response tokens with the engine's policy version and mark the
-        rows a newer version cut (`interrupted`). The output's meta_info["idle_s"] is how long this process waited
+        """Generate this replica's share with the engine's policy version (`policy_version`): the rollout stamps each
+        response token with it (`rollout_versions`) and reports why each row stopped (`stop_reason`; the rows a
+        newer version cut are `Stop.INTERRUPTED`). The output's meta_info["idle_s"] is how long this process waited
         for work before the call (since its last call).
 
         The seeds: one draw of the process RNG, then the rows' sample seeds under it, exactly as
@@ -139,32 +142,36 @@ class RolloutWorker(Worker):
         self.kill_points.hit("rollout.generate")
         self.delay_points.hit("rollout.generate")
         prompts = prompts.to(self.device_type)
+        prompts.meta_info["policy_version"] = self.version
         with seeded(call_seed(dist.get_rank())):
             prompts.non_tensor_batch[SEED_KEY] = np.array(self.rollout.sample_seeds(len(prompts)), dtype=object)
             output = self.rollout.generate_sequences(prompts).to("cpu")
-        mask = output.batch["response_mask"]
-        versions = torch.full(mask.shape, self.version, dtype=torch.int32)
-        output.batch[VERSIONS_KEY] = versions.masked_fill(mask == 0, -1)
-        params = self.rollout.sampling_for(prompts.meta_info)
-        eos_ids, _ = self.rollout.special_tokens_for(prompts.meta_info)
-        output.batch[INTERRUPTED_KEY] = interrupted_rows(output, params.response_length, eos_ids)
         output.meta_info["idle_s"] = idle
         self._idle_since = time.perf_counter()
         return output
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def continue_sequences(self, rows: DataProto) -> DataProto:
-        """Finish rows a weight update cut (`rollout/partial.py`): their new tokens carry this engine's version."""
+        """Finish rows a weight update cut: their new tokens carry this engine's version. A single-turn row goes on
+        from its tokens (`rollout/partial.py`); a tool agent's trajectory from its state (`TRAJECTORY_KEY`,
+        `multi_turn.py`), whose tool calls already ran are never run again."""
         from rlframe.workers.rollout.base import response_metrics
 
         idle = time.perf_counter() - self._idle_since
         self.kill_points.hit("rollout.continue")
         start = time.perf_counter()
+        rows = rows.to(self.device_type)
+        rows.meta_info["policy_version"] = self.version
         with torch.no_grad():
-            output = continue_generation(self.engine, rows.to(self.device_type), self.version).to("cpu")
+            if self.rollout.runs_trajectories:
+                trajectories = list(rows.non_tensor_batch[TRAJECTORY_KEY])
+                output = self.rollout.continue_trajectories(rows, trajectories).to("cpu")
+            else:
+                output = continue_generation(self.engine, rows, self.version).to("cpu")
         elapsed = time.perf_counter() - start
         eos_ids, _ = self.rollout.special_tokens_for(rows.meta_info)
-        metrics = response_metrics(output.batch["response_mask"], output.batch["responses"], eos_ids)
+        metrics = {**output.meta_info.get("metrics", {})}
+        metrics.update(response_metrics(output.batch["response_mask"], output.batch["responses"], eos_ids))
         new_tokens = int((output.batch[VERSIONS_KEY] == self.version).sum())
         metrics.update({"timing_s/generate": elapsed, "perf/rollout_tokens_per_s": new_tokens / max(elapsed, 1e-9)})
         output.meta_info = {"metrics": metrics, "idle_s": idle}

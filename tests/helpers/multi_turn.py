@@ -8,7 +8,7 @@ import torch
 from helpers.rollout import typed_rollout
 from rlframe.config.loader import load_config
 from rlframe.protocol import DataProto
-from rlframe.workers.rollout.base import BaseRollout, ServedModel
+from rlframe.workers.rollout.base import BaseRollout, Generated, ServedModel, Stop
 from rlframe.workers.rollout.config import RolloutConfig
 from rlframe.workers.rollout.tools import BaseTool, ToolResponse, string_function_schema
 
@@ -21,26 +21,55 @@ def call(expression: str) -> str:
 
 # ------------------------------------------------------------------------------------------ the rollout
 class ScriptedEngine(BaseRollout):
-    """Replies by conversation: `script[user text][turn]`; records every batch it was asked to generate."""
+    """Replies by conversation: `script[user text][turn]`; records every batch it was asked to generate.
+
+    It decodes one token per step for every row, as an engine does: `interrupt`, when set, is asked before the first
+    step and after each one, and once it says True the unfinished rows stop `Stop.INTERRUPTED`. A context that ends
+    inside a reply (a cut turn) gets the rest of it; a token's log-prob is -(its index in the reply + 1) / 10."""
 
     def __init__(self, config: RolloutConfig, tokenizer, model_path, script: dict[str, list[str]]):
         super().__init__(config, ServedModel(model_path), tokenizer, "cpu")
         self.tokenizer, self.script, self.calls = tokenizer, script, []
+        self.header = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
 
     def _generate(self, prompts, params, eos_ids, pad_id, seeds):
-        rows, log_probs = [], []
+        rests, offsets = [], []
         for ids, mask in zip(prompts.batch["input_ids"], prompts.batch["attention_mask"]):
-            context = self.tokenizer.decode(ids[mask.bool()].tolist())
-            user = next(text for text in self.script if text in context)
-            turn = context.count("<|im_start|>assistant") - 1
+            context = ids[mask.bool()].tolist()
+            text = self.tokenizer.decode(context)
+            user = next(text_ for text_ in self.script if text_ in text)
+            turn = text.count("<|im_start|>assistant") - 1
             reply = self.tokenizer.encode(self.script[user][turn], add_special_tokens=False) + [eos_ids[0]]
-            rows.append(reply[: params.response_length])
-        self.calls.append(len(rows))
-        width = max(len(r) for r in rows)
+            started = self._turn_so_far(context)
+            assert reply[: len(started)] == started, "a cut turn goes on with its own reply"
+            rests.append(reply[len(started) :][: params.response_length])
+            offsets.append(len(started))
+        self.calls.append(len(rests))
+        steps = self._steps_before_interrupt(max(len(r) for r in rests))
+        rows = [rest[:steps] for rest in rests]
+        stops = [
+            Stop.EOS if len(row) == len(rest) and rest[-1] in eos_ids else Stop.LENGTH for row, rest in zip(rows, rests)
+        ]
+        stops = [Stop.INTERRUPTED if len(row) < len(rest) else stop for row, rest, stop in zip(rows, rests, stops)]
+        width = max(1, max(len(r) for r in rows))
         tokens = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows])
         lengths = torch.tensor([len(r) for r in rows])
-        log_probs = -torch.arange(1, width + 1, dtype=torch.float32).repeat(len(rows), 1) / 10
-        return tokens, lengths, log_probs
+        log_probs = -(torch.arange(1, width + 1)[None, :] + torch.tensor(offsets)[:, None]).float() / 10
+        return Generated(tokens, lengths, log_probs, torch.tensor([int(s) for s in stops], dtype=torch.int8))
+
+    def _turn_so_far(self, context: list[int]) -> list[int]:
+        """The tokens after the context's last assistant header: a cut turn's prefix (none for a new turn)."""
+        width = len(self.header)
+        starts = [i for i in range(len(context) - width + 1) if context[i : i + width] == self.header]
+        return context[starts[-1] + width :] if starts else []
+
+    def _steps_before_interrupt(self, longest: int) -> int:
+        if self.interrupt is None:
+            return longest
+        for step in range(longest + 1):
+            if self.interrupt():
+                return step
+        return longest
 
     def update_weights(self, named_tensors):
         pass

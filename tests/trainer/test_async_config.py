@@ -56,7 +56,6 @@ def test_under_sync_the_async_keys_are_reported_without_effect():
         ),
         ([*SEPARATE, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], r"tensor_model_parallel_size=2 with"),
         ([*SEPARATE, "algorithm.adv_estimator=remax"], r"algorithm.adv_estimator=remax with"),
-        ([*SEPARATE, "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"], r"tool_agent with"),
         ([*SEPARATE, "actor_rollout_ref.model.lora_rank=8"], r"actor_rollout_ref.model.lora_rank=8 with"),
         ([*SEPARATE, "global_profiler.tool=torch"], r"global_profiler.tool=torch with .*not profiled"),
         ([*SEPARATE, "actor_rollout_ref.hybrid_engine=false"], r"hybrid_engine=false"),
@@ -83,6 +82,20 @@ def test_verls_other_v1_keys_are_taken_at_their_defaults_only(override, expected
     compose([f"{key}={str(verl_defaults()[key]).lower()}"])  # verl's default: the same run
     with pytest.raises(ValueError, match=expected):
         compose([override])
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_tool_agent_runs_on_the_rollout_pool_in_either_rollout_mode(mode):
+    typed(
+        compose(
+            [
+                *SEPARATE,
+                "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
+                f"actor_rollout_ref.rollout.mode={mode}",
+                "data.return_raw_chat=true",
+            ]
+        )
+    )
 
 
 def test_the_rollout_pool_takes_hf_and_vllm_and_refuses_sglang_by_name():

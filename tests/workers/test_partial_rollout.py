@@ -11,7 +11,7 @@ import torch
 from helpers.rollout import PROMPT_LEN, RESPONSE_LEN, make_prompts, one_process_rollout_worker
 
 from rlframe.protocol import DataProto
-from rlframe.workers.rollout.partial import INTERRUPTED_KEY, VERSIONS_KEY, continuation_prompts
+from rlframe.workers.rollout.partial import STOP_KEY, VERSIONS_KEY, continuation_prompts, interrupted
 
 
 class CutAfter:
@@ -41,7 +41,9 @@ def _generate_cut(worker, calls: int) -> tuple[DataProto, torch.Tensor]:
         out = worker.generate_sequences(make_prompts())
     finally:
         worker.engine.interrupt = None
-    return out, out.pop(batch_keys=[INTERRUPTED_KEY]).batch[INTERRUPTED_KEY]
+    flags = interrupted(out)
+    out.pop(batch_keys=[STOP_KEY])
+    return out, flags
 
 
 def _teacher_forced_log_probs(worker, rows: DataProto) -> torch.Tensor:
@@ -61,7 +63,7 @@ def _teacher_forced_log_probs(worker, rows: DataProto) -> torch.Tensor:
 def test_a_cut_row_continued_on_the_same_weights_is_the_uncut_row(worker, cut_after):
     state = torch.get_rng_state()
     whole = worker.generate_sequences(make_prompts())
-    whole.pop(batch_keys=[INTERRUPTED_KEY])
+    whole.pop(batch_keys=[STOP_KEY])
     torch.set_rng_state(state)
     cut, flags = _generate_cut(worker, cut_after)
     assert list(cut.non_tensor_batch["sample_seed"]) == list(whole.non_tensor_batch["sample_seed"])
@@ -70,7 +72,7 @@ def test_a_cut_row_continued_on_the_same_weights_is_the_uncut_row(worker, cut_af
     assert (prefix[flags] == cut_after).all()
     rows = cut.select_idxs(flags)
     continued = worker.continue_sequences(rows)
-    assert not continued.batch[INTERRUPTED_KEY].any()
+    assert not interrupted(continued).any()
     expected = whole.select_idxs(flags)
     for key in ("responses", "response_mask", "input_ids", "attention_mask", "position_ids", VERSIONS_KEY):
         assert torch.equal(continued.batch[key], expected.batch[key]), key

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 from test_partial_rollout import CutAfter
 
 from rlframe.protocol import DataProto
-from rlframe.workers.rollout.partial import INTERRUPTED_KEY, VERSIONS_KEY
+from rlframe.workers.rollout.partial import STOP_KEY, VERSIONS_KEY, interrupted
 
 PROMPT = 64
 
@@ -38,14 +38,15 @@ def test_a_cut_image_row_continued_is_the_uncut_row(tiny_vl_path, tmp_path):
         prompts = _prompts(tiny_vl_path, str(tmp_path / "data"))
         state = torch.get_rng_state()
         whole = worker.generate_sequences(prompts)
-        whole.pop(batch_keys=[INTERRUPTED_KEY])
+        whole.pop(batch_keys=[STOP_KEY])
         torch.set_rng_state(state)
         worker.engine.interrupt = CutAfter(2)
         try:
             cut = worker.generate_sequences(prompts)
         finally:
             worker.engine.interrupt = None
-        flags = cut.pop(batch_keys=[INTERRUPTED_KEY]).batch[INTERRUPTED_KEY]
+        flags = interrupted(cut)
+        cut.pop(batch_keys=[STOP_KEY])
         assert flags.any()
         rows = cut.select_idxs(flags)
         for key, value in prompts.select_idxs(flags).non_tensor_batch.items():  # the images go with the cut rows

@@ -34,7 +34,15 @@ import torch.distributed as dist
 
 from rlframe.models.vision import row_images
 from rlframe.protocol import DataProto
-from rlframe.workers.rollout.base import BaseRollout, Rollout, build_rollout_output, check_prompts, response_metrics
+from rlframe.workers.rollout.base import (
+    BaseRollout,
+    Rollout,
+    build_rollout_output,
+    check_prompts,
+    mark_rollout_state,
+    policy_version,
+    response_metrics,
+)
 from rlframe.workers.rollout.multi_turn import MultiTurnRollout, Trajectory
 from rlframe.workers.rollout.openai_agent import OpenAIAgents
 from rlframe.workers.rollout.server import BatchingServer, Completion, GenerationRequest, RolloutServer
@@ -63,11 +71,24 @@ class AgentLoopRollout(Rollout):
     def unwrapped(self) -> BaseRollout:
         return self.engine
 
+    @property
+    def runs_trajectories(self) -> bool:
+        return self.multi_turn is not None
+
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         check_prompts(prompts, self.engine.config.prompt_length)
         if self.multi_turn is not None and "raw_prompt" not in prompts.non_tensor_batch:
             raise ValueError("the tool agent needs the chat messages of each prompt: set data.return_raw_chat=true")
+        return self._serve(prompts, None)
+
+    @torch.no_grad()
+    def continue_trajectories(self, rows: DataProto, trajectories: list[Trajectory]) -> DataProto:
+        """The tool agent's cut trajectories, run on from their state by the agent loops (`multi_turn.py`)."""
+        return self._serve(rows, trajectories)
+
+    def _serve(self, prompts: DataProto, trajectories: list[Trajectory] | None) -> DataProto:
+        """Start the server and run the rows' agents against it (new trajectories, or the given cut ones)."""
         params = self.engine.sampling_for(prompts.meta_info)
         eos_ids, pad_id = self.engine.special_tokens_for(prompts.meta_info)
         seeds = self.engine.seeds_for(prompts)
@@ -83,7 +104,7 @@ class AgentLoopRollout(Rollout):
         elif self.multi_turn is None:
             out = self._single_turn(prompts, seeds, server, params.response_length, eos_ids, pad_id)
         else:
-            out = self._tool_agent(prompts, seeds, server, params.response_length, eos_ids, pad_id)
+            out = self._tool_agent(prompts, seeds, server, params.response_length, eos_ids, pad_id, trajectories)
         out.meta_info["metrics"]["timing_s/generate"] = time.perf_counter() - start
         return _from_leader(out, self.engine.tp_group) if size > 1 else out
 
@@ -112,28 +133,36 @@ class AgentLoopRollout(Rollout):
             if log_probs is not None:
                 log_probs[row, : len(completion.tokens)] = torch.tensor(completion.log_probs)
         out = build_rollout_output(prompts, tokens, lengths, response_length, eos_ids, pad_id, log_probs)
+        versions = torch.full(tokens.shape, policy_version(prompts.meta_info))
+        mark_rollout_state(out, torch.tensor([int(c.stop) for c in completions]), versions)
         metrics = response_metrics(out.batch["response_mask"], out.batch["responses"], eos_ids)
         metrics["perf/rollout_tokens_per_s"] = int(out.batch["response_mask"].sum()) / max(elapsed, 1e-9)
         out.meta_info["metrics"] = {**metrics, **server_metrics}
         return out
 
-    def _tool_agent(self, prompts, seeds, server, response_length, eos_ids, pad_id) -> DataProto:
-        trajectories = [self.multi_turn.start_trajectory(row, prompts, seeds[row]) for row in range(len(prompts))]
+    def _tool_agent(self, prompts, seeds, server, response_length, eos_ids, pad_id, trajectories) -> DataProto:
+        """Each trajectory as an agent loop: its pending tool calls run (once), else its next turn is generated,
+        until it is done or the interrupt cut it (`multi_turn.py` holds the turn logic both rollout modes share)."""
+        if trajectories is None:
+            trajectories = [self.multi_turn.start_trajectory(row, prompts, seeds[row]) for row in range(len(prompts))]
+        version = policy_version(prompts.meta_info)
+        for trajectory in trajectories:
+            trajectory.interrupted = False
 
         async def agent(item: tuple[int, Trajectory], worker: MultiTurnRollout) -> Trajectory:
             row, trajectory = item
-            while not trajectory.done:
+            while not (trajectory.done or trajectory.interrupted):
+                if trajectory.pending:
+                    with server.away():
+                        results = await worker.tool_turn(trajectory)
+                    worker.append_tool_turn(trajectory, results)
+                    continue
                 context = trajectory.prompt_ids + trajectory.response_ids
                 request = GenerationRequest(  # every turn's context holds the first turn's images
                     row, context, worker.budget(trajectory), trajectory.seed, **trajectory.images
                 )
                 completion = await server.generate(request)
-                worker.take_turn(trajectory, completion.tokens, completion.log_probs, eos_ids)
-                if trajectory.done:
-                    break
-                with server.away():
-                    results = await worker.tool_turn(trajectory)
-                worker.append_tool_turn(trajectory, results)
+                worker.take_turn(trajectory, completion.tokens, completion.log_probs, eos_ids, completion.stop, version)
             return trajectory
 
         start = time.perf_counter()

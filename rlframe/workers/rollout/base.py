@@ -13,7 +13,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from enum import IntEnum
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -29,6 +30,75 @@ if TYPE_CHECKING:
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 KEY = "actor_rollout_ref.rollout"
+STOP_KEY = "stop_reason"  # per row: why the engine stopped it (a `Stop`)
+VERSIONS_KEY = "rollout_versions"  # the policy version that sampled each response token, -1 on padding and context
+TRAJECTORY_KEY = "trajectory"  # per row: a cut multi-turn trajectory's state (`multi_turn.Trajectory`), else None
+# the rollout's own bookkeeping in its output: the rollout pool reads it, a training batch does not carry it
+ROLLOUT_STATE_KEYS = (STOP_KEY, VERSIONS_KEY)
+
+
+class Stop(IntEnum):
+    """Why an engine stopped a row, as the engine knows it (never guessed from the tokens afterwards)."""
+
+    EOS = 0  # it generated an end-of-sequence token
+    LENGTH = 1  # it spent its token budget
+    CONTEXT_LIMIT = 2  # it spent a budget that the engine's context limit shortened (vLLM's max_model_len)
+    INTERRUPTED = 3  # the engine's `interrupt` fired before the row finished: only these rows are continued
+
+
+class Generated(NamedTuple):
+    """What `_generate` returns: token ids [B, W], generated counts [B], log-probs [B, W] or None, `Stop`s [B]."""
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    log_probs: torch.Tensor | None
+    stops: torch.Tensor
+
+
+def stop_of(ended_with_eos: bool, count: int, budget: int, interrupted: bool, context_limited: bool = False) -> Stop:
+    """A row's stop reason from what the engine knows: an EOS ends it, then a spent budget, then the interrupt."""
+    if ended_with_eos:
+        return Stop.EOS
+    if count >= budget:
+        return Stop.CONTEXT_LIMIT if context_limited else Stop.LENGTH
+    if interrupted:
+        return Stop.INTERRUPTED
+    raise RuntimeError(f"an engine returned a row of {count} tokens without EOS, budget {budget} or interrupt")
+
+
+def clip_row(tokens: list[int], budget: int, stop: Stop, eos_ids: list[int]) -> tuple[list[int], Stop]:
+    """A row generated in a batch of larger budgets, cut to its own `budget` and first EOS (kept), with the stop
+    reason that follows: EOS, then its spent budget, else what the engine reported (interrupted, context limit)."""
+    tokens = tokens[:budget]
+    end = next((i for i, token in enumerate(tokens) if token in eos_ids), None)
+    if end is not None:
+        return tokens[: end + 1], Stop.EOS
+    if len(tokens) >= budget:
+        return tokens, Stop.CONTEXT_LIMIT if stop == Stop.CONTEXT_LIMIT else Stop.LENGTH
+    return tokens, Stop(int(stop))
+
+
+def mark_rollout_state(out: DataProto, stops: torch.Tensor, versions: torch.Tensor) -> DataProto:
+    """Put the rows' stop reasons and per-token policy versions into a rollout output (-1 where the mask is 0)."""
+    out.batch[STOP_KEY] = stops.to(torch.int8).cpu()
+    mask = out.batch["response_mask"]
+    out.batch[VERSIONS_KEY] = versions.to(torch.int32).to(mask.device).masked_fill(mask == 0, -1)
+    return out
+
+
+def drop_rollout_state(output: DataProto) -> DataProto:
+    """The output without the rollout's own bookkeeping (stop reasons, versions, cut trajectories): a training batch
+    of the synchronous loop does not carry it (the OpenAI agent's output has none)."""
+    for key in ROLLOUT_STATE_KEYS:
+        if output.batch is not None and key in output.batch.keys():
+            del output.batch[key]
+    output.non_tensor_batch.pop(TRAJECTORY_KEY, None)
+    return output
+
+
+def policy_version(meta_info: dict) -> int:
+    """The policy version a rollout call generates with (`policy_version` in its meta_info; 0 when not given)."""
+    return int(meta_info.get("policy_version", 0))
 
 
 def call_seed(dp_index: int) -> int:
@@ -217,6 +287,8 @@ class Rollout(ABC):
     """
 
     config: RolloutConfig  # the rollout's section (`actor_rollout_ref.rollout`)
+    # a tool agent's rollout: a row cut by the interrupt continues from its trajectory (`continue_trajectories`)
+    runs_trajectories: bool = False
 
     @property
     @abstractmethod
@@ -226,6 +298,10 @@ class Rollout(ABC):
     @abstractmethod
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Left-padded prompts in, the rollout contract out (see `build_rollout_output`), with metrics."""
+
+    def continue_trajectories(self, rows: DataProto, trajectories: list) -> DataProto:
+        """Run cut trajectories (`TRAJECTORY_KEY`) on from their state: rollouts that `runs_trajectories`."""
+        raise NotImplementedError(f"{type(self).__name__} runs no trajectories (single-turn rows continue by tokens)")
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full (unsharded) actor tensors by their HF parameter names."""
@@ -277,7 +353,8 @@ class BaseRollout(Rollout):
     needs_base_weights = False  # an adapter-serving engine started from dummy weights sets it until they arrive
 
     # partial rollout on the rollout pool (`rollout/partial.py`): the hf and vllm engines ask it while they generate;
-    # once it says True the generation running stops every unfinished row and what has not started generates nothing
+    # once it says True the generation running stops every unfinished row and what has not started generates nothing,
+    # and those rows come back `Stop.INTERRUPTED`
     interrupt: Callable[[], bool] | None = None
 
     def __init__(self, config: RolloutConfig, served: ServedModel, tokenizer, device_type: str, tp_group=None):
@@ -339,17 +416,19 @@ class BaseRollout(Rollout):
         eos_ids, pad_id = self.special_tokens_for(prompts.meta_info)
         seeds = self.seeds_for(prompts)
         start = time.perf_counter()
-        responses, lengths, log_probs = self._generate(prompts, params, eos_ids, pad_id, seeds)
+        generated = self._generate(prompts, params, eos_ids, pad_id, seeds)
         elapsed = time.perf_counter() - start
         out = build_rollout_output(
             prompts,
-            responses,
-            lengths,
+            generated.tokens,
+            generated.lengths,
             params.response_length,
             eos_ids,
             pad_id,
-            log_probs if self.config.calculate_log_probs else None,
+            generated.log_probs if self.config.calculate_log_probs else None,
         )
+        versions = torch.full(out.batch["response_mask"].shape, policy_version(prompts.meta_info))
+        mark_rollout_state(out, generated.stops, versions)
         num_tokens = int(out.batch["response_mask"].sum())
         metrics = response_metrics(out.batch["response_mask"], out.batch["responses"], eos_ids)
         metrics["timing_s/generate"] = elapsed
@@ -360,8 +439,9 @@ class BaseRollout(Rollout):
     @abstractmethod
     def _generate(
         self, prompts: DataProto, params: SamplingParams, eos_ids: list[int], pad_id: int, seeds: list[int]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Generate for every prompt row: (token ids [B, W], generated counts [B], log-probs [B, W] or None).
+    ) -> Generated:
+        """Generate for every prompt row: token ids [B, W], generated counts [B], log-probs [B, W] or None, and
+        why each row stopped (`Stop`).
 
         `seeds[i]` is row i's sample seed: a sampling engine keys each random choice of the row by it and the
         position it fills (`position_seed`), so a row's tokens do not depend on the rows batched with it.
@@ -379,7 +459,7 @@ class BaseRollout(Rollout):
         pad_id: int,
         seeds: list[int],
         budgets: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    ) -> Generated:
         """`_generate` with a token budget per row: the continuation of rows a weight push cut (`partial.py`),
         for engines whose `capabilities.partial_rollout` is declared."""
         raise NotImplementedError(f"{type(self).__name__} does not continue cut rows (no partial_rollout capability)")

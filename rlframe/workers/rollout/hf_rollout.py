@@ -18,7 +18,7 @@ import torch
 
 from rlframe.models.vision import causal_lm_class, generation_image_inputs
 from rlframe.protocol import DataProto
-from rlframe.workers.rollout.base import BaseRollout, ServedModel, position_seed
+from rlframe.workers.rollout.base import BaseRollout, Generated, ServedModel, Stop, position_seed, stop_of
 from rlframe.workers.rollout.sampling import SamplingParams
 from rlframe.workers.rollout.spec import Capabilities, EngineSpec
 from rlframe.workers.rollout.tp import apply_tensor_parallel, load_full_tensors, tp_mesh_from_group
@@ -205,9 +205,10 @@ class HFRollout(BaseRollout):
         pad_id: int,
         seeds: list[int],
         budgets: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    ) -> Generated:
         """`_generate`, with an optional token budget per row (`budgets` [B], at most params.response_length):
-        the continuation of cut rows, whose prompts may be wider than `prompt_length`."""
+        the continuation of cut rows, whose prompts may be wider than `prompt_length`. A row stops at an EOS, at its
+        budget, or `Stop.INTERRUPTED` when the interrupt fired first (HF has no context limit of its own)."""
         if self._released or self._missing:
             missing = sorted(self._missing)
             raise RuntimeError(
@@ -230,7 +231,7 @@ class HFRollout(BaseRollout):
             return_dict_in_generate=True,
         )
         temperature = 1.0 if params.greedy else params.temperature
-        tokens, lengths, log_probs, size = [], [], [], self.config.micro_batch_size
+        tokens, lengths, log_probs, stops, size = [], [], [], [], self.config.micro_batch_size
         interrupted = False
         for start in range(0, len(prompts), size):
             ids, mask = input_ids[start : start + size], attention_mask[start : start + size]
@@ -239,6 +240,7 @@ class HFRollout(BaseRollout):
                 interrupted = True  # this micro-batch's rows come back cut, with no token
                 tokens.append(torch.full((len(ids), params.response_length), pad_id, device=self.device))
                 lengths.append(torch.zeros(len(ids), dtype=torch.long))
+                stops.append(torch.full((len(ids),), int(Stop.INTERRUPTED), dtype=torch.int8))
                 if self.config.calculate_log_probs:
                     log_probs.append(torch.zeros(len(ids), params.response_length, device=self.device))
                 continue
@@ -266,10 +268,14 @@ class HFRollout(BaseRollout):
             new = out.sequences[:, ids.shape[1] :]
             tokens.append(_pad_right(new, params.response_length, pad_id))
             count = torch.full((new.shape[0],), new.shape[1], dtype=torch.long)
-            lengths.append(count if row_budgets is None else torch.minimum(count, row_budgets))
+            count = count if row_budgets is None else torch.minimum(count, row_budgets.cpu())
+            lengths.append(count)
+            stops.append(_stops(new, count, row_budgets, params.response_length, eos_ids, stop.fired))
             if recorder is not None:
                 log_probs.append(_pad_right(recorder.finish(out.sequences), params.response_length, 0.0))
-        return torch.cat(tokens), torch.cat(lengths), torch.cat(log_probs) if log_probs else None
+        return Generated(
+            torch.cat(tokens), torch.cat(lengths), torch.cat(log_probs) if log_probs else None, torch.cat(stops)
+        )
 
     @torch.no_grad()
     def _shared_prompt_cache(self, ids: torch.Tensor, mask: torch.Tensor) -> dict:
@@ -317,6 +323,16 @@ def _cache_takes_config() -> bool:
 def _cache_argument(model_class: type) -> str:
     """The name transformers gives the KV cache argument (`cache` from 5.x, `past_key_values` before)."""
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def _stops(new, counts, budgets, response_length: int, eos_ids: list[int], interrupted: bool) -> torch.Tensor:
+    """[B] int8 `Stop`s of one micro-batch: `new` [B, W] generated ids, `counts` [B] how many are the row's."""
+    is_eos = torch.isin(new.cpu(), torch.tensor(eos_ids))
+    rows = []
+    for row, count in enumerate(counts.tolist()):
+        budget = response_length if budgets is None else int(budgets[row])
+        rows.append(int(stop_of(bool(is_eos[row, :count].any()), count, budget, interrupted)))
+    return torch.tensor(rows, dtype=torch.int8)
 
 
 def _pad_right(x: torch.Tensor, width: int, value) -> torch.Tensor:

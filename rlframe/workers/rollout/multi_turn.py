@@ -39,7 +39,16 @@ import torch
 
 from rlframe.models.vision import MULTIMODAL_KEYS, images_of, mrope_position_ids, row_images
 from rlframe.protocol import DataProto
-from rlframe.workers.rollout.base import BaseRollout, Rollout, check_prompts
+from rlframe.workers.rollout.base import (
+    TRAJECTORY_KEY,
+    BaseRollout,
+    Rollout,
+    Stop,
+    check_prompts,
+    clip_row,
+    mark_rollout_state,
+    policy_version,
+)
 from rlframe.workers.rollout.config import uses_tool_agent
 from rlframe.workers.rollout.sampling import SamplingParams
 from rlframe.workers.rollout.tool_text import AddedTokens, encode_pieces, split_rendering
@@ -127,14 +136,20 @@ class Trajectory:
     tool_latency_s: float = 0.0
     single_turn: bool = False  # a single_turn_agent row: one generation, its text never parsed for calls
     images: dict = field(default_factory=dict)  # a vision-language row's image fields (rlframe.models.vision)
-    pending: list[ParsedCall] = field(default_factory=list)  # this turn's tool calls, not yet run
+    pending: list[ParsedCall] = field(default_factory=list)  # this turn's tool calls, not yet run (each runs once)
+    versions: list[int] = field(default_factory=list)  # per response token: the policy version that sampled it, or -1
+    turn_start: int = 0  # where the assistant turn under way starts in response_ids (a cut turn goes on from there)
+    stop: Stop = Stop.EOS  # why the last turn ended (LENGTH also when a tool turn filled the budget)
+    interrupted: bool = False  # cut by newer weights inside or before a turn: continued later from this state
     done: bool = False
     truncated: bool = False
 
-    def append(self, ids: list[int], trained: bool, log_probs: list[float] | None = None) -> None:
+    def append(self, ids: list[int], trained: bool, log_probs: list[float] | None = None, version: int = -1) -> None:
+        """Policy tokens (`trained`, sampled by `version`) or context tokens (version -1, like padding)."""
         self.response_ids += ids
         self.response_mask += [int(trained)] * len(ids)
         self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
+        self.versions += [version if trained else -1] * len(ids)
 
 
 class ChatTemplateTurns:
@@ -222,31 +237,46 @@ class MultiTurnRollout(Rollout):
     def unwrapped(self) -> BaseRollout:
         return self.engine
 
+    runs_trajectories = True
+
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Rows with `raw_prompt` (chat messages) in; the rollout contract out, with holes in `response_mask`."""
         check_prompts(prompts, self.config.prompt_length)
         if "raw_prompt" not in prompts.non_tensor_batch:
             raise ValueError(f"{KEY}.enable=true needs the chat messages of each prompt: set data.return_raw_chat=true")
-        params = self.engine.sampling_for(prompts.meta_info)
-        eos_ids, pad_id = self.engine.special_tokens_for(prompts.meta_info)
-        start = time.perf_counter()
         seeds = self.engine.seeds_for(prompts)
         trajectories = [self.start_trajectory(row, prompts, seeds[row]) for row in range(len(prompts))]
+        return self.continue_trajectories(prompts, trajectories)
+
+    @torch.no_grad()
+    def continue_trajectories(self, rows: DataProto, trajectories: list[Trajectory]) -> DataProto:
+        """Run trajectories (new ones, or cut ones from their state) turn by turn until each is done or cut.
+
+        The turns of all running trajectories go to the engine as one batch; then the tool calls of the turns that
+        ended run, once each (`pending` is emptied when their tool turn is appended). A trajectory the interrupt cut
+        stops here with its state (`interrupted`)."""
+        params = self.engine.sampling_for(rows.meta_info)
+        eos_ids, pad_id = self.engine.special_tokens_for(rows.meta_info)
+        version = policy_version(rows.meta_info)
+        start = time.perf_counter()
+        for trajectory in trajectories:
+            trajectory.interrupted = False
         while True:
-            active = [t for t in trajectories if not t.done]
+            asyncio.run(self._run_tools([t for t in trajectories if t.pending and not t.done]))
+            active = [t for t in trajectories if not (t.done or t.interrupted)]
             if not active:
                 break
-            self._generate_turn(active, params, eos_ids, pad_id)
-            asyncio.run(self._run_tools([t for t in active if not t.done]))
-        return self.finish(prompts, trajectories, params.response_length, pad_id, time.perf_counter() - start)
+            self._generate_turn(active, params, eos_ids, pad_id, version)
+        return self.finish(rows, trajectories, params.response_length, pad_id, time.perf_counter() - start)
 
     def finish(self, prompts: DataProto, trajectories: list, response_length: int, pad_id: int, elapsed: float):
         """Finished trajectories in the rollout contract, with the sanity check and the metrics."""
         checked = self.mt.tokenization_sanity_check_mode != "disable"
         mismatches = self._sanity_check(trajectories) if checked else 0
         out = self._layout(prompts, trajectories, response_length, pad_id, prompts.batch["input_ids"].device)
-        out.meta_info["metrics"] = self._metrics(trajectories, out, elapsed, mismatches)
+        finished = [t for t in trajectories if not t.interrupted]  # a cut one is counted in the call that ends it
+        out.meta_info["metrics"] = self._metrics(finished, out, elapsed, mismatches)
         return out
 
     def start_trajectory(self, row: int, prompts: DataProto, seed: int) -> Trajectory:
@@ -277,9 +307,11 @@ class MultiTurnRollout(Rollout):
             return ids
         return self.engine.vision.expand(ids, inputs.get("image_grid_thw"))
 
-    def _generate_turn(self, active: list[Trajectory], params: SamplingParams, eos_ids: list[int], pad_id: int):
-        """One assistant turn for every active trajectory, as one engine batch."""
-        budgets = [self.config.response_length - len(t.response_ids) for t in active]
+    def _generate_turn(
+        self, active: list[Trajectory], params: SamplingParams, eos_ids: list[int], pad_id: int, version: int
+    ):
+        """One assistant turn (or the rest of a cut one) for every active trajectory, as one engine batch."""
+        budgets = [self.budget(t) for t in active]
         contexts = [t.prompt_ids + t.response_ids for t in active]
         width = max(len(c) for c in contexts)
         ids = torch.full((len(active), width), pad_id, dtype=torch.long)
@@ -293,23 +325,37 @@ class MultiTurnRollout(Rollout):
         )
         turn_params = replace(params, response_length=max(budgets))
         seeds = [t.seed for t in active]
-        tokens, lengths, log_probs = self.engine._generate(batch, turn_params, eos_ids, pad_id, seeds)
+        tokens, lengths, log_probs, stops = self.engine._generate(batch, turn_params, eos_ids, pad_id, seeds)
         for row, trajectory in enumerate(active):
-            new = tokens[row, : min(int(lengths[row]), budgets[row])].tolist()
-            self.take_turn(trajectory, new, log_probs[row].tolist() if log_probs is not None else None, eos_ids)
+            new = tokens[row, : int(lengths[row])].tolist()
+            row_log_probs = log_probs[row].tolist() if log_probs is not None else None
+            self.take_turn(trajectory, new, row_log_probs, eos_ids, Stop(int(stops[row])), version)
 
     def budget(self, trajectory: Trajectory) -> int:
         """Response tokens this trajectory may still generate."""
         return self.config.response_length - len(trajectory.response_ids)
 
-    def take_turn(self, trajectory: Trajectory, new: list[int], log_probs: list[float] | None, eos_ids: list[int]):
-        """Append one policy turn (generated ids, cut to the budget) and find its tool calls, or end the trajectory."""
-        stop = next((i for i, token in enumerate(new) if token in eos_ids), None)
-        ended = stop is not None
-        new = new[: stop + 1] if ended else new
-        trajectory.append(new, trained=True, log_probs=log_probs[: len(new)] if log_probs is not None else None)
+    def take_turn(
+        self,
+        trajectory: Trajectory,
+        new: list[int],
+        log_probs: list[float] | None,
+        eos_ids: list[int],
+        stop: Stop,
+        version: int,
+    ):
+        """Append one policy turn's generated ids (cut to the budget, sampled by `version`) and find its tool calls,
+        or end the trajectory. An interrupted turn keeps its tokens and waits, unfinished, for its continuation:
+        nothing of it is parsed or run until it ends."""
+        new, stop = clip_row(new, self.budget(trajectory), stop, eos_ids)
+        trajectory.append(new, True, log_probs[: len(new)] if log_probs is not None else None, version)
+        if stop == Stop.INTERRUPTED:
+            trajectory.interrupted = True
+            return
+        ended, turn = stop == Stop.EOS, trajectory.response_ids[trajectory.turn_start :]
+        trajectory.stop = stop
         trajectory.assistant_turns += 1
-        text = self.tokenizer.decode(new[:-1] if ended else new, skip_special_tokens=False)
+        text = self.tokenizer.decode(turn[:-1] if ended else turn, skip_special_tokens=False)
         trajectory.messages.append({"role": "assistant", "content": text})
         trajectory.pending = parse_hermes_tool_calls(text) if ended and not trajectory.single_turn else []
         trajectory.truncated = not ended and len(trajectory.response_ids) >= self.config.response_length
@@ -326,6 +372,8 @@ class MultiTurnRollout(Rollout):
 
     async def _run_tools(self, trajectories: list[Trajectory]) -> None:
         """Every pending call of every trajectory, concurrently; then each tool turn is appended."""
+        if not trajectories:
+            return
         jobs = [self.tool_turn(t) for t in trajectories]
         for trajectory, results in zip(trajectories, await asyncio.gather(*jobs)):
             self.append_tool_turn(trajectory, results)
@@ -336,6 +384,7 @@ class MultiTurnRollout(Rollout):
         context = self.turns.closing_rest + self.turns.tool_turn_ids(tool_messages)
         room = self.budget(trajectory)
         trajectory.append(context[:room], trained=False)
+        trajectory.pending, trajectory.turn_start = [], len(trajectory.response_ids)  # these calls never run again
         trajectory.messages += tool_messages
         trajectory.user_turns += 1
         trajectory.tool_calls += len(results)
@@ -343,6 +392,7 @@ class MultiTurnRollout(Rollout):
         trajectory.tool_latency_s += sum(r.latency_s for r in results)
         if len(context) >= room or self._at_limit(trajectory):
             trajectory.done, trajectory.truncated = True, len(context) >= room
+            trajectory.stop = Stop.LENGTH if trajectory.truncated else trajectory.stop
 
     async def tool_turn(self, trajectory: Trajectory) -> list[ToolCallResult]:
         """This turn's pending calls (at most max_parallel_calls), run concurrently."""
@@ -358,7 +408,7 @@ class MultiTurnRollout(Rollout):
         """How many trajectories' turn-by-turn ids differ from their conversation rendered in one go."""
         mismatches = 0
         for t in trajectories:
-            if t.truncated or t.messages[-1]["role"] != "assistant":
+            if t.interrupted or t.truncated or t.messages[-1]["role"] != "assistant":
                 continue  # a cut conversation, or one stopped after a tool turn, has no whole rendering to compare
             whole = self._with_image_tokens(self.turns.whole_conversation_ids(t.messages), t.images)
             turn_by_turn = t.prompt_ids + t.response_ids + self.turns.closing_rest
@@ -384,6 +434,7 @@ class MultiTurnRollout(Rollout):
         response_attention = torch.zeros((num, response_length), dtype=torch.long)
         response_mask = torch.zeros((num, response_length), dtype=torch.long)
         log_probs = torch.zeros((num, response_length), dtype=torch.float32)
+        versions = torch.full((num, response_length), -1, dtype=torch.int32)
         for row, t in enumerate(trajectories):
             prompt[row, prompt_length - len(t.prompt_ids) :] = torch.tensor(t.prompt_ids)
             prompt_mask[row, prompt_length - len(t.prompt_ids) :] = 1
@@ -392,6 +443,7 @@ class MultiTurnRollout(Rollout):
             response_attention[row, :length] = 1
             response_mask[row, :length] = torch.tensor(t.response_mask)
             log_probs[row, :length] = torch.tensor(t.log_probs)
+            versions[row, :length] = torch.tensor(t.versions, dtype=torch.int32)
         input_ids, attention_mask = (
             torch.cat([prompt, response], dim=-1),
             torch.cat([prompt_mask, response_attention], -1),
@@ -411,7 +463,14 @@ class MultiTurnRollout(Rollout):
             k: v for k, v in prompts.non_tensor_batch.items() if k not in AGENT_INPUT_KEYS and k not in MULTIMODAL_KEYS
         }
         non_tensor["__num_turns__"] = np.array([t.assistant_turns + t.user_turns + 1 for t in trajectories])
-        return DataProto.from_dict({k: v.to(device) for k, v in tensors.items()}, non_tensor)
+        # a cut trajectory's state travels with its row to the driver and back to `continue_trajectories`
+        states = np.empty(num, dtype=object)
+        for row, t in enumerate(trajectories):
+            states[row] = t if t.interrupted else None
+        non_tensor[TRAJECTORY_KEY] = states
+        out = DataProto.from_dict({k: v.to(device) for k, v in tensors.items()}, non_tensor)
+        stops = torch.tensor([int(Stop.INTERRUPTED if t.interrupted else t.stop) for t in trajectories])
+        return mark_rollout_state(out, stops, versions)
 
     def _positions(self, ids: torch.Tensor, attention_mask: torch.Tensor, trajectories: list) -> torch.Tensor:
         """[B, seqlen] text positions; a vision-language model's rows get [B, 4, seqlen] (tool turns are text)."""

@@ -1,12 +1,14 @@
 """Partial rollout: responses cut by a weight update, continued from their tokens under the new weights.
 
 In `separate_async` with `actor_rollout_ref.rollout.partial_rollout=true`, a push of new weights interrupts the
-generation running on the rollout pool: every unfinished row stops at the next decoding step and comes back
-`interrupted`, with the tokens, log-probs and versions it has so far. The driver sends those rows back
-(`continue_generation`): the engine prefills prompt + prefix under the new weights (the KV cache is recomputed,
-not kept) and generates the rest of the row's budget (`response_length` minus the prefix). The prefix and the
-continuation are then laid out as one response (`build_rollout_output`), so the trainer sees the contract of an
-uninterrupted call, with each token's policy version in `rollout_versions`.
+generation running on the rollout pool: every unfinished row stops at the next decoding step and comes back with
+the engine's stop reason `Stop.INTERRUPTED` (`STOP_KEY`), the tokens, log-probs and versions it has so far. Rows
+that stopped at an EOS, at their budget, or at a budget the engine's context limit shortened are finished and never
+sent again. The driver sends the interrupted rows back (`continue_generation`): the engine prefills prompt + prefix
+under the new weights (the KV cache is recomputed, not kept) and generates the rest of the row's budget
+(`response_length` minus the prefix). The prefix and the continuation are then laid out as one response
+(`build_rollout_output`), so the trainer sees the contract of an uninterrupted call, with each token's policy
+version in `rollout_versions`. A multi-turn trajectory continues from its state instead (`multi_turn.py`).
 
 A row keeps its sample seed (`SEED_KEY`) across the cut, and the sampler keys every draw by (seed, position), so
 a continuation under unchanged weights draws the tokens the uninterrupted row would have drawn.
@@ -19,17 +21,19 @@ from dataclasses import replace
 import torch
 
 from rlframe.protocol import DataProto
-from rlframe.workers.rollout.base import SEED_KEY, build_rollout_output
+from rlframe.workers.rollout.base import (
+    SEED_KEY,
+    STOP_KEY,
+    VERSIONS_KEY,
+    Stop,
+    build_rollout_output,
+    mark_rollout_state,
+)
 
-VERSIONS_KEY = "rollout_versions"  # the policy version that sampled each response token, -1 on padding
-INTERRUPTED_KEY = "interrupted"  # per row: stopped by a weight update before EOS and before its budget
 
-
-def interrupted_rows(output: DataProto, response_length: int, eos_ids: list[int]) -> torch.Tensor:
-    """[B] bool: the rows that neither ended with an EOS nor filled `response_length` (they were cut)."""
-    mask = output.batch["response_mask"].bool()
-    eos = torch.isin(output.batch["responses"], torch.tensor(eos_ids)) & mask
-    return ~eos.any(-1) & (mask.sum(-1) < response_length)
+def interrupted(output: DataProto) -> torch.Tensor:
+    """[B] bool: the rows the engine reports cut by the interrupt (`Stop.INTERRUPTED`), the only ones continued."""
+    return output.batch[STOP_KEY] == int(Stop.INTERRUPTED)
 
 
 def continuation_prompts(rows: DataProto) -> tuple[DataProto, torch.Tensor]:
@@ -58,13 +62,13 @@ def continue_generation(rollout, rows: DataProto, version: int) -> DataProto:
     """Generate the rest of each cut row with `rollout` (an `HFRollout`) and lay prefix + rest out as one response.
 
     The new tokens carry `version`; the prefix keeps its own versions and log-probs. Returns rows of the rollout
-    contract for the original prompts (plus `rollout_versions`, `interrupted`), the engine's metrics in meta_info.
+    contract for the original prompts, with `rollout_versions` and the continuation's `stop_reason`.
     """
     params = rollout.sampling_for(rows.meta_info)
     eos_ids, pad_id = rollout.special_tokens_for(rows.meta_info)
     prompts, budgets = continuation_prompts(rows)
     seeds = [int(seed) for seed in rows.non_tensor_batch[SEED_KEY]]
-    tokens, lengths, log_probs = rollout.generate_tokens(
+    tokens, lengths, log_probs, stops = rollout.generate_tokens(
         prompts, replace(params, response_length=int(budgets.max())), eos_ids, pad_id, seeds, budgets=budgets
     )
     response_length = params.response_length
@@ -86,6 +90,4 @@ def continue_generation(rollout, rows: DataProto, version: int) -> DataProto:
         dict(rows.non_tensor_batch),
     )
     out = build_rollout_output(original, responses, prefix + lengths, response_length, eos_ids, pad_id, old_log_probs)
-    out.batch[VERSIONS_KEY] = versions.masked_fill(out.batch["response_mask"] == 0, -1)
-    out.batch[INTERRUPTED_KEY] = interrupted_rows(out, response_length, eos_ids)
-    return out
+    return mark_rollout_state(out, stops, versions)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from rlframe.models.vision import images_of
 from rlframe.protocol import DataProto
-from rlframe.workers.rollout.base import BaseRollout
+from rlframe.workers.rollout.base import BaseRollout, Stop, clip_row
 from rlframe.workers.rollout.sampling import SamplingParams
 
 
@@ -54,10 +54,12 @@ class GenerationRequest:
 
 @dataclass
 class Completion:
-    """Generated ids up to and including the first EOS (or `max_tokens` of them), and their log-probs."""
+    """Generated ids up to and including the first EOS (or `max_tokens` of them), their log-probs, and why the
+    engine stopped (`Stop.INTERRUPTED`: a push of newer weights cut the turn, which is continued later)."""
 
     tokens: list[int]
     log_probs: list[float] | None
+    stop: Stop = Stop.EOS
 
 
 @dataclass
@@ -185,12 +187,10 @@ class RolloutServer(ABC):
     def follow(self) -> None:
         """A TP peer's side of `_serve_loop`: repeat the leader's engine calls until it says stop."""
 
-    def cut(self, tokens: list[int], log_probs: list[float] | None, max_tokens: int) -> Completion:
-        """A completion ends at its first EOS (kept) or at `max_tokens`."""
-        tokens = tokens[:max_tokens]
-        stop = next((i for i, token in enumerate(tokens) if token in self.eos_ids), None)
-        tokens = tokens if stop is None else tokens[: stop + 1]
-        return Completion(tokens, log_probs[: len(tokens)] if log_probs is not None else None)
+    def cut(self, tokens: list[int], log_probs: list[float] | None, max_tokens: int, stop: Stop) -> Completion:
+        """A completion ends at its first EOS (kept) or at `max_tokens`; `stop` is what the engine reported."""
+        tokens, stop = clip_row(tokens, max_tokens, stop, self.eos_ids)
+        return Completion(tokens, log_probs[: len(tokens)] if log_probs is not None else None, stop)
 
     def _metrics(self, elapsed: float) -> dict[str, float]:
         if not self._queue_times:
@@ -237,12 +237,13 @@ class BatchingServer(RolloutServer):
         )
         params = replace(self.params, response_length=max(r.max_tokens for r in requests))
         seeds = [r.seed for r in requests]
-        tokens, lengths, log_probs = self.engine._generate(batch, params, self.eos_ids, self.pad_id, seeds)
+        tokens, lengths, log_probs, stops = self.engine._generate(batch, params, self.eos_ids, self.pad_id, seeds)
         return [
             self.cut(
                 tokens[row, : int(lengths[row])].tolist(),
                 log_probs[row].tolist() if log_probs is not None else None,
                 request.max_tokens,
+                Stop(int(stops[row])),
             )
             for row, request in enumerate(requests)
         ]

@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 from rlframe.config.keys import ROLLOUT
 from rlframe.protocol import DataProto
-from rlframe.workers.rollout.base import BaseRollout, ServedModel, position_seed
+from rlframe.workers.rollout.base import BaseRollout, Generated, ServedModel, Stop, position_seed
 from rlframe.workers.rollout.engine_args import engine_passthrough, model_max_position_embeddings, resolve_max_model_len
 from rlframe.workers.rollout.sampling import SamplingParams
 from rlframe.workers.rollout.spec import Capabilities, EngineSpec, check_owned_args
@@ -434,12 +434,18 @@ class SGLangRollout(BaseRollout):
         tokens = torch.full((len(responses), width), pad_id, dtype=torch.long)
         log_probs = torch.zeros(len(responses), width) if with_log_probs else None
         lengths = torch.zeros(len(responses), dtype=torch.long)
+        prompt_lengths = prompts.batch["attention_mask"].sum(-1).tolist()
+        stops = torch.zeros(len(responses), dtype=torch.int8)
         for i, (generated, row_log_probs) in enumerate(responses):
             tokens[i, : len(generated)] = torch.tensor(generated, dtype=torch.long)
             lengths[i] = len(generated)
             if log_probs is not None:
                 log_probs[i, : len(generated)] = torch.tensor(row_log_probs)
-        return tokens, lengths, log_probs
+            # no interrupt here: an EOS, else the budget, which max_new_tokens_for may have shortened
+            limited = max_new_tokens_for(int(prompt_lengths[i]), width, self.max_model_len) < width
+            ended = bool(generated) and generated[-1] in eos_ids
+            stops[i] = int(Stop.EOS if ended else Stop.CONTEXT_LIMIT if limited else Stop.LENGTH)
+        return Generated(tokens, lengths, log_probs, stops)
 
     def _run_engine(self, prompts: DataProto, params: SamplingParams, eos_ids, seeds, with_log_probs: bool):
         """Rank 0: one batched `Engine.generate` over the group's prompts; per row (token ids, log-probs)."""

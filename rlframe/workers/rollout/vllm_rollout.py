@@ -563,7 +563,8 @@ class VLLMRollout(BaseRollout):
         """`_generate`, with an optional token budget per row (`budgets` [B], a continuation's rest of
         response_length). With `interrupt` set (the rollout pool's partial rollout), the engine is stepped here and
         asked before every step: once `interrupt()` is true every unfinished request is aborted and comes back with
-        the tokens it had, and requests not started come back empty (`rollout/partial.py` continues them)."""
+        the tokens it had, and requests not started come back empty, both `Stop.INTERRUPTED` (`rollout/partial.py`
+        continues them)."""
         self.wake_for_generation()
         ids, mask = prompts.batch["input_ids"].cpu(), prompts.batch["attention_mask"].cpu().bool()
         prompt_token_ids = [row[keep].tolist() for row, keep in zip(ids, mask)]
@@ -584,7 +585,13 @@ class VLLMRollout(BaseRollout):
             completions = [o.outputs[0] for o in outputs]
         else:
             completions = self._generate_stepped(requests, sampling)
-        return completions_to_tensors(completions, params.response_length, eos_ids, pad_id, self.with_log_probs)
+        limited = [
+            self.context_limited(len(p), params.response_length if budget is None else budget)
+            for p, budget in zip(prompt_token_ids, limits)
+        ]
+        return completions_to_tensors(
+            completions, params.response_length, eos_ids, pad_id, self.with_log_probs, limited
+        )
 
     def _generate_stepped(self, requests: list[dict], sampling: list) -> list:
         """The requests through the engine's own step loop (what `LLM.generate` runs), asking `interrupt` before
@@ -615,6 +622,11 @@ class VLLMRollout(BaseRollout):
         if self._kv_cache_asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self._kv_cache_asleep = False
+
+    def context_limited(self, prompt_len: int, asked: int) -> bool:
+        """Whether max_model_len leaves a request fewer than the `asked` new tokens (`max_tokens_for` shortens it):
+        such a row stops `Stop.CONTEXT_LIMIT`, finished, and is never continued (no room is left)."""
+        return self.max_model_len - prompt_len < asked
 
     def request_params(
         self, params: SamplingParams, eos_ids: list[int], sample_seed: int, prompt_len: int, budget: int | None = None

@@ -20,10 +20,11 @@ from types import SimpleNamespace
 
 import torch
 
+from rlframe.workers.rollout.base import Generated, Stop
 from rlframe.workers.rollout.server import Completion, GenerationRequest, RolloutServer, _Pending
 
 # the completion of a request that an interrupt stopped before its first token
-NO_TOKENS = SimpleNamespace(token_ids=[], logprobs=[], stop_reason=None)
+NO_TOKENS = SimpleNamespace(token_ids=[], logprobs=[], stop_reason=None, finish_reason=None)  # never started
 
 
 class VLLMServer(RolloutServer):
@@ -91,12 +92,16 @@ class VLLMServer(RolloutServer):
         return llm_engine.step() if llm_engine.has_unfinished_requests() else []
 
     def _completion(self, output, request: GenerationRequest) -> Completion:
-        tokens, lengths, log_probs = completions_to_tensors(
-            [output.outputs[0]], request.max_tokens, self.eos_ids, self.pad_id, self.engine.with_log_probs
+        limited = self.engine.context_limited(len(request.prompt_ids), request.max_tokens)
+        tokens, lengths, log_probs, stops = completions_to_tensors(
+            [output.outputs[0]], request.max_tokens, self.eos_ids, self.pad_id, self.engine.with_log_probs, [limited]
         )
         length = int(lengths[0])
         return self.cut(
-            tokens[0, :length].tolist(), log_probs[0, :length].tolist() if log_probs is not None else None, length
+            tokens[0, :length].tolist(),
+            log_probs[0, :length].tolist() if log_probs is not None else None,
+            length,
+            Stop(int(stops[0])),
         )
 
 
@@ -114,12 +119,17 @@ def engine_prompt(prompt_token_ids: list[int], multi_modal_data: dict | None) ->
     return prompt
 
 
-def completions_to_tensors(completions, width: int, eos_ids: list[int], pad_id: int, with_log_probs: bool):
-    """vLLM completions as (token ids [B, width], generated counts [B], log-probs [B, width] or None).
+def completions_to_tensors(
+    completions, width: int, eos_ids: list[int], pad_id: int, with_log_probs: bool, context_limited: list[bool]
+) -> Generated:
+    """vLLM completions as token ids [B, width], generated counts [B], log-probs [B, width] or None, and `Stop`s.
 
     A stop token that vLLM reports as the stop reason but left out of the ids is put back: the rollout contract
-    keeps the EOS token (masked in). Log-probs only `with_log_probs` (calculate_log_probs).
+    keeps the EOS token (masked in). Log-probs only `with_log_probs` (calculate_log_probs). The stop reason is
+    vLLM's `finish_reason`: "stop" an EOS, "length" the budget (the context limit's where `context_limited[i]`:
+    `max_tokens_for` shortened it), none (aborted, or never started) an interrupt.
     """
+    stops = torch.tensor([int(vllm_stop(c, limited)) for c, limited in zip(completions, context_limited)])
     tokens = torch.full((len(completions), width), pad_id, dtype=torch.long)
     lengths = torch.zeros(len(completions), dtype=torch.long)
     log_probs = torch.zeros(len(completions), width) if with_log_probs else None
@@ -135,4 +145,14 @@ def completions_to_tensors(completions, width: int, eos_ids: list[int], pad_id: 
             log_probs[i, : len(generated)] = torch.tensor(
                 [step[token].logprob for step, token in zip(completion.logprobs, generated)]
             )
-    return tokens, lengths, log_probs
+    return Generated(tokens, lengths, log_probs, stops.to(torch.int8))
+
+
+def vllm_stop(completion, context_limited: bool) -> Stop:
+    """Why vLLM stopped a request, from its `finish_reason`."""
+    reason = getattr(completion, "finish_reason", None)
+    if reason == "stop":
+        return Stop.EOS
+    if reason == "length":
+        return Stop.CONTEXT_LIMIT if context_limited else Stop.LENGTH
+    return Stop.INTERRUPTED  # aborted by the interrupt, or not started before it fired

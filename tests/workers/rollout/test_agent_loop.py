@@ -80,11 +80,11 @@ def test_a_rows_tokens_do_not_depend_on_its_batch(tiny_model_path):
     engine = hf(tiny_model_path, "actor_rollout_ref.rollout.mode=sync")
     prompts = make_token_prompts(lengths=(8, 3, 5, 1, 7, 2), seed=7)
     params, seeds = engine.sampling_for({}), [11, 22, 33, 44, 55, 66]
-    tokens, lengths, log_probs = engine._generate(prompts, params, engine.eos_ids, engine.pad_id, seeds)
+    tokens, lengths, log_probs, _ = engine._generate(prompts, params, engine.eos_ids, engine.pad_id, seeds)
     order = [5, 2, 0, 4, 1, 3]
     engine.config = rollout_config("actor_rollout_ref.rollout.micro_batch_size=4")
     shuffled = prompts.select_idxs(order)
-    again, again_lengths, again_log_probs = engine._generate(
+    again, again_lengths, again_log_probs, _ = engine._generate(
         shuffled, params, engine.eos_ids, engine.pad_id, [seeds[i] for i in order]
     )
     assert torch.equal(again, tokens[order]) and torch.equal(again_lengths, lengths[order])
@@ -238,11 +238,14 @@ class SteppedEngine(ScriptedEngine):
     def request_params(self, params, eos_ids, seed, prompt_len):
         return params, eos_ids
 
+    def context_limited(self, prompt_len, asked):
+        return False
+
     def add_request(self, request_id, prompt, sampling, lora_request=None):
         params, eos_ids = sampling
         ids = torch.tensor([prompt["prompt_token_ids"]])
         batch = DataProto.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
-        tokens, lengths, _ = ScriptedEngine._generate(self, batch, params, eos_ids, self.pad_id, [0])
+        tokens, lengths, _, _ = ScriptedEngine._generate(self, batch, params, eos_ids, self.pad_id, [0])
         self.joined_running.append(sum(added < len(self.steps) for _, _, added in self.queue.values()))
         self.queue[request_id] = (tokens[0, : int(lengths[0])].tolist(), [], len(self.steps))
 
@@ -262,7 +265,10 @@ class SteppedEngine(ScriptedEngine):
             if finished:
                 del self.queue[request_id]
             log_probs = [{token: SimpleNamespace(logprob=-(i + 1) / 10)} for i, token in enumerate(given)]
-            completion = SimpleNamespace(token_ids=list(given), logprobs=log_probs, stop_reason=None)
+            reason = "stop" if finished else None
+            completion = SimpleNamespace(
+                token_ids=list(given), logprobs=log_probs, stop_reason=None, finish_reason=reason
+            )
             outputs.append(SimpleNamespace(request_id=request_id, finished=finished, outputs=[completion]))
         return outputs
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers.rollout import PROMPT_LEN, RESPONSE_LEN, load_tokenizer, make_prompts, one_process_rollout_worker
 
-from rlframe.workers.rollout.base import BaseRollout
+from rlframe.workers.rollout.base import BaseRollout, Generated, Stop
 from rlframe.workers.rollout.registry import engine_for, engine_names, register, unregister
 from rlframe.workers.rollout.spec import Capabilities, EngineSpec
 from rlframe.workers.rollout_worker import VERSIONS_KEY
@@ -32,7 +32,8 @@ class ToyRollout(BaseRollout):
     def _generate(self, prompts, params, eos_ids, pad_id, seeds):
         row = (FIXED + [eos_ids[0]])[: params.response_length]
         tokens = torch.tensor([row] * len(prompts), dtype=torch.long)
-        return tokens, torch.full((len(prompts),), len(row)), torch.zeros(tokens.shape)
+        stops = torch.full((len(prompts),), int(Stop.EOS), dtype=torch.int8)
+        return Generated(tokens, torch.full((len(prompts),), len(row)), torch.zeros(tokens.shape), stops)
 
     def update_weights(self, named_tensors) -> None:
         for _ in named_tensors:

@@ -256,7 +256,7 @@ def test_partial_rollout_cuts_and_continues_on_the_real_engine(engine, hf_model,
     from rlframe.workers.rollout import generate_in_tp_group
     from rlframe.workers.rollout.agent_loop import AgentLoopRollout
     from rlframe.workers.rollout.base import SEED_KEY
-    from rlframe.workers.rollout.partial import VERSIONS_KEY, continue_generation, interrupted_rows
+    from rlframe.workers.rollout.partial import VERSIONS_KEY, continue_generation, interrupted
 
     engine.update_weights(hf_model.state_dict().items())
     rollout = AgentLoopRollout(engine, 2) if server else engine
@@ -271,7 +271,7 @@ def test_partial_rollout_cuts_and_continues_on_the_real_engine(engine, hf_model,
     lengths = cut.batch["response_mask"].sum(-1)
     response_length = cut.batch["responses"].shape[1]
     assert 0 < int(lengths.max()) <= 4 < response_length
-    assert interrupted_rows(cut, response_length, engine.eos_ids).all()
+    assert interrupted(cut).all()  # the engine's own stop reason: aborted before the end
     for row, count in enumerate(lengths.tolist()):  # the prefix is the uncut row's start
         assert torch.equal(cut.batch["responses"][row, :count], uncut.batch["responses"][row, :count])
     mask = cut.batch["response_mask"].bool()
@@ -282,7 +282,7 @@ def test_partial_rollout_cuts_and_continues_on_the_real_engine(engine, hf_model,
     done = continue_generation(engine, cut, version=1)
     assert torch.equal(done.batch["responses"], uncut.batch["responses"])
     assert torch.equal(done.batch["response_mask"], uncut.batch["response_mask"])
-    assert not interrupted_rows(done, response_length, engine.eos_ids).any()
+    assert not interrupted(done).any()
     versions = done.batch[VERSIONS_KEY]
     for row, count in enumerate(lengths.tolist()):
         real = int(done.batch["response_mask"][row].sum())
@@ -296,3 +296,18 @@ def _probs_diff_max(model, out) -> float:
     actor = hf_token_log_probs(model, out)
     metrics = probs_diff_metrics(actor, out.batch["rollout_log_probs"], out.batch["response_mask"])
     return metrics["training/rollout_probs_diff_max"]
+
+
+def test_a_budget_the_context_limit_shortened_stops_context_limit_and_is_not_continued(engine, hf_model):
+    """A 500-token context within max_model_len=512 leaves 12 of 16 new tokens (`max_tokens_for`): that row stops
+    `Stop.CONTEXT_LIMIT` (finished, not interrupted), the short row `Stop.LENGTH`. The EOS is a token greedy
+    decoding never picks here, so both rows run to their budgets."""
+    from rlframe.workers.rollout.base import Stop
+
+    engine.update_weights(hf_model.state_dict().items())
+    prompts = make_prompts(lengths=(500, 8), width=500, seed=3)
+    params = engine.sampling_for({"do_sample": False})
+    never = [hf_model.config.vocab_size - 1]
+    tokens, lengths, _, stops = engine.generate_tokens(prompts, params, never, engine.pad_id, [1, 2])
+    assert lengths.tolist() == [12, params.response_length] and params.response_length == 16
+    assert [Stop(int(s)) for s in stops] == [Stop.CONTEXT_LIMIT, Stop.LENGTH]
