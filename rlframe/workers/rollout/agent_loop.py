@@ -91,7 +91,8 @@ class AgentLoopRollout(Rollout):
         """Start the server and run the rows' agents against it (new trajectories, or the given cut ones)."""
         params = self.engine.sampling_for(prompts.meta_info)
         eos_ids, pad_id = self.engine.special_tokens_for(prompts.meta_info)
-        seeds = self.engine.seeds_for(prompts)
+        # a cut trajectory keeps its sample seed; new rows take theirs (drawn here unless the rows bring them)
+        seeds = self.engine.seeds_for(prompts) if trajectories is None else [t.seed for t in trajectories]
         server_class = self.engine.server_class or BatchingServer
         server: RolloutServer = server_class(self.engine, params, eos_ids, pad_id)
         rank, size = group_rank_and_size(self.engine.tp_group)

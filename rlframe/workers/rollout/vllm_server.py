@@ -100,7 +100,7 @@ class VLLMServer(RolloutServer):
         return self.cut(
             tokens[0, :length].tolist(),
             log_probs[0, :length].tolist() if log_probs is not None else None,
-            length,
+            request.max_tokens,
             Stop(int(stops[0])),
         )
 
