@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +32,11 @@ SEPARATE = [
 # clocks, throughput, the host's memory, and what only the async loop logs
 NOT_COMPARED = ("timing_", "perf/", "rollout/server_", "time", "memory/", "training/off_policy/", "async/")
 STALENESS = "training/off_policy/trajectory_staleness"
+# the tool agent with the calculator, the agent loops (rollout.mode=async) or the turn-synchronous loop (sync)
+TOOL_AGENT = [
+    f"actor_rollout_ref.rollout.multi_turn.tool_config_path={Path(__file__).parents[2] / 'examples/tools/calculator.yaml'}",
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +105,10 @@ def compared(metrics: list[dict]) -> list[dict]:
             "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
             "+reward_model.reward_kwargs.max_resp_len=8",
         ],
+        [*TOOL_AGENT, "actor_rollout_ref.rollout.mode=async"],
+        [*TOOL_AGENT, "actor_rollout_ref.rollout.mode=sync"],
     ],
-    ids=["grpo", "gae", "dapo"],
+    ids=["grpo", "gae", "dapo", "tool_agent", "tool_agent_turn_sync"],
 )
 def test_eta0_on_separate_pools_gives_the_sync_run_bitwise(ray_cluster, tmp_path, algorithm):
     sync_metrics, sync_weights = train_in_process([*BASE, *algorithm, f"trainer.default_local_dir={tmp_path / 'sync'}"])
@@ -116,6 +124,8 @@ def test_eta0_on_separate_pools_gives_the_sync_run_bitwise(ray_cluster, tmp_path
     assert [m["step"] for m in sync_metrics] == [1, 2, 3]
     if "algorithm.filter_groups.enable=true" in algorithm:  # the pool's takes went through the filter
         assert all("train/filter_groups/kept_prompts" in m for m in async_metrics)
+    if TOOL_AGENT[0] in algorithm:  # the tool agent generated on the pool
+        assert all("multi_turn/assistant_turns_mean" in m for m in async_metrics)
     assert compared(async_metrics) == compared(sync_metrics)
     assert "val-core/countdown_add/reward/mean@1" in async_metrics[1]  # validation ran (test_freq=2) and agreed
     assert [m[f"{STALENESS}/max"] for m in async_metrics] == [0, 0, 0]
@@ -184,6 +194,38 @@ def test_partial_rollout_cuts_the_generation_a_push_finds_running_and_trains_eve
     assert max(m["training/off_policy/trajectory_spans/max"] for m in metrics) == 2
     # a cut row's newest tokens come from the weights its step starts from
     assert min(m[f"{STALENESS}/min"] for m in metrics[1:]) == 0
+    trained = times_trained(dumps, (1, 2, 3, 4))
+    assert len(trained) == 16 and set(trained.values()) == {1}
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_partial_rollout_cuts_tool_agent_trajectories_and_continues_them_within_the_bound(
+    ray_cluster, tmp_path, monkeypatch, mode
+):
+    """The tool agent on the rollout pool at η = 1 with partial rollout, decoding slowed so that pushes land while
+    trajectories generate: they are cut (inside a turn, or before their next one) and continued from their state on
+    the new weights. Every trained token is at most η versions old and every prompt is trained exactly once."""
+    monkeypatch.setenv("RLFRAME_DELAY_AT", "rollout.decode:5:0.1-0.14")
+    dumps = tmp_path / "rollouts"
+    metrics, _ = train_in_process(
+        [
+            *BASE,
+            *SEPARATE,
+            *TOOL_AGENT,
+            f"actor_rollout_ref.rollout.mode={mode}",
+            "data.max_response_length=24",
+            "trainer.total_training_steps=4",
+            "trainer.test_freq=-1",
+            "trainer.v1.sampler.max_off_policy_threshold=2",  # η = 1
+            f"trainer.rollout_data_dir={dumps}",
+            f"trainer.default_local_dir={tmp_path / 'async'}",
+        ]
+    )
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert max(m[f"{STALENESS}_worst/max"] for m in metrics) <= 1
+    assert sum(m["async/interrupted_samples"] for m in metrics) > 0
+    assert max(m["training/off_policy/trajectory_spans/max"] for m in metrics) == 2  # cut trajectories span two
+    assert all("multi_turn/assistant_turns_mean" in m for m in metrics)  # the tool agent generated them
     trained = times_trained(dumps, (1, 2, 3, 4))
     assert len(trained) == 16 and set(trained.values()) == {1}
 
