@@ -33,8 +33,9 @@ SEPARATE = [
 NOT_COMPARED = ("timing_", "perf/", "rollout/server_", "time", "memory/", "training/off_policy/", "async/")
 STALENESS = "training/off_policy/trajectory_staleness"
 # the tool agent with the calculator, the agent loops (rollout.mode=async) or the turn-synchronous loop (sync)
+CALCULATOR = Path(__file__).parents[2] / "examples" / "tools" / "calculator.yaml"
 TOOL_AGENT = [
-    f"actor_rollout_ref.rollout.multi_turn.tool_config_path={Path(__file__).parents[2] / 'examples/tools/calculator.yaml'}",
+    f"actor_rollout_ref.rollout.multi_turn.tool_config_path={CALCULATOR}",
     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
 ]
 
