@@ -18,8 +18,9 @@ from rlframe.batch_plan import BatchPlan
 from rlframe.trainer.config import lookahead, staleness_bound
 from rlframe.workers.config.model import DTYPES
 
-# The tensors of one generated sequence as the driver receives them (`build_rollout_output` in
-# rlframe/workers/rollout/base.py, and `RolloutWorker.generate_sequences`' versions):
+# The tensors of one generated sequence as the driver keeps them (`build_rollout_output` and `mark_rollout_state` in
+# rlframe/workers/rollout/base.py; the 1-byte stop reason is dropped as a call returns, and a cut tool-agent
+# trajectory's state goes back to the pool):
 # (name, dtype, bytes per prompt token, bytes per response token). Prompts are padded to data.max_prompt_length
 # and responses to data.max_response_length.
 ROLLOUT_TENSORS = (

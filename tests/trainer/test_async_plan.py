@@ -64,9 +64,8 @@ def test_the_plan_counts_pools_in_flight_sequences_and_their_bytes():
 
 
 def test_rollout_tensor_table_matches_what_the_rollout_returns():
-    """ROLLOUT_TENSORS is what build_rollout_output and RolloutWorker put in a generated batch, byte for byte."""
-    from rlframe.workers.rollout.base import build_rollout_output
-    from rlframe.workers.rollout_worker import VERSIONS_KEY
+    """ROLLOUT_TENSORS is what a generated batch holds once the driver has it, byte for byte."""
+    from rlframe.workers.rollout.base import STOP_KEY, build_rollout_output, mark_rollout_state
 
     prompt_len, response_len, rows = 5, 7, 3
     mask = torch.ones(rows, prompt_len, dtype=torch.long)
@@ -79,7 +78,8 @@ def test_rollout_tensor_table_matches_what_the_rollout_returns():
     )
     generated, lengths = torch.ones(rows, 4, dtype=torch.long), torch.full((rows,), 4)
     out = build_rollout_output(prompts, generated, lengths, response_len, [2], 0, torch.zeros(rows, 4))
-    out.batch[VERSIONS_KEY] = torch.zeros(rows, response_len, dtype=torch.int32)  # as RolloutWorker stamps them
+    mark_rollout_state(out, torch.zeros(rows), torch.zeros(rows, response_len))  # as every rollout marks its rows
+    out.pop(batch_keys=[STOP_KEY])  # read and dropped by the driver as a call returns (PooledSource._collect)
     per_row = {name: tensor.element_size() * tensor[0].numel() for name, tensor in out.batch.items()}
     expected = {name: p * prompt_len + r * response_len for name, _, p, r in ROLLOUT_TENSORS}
     assert per_row == expected
