@@ -263,7 +263,9 @@ class MultiTurnRollout(Rollout):
         for trajectory in trajectories:
             trajectory.interrupted = False
         while True:
-            asyncio.run(self._run_tools([t for t in trajectories if t.pending and not t.done]))
+            waiting = [t for t in trajectories if t.pending and not t.done]  # turns that ended with calls
+            if waiting:
+                asyncio.run(self._run_tools(waiting))
             active = [t for t in trajectories if not (t.done or t.interrupted)]
             if not active:
                 break
@@ -372,8 +374,6 @@ class MultiTurnRollout(Rollout):
 
     async def _run_tools(self, trajectories: list[Trajectory]) -> None:
         """Every pending call of every trajectory, concurrently; then each tool turn is appended."""
-        if not trajectories:
-            return
         jobs = [self.tool_turn(t) for t in trajectories]
         for trajectory, results in zip(trajectories, await asyncio.gather(*jobs)):
             self.append_tool_turn(trajectory, results)
