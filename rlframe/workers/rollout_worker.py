@@ -139,6 +139,7 @@ class RolloutWorker(Worker):
         self.kill_points.hit("rollout.generate")
         self.delay_points.hit("rollout.generate")
         prompts = prompts.to(self.device_type)
+        prompts.meta_info["policy_version"] = self.version  # an OpenAI agent's turns are recorded with it
         with seeded(call_seed(dist.get_rank())):
             prompts.non_tensor_batch[SEED_KEY] = np.array(self.rollout.sample_seeds(len(prompts)), dtype=object)
             output = self.rollout.generate_sequences(prompts).to("cpu")
@@ -147,7 +148,10 @@ class RolloutWorker(Worker):
         output.batch[VERSIONS_KEY] = versions.masked_fill(mask == 0, -1)
         params = self.rollout.sampling_for(prompts.meta_info)
         eos_ids, _ = self.rollout.special_tokens_for(prompts.meta_info)
-        output.batch[INTERRUPTED_KEY] = interrupted_rows(output, params.response_length, eos_ids)
+        if self._board is None:  # without partial rollout nothing cuts a generation
+            output.batch[INTERRUPTED_KEY] = torch.zeros(len(output), dtype=torch.bool)
+        else:
+            output.batch[INTERRUPTED_KEY] = interrupted_rows(output, params.response_length, eos_ids)
         output.meta_info["idle_s"] = idle
         self._idle_since = time.perf_counter()
         return output
