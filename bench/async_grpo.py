@@ -2,14 +2,20 @@
 
     python bench/async_grpo.py                 # 40 steps each, the first 6 skipped, responses up to 128 tokens
     python bench/async_grpo.py --steps 24 --skip-steps 4 --response-length 48
+    python bench/async_grpo.py --job tools --steps 8 --skip-steps 2    # the agentic job (needs the smollm2 extra)
 
-The job: GRPO on builtin://add_digits with the quickstart's untrained model (builtin://tiny-quickstart, a
-64-token vocabulary), 16 prompts x 8 samples per step, responses up to --response-length tokens: an untrained
-policy stops at a random place (an EOS about one token in 64), so the lengths are geometric, cut at the budget:
-with 128 tokens the mean is ~70 and a batch's longest reaches the budget, the long tail of a reasoning batch
-(reported: the median over the steps of the mean response length, and the longest response). With 48 tokens
-most rows run to the budget and the tail is short (docs/benchmarks.md §7 has both).
+`--job add_digits` (the default): GRPO on builtin://add_digits with the quickstart's untrained model
+(builtin://tiny-quickstart, a 64-token vocabulary), 16 prompts x 8 samples per step, responses up to
+--response-length tokens: an untrained policy stops at a random place (an EOS about one token in 64), so the lengths
+are geometric, cut at the budget: with 128 tokens the mean is ~70 and a batch's longest reaches the budget, the long
+tail of a reasoning batch (reported: the median over the steps of the mean response length, and the longest
+response). With 48 tokens most rows run to the budget and the tail is short (docs/benchmarks.md §7 has both).
 One optimizer step per training step, lr 3e-4, fp32, remove-padding.
+
+`--job tools`: the agentic job. SmolLM2-135M-Instruct with the tool agent and the calculator on
+builtin://calc_multiply (examples/grpo_smollm2_tools_cpu.sh's task), 4 prompts x 6 samples per step at temperature
+0.7, up to 3 policy turns and --response-length tokens (default 96 here): trajectories differ in their number of
+turns (no call, one call, a malformed call and a retry) and in their lengths, a heavy tail per group.
 
 Rows, all on the same 2 CPU processes of one thread each:
 - sync: both processes generate, then both train (the hybrid engine), the quickstart's layout;
@@ -18,10 +24,11 @@ Rows, all on the same 2 CPU processes of one thread each:
   generates the next step's groups while the training process trains, with token-level importance weights for the
   stale samples (rollout_is=token); a push waits for the generation running;
 - separate_async η=2 with partial rollout (threshold 3, two batches ahead): the same, streaming, and a push cuts the
-  generation running, whose rows continue on the new weights.
+  generation running, whose rows (for the tool job: trajectories, inside or between turns) continue on the new
+  weights.
 Step time is the median `timing_s/step` after the warm-up steps: for the async rows the whole cycle, the wait for
 samples included. The ratio is sync's step time over each row's (above 1: faster than sync). The machine is shared,
-so the three runs go one after the other in one process and are compared only with each other.
+so the runs go one after the other in one process and are compared only with each other.
 """
 
 from __future__ import annotations
@@ -61,9 +68,8 @@ ROWS = {
 }
 
 
-def job(steps: int, response_length: int, run_dir: str) -> list[str]:
+def add_digits_job(response_length: int) -> list[str]:
     return [
-        "algorithm.adv_estimator=grpo",
         "actor_rollout_ref.model.path=builtin://tiny-quickstart",
         "data.train_files=builtin://add_digits",
         "data.val_files=builtin://add_digits",
@@ -77,6 +83,37 @@ def job(steps: int, response_length: int, run_dir: str) -> list[str]:
         "data.max_prompt_length=16",
         f"data.max_response_length={response_length}",
         "data.filter_overlong_prompts=true",
+    ]
+
+
+def tools_job(response_length: int) -> list[str]:
+    tools = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "tools")
+    return [
+        "actor_rollout_ref.model.path=builtin://smollm2-135m-instruct",
+        "data.train_files=builtin://calc_multiply",
+        "data.val_files=builtin://calc_multiply",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=6",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=12",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=12",
+        "actor_rollout_ref.actor.optim.lr=1e-5",
+        "actor_rollout_ref.rollout.temperature=0.7",
+        "data.max_prompt_length=192",
+        f"data.max_response_length={response_length}",
+        "data.filter_overlong_prompts=true",
+        f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tools}/calculator.yaml",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=3",
+    ]
+
+
+JOBS = {"add_digits": (add_digits_job, 128), "tools": (tools_job, 96)}
+
+
+def job(name: str, steps: int, response_length: int, run_dir: str) -> list[str]:
+    return [
+        "algorithm.adv_estimator=grpo",
+        *JOBS[name][0](response_length),
         "actor_rollout_ref.model.enable_gradient_checkpointing=false",
         "actor_rollout_ref.model.use_remove_padding=true",
         "trainer.device=cpu",
@@ -89,12 +126,12 @@ def job(steps: int, response_length: int, run_dir: str) -> list[str]:
     ]
 
 
-def run(overrides: list[str], steps: int, skip: int, response_length: int) -> dict:
+def run(name: str, overrides: list[str], steps: int, skip: int, response_length: int) -> dict:
     from rlframe.trainer.main_ppo import run_ppo
 
     with tempfile.TemporaryDirectory() as run_dir:
         start = time.perf_counter()
-        run_ppo(job(steps, response_length, run_dir) + overrides)
+        run_ppo(job(name, steps, response_length, run_dir) + overrides)
         wall = time.perf_counter() - start
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f if "timing_s/step" in line][skip:]
@@ -103,6 +140,7 @@ def run(overrides: list[str], steps: int, skip: int, response_length: int) -> di
         "gen_s": statistics.median(r["timing_s/gen"] for r in rows),
         "length_mean": statistics.median(r["response_length/mean"] for r in rows),
         "length_max": max(r["response_length/max"] for r in rows),
+        "turns": statistics.median(r.get("multi_turn/assistant_turns_mean", 1.0) for r in rows),
         "push_s": statistics.median(r.get("timing_s/update_weights", 0.0) for r in rows),
         "wall_s": wall,
     }
@@ -112,11 +150,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--skip-steps", type=int, default=6)
-    parser.add_argument("--response-length", type=int, default=128)
+    parser.add_argument("--job", choices=sorted(JOBS), default="add_digits")
+    parser.add_argument("--response-length", type=int, default=None, help="default: 128 (add_digits), 96 (tools)")
     args = parser.parse_args()
-    results = {
-        name: run(overrides, args.steps, args.skip_steps, args.response_length) for name, overrides in ROWS.items()
-    }
+    length = args.response_length or JOBS[args.job][1]
+    results = {name: run(args.job, overrides, args.steps, args.skip_steps, length) for name, overrides in ROWS.items()}
     sync = results["sync (2 processes, colocated)"]["step_s"]
     print_table(
         [
@@ -126,6 +164,7 @@ def main() -> None:
             "weight push s",
             "mean length",
             "max length",
+            "policy turns (mean)",
             "run wall s",
             "vs sync",
         ],
@@ -137,6 +176,7 @@ def main() -> None:
                 f"{r['push_s']:.3f}",
                 f"{r['length_mean']:.1f}",
                 f"{r['length_max']:.0f}",
+                f"{r['turns']:.2f}",
                 f"{r['wall_s']:.1f}",
                 f"{sync / r['step_s']:.2f}x",
             ]

@@ -267,9 +267,12 @@ def _separate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
             "ReMax's greedy baselines are not generated on the rollout pool yet",
         ),
         (
-            rollout.agent.default_agent_loop == "openai_agent",
-            "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent",
-            "the OpenAI endpoint does not run on the rollout pool yet (partial rollout of an endpoint request)",
+            rollout.agent.default_agent_loop == "openai_agent" and rollout.partial_rollout,
+            "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent with "
+            "actor_rollout_ref.rollout.partial_rollout=true",
+            "a push does not cut an OpenAI agent's requests yet (its episode lives in your agent's coroutine, which "
+            "cannot move to a continuation call); set actor_rollout_ref.rollout.partial_rollout=false: each episode "
+            "then finishes on the weights it started with",
         ),
         (
             model.lora_rank > 0,

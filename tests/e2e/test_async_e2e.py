@@ -38,6 +38,13 @@ TOOL_AGENT = [
     f"actor_rollout_ref.rollout.multi_turn.tool_config_path={CALCULATOR}",
     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
 ]
+ENGINE_LOG_PROBS = (
+    "rollout_corr/",
+    "training/rollout_probs_diff",
+)  # the rollout engine's log-probs against the actor's
+OPENAI_AGENT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "agents", "two_turns.py"
+)
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +92,12 @@ def times_trained(dumps, steps) -> Counter:
     return trained
 
 
+def without(metrics: list[dict], prefixes: tuple[str, ...]) -> list[dict]:
+    return [{k: v for k, v in line.items() if not k.startswith(prefixes)} for line in metrics]
+
+
 def compared(metrics: list[dict]) -> list[dict]:
-    return [{k: v for k, v in line.items() if not k.startswith(NOT_COMPARED)} for line in metrics]
+    return without(metrics, NOT_COMPARED)
 
 
 @pytest.mark.parametrize(
@@ -108,8 +119,16 @@ def compared(metrics: list[dict]) -> list[dict]:
         ],
         [*TOOL_AGENT, "actor_rollout_ref.rollout.mode=async"],
         [*TOOL_AGENT, "actor_rollout_ref.rollout.mode=sync"],
+        # your own agent through the OpenAI endpoint (its episodes are not cut by a push: partial_rollout=false)
+        [
+            "data.max_response_length=64",
+            "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent",
+            f"actor_rollout_ref.rollout.agent.openai_agent.path={OPENAI_AGENT}",
+            "actor_rollout_ref.rollout.agent.openai_agent.name=agent",
+            "actor_rollout_ref.rollout.partial_rollout=false",
+        ],
     ],
-    ids=["grpo", "gae", "dapo", "tool_agent", "tool_agent_turn_sync"],
+    ids=["grpo", "gae", "dapo", "tool_agent", "tool_agent_turn_sync", "openai_agent"],
 )
 def test_eta0_on_separate_pools_gives_the_sync_run_bitwise(ray_cluster, tmp_path, algorithm):
     sync_metrics, sync_weights = train_in_process([*BASE, *algorithm, f"trainer.default_local_dir={tmp_path / 'sync'}"])
@@ -127,6 +146,14 @@ def test_eta0_on_separate_pools_gives_the_sync_run_bitwise(ray_cluster, tmp_path
         assert all("train/filter_groups/kept_prompts" in m for m in async_metrics)
     if TOOL_AGENT[0] in algorithm:  # the tool agent generated on the pool
         assert all("multi_turn/assistant_turns_mean" in m for m in async_metrics)
+    if "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent" in algorithm:  # two requests, one trajectory
+        assert all(m["openai_agent/requests_per_episode"] == 2 for m in async_metrics if "actor/pg_loss" in m)
+        assert all(m["openai_agent/failed_ratio"] == 0 for m in async_metrics if "actor/pg_loss" in m)
+    if "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent" in algorithm:
+        # the endpoint batches requests as they arrive over HTTP, so the engine's own log-probs differ in the last
+        # float bits between any two runs (two sync runs too); the tokens, keyed by seed and position, and the
+        # update, which reads the actor's log-probs, are bitwise the same
+        sync_metrics, async_metrics = without(sync_metrics, ENGINE_LOG_PROBS), without(async_metrics, ENGINE_LOG_PROBS)
     assert compared(async_metrics) == compared(sync_metrics)
     assert "val-core/countdown_add/reward/mean@1" in async_metrics[1]  # validation ran (test_freq=2) and agreed
     assert [m[f"{STALENESS}/max"] for m in async_metrics] == [0, 0, 0]

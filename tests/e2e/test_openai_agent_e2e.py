@@ -1,31 +1,16 @@
 """End to end: a training step whose rows come from an agent written only with the `openai` package."""
 
-import textwrap
+import os
 
 import pytest
 from helpers.runs import COMMON, read_metrics, run_main
 
 pytestmark = pytest.mark.slow
 
-AGENT = textwrap.dedent(
-    """
-    import openai
-
-    async def agent(base_url, sample):
-        api = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
-        models = await api.models.list()
-        messages = list(sample["prompt"])
-        first = await api.chat.completions.create(model=models.data[0].id, messages=messages, max_tokens=6)
-        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Sure?"}]
-        await api.chat.completions.create(model=models.data[0].id, messages=messages, max_tokens=6)
-        return None  # the configured reward function scores the conversation
-    """
-)
+AGENT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "agents", "two_turns.py")
 
 
 def test_a_training_step_through_the_openai_endpoint(tmp_path, cache_dir):
-    agent = tmp_path / "agent.py"
-    agent.write_text(AGENT)
     out = run_main(
         COMMON
         + [
@@ -33,7 +18,7 @@ def test_a_training_step_through_the_openai_endpoint(tmp_path, cache_dir):
             "trainer.total_training_steps=1",
             "data.max_response_length=64",
             "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent",
-            f"actor_rollout_ref.rollout.agent.openai_agent.path={agent}",
+            f"actor_rollout_ref.rollout.agent.openai_agent.path={AGENT}",
             "actor_rollout_ref.rollout.agent.openai_agent.name=agent",
         ],
         cache_dir,

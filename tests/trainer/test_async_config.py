@@ -1,5 +1,7 @@
 """trainer.v1.* and the rollout pool's keys: verl's names and defaults, and every refusal naming its key."""
 
+import os
+
 import pytest
 
 from rlframe.config.schema import inactive_keys
@@ -10,6 +12,12 @@ SEPARATE = [
     "actor_rollout_ref.rollout.nnodes=1",
     "data.train_batch_size=8",
     "actor_rollout_ref.actor.ppo_mini_batch_size=2",  # parameter_sync_step 4 (verl's default) × 2 = 8
+]
+
+OPENAI_AGENT = [
+    "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent",
+    f"actor_rollout_ref.rollout.agent.openai_agent.path={os.path.dirname(__file__)}/../assets/agents/two_turns.py",
+    "actor_rollout_ref.rollout.agent.openai_agent.name=agent",
 ]
 
 
@@ -29,6 +37,7 @@ def test_the_v1_keys_have_verls_names_and_defaults():
 
 
 def test_separate_async_with_a_rollout_pool_is_accepted_and_its_keys_take_effect():
+    typed(compose([*SEPARATE, *OPENAI_AGENT, "actor_rollout_ref.rollout.partial_rollout=false"]))  # episodes uncut
     cfg = typed(compose(SEPARATE))
     assert cfg.trainer.v1.trainer_mode == "separate_async"
     inactive = inactive_keys(cfg)
@@ -57,6 +66,10 @@ def test_under_sync_the_async_keys_are_reported_without_effect():
         ([*SEPARATE, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], r"tensor_model_parallel_size=2 with"),
         ([*SEPARATE, "algorithm.adv_estimator=remax"], r"algorithm.adv_estimator=remax with"),
         ([*SEPARATE, "actor_rollout_ref.model.lora_rank=8"], r"actor_rollout_ref.model.lora_rank=8 with"),
+        (
+            [*SEPARATE, *OPENAI_AGENT],  # partial_rollout=true, rlframe's default
+            r"openai_agent with actor_rollout_ref.rollout.partial_rollout=true with .*set .*partial_rollout=false",
+        ),
         ([*SEPARATE, "global_profiler.tool=torch"], r"global_profiler.tool=torch with .*not profiled"),
         ([*SEPARATE, "actor_rollout_ref.hybrid_engine=false"], r"hybrid_engine=false"),
     ],

@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from helpers.runs import COMMON, read_metrics, run_main
 
 from rlframe.trainer.sft_trainer.config import sft_config
 
@@ -84,6 +85,18 @@ def test_sft_learns_and_writes_a_checkpoint_ppo_starts_from(data, tmp_path, cach
     AutoTokenizer.from_pretrained(hf_folder)
     ppo = typed(compose([f"actor_rollout_ref.model.path={hf_folder}"]))  # the PPO trainer's key takes it as it is
     assert ppo.actor_rollout_ref.model.path == hf_folder
+    grpo_dir = tmp_path / "grpo"  # and a GRPO run starts from it unchanged
+    grpo = run_main(
+        [
+            *COMMON,
+            f"actor_rollout_ref.model.path={hf_folder}",
+            "trainer.total_training_steps=1",
+            f"trainer.default_local_dir={grpo_dir}",
+        ],
+        cache_dir,
+    )
+    assert grpo.returncode == 0, grpo.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(grpo_dir) if "actor/pg_loss" in m] == [1]
 
 
 @pytest.mark.slow
