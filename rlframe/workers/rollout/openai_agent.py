@@ -24,7 +24,7 @@ import torch
 from rlframe.protocol import DataProto
 from rlframe.reward.manager import AGENT_SCORE_KEY
 from rlframe.workers.rollout.agent_function import load_agent
-from rlframe.workers.rollout.base import BaseRollout
+from rlframe.workers.rollout.base import BaseRollout, Stop, mark_rollout_state
 from rlframe.workers.rollout.episodes import Episode, EpisodeTrajectory
 from rlframe.workers.rollout.multi_turn import ChatTemplateTurns
 from rlframe.workers.rollout.openai_endpoint import EpisodeBudget, OpenAIEndpoint
@@ -122,7 +122,12 @@ class OpenAIAgents:
         non_tensor["__num_turns__"] = np.array([len(t.policy_versions) for t in trajectories])
         out = DataProto.from_dict({k: v.to(device) for k, v in tensors.items()}, non_tensor)
         out.meta_info["metrics"] = _metrics(episodes)
-        return out
+        # an episode is never cut (its agent's coroutine cannot be continued elsewhere): its tokens are all of the
+        # weights this call served with, and it stopped at an EOS or where its agent or budget stopped it
+        eos = self.engine.eos_ids
+        stops = [Stop.EOS if t.response_ids and t.response_ids[-1] in eos else Stop.LENGTH for t in trajectories]
+        versions = torch.full(response.shape, self.endpoint.policy_version, dtype=torch.int32)
+        return mark_rollout_state(out, torch.tensor([int(stop) for stop in stops]), versions)
 
     def _row_trajectory(self, prompts: DataProto, row: int, episode: Episode) -> EpisodeTrajectory:
         if episode.trajectories:
