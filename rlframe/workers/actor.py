@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from rlframe.algorithms import distillation
 from rlframe.algorithms.kl import kl_penalty
 from rlframe.algorithms.loss import (
     TOKEN_SELECTORS,
@@ -278,7 +279,28 @@ class PPOActor(PPOUpdater):
             kl_loss = agg(kl, response_mask)
             loss = loss + float(c.kl_loss_coef) * kl_loss
             metrics["kl_loss"] = kl_loss
+        if self.update.distillation is not None:
+            distill_loss, distill_metrics = self._distillation_loss(micro, out, response_mask, agg, ctx)
+            loss = distillation.combine(loss, distill_loss, self.update.distillation)
+            metrics["distillation/loss"] = distill_loss
+            metrics.update({f"distillation/{name}": value * share for name, value in distill_metrics.items()})
         return loss, metrics
+
+    def _distillation_loss(
+        self, micro: TensorDict, out: dict, response_mask: torch.Tensor, agg, ctx: UpdateContext
+    ) -> tuple[torch.Tensor, dict]:
+        """The distillation term of one micro-batch: the teacher's log-probs against this forward's.
+
+        Its policy-gradient form takes π_old as the task loss does (this forward's own in an on-policy update's
+        first mini-batch) and the decoupled mode's IS weights (verl passes rollout_is_weights to it too).
+        """
+        settings = self.update.distillation
+        token_losses = distillation.estimator_losses(out["log_probs"], micro["teacher_log_probs"], settings.loss_mode)
+        old_log_probs = out["log_probs"].detach() if ctx.own_old_log_probs else micro["old_log_probs"]
+        is_weights = micro["rollout_is_weights"] if self.update.applies_is_weights else None
+        return distillation.distillation_loss(
+            token_losses, out["log_probs"], old_log_probs, response_mask, settings, agg, is_weights
+        )
 
     def _policy_loss(
         self, micro: TensorDict, out: dict, response_mask: torch.Tensor, args: PolicyLossArgs, ctx: UpdateContext

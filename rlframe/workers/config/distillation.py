@@ -15,6 +15,7 @@ from rlframe.config.schema import Section, key, section
 DISTILLATION = "distillation"
 LOSS = f"{DISTILLATION}.distillation_loss"
 TEACHER = f"{DISTILLATION}.teacher_models.teacher_model"
+TEACHER_PATH_KEY = f"{TEACHER}.model_path"
 # what rlframe does not implement of verl's distillation, with the reason (config checks and refusals name it)
 TOPK_NOT_IN_TRAINING = (
     "the top-k forward KL needs the teacher's top-k log-probs and ids per token carried through the packed and "
