@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from rlframe.algorithms.kl import kl_penalty
-from rlframe.algorithms.loss import Aggregation, PolicyLossArgs, compute_policy_loss_vanilla
+from rlframe.algorithms.loss import Aggregation, PolicyLossArgs, get_policy_loss_fn
 from rlframe.algorithms.masked import masked_mean
 
 ESTIMATOR_MODES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
@@ -44,6 +44,7 @@ class DistillationLoss:
     loss_max_clamp: float | None = None
     log_prob_min_clamp: float | None = None
     use_policy_gradient: bool = False
+    policy_loss_mode: str = "vanilla"
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
 
@@ -60,6 +61,7 @@ class DistillationLoss:
             loss_max_clamp=None if section.loss_max_clamp is None else float(section.loss_max_clamp),
             log_prob_min_clamp=None if section.log_prob_min_clamp is None else float(section.log_prob_min_clamp),
             use_policy_gradient=bool(section.use_policy_gradient),
+            policy_loss_mode=str(section.policy_loss_mode),
             clip_ratio_low=clip if low is None else float(low),
             clip_ratio_high=clip if high is None else float(high),
         )
@@ -113,9 +115,10 @@ def distillation_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The distillation term of one micro-batch from its [bs, len] token losses, and its metrics.
 
-    Clamped to ±loss_max_clamp; then aggregated by `agg` (supervised), or with `use_policy_gradient` the PPO
-    clipped surrogate of `log_probs` against `old_log_probs` with advantages −losses (detached), scaled per token by
-    the rollout-correction `is_weights` when given. Metrics are local means over the valid tokens.
+    Clamped to ±loss_max_clamp; then aggregated by `agg` (supervised), or with `use_policy_gradient` the
+    `policy_loss_mode` surrogate (vanilla PPO clip) of `log_probs` against `old_log_probs` with advantages −losses
+    (detached), scaled per token by the rollout-correction `is_weights` when given. Metrics are local means over
+    the valid tokens.
     """
     metrics = {"abs_loss": masked_mean(token_losses.abs(), response_mask).detach()}
     if settings.loss_max_clamp is not None:  # the lower bound matters for k1, which can be negative
@@ -125,8 +128,14 @@ def distillation_loss(
     advantages = -token_losses.detach()
     if is_weights is not None:  # the vanilla surrogate is homogeneous in A: ℓ(w·A) = w·ℓ(A) for w ≥ 0
         advantages = advantages * is_weights
+    if settings.policy_loss_mode not in POLICY_LOSS_MODES:
+        raise ValueError(
+            f"distillation policy loss {settings.policy_loss_mode!r}: verl 0.9.1 implements only "
+            f"{', '.join(POLICY_LOSS_MODES)} for the distillation policy gradient"
+        )
     args = PolicyLossArgs(settings.clip_ratio_low, settings.clip_ratio_high, DUAL_CLIP_RATIO_C, agg)
-    loss, pg_metrics = compute_policy_loss_vanilla(old_log_probs, log_probs, advantages, response_mask, args)
+    policy_loss_fn = get_policy_loss_fn(settings.policy_loss_mode)
+    loss, pg_metrics = policy_loss_fn(old_log_probs, log_probs, advantages, response_mask, args)
     metrics.update(pg_metrics)
     return loss, metrics
 
