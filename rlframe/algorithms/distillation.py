@@ -85,15 +85,25 @@ def topk_forward_kl(
     teacher_topk_ids: torch.Tensor,
     log_prob_min_clamp: float | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Forward KL over the teacher's top-k tokens per position, and how much mass those tokens hold.
+    """`topk_forward_kl_of_log_probs` with the student's log-probs of the teacher's top-k tokens from its logits.
 
-    `student_logits` [..., vocab]; `teacher_topk_*` [..., k]. Returns `losses` (Σ_k p_t·(log p_t − log p_s), floored
-    at 0: over k tokens neither distribution sums to 1, so the sum can dip below 0), `student_mass` and
-    `teacher_mass` (Σ_k p over the teacher's top-k: how much of each distribution the loss sees). Log-probs are
-    clamped from below at `log_prob_min_clamp` (after the masses are taken) when it is set.
+    `student_logits` [..., vocab]; `teacher_topk_*` [..., k].
     """
     student_topk = F.log_softmax(student_logits, dim=-1).gather(-1, teacher_topk_ids.long())
-    teacher_topk = teacher_topk_log_probs
+    return topk_forward_kl_of_log_probs(student_topk, teacher_topk_log_probs, log_prob_min_clamp)
+
+
+def topk_forward_kl_of_log_probs(
+    student_topk_log_probs: torch.Tensor, teacher_topk_log_probs: torch.Tensor, log_prob_min_clamp: float | None = None
+) -> dict[str, torch.Tensor]:
+    """Forward KL over the teacher's top-k tokens per position, and how much mass those tokens hold.
+
+    Both inputs [..., k] are log-probs of the teacher's top-k tokens (the student's of the full vocabulary,
+    gathered). Returns `losses` (Σ_k p_t·(log p_t − log p_s), floored at 0: over k tokens neither distribution sums
+    to 1, so the sum can dip below 0), `student_mass` and `teacher_mass` (Σ_k p: how much of each distribution the
+    loss sees). Log-probs are clamped from below at `log_prob_min_clamp` (after the masses are taken) when set.
+    """
+    student_topk, teacher_topk = student_topk_log_probs, teacher_topk_log_probs
     student_mass = student_topk.exp().sum(-1)
     teacher_mass = teacher_topk.exp().sum(-1)
     if log_prob_min_clamp is not None:

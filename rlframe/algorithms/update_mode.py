@@ -87,6 +87,10 @@ class ActorUpdate:
             keys["rollout_is_weights"] = (
                 f"algorithm.rollout_correction.rollout_is={self.correction.rollout_is}: the driver's IS weights"
             )
-        if self.distillation is not None:
+        if self.distillation is not None and self.distillation.uses_topk:
+            why = "distillation_loss.loss_mode=forward_kl_topk: the teacher pass's top-k"
+            keys["teacher_topk_log_probs"] = f"{why} log-probs"
+            keys["teacher_topk_ids"] = f"{why} token ids"
+        elif self.distillation is not None:
             keys["teacher_log_probs"] = "distillation.enabled=true: the teacher pass's log-probs"
         return keys

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from rlframe.algorithms.distillation import TOPK_MODES
 from rlframe.algorithms.update_mode import ActorUpdate
 from rlframe.batch_plan import BatchPlan
 from rlframe.config import trace
@@ -364,10 +365,16 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @profiled("teacher_compute_log_prob")
     def compute_teacher_log_prob(self, data: DataProto) -> DataProto:
-        """The distillation teacher's log-probs of the sampled response tokens (temperature 1)."""
+        """The distillation teacher's log-probs of the sampled response tokens (temperature 1); for
+        `forward_kl_topk`, its top-k log-probs and token ids in place of each response token instead."""
         data = self._to_device(self._gather_sp(data))
-        log_probs, _ = self.teacher.compute_log_prob(data)
-        return self._scatter_sp(DataProto.from_dict({"teacher_log_probs": log_probs})).to("cpu")
+        loss = self.config.distillation.distillation_loss
+        if loss.loss_mode in TOPK_MODES:
+            stats = self.teacher.compute_token_stats(data, topk=int(loss.topk))
+            out = {"teacher_topk_log_probs": stats["topk_log_probs"], "teacher_topk_ids": stats["topk_ids"]}
+        else:
+            out = {"teacher_log_probs": self.teacher.compute_log_prob(data)[0]}
+        return self._scatter_sp(DataProto.from_dict(out)).to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @profiled("actor_update")

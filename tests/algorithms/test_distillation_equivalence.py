@@ -18,15 +18,26 @@ from transformers import AutoConfig
 SUPERVISED_K3 = {"loss_mode": "k3", "distillation_loss_coef": 0.5}
 PG_K1 = {"loss_mode": "k1", "use_policy_gradient": True, "loss_max_clamp": 1.0, "clip_ratio_high": 0.28}
 ALONE_K2 = {"loss_mode": "k2", "use_task_rewards": False}
-SETTINGS = {"supervised_k3": SUPERVISED_K3, "policy_gradient_k1_clamped": PG_K1, "k2_without_task_loss": ALONE_K2}
+TOPK = {"loss_mode": "forward_kl_topk", "topk": 4, "log_prob_min_clamp": -6.0, "loss_max_clamp": 3.0}
+SETTINGS = {
+    "supervised_k3": SUPERVISED_K3,
+    "policy_gradient_k1_clamped": PG_K1,
+    "k2_without_task_loss": ALONE_K2,
+    "topk_forward_kl": TOPK,
+}
 
 
 @pytest.fixture(scope="module")
 def batch(tiny_model_path):
-    """The harness batch with teacher log-probs: a teacher that agrees with the samples unevenly."""
-    out = make_batch(AutoConfig.from_pretrained(tiny_model_path).vocab_size, NUM_SEQS)
+    """The harness batch with a teacher's log-probs, and its top-k log-probs and ids: a random distribution over
+    the vocabulary per response position."""
+    vocab = AutoConfig.from_pretrained(tiny_model_path).vocab_size
+    out = make_batch(vocab, NUM_SEQS)
     g = torch.Generator().manual_seed(11)
     out.batch["teacher_log_probs"] = -4.0 + 1.5 * torch.randn(out.batch["old_log_probs"].shape, generator=g)
+    teacher = torch.log_softmax(3 * torch.randn(*out.batch["old_log_probs"].shape, vocab, generator=g), dim=-1)
+    top = teacher.topk(TOPK["topk"], dim=-1)
+    out.batch["teacher_topk_log_probs"], out.batch["teacher_topk_ids"] = top.values, top.indices
     return out
 
 
@@ -86,7 +97,7 @@ DISTRIBUTED = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(DISTRIBUTED))
-@pytest.mark.parametrize("settings", ["supervised_k3", "policy_gradient_k1_clamped"])
+@pytest.mark.parametrize("settings", ["supervised_k3", "policy_gradient_k1_clamped", "topk_forward_kl"])
 def test_distributed_distillation_matches_single_process(tiny_model_path, batch, references, tmp_path, name, settings):
     sc = replace(DISTRIBUTED[name], distillation=SETTINGS[settings])
     result = run_distributed(sc, tiny_model_path, batch, str(tmp_path))
@@ -100,3 +111,26 @@ def test_policy_gradient_distillation_in_an_on_policy_update_is_exact(tiny_model
     sc = Scenario(strategy="none", update_mode="on_policy", distillation=PG_K1)
     reference = run_scenario(replace(sc, use_remove_padding=False, micro_batch_size=NUM_SEQS), tiny_model_path, batch)
     assert_matches(run_scenario(replace(sc, use_dynamic_bsz=True, max_token_len=24), tiny_model_path, batch), reference)
+
+
+def test_the_top_k_term_is_the_top_k_forward_kl_of_the_models_logits(tiny_model_path, batch, references):
+    """The reference's top-k term equals `topk_forward_kl` on a plain forward's logits of the response tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from rlframe.algorithms.distillation import topk_forward_kl
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    tensors = batch.batch
+    length = tensors["responses"].shape[-1]
+    with torch.no_grad():
+        logits = model(
+            input_ids=tensors["input_ids"],
+            attention_mask=tensors["attention_mask"],
+            position_ids=tensors["position_ids"],
+            use_cache=False,
+        ).logits[:, -length - 1 : -1]
+    losses = topk_forward_kl(logits, tensors["teacher_topk_log_probs"], tensors["teacher_topk_ids"], -6.0)["losses"]
+    mask = tensors["attention_mask"][:, -length:].bool()
+    expected = losses.clamp(-3.0, 3.0)[mask].sum() / mask.sum()  # token-mean
+    (got,) = references["topk_forward_kl"]["metrics"]["actor/distillation/loss"]
+    assert got == pytest.approx(float(expected), rel=1e-5)

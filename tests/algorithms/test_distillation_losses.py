@@ -172,9 +172,9 @@ def random_topk(seed):
 @pytest.mark.parametrize("log_prob_min_clamp", [None, -2.0])
 def test_topk_forward_kl_matches_verl(log_prob_min_clamp, seed):
     """rlframe's top-k forward KL, its masses and its gradient equal verl's FSDP function on the same tokens."""
+    _, fsdp_losses = verl_distillation_losses()  # puts verl's source on the path first
     from verl.workers.config import DistillationConfig, DistillationLossConfig
 
-    _, fsdp_losses = verl_distillation_losses()
     logits, teacher_topk, ids = random_topk(seed)
     out = distill.topk_forward_kl(logits, teacher_topk, ids, log_prob_min_clamp)
 

@@ -33,7 +33,8 @@ def teacher_path(tiny_model_path, tmp_path):
 
 
 def direct_teacher_log_probs(teacher_path: str, batch) -> torch.Tensor:
-    """log p_teacher(response token | everything before it) at temperature 1, from a plain padded forward."""
+    """log p_teacher(· | everything before a response token) [bs, len, vocab] at temperature 1, from a plain
+    padded forward."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(teacher_path, dtype=torch.float32).eval()
@@ -46,12 +47,12 @@ def direct_teacher_log_probs(teacher_path: str, batch) -> torch.Tensor:
             position_ids=tensors["position_ids"],
             use_cache=False,
         ).logits
-    scoring = torch.log_softmax(logits[:, -response_length - 1 : -1].float(), dim=-1)
-    return scoring.gather(-1, tensors["responses"].unsqueeze(-1)).squeeze(-1)
+    return torch.log_softmax(logits[:, -response_length - 1 : -1].float(), dim=-1)
 
 
+@pytest.mark.parametrize("loss_mode", ["k3", "forward_kl_topk"])
 def test_two_distillation_steps_log_finite_metrics_and_the_teachers_exact_log_probs(
-    teacher_path, tmp_path, monkeypatch
+    teacher_path, tmp_path, monkeypatch, loss_mode
 ):
     from rlframe.trainer.launch import create_worker_groups
     from rlframe.trainer.main_ppo import prepare
@@ -68,7 +69,8 @@ def test_two_distillation_steps_log_finite_metrics_and_the_teachers_exact_log_pr
             "actor_rollout_ref.rollout.temperature=0.8",  # the teacher still scores at T = 1, as verl's
             "distillation.enabled=true",
             f"distillation.teacher_models.teacher_model.model_path={teacher_path}",
-            "distillation.distillation_loss.loss_mode=k3",
+            f"distillation.distillation_loss.loss_mode={loss_mode}",
+            "distillation.distillation_loss.topk=5",
             "distillation.distillation_loss.distillation_loss_coef=0.5",
         ]
     )
@@ -89,8 +91,11 @@ def test_two_distillation_steps_log_finite_metrics_and_the_teachers_exact_log_pr
 
     steps = [m for m in read_metrics(run.cfg.trainer.default_local_dir) if m["step"] > 0 and "actor/pg_loss" in m]
     assert [m["step"] for m in steps] == [1, 2]
+    names = DISTILLATION_METRICS
+    if loss_mode == "forward_kl_topk":
+        names += ("actor/distillation/student_mass", "actor/distillation/teacher_mass")
     for metrics in steps:
-        for name in DISTILLATION_METRICS:
+        for name in names:
             assert math.isfinite(metrics[name]), (name, metrics[name])
         assert metrics["actor/distillation/abs_loss"] > 0  # the perturbed teacher disagrees with the policy
 
@@ -98,7 +103,14 @@ def test_two_distillation_steps_log_finite_metrics_and_the_teachers_exact_log_pr
     for batch, out in passes:
         response_length = batch.batch["responses"].shape[-1]
         valid = batch.batch["attention_mask"][:, -response_length:].bool()
-        got = out.batch["teacher_log_probs"]
         expected = direct_teacher_log_probs(teacher_path, batch)
-        torch.testing.assert_close(got[valid], expected[valid], rtol=1e-5, atol=1e-5)
+        if loss_mode == "forward_kl_topk":  # the teacher's 5 most likely tokens in place of each response token
+            top = expected.topk(5, dim=-1)
+            got = out.batch["teacher_topk_log_probs"]
+            torch.testing.assert_close(got[valid], top.values[valid], rtol=1e-5, atol=1e-5)
+            assert torch.equal(out.batch["teacher_topk_ids"][valid], top.indices[valid])
+        else:
+            got = out.batch["teacher_log_probs"]
+            sampled = expected.gather(-1, batch.batch["responses"].unsqueeze(-1)).squeeze(-1)
+            torch.testing.assert_close(got[valid], sampled[valid], rtol=1e-5, atol=1e-5)
         assert (got[~valid] == 0).all()

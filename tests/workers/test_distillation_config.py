@@ -58,8 +58,17 @@ def test_an_enabled_run_reads_its_loss_settings_as_verl_names_them():
             "loss_mode=k1 with distillation.distillation_loss.use_policy_gradient=false",
         ),
         (
-            ENABLED + ["distillation.distillation_loss.loss_mode=forward_kl_topk"],
-            "loss_mode=forward_kl_topk: the top-k forward KL needs the teacher's top-k",
+            ENABLED
+            + ["distillation.distillation_loss.loss_mode=forward_kl_topk", "distillation.distillation_loss.topk=0"],
+            "topk=0: loss_mode=forward_kl_topk needs topk >= 1",
+        ),
+        (
+            ENABLED
+            + [
+                "distillation.distillation_loss.loss_mode=forward_kl_topk",
+                "actor_rollout_ref.model.use_fused_kernels=true",
+            ],
+            "forward_kl_topk with actor_rollout_ref.model.use_fused_kernels=true",
         ),
         (ENABLED + ["distillation.distillation_loss.loss_mode=k4"], "loss_mode='k4' is not one of kl, k1"),
         (ENABLED + ["distillation.distillation_loss.loss_max_clamp=0"], "loss_max_clamp=0.0: must be > 0"),

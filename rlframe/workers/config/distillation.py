@@ -17,11 +17,6 @@ LOSS = f"{DISTILLATION}.distillation_loss"
 TEACHER = f"{DISTILLATION}.teacher_models.teacher_model"
 TEACHER_PATH_KEY = f"{TEACHER}.model_path"
 # what rlframe does not implement of verl's distillation, with the reason (config checks and refusals name it)
-TOPK_NOT_IN_TRAINING = (
-    "the top-k forward KL needs the teacher's top-k log-probs and ids per token carried through the packed and "
-    "Ulysses layouts of the training forward, which rlframe does not do yet; use a KL estimator (k3, k2, abs, or "
-    "k1 with use_policy_gradient=true)"
-)
 TEACHER_POOL = (
     "a teacher pool of its own is not implemented: the teacher scores the samples in the training processes "
     "(trainer.nnodes × trainer.n_gpus_per_node), beside the actor; leave distillation.nnodes=0"
@@ -42,7 +37,7 @@ class DistillationLossConfig(Section):
     loss_mode: str = key(
         "k3",
         "per-token divergence: k1/kl, abs, k2/mse, k3/low_var_kl (KL estimators on the sampled token), "
-        "forward_kl_topk (verl's; not in rlframe's training path yet)",
+        "forward_kl_topk (KL(teacher ‖ student) over the teacher's top-k tokens)",
         choices=LOSS_MODES,
     )
     topk: Optional[int] = key(32, "forward_kl_topk: how many of the teacher's top tokens per position it compares")
@@ -66,13 +61,29 @@ class DistillationLossConfig(Section):
         if not root.distillation.enabled:
             return
         if self.loss_mode in TOPK_MODES:
-            raise ValueError(f"{path}.loss_mode={self.loss_mode}: {TOPK_NOT_IN_TRAINING}")
+            if self.topk is None or self.topk < 1:
+                raise ValueError(f"{path}.topk={self.topk}: loss_mode={self.loss_mode} needs topk >= 1")
+            if root.actor_rollout_ref.model.use_fused_kernels:
+                raise ValueError(
+                    f"{path}.loss_mode={self.loss_mode} with actor_rollout_ref.model.use_fused_kernels=true: the "
+                    "top-k loss reads the student's full distribution, which the fused head never holds; set "
+                    "use_fused_kernels=false or use a KL estimator (k3, k2, abs)"
+                )
         if self.loss_mode in ("k1", "kl") and not self.use_policy_gradient:
             raise ValueError(
                 f"{path}.loss_mode={self.loss_mode} with {path}.use_policy_gradient=false: back-propagating k1 "
                 "directly is wrong, its gradient does not depend on the teacher (verl refuses it too); set "
                 "use_policy_gradient=true, or use k3"
             )
+
+    def warnings(self, path: str, root: Any) -> list[str]:
+        if root.distillation.enabled and self.loss_mode in TOPK_MODES and self.use_policy_gradient:
+            return [
+                f"{path}.loss_mode={self.loss_mode} with {path}.use_policy_gradient=true: the update then moves only "
+                "the sampled token's log-prob, so the top-k distribution's signal is mostly unused (verl warns "
+                "alike); use_policy_gradient=false back-propagates it"
+            ]
+        return []
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = {}
