@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from rlframe.algorithms.distillation import TOPK_MODES
 from rlframe.algorithms.update_mode import ActorUpdate
 from rlframe.batch_plan import BatchPlan
 from rlframe.config import trace
@@ -169,7 +168,8 @@ class FSDPWorkerBase(Worker):
 
 
 class ActorRolloutRefWorker(FSDPWorkerBase):
-    """Actor and rollout in one process (hybrid engine), plus the reference policy when `with_ref`."""
+    """Actor and rollout in one process (hybrid engine), plus the reference policy when `with_ref` and the
+    distillation teacher with `distillation.enabled`."""
 
     # `algorithm`: the update's mode (ActorUpdate); `data`: the tokenizer and the seed; `distillation`: the teacher
     SECTIONS = ("actor_rollout_ref", "algorithm", "data", "trainer", "global_profiler", "distillation")
@@ -219,8 +219,10 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
                 ref_module.requires_grad_(False)
             ref_model = RoleModel(ref_module, self._model_options(cfg.ref.use_torch_compile, cfg.actor.fsdp_config))
             self.ref = PPOActor(ref_model, cfg.actor, self.plan.actor, self.dims, log_prob=self.plan.ref, update=update)
-        if self.config.distillation.enabled:
+        if update.distillation is not None:
             self.teacher = self._build_teacher(cfg, use_rmpad)
+            # forward_kl_topk reads the teacher's top-k tokens per position; the estimators its sampled-token log-probs
+            self.teacher_topk = update.distillation.topk if update.distillation.uses_topk else 0
         self.kill_points.hit("worker.init")  # crash-consistency tests (docs/reliability.md)
         self._init_rollout(cfg)
 
@@ -368,9 +370,8 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         """The distillation teacher's log-probs of the sampled response tokens (temperature 1); for
         `forward_kl_topk`, its top-k log-probs and token ids in place of each response token instead."""
         data = self._to_device(self._gather_sp(data))
-        loss = self.config.distillation.distillation_loss
-        if loss.loss_mode in TOPK_MODES:
-            stats = self.teacher.compute_token_stats(data, topk=int(loss.topk))
+        if self.teacher_topk:
+            stats = self.teacher.compute_token_stats(data, topk=self.teacher_topk)
             out = {"teacher_topk_log_probs": stats["topk_log_probs"], "teacher_topk_ids": stats["topk_ids"]}
         else:
             out = {"teacher_log_probs": self.teacher.compute_log_prob(data)[0]}
