@@ -114,3 +114,35 @@ def test_two_distillation_steps_log_finite_metrics_and_the_teachers_exact_log_pr
             sampled = expected.gather(-1, batch.batch["responses"].unsqueeze(-1)).squeeze(-1)
             torch.testing.assert_close(got[valid], sampled[valid], rtol=1e-5, atol=1e-5)
         assert (got[~valid] == 0).all()
+
+
+def test_distillation_in_separate_async_mode(teacher_path, tmp_path, cache_dir):
+    """The teacher pass runs on the trained batch, after the rollout stage: a rollout pool of its own changes
+    nothing about it (three steps, one off-policy)."""
+    from helpers.runs import run_main
+
+    run_dir = tmp_path / "run"
+    out = run_main(
+        COMMON
+        + [
+            f"trainer.default_local_dir={run_dir}",
+            "trainer.total_training_steps=3",
+            "trainer.n_gpus_per_node=1",
+            "trainer.v1.trainer_mode=separate_async",
+            "trainer.v1.sampler.max_off_policy_threshold=2",
+            "trainer.v1.separate_async.parameter_sync_step=2",
+            "actor_rollout_ref.rollout.nnodes=1",
+            "actor_rollout_ref.rollout.n_gpus_per_node=1",
+            "distillation.enabled=true",
+            f"distillation.teacher_models.teacher_model.model_path={teacher_path}",
+            "distillation.distillation_loss.loss_mode=forward_kl_topk",
+            "distillation.distillation_loss.topk=5",
+        ],
+        cache_dir,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    steps = [m for m in read_metrics(run_dir) if m["step"] > 0 and "actor/pg_loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    for metrics in steps:
+        for name in DISTILLATION_METRICS + ("actor/distillation/student_mass", "actor/distillation/teacher_mass"):
+            assert math.isfinite(metrics[name]), (name, metrics[name])
