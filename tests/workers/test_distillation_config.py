@@ -107,3 +107,20 @@ def test_keys_without_effect_are_reported():
     ignored = dict(ignored_keys(compose(overrides), overrides))
     assert "use_policy_gradient=false" in ignored["distillation.distillation_loss.clip_ratio_high"]
     assert "one teacher" in ignored["distillation.teacher_key"]
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_before_start(tiny_model_path, tmp_path):
+    """The teacher scores the policy's token ids: `prepare`'s data step compares the two vocabularies."""
+    from transformers import AutoTokenizer
+
+    from rlframe.trainer.main_ppo import check_teacher_tokenizer
+
+    policy = AutoTokenizer.from_pretrained(tiny_model_path)
+    other = AutoTokenizer.from_pretrained(tiny_model_path)
+    other.add_tokens(["<teacher_only>"])
+    other.save_pretrained(tmp_path / "teacher")
+    same = typed(compose(["distillation.enabled=true", f"{TEACHER}.model_path={tiny_model_path}"]))
+    check_teacher_tokenizer(same, policy)
+    differs = typed(compose(["distillation.enabled=true", f"{TEACHER}.model_path={tmp_path / 'teacher'}"]))
+    with pytest.raises(ValueError, match=r"model_path=.*teacher: its tokenizer differs from the policy's"):
+        check_teacher_tokenizer(differs, policy)
