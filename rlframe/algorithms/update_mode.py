@@ -20,6 +20,7 @@ from enum import Enum
 from typing import Any
 
 from rlframe.algorithms.config import RolloutCorrection
+from rlframe.algorithms.distillation import DistillationLoss
 from rlframe.algorithms.on_policy import old_log_prob_pass_reason
 from rlframe.config.keys import ACTOR
 
@@ -48,19 +49,24 @@ class ActorUpdate:
     `temperature` is the rollout's sampling temperature: every log-prob (old, reference, update) is of
     logits / T, as the responses were sampled (verl 0.9.1). `correction` is `algorithm.rollout_correction`,
     parsed; the actor reads it in bypass mode (the loss) and in decoupled mode (whether IS weights arrive).
+    `distillation` is the distillation loss's settings when `distillation.enabled` (None: no teacher term).
     """
 
     mode: UpdateMode = UpdateMode.DECOUPLED
     correction: RolloutCorrection = field(default_factory=RolloutCorrection)
     temperature: float = 1.0
+    distillation: DistillationLoss | None = None
 
     @classmethod
-    def from_config(cls, actor: Any, algorithm: Any, rollout: Any) -> ActorUpdate:
-        """The update of the sections `actor_rollout_ref.actor`, `algorithm` and `actor_rollout_ref.rollout`."""
+    def from_config(cls, actor: Any, algorithm: Any, rollout: Any, distillation: Any = None) -> ActorUpdate:
+        """The update of the sections `actor_rollout_ref.actor`, `algorithm`, `actor_rollout_ref.rollout` and
+        `distillation` (None: not read)."""
+        enabled = distillation is not None and distillation.enabled
         return cls(
             mode=update_mode(actor, algorithm),
             correction=RolloutCorrection.parse(algorithm.rollout_correction),
             temperature=float(rollout.temperature),
+            distillation=DistillationLoss.from_config(distillation.distillation_loss) if enabled else None,
         )
 
     @property
@@ -81,4 +87,10 @@ class ActorUpdate:
             keys["rollout_is_weights"] = (
                 f"algorithm.rollout_correction.rollout_is={self.correction.rollout_is}: the driver's IS weights"
             )
+        if self.distillation is not None and self.distillation.uses_topk:
+            why = "distillation_loss.loss_mode=forward_kl_topk: the teacher pass's top-k"
+            keys["teacher_topk_log_probs"] = f"{why} log-probs"
+            keys["teacher_topk_ids"] = f"{why} token ids"
+        elif self.distillation is not None:
+            keys["teacher_log_probs"] = "distillation.enabled=true: the teacher pass's log-probs"
         return keys

@@ -99,7 +99,10 @@ UNSUPPORTED = {
     "actor_rollout_ref.actor.loss_scale_factor": "a constant loss scale is not implemented; rlframe normalizes "
     "seq-mean-token-sum-norm by the max response length",
     "critic.loss_scale_factor": "a constant loss scale is not implemented",
-    "distillation": "on-policy distillation is not supported",
+    "distillation.teacher_models.teacher_model.inference": "the teacher is not served by an inference engine: it "
+    "scores the samples with an FSDP forward in the training processes (docs/distillation.md)",
+    "distillation.teacher_models.teacher_model.num_replicas": "the teacher is not served by inference replicas: it "
+    "scores the samples in the training processes (docs/distillation.md)",
     "transfer_queue": "verl's transfer queue is not used: rlframe moves batches through Ray's object store",
     "trainer.use_v1": "verl's legacy (non-V1) trainer is not a separate path: rlframe's trainer runs V1's modes "
     "(trainer.v1.trainer_mode)",

@@ -391,7 +391,19 @@ def format_algorithm(cfg) -> str:
     ):
         if on:
             lines.append(_summary(f"{where}{name}", get_kl_penalty_fn(name)))
+    if cfg.distillation.enabled:
+        lines.append(_distillation_line(cfg.distillation))
     return "\n".join(lines)
+
+
+def _distillation_line(distillation) -> str:
+    """What the actor's distillation term is, from whom, and how it joins the task loss (docs/distillation.md)."""
+    loss = distillation.distillation_loss
+    mode = f"{loss.loss_mode} (top {loss.topk})" if loss.loss_mode == "forward_kl_topk" else loss.loss_mode
+    how = "as a policy-gradient reward" if loss.use_policy_gradient else "back-propagated"
+    joined = f"added × {loss.distillation_loss_coef} to the task loss" if loss.use_task_rewards else "alone"
+    teacher = distillation.teacher_models.teacher_model.model_path
+    return f"distill    {mode} to the teacher {teacher} at T = 1, {how}, {joined}"
 
 
 def format_simulation(sim: dict, source: str) -> str:

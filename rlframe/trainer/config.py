@@ -33,6 +33,7 @@ from rlframe.trainer.staleness import STRATEGIES
 from rlframe.trainer.tracking import check_backends
 from rlframe.workers.config.actor import ActorConfig
 from rlframe.workers.config.critic import CriticConfig
+from rlframe.workers.config.distillation import MULTI_TEACHER, DistillationConfig
 from rlframe.workers.config.model import ModelConfig
 from rlframe.workers.config.profiler import GlobalProfilerConfig
 from rlframe.workers.config.ref import RefConfig
@@ -440,6 +441,7 @@ class PPOTrainerConfig(Section):
     algorithm: AlgorithmConfig = section(AlgorithmConfig)
     trainer: TrainerConfig = section(TrainerConfig)
     global_profiler: GlobalProfilerConfig = section(GlobalProfilerConfig, "profile the workers on chosen steps")
+    distillation: DistillationConfig = section(DistillationConfig, "on-policy distillation (docs/distillation.md)")
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         out = {}
@@ -536,6 +538,8 @@ def _unknown_key_message(full_key: str, overrides: list[str]) -> str:
     source = next((o for o in overrides if full_key in o.split("=", 1)[0]), None)
     if full_key in NOT_IN_VERL:
         close = []
+    if full_key.startswith("distillation.teacher_models.") and source is not None:
+        return f"{source}: {MULTI_TEACHER}."
     return (
         f"unknown config key {full_key!r}"
         + (f" (from the override {source!r})" if source else "")

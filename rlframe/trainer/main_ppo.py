@@ -32,6 +32,7 @@ from rlframe.single_controller.errors import WorkerDiedError, WorkerGroupError, 
 from rlframe.trainer.config import PPOTrainerConfig, compose, typed
 from rlframe.trainer.launch import create_worker_groups
 from rlframe.trainer.ray_trainer import PreparedRun, RayPPOTrainer
+from rlframe.workers.config.distillation import TEACHER_PATH_KEY
 from rlframe.workers.rollout.registry import engine_for
 
 # Keys that may name the built-in tiny model (directly or through an interpolation).
@@ -41,6 +42,7 @@ MODEL_PATH_KEYS = (
     "critic.model.tokenizer_path",
     "reward_model.model.input_tokenizer",
     "data.tokenizer",
+    TEACHER_PATH_KEY,
 )
 
 
@@ -68,6 +70,20 @@ def check_environment(cfg: DictConfig) -> None:
     if cfg.reward_model.enable:
         check_model_path(cfg.reward_model.model.path, key="reward_model.model.path")
         check_reward_checkpoint(cfg.reward_model.model.path)  # its trained head, or no run
+    if cfg.distillation.enabled:
+        check_model_path(cfg.distillation.teacher_models.teacher_model.model_path, key=TEACHER_PATH_KEY)
+
+
+def check_teacher_tokenizer(cfg: DictConfig, tokenizer) -> None:
+    """The distillation teacher scores the policy's token ids: its tokenizer must be the policy's."""
+    path = cfg.distillation.teacher_models.teacher_model.model_path
+    teacher = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
+    if teacher.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(
+            f"{TEACHER_PATH_KEY}={path}: its tokenizer differs from the policy's ({len(teacher)} tokens, the "
+            f"policy's {len(tokenizer)}, or the same count with other ids); the teacher scores the policy's token "
+            "ids, so distillation needs one tokenizer for both"
+        )
 
 
 def build_data(cfg: DictConfig, tokenizer):
@@ -130,6 +146,8 @@ def load_data_and_rewards(cfg: DictConfig) -> tuple:
     tokenizer = AutoTokenizer.from_pretrained(
         cfg.data.tokenizer or cfg.actor_rollout_ref.model.path, trust_remote_code=cfg.data.trust_remote_code
     )
+    if cfg.distillation.enabled:
+        check_teacher_tokenizer(cfg, tokenizer)
     train_loader, val_loader = build_data(cfg, tokenizer)
     reward_fn = load_reward_manager(cfg, tokenizer, num_examine=0)
     if reward_fn.compute_score is None and not cfg.reward_model.enable:  # the built-in scorers give the reward

@@ -1,9 +1,9 @@
 """RayPPOTrainer: the driver's training loop, one short named step after another.
 
 `fit` reads top to bottom: the rollout stage's next scored batch (`rollout_stage.py`: generate and reward, on the
-training processes' engine or on a rollout pool) → balance across DP ranks → old log-probs → reference → values →
-advantages → critic update → actor update → the source's turn (a pool's weight push) → validate → checkpoint →
-log. Heavy work runs on the worker groups; the driver only does O(batch) math.
+training processes' engine or on a rollout pool) → balance across DP ranks → old log-probs → reference → the
+distillation teacher → values → advantages → critic update → actor update → the source's turn (a pool's weight
+push) → validate → checkpoint → log. Heavy work runs on the worker groups; the driver only does O(batch) math.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class PreparedRun:
 class RayPPOTrainer:
     """Drives PPO/GRPO: owns the data, the reward function and the worker groups.
 
-    `fit()` runs the loop: per step generate → reward → (old log-probs, reference, values) → advantages →
+    `fit()` runs the loop: per step generate → reward → (old log-probs, reference, teacher, values) → advantages →
     critic and actor updates → validation, checkpoint and one row of metrics (docs/trainer.md lists them);
     it returns the last step's metrics. The trainer gets everything built and checked before Ray starts
     (`PreparedRun`, from `main_ppo.prepare`) and the started worker groups (`launch.create_worker_groups`).
@@ -127,6 +127,7 @@ class RayPPOTrainer:
         self.step_profiler = StepProfiler(config.global_profiler, [self.actor_rollout_wg, self.critic_wg])
         self.use_critic = plan.critic is not None
         self.use_reference = plan.ref is not None
+        self.use_teacher = bool(config.distillation.enabled)
         # where the actor's update takes π_old from; the actor decides the same from the same sections
         self.update_mode = update_mode(config.actor_rollout_ref.actor, config.algorithm)
         self.correction = RolloutCorrection.parse(config.algorithm.rollout_correction)
@@ -258,6 +259,9 @@ class RayPPOTrainer:
         if self.use_reference:
             with timer("ref", timings):
                 batch = batch.union(self.actor_rollout_wg.compute_ref_log_prob(batch))
+        if self.use_teacher:
+            with timer("teacher", timings):
+                batch = batch.union(self.actor_rollout_wg.compute_teacher_log_prob(batch))
         if self.use_critic:
             with timer("values", timings):
                 batch = batch.union(self.critic_wg.compute_values(batch))

@@ -18,12 +18,13 @@ from rlframe.workers.rollout_worker import RolloutWorker
 
 
 class ActorRolloutGroup(RayWorkerGroup[ActorRolloutRefWorker]):
-    """The actor, its rollout engine and the reference policy, in every training process."""
+    """The actor, its rollout engine, the reference policy and the distillation teacher, in every training process."""
 
     init_model = ActorRolloutRefWorker.init_model
     generate_sequences = ActorRolloutRefWorker.generate_sequences
     compute_log_prob = ActorRolloutRefWorker.compute_log_prob
     compute_ref_log_prob = ActorRolloutRefWorker.compute_ref_log_prob
+    compute_teacher_log_prob = ActorRolloutRefWorker.compute_teacher_log_prob
     update_actor = ActorRolloutRefWorker.update_actor
     export_weights = ActorRolloutRefWorker.export_weights
     process_rng_state = ActorRolloutRefWorker.process_rng_state

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict
 
+from rlframe.algorithms import distillation
 from rlframe.algorithms.kl import kl_penalty
 from rlframe.algorithms.loss import (
     TOKEN_SELECTORS,
@@ -27,6 +28,7 @@ from rlframe.algorithms.loss import (
     keyword_parameters,
     policy_loss_kwargs,
 )
+from rlframe.algorithms.masked import masked_mean
 from rlframe.algorithms.rollout_correction import PREFIX, bypass_policy_loss, is_weights, normalizer_sums
 from rlframe.algorithms.update_mode import ActorUpdate, UpdateMode
 from rlframe.batch_plan import ForwardPlan, UpdatePlan
@@ -107,16 +109,20 @@ class PPOActor(PPOUpdater):
         calculate_entropy: bool,
         calculate_sum_pi_squared: bool = False,
         images: RowImages | None = None,
+        topk: int = 0,
+        gather_ids: torch.Tensor | None = None,
     ):
         spec = ScoringSpec(
             temperature=self.update.temperature,
             calculate_entropy=calculate_entropy,
             calculate_sum_pi_squared=calculate_sum_pi_squared,
+            topk=topk,
             use_torch_compile=self.options.use_torch_compile,
             use_fused_kernels=self.options.use_fused_kernels,
         )
         layout = layout_for(self.options.use_remove_padding, self.dims.sp_group)
-        return forward_micro_batch(self.module, micro, micro["responses"].shape[-1], spec, layout, images)
+        response_length = micro["responses"].shape[-1]
+        return forward_micro_batch(self.module, micro, response_length, spec, layout, images, gather_ids)
 
     def _score(self, batch: TensorDict, plan: ForwardPlan | UpdatePlan, images: RowImages | None, **wanted) -> dict:
         """The per-token outputs of one forward without gradients over `batch`, cut as `plan`, in its order."""
@@ -130,10 +136,11 @@ class PPOActor(PPOUpdater):
         return out["log_probs"], out.get("entropy")
 
     def compute_token_stats(
-        self, data: DataProto, calculate_entropy: bool = False, calculate_sum_pi_squared: bool = False
+        self, data: DataProto, calculate_entropy: bool = False, calculate_sum_pi_squared: bool = False, topk: int = 0
     ) -> dict[str, torch.Tensor]:
-        """Per-response-token `log_probs` [bs, resp_len], and `entropy` / `sum_pi_squared` (Σ_v π(v)²)
-        when asked, in the input order."""
+        """Per-response-token `log_probs` [bs, resp_len], and `entropy` / `sum_pi_squared` (Σ_v π(v)²) /
+        `topk_log_probs` and `topk_ids` [bs, resp_len, topk] (the `topk` most likely tokens in place of each
+        response token) when asked, in the input order."""
         self.module.eval()
         batch, images = with_image_rows(data.batch, data.non_tensor_batch)
         return self._score(
@@ -142,6 +149,7 @@ class PPOActor(PPOUpdater):
             images,
             calculate_entropy=calculate_entropy,
             calculate_sum_pi_squared=calculate_sum_pi_squared,
+            topk=topk,
         )
 
     def update_policy(self, data: DataProto) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
@@ -255,7 +263,9 @@ class PPOActor(PPOUpdater):
         args = PolicyLossArgs(self.clip_ratio_low, self.clip_ratio_high, float(c.clip_ratio_c), agg)
         response_mask = response_mask_of(micro)
         calculate_entropy = c.entropy_coeff != 0 or ctx.own_old_log_probs
-        out = self._forward(micro, calculate_entropy=calculate_entropy, images=ctx.images)
+        distill = self.update.distillation
+        gather_ids = micro["teacher_topk_ids"] if distill is not None and distill.uses_topk else None
+        out = self._forward(micro, calculate_entropy=calculate_entropy, images=ctx.images, gather_ids=gather_ids)
         pg_loss, pg_metrics = self._policy_loss(micro, out, response_mask, args, ctx)
         loss = pg_loss
         # token-weighted metrics: local means weighted by this micro-batch's share of global tokens
@@ -278,7 +288,42 @@ class PPOActor(PPOUpdater):
             kl_loss = agg(kl, response_mask)
             loss = loss + float(c.kl_loss_coef) * kl_loss
             metrics["kl_loss"] = kl_loss
+        if self.update.distillation is not None:
+            distill_loss, distill_metrics = self._distillation_loss(micro, out, response_mask, agg, ctx)
+            loss = distillation.combine(loss, distill_loss, self.update.distillation)
+            metrics["distillation/loss"] = distill_loss
+            metrics.update({f"distillation/{name}": value * share for name, value in distill_metrics.items()})
         return loss, metrics
+
+    def _distillation_loss(
+        self, micro: TensorDict, out: dict, response_mask: torch.Tensor, agg, ctx: UpdateContext
+    ) -> tuple[torch.Tensor, dict]:
+        """The distillation term of one micro-batch: the teacher's log-probs against this forward's (top-k: its
+        top-k tokens' log-probs against this forward's log-probs of the same tokens).
+
+        Its policy-gradient form takes π_old as the task loss does (this forward's own in an on-policy update's
+        first mini-batch) and the decoupled mode's IS weights (verl passes rollout_is_weights to it too).
+        """
+        settings = self.update.distillation
+        masses = {}
+        if settings.uses_topk:  # the student's log-probs of the teacher's top-k tokens, from this forward
+            topk = distillation.topk_forward_kl_of_log_probs(
+                out["gathered_log_probs"], micro["teacher_topk_log_probs"], settings.log_prob_min_clamp
+            )
+            token_losses = topk["losses"]
+            masses = {
+                name: masked_mean(topk[name], response_mask).detach() for name in ("student_mass", "teacher_mass")
+            }
+        else:
+            token_losses = distillation.estimator_losses(
+                out["log_probs"], micro["teacher_log_probs"], settings.loss_mode
+            )
+        old_log_probs = out["log_probs"].detach() if ctx.own_old_log_probs else micro["old_log_probs"]
+        is_weights = micro["rollout_is_weights"] if self.update.applies_is_weights else None
+        loss, metrics = distillation.distillation_loss(
+            token_losses, out["log_probs"], old_log_probs, response_mask, settings, agg, is_weights
+        )
+        return loss, {**metrics, **masses}
 
     def _policy_loss(
         self, micro: TensorDict, out: dict, response_mask: torch.Tensor, args: PolicyLossArgs, ctx: UpdateContext

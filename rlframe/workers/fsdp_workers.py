@@ -168,10 +168,11 @@ class FSDPWorkerBase(Worker):
 
 
 class ActorRolloutRefWorker(FSDPWorkerBase):
-    """Actor and rollout in one process (hybrid engine), plus the reference policy when `with_ref`."""
+    """Actor and rollout in one process (hybrid engine), plus the reference policy when `with_ref` and the
+    distillation teacher with `distillation.enabled`."""
 
-    # `algorithm`: the update's mode (ActorUpdate); `data`: the tokenizer and the seed
-    SECTIONS = ("actor_rollout_ref", "algorithm", "data", "trainer", "global_profiler")
+    # `algorithm`: the update's mode (ActorUpdate); `data`: the tokenizer and the seed; `distillation`: the teacher
+    SECTIONS = ("actor_rollout_ref", "algorithm", "data", "trainer", "global_profiler", "distillation")
 
     def __init__(self, sections: dict, plan: BatchPlan, with_ref: bool):
         super().__init__(sections, plan)
@@ -205,7 +206,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         options = self._model_options(cfg.actor.use_torch_compile, cfg.actor.fsdp_config)
         actor_model = RoleModel(self.actor_module, options, self.optimizer, self.lr_scheduler)
         # the update's mode, rollout correction and scoring temperature: decided here, once
-        update = ActorUpdate.from_config(cfg.actor, self.config.algorithm, cfg.rollout)
+        update = ActorUpdate.from_config(cfg.actor, self.config.algorithm, cfg.rollout, self.config.distillation)
         seed = int(self.config.data.seed)
         self.actor = PPOActor(actor_model, cfg.actor, self.plan.actor, self.dims, seed=seed, update=update)
         self._offload_optimizer()
@@ -218,8 +219,28 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
                 ref_module.requires_grad_(False)
             ref_model = RoleModel(ref_module, self._model_options(cfg.ref.use_torch_compile, cfg.actor.fsdp_config))
             self.ref = PPOActor(ref_model, cfg.actor, self.plan.actor, self.dims, log_prob=self.plan.ref, update=update)
+        if update.distillation is not None:
+            self.teacher = self._build_teacher(cfg, use_rmpad)
+            # forward_kl_topk reads the teacher's top-k tokens per position; the estimators its sampled-token log-probs
+            self.teacher_topk = update.distillation.topk if update.distillation.uses_topk else 0
         self.kill_points.hit("worker.init")  # crash-consistency tests (docs/reliability.md)
         self._init_rollout(cfg)
+
+    def _build_teacher(self, cfg, use_rmpad: bool) -> PPOActor:
+        """The distillation teacher: a frozen causal LM held as the reference is (its fsdp_config), scoring at T = 1.
+
+        It loads with the actor's model settings but its own checkpoint and no override_config; its pass is cut
+        into micro-batches as the old-log-prob pass is (actor_rollout_ref.rollout.log_prob_*). verl scores with the
+        teacher at temperature 1 whatever the rollout's (its teacher_manager.py), and so does this. The driver
+        checked that the teacher's tokenizer is the policy's (main_ppo.check_teacher_tokenizer).
+        """
+        path = str(self.config.distillation.teacher_models.teacher_model.model_path)
+        model_cfg = OmegaConf.merge(cfg.model, {"path": path, "override_config": {}})
+        model = self._load(model_cfg, "actor", use_rmpad, cfg.ref.fsdp_config)
+        module = self._wrap(model, cfg.ref.fsdp_config)
+        module.requires_grad_(False)
+        options = self._model_options(cfg.ref.use_torch_compile, cfg.ref.fsdp_config)
+        return PPOActor(RoleModel(module, options), cfg.actor, self.plan.actor, self.dims, update=ActorUpdate())
 
     def _model_options(self, use_torch_compile: bool, fsdp_cfg) -> ModelOptions:
         """How the actor's (or reference's) model runs: model keys, the pass's compile switch (CUDA only)."""
@@ -342,6 +363,19 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         with lora.adapter_disabled(self.ref.module):  # with LoRA the reference is the actor's base model
             log_probs, _ = self.ref.compute_log_prob(data)
         return self._scatter_sp(DataProto.from_dict({"ref_log_prob": log_probs})).to("cpu")
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @profiled("teacher_compute_log_prob")
+    def compute_teacher_log_prob(self, data: DataProto) -> DataProto:
+        """The distillation teacher's log-probs of the sampled response tokens (temperature 1); for
+        `forward_kl_topk`, its top-k log-probs and token ids in place of each response token instead."""
+        data = self._to_device(self._gather_sp(data))
+        if self.teacher_topk:
+            stats = self.teacher.compute_token_stats(data, topk=self.teacher_topk)
+            out = {"teacher_topk_log_probs": stats["topk_log_probs"], "teacher_topk_ids": stats["topk_ids"]}
+        else:
+            out = {"teacher_log_probs": self.teacher.compute_log_prob(data)[0]}
+        return self._scatter_sp(DataProto.from_dict(out)).to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @profiled("actor_update")

@@ -8,9 +8,10 @@ A vision-language micro-batch (Qwen2-VL family) has `position_ids` [batch, 4, se
 found by the `IMAGE_ROW` each row carries; `rlframe.workers.multimodal` says how both go through each layout.
 
 One forward, two independent choices:
-- what is scored, a frozen `ScoringSpec`: log-probs at a temperature, plus entropy and Σπ² when asked,
-  through plain or `torch.compile`d kernels, from the logits or from the fused head
-  (`rlframe.workers.fused_head`); or values, for a value head;
+- what is scored, a frozen `ScoringSpec`: log-probs at a temperature, plus entropy, Σπ² and the top-k
+  log-probs and ids when asked, through plain or `torch.compile`d kernels, from the logits or from the fused
+  head (`rlframe.workers.fused_head`); or values, for a value head. The log-probs of chosen tokens per position
+  (a distillation teacher's top-k ids, `gather_ids`) travel through the layout with the labels;
 - how the micro-batch is laid out for the model, a layout: `PaddedLayout` ([batch, seqlen] under the
   attention mask) or `PackedLayout` (`use_remove_padding`: the valid tokens packed into one row, see
   `rlframe.distributed.padding`; the model must use an attention that honours `cu_seq_lens_q`,
@@ -89,13 +90,16 @@ class ScoringSpec:
     temperature: float = 1.0
     calculate_entropy: bool = False
     calculate_sum_pi_squared: bool = False
+    topk: int = 0  # > 0: also "topk_log_probs" and "topk_ids" [..., topk] of each position's distribution
     use_torch_compile: bool = False
     use_fused_kernels: bool = False
     value_head: bool = False
 
     def __post_init__(self):
-        if self.use_fused_kernels and (self.value_head or self.calculate_sum_pi_squared):
-            raise ValueError("use_fused_kernels scores log-probs and entropy only (no values, no Σπ²: no full logits)")
+        if self.use_fused_kernels and (self.value_head or self.calculate_sum_pi_squared or self.topk):
+            raise ValueError(
+                "use_fused_kernels scores log-probs and entropy only (no values, no Σπ², no top-k: no full logits)"
+            )
 
     def output_head(self, model, labels: torch.Tensor):
         """The context the model runs in: with the fused head, its output head scores `labels` instead of projecting."""
@@ -105,14 +109,19 @@ class ScoringSpec:
 
         return scoring_head(model, labels, self._chunk_stats)
 
-    def score(self, head_output: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    def score(
+        self, head_output: torch.Tensor, labels: torch.Tensor, gather_ids: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         """Per-token results from the head's output at the scored positions and their `labels` (next tokens).
 
         The head's output is logits [..., vocab] (values [..., 1]), or the fused head's statistics [..., 1 or 2].
         Computed in fp32 whatever the model's compute dtype (fp64 for an fp64 model): bf16 log-softmax
-        and ratios are too coarse for PPO's importance weights and for the value loss.
+        and ratios are too coarse for PPO's importance weights and for the value loss. `gather_ids` [..., k]:
+        also "gathered_log_probs", the log-probs of those tokens at each position.
         """
         if self.use_fused_kernels:
+            if gather_ids is not None:
+                raise ValueError("use_fused_kernels has no full logits to gather chosen tokens' log-probs from")
             out = {"log_probs": head_output[..., 0]}
             if self.calculate_entropy:
                 out["entropy"] = head_output[..., 1]
@@ -127,6 +136,12 @@ class ScoringSpec:
             out["entropy"] = _entropy_from_logits_chunked(logits, entropy_fn=entropy)
         if self.calculate_sum_pi_squared:
             out["sum_pi_squared"] = sum_pi_squared_from_logits(logits)
+        if self.topk or gather_ids is not None:
+            log_probs = torch.log_softmax(logits, dim=-1)
+            if self.topk:
+                out["topk_log_probs"], out["topk_ids"] = log_probs.topk(self.topk, dim=-1)
+            if gather_ids is not None:
+                out["gathered_log_probs"] = log_probs.gather(-1, gather_ids.long())
         return out
 
     def _chunk_stats(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -158,11 +173,18 @@ class PaddedLayout:
     """The micro-batch as it comes, [batch, seqlen]: the model runs the padding too, under the attention mask."""
 
     def prepare(
-        self, model, micro_batch: dict[str, torch.Tensor], columns: slice, keep_logits: bool, images: dict
+        self,
+        model,
+        micro_batch: dict[str, torch.Tensor],
+        columns: slice,
+        keep_logits: bool,
+        images: dict,
+        gather_ids: torch.Tensor | None = None,
     ) -> PaddedBatch:
         """The model's inputs; with `keep_logits` only the scored `columns` go through the output head.
 
         `images`: the micro-batch's `pixel_values` and `image_grid_thw` ({} for none), passed as they are.
+        `gather_ids` [batch, seqlen, k]: tokens whose log-probs each position's logits give (`score`).
         """
         input_ids = micro_batch["input_ids"]
         inputs = {name: micro_batch[name] for name in ("input_ids", "attention_mask")}
@@ -173,7 +195,8 @@ class PaddedLayout:
         if keep_logits:
             inputs["logits_to_keep"] = torch.arange(columns.start, columns.stop, device=input_ids.device)
         labels = torch.roll(input_ids, shifts=-1, dims=1)  # the fused head scores every position
-        return PaddedBatch(inputs, labels, labels[:, columns], None if keep_logits else columns)
+        gathered = None if gather_ids is None else gather_ids[:, columns]
+        return PaddedBatch(inputs, labels, labels[:, columns], None if keep_logits else columns, gathered)
 
 
 @dataclass(frozen=True)
@@ -184,6 +207,7 @@ class PaddedBatch:
     head_labels: torch.Tensor  # [batch, seqlen] the next token of every position (the fused head sees them all)
     labels: torch.Tensor  # [batch, len(columns)] the next token of each scored position
     columns: slice | None  # the scored columns to cut from the head's output (None: it has only those)
+    gather_ids: torch.Tensor | None = None  # [batch, len(columns), k] tokens whose log-probs are read
 
     def select(self, head_output: torch.Tensor) -> torch.Tensor:
         """The head's output at the scored positions."""
@@ -205,7 +229,13 @@ class PackedLayout:
     sp_group: dist.ProcessGroup | None = None
 
     def prepare(
-        self, model, micro_batch: dict[str, torch.Tensor], columns: slice, keep_logits: bool, images: dict
+        self,
+        model,
+        micro_batch: dict[str, torch.Tensor],
+        columns: slice,
+        keep_logits: bool,
+        images: dict,
+        gather_ids: torch.Tensor | None = None,
     ) -> PackedRow:
         """The packed row's inputs; with `keep_logits` only the positions of the scored `columns` go through
         the output head.
@@ -213,12 +243,14 @@ class PackedLayout:
         A vision-language micro-batch's positions [batch, 4, seqlen] are packed like the tokens, into
         [4, 1, total_nnz]; its `images` (`pixel_values`, `image_grid_thw`) go to the model as they are. With
         Ulysses and images the model gets the whole row and each rank slices the embeddings, once the image
-        features are in them (`rlframe.workers.multimodal.vision_hooks`).
+        features are in them (`rlframe.workers.multimodal.vision_hooks`). `gather_ids` [batch, seqlen, k] (tokens
+        whose log-probs each position's logits give) are packed, sliced and kept like the positions' labels.
         """
         input_ids, attention_mask = micro_batch["input_ids"], micro_batch["attention_mask"]
         ids, indices, cu_seqlens, max_seqlen = unpad_input(input_ids, attention_mask)
         pos = _pack_positions(micro_batch["position_ids"], indices)
         labels = torch.roll(ids, shifts=-1, dims=1)  # next token in the row; wrong only at sequence ends, never scored
+        gathered = None if gather_ids is None else pack_tensor(gather_ids, indices).unsqueeze(0)  # [1, nnz, k]
         scored = None  # the packed positions whose results are read, when only they go through the head
         if keep_logits:
             column = indices % input_ids.shape[1]
@@ -230,6 +262,8 @@ class PackedLayout:
             ids, pos, cu_seqlens, max_seqlen, pad_size = pad_packed_for_sp(ids, pos, cu_seqlens, max_seqlen, sp_size)
             labels = torch.nn.functional.pad(labels, (0, pad_size))
             labels = slice_for_rank(labels, group, dim=1)
+            if gathered is not None:
+                gathered = slice_for_rank(torch.nn.functional.pad(gathered, (0, 0, 0, pad_size)), group, dim=1)
             if not images:  # with images the language model's pre-hook slices the embeddings and positions
                 ids, pos = slice_for_rank(ids, group, dim=1), slice_for_rank(pos, group, dim=-1)
             if scored is not None:
@@ -240,11 +274,12 @@ class PackedLayout:
             keep = scored[0].nonzero().flatten()  # this rank's scored positions in its share of the row
             extra["logits_to_keep"] = keep
             labels = labels[:, keep]
+            gathered = None if gathered is None else gathered[:, keep]
         # the sequences' bounds travel under transformers' names for its varlen attention
         inputs = {"input_ids": ids, "position_ids": pos, "cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens}
         inputs.update(max_length_q=max_seqlen, max_length_k=max_seqlen, **extra, **images)
         unpack = _Unpack(keep, labels_length, group, pad_size, indices, tuple(input_ids.shape), columns)
-        return PackedRow(inputs, labels, labels[0], unpack)
+        return PackedRow(inputs, labels, labels[0], unpack, None if gathered is None else gathered[0])
 
 
 @dataclass(frozen=True)
@@ -268,19 +303,22 @@ class PackedRow:
     head_labels: torch.Tensor  # [1, positions] the next token of each position through the head (fused head's)
     labels: torch.Tensor  # [positions] the same, for scoring the head's output
     unpack: _Unpack
+    gather_ids: torch.Tensor | None = None  # [positions, k] tokens whose log-probs are read
 
     def select(self, head_output: torch.Tensor) -> torch.Tensor:
         """The head's output [positions, ...]: every position it sees is scored."""
         return head_output[0]
 
     def restore(self, per_token: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Per-token results [positions] -> this rank's share -> the whole row -> [batch, len(columns)].
+        """Per-token results [positions, ...] -> this rank's share -> the whole row -> [batch, len(columns), ...].
 
         Positions that did not go through the head are 0.
         """
         u = self.unpack
         if u.keep is not None:
-            per_token = {name: x.new_zeros(u.length).index_copy(0, u.keep, x) for name, x in per_token.items()}
+            per_token = {
+                name: x.new_zeros((u.length, *x.shape[1:])).index_copy(0, u.keep, x) for name, x in per_token.items()
+            }
         per_token = {name: gather_outputs(x, u.group, dim=0, pad_size=u.pad_size) for name, x in per_token.items()}
         return {name: pad_output(x, u.indices, *u.shape)[:, u.columns] for name, x in per_token.items()}
 
@@ -323,19 +361,31 @@ def forward_micro_batch(
     spec: ScoringSpec = LOG_PROBS,
     layout: PaddedLayout | PackedLayout = PACKED,
     images: RowImages | None = None,
+    gather_ids: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Run `model` on one micro-batch and score its responses: `spec`'s results, each [batch, response_length].
+    """Run `model` on one micro-batch and score its responses: `spec`'s results, each [batch, response_length, ...].
 
     `micro_batch` holds `input_ids`, `attention_mask`, `position_ids` [batch, seqlen] ([batch, 4, seqlen] for a
     vision-language model) and `responses` [batch, response_length]. `layout` defaults to the packed row without
     sequence parallelism (`layout_for(use_remove_padding, sp_group)` builds one from the config's two knobs).
     `images`: the call's per-row image inputs, found by the micro-batch's `IMAGE_ROW` (rlframe.workers.multimodal).
+    `gather_ids` [batch, response_length, k]: also "gathered_log_probs", the log-probs of these tokens in place of
+    each response token (a distillation teacher's top-k ids).
     """
     seqlen = micro_batch["input_ids"].shape[1]
     scoring_columns = slice(seqlen - response_length - 1, seqlen - 1)  # the logits of column t score token t + 1
-    outputs = score_positions(model, micro_batch, spec, layout, scoring_columns, images)
+    if gather_ids is not None:  # in the columns of the logits that score each response token
+        full = gather_ids.new_zeros((gather_ids.shape[0], seqlen, *gather_ids.shape[2:]))
+        full[:, scoring_columns] = gather_ids
+        gather_ids = full
+    outputs = score_positions(model, micro_batch, spec, layout, scoring_columns, images, gather_ids)
     response_mask = micro_batch["attention_mask"][:, -response_length:].bool()
-    return {name: torch.where(response_mask, x, torch.zeros_like(x)) for name, x in outputs.items()}
+    return {name: torch.where(_expand(response_mask, x), x, torch.zeros_like(x)) for name, x in outputs.items()}
+
+
+def _expand(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`mask` [batch, len] with trailing singleton dims to broadcast against `like` [batch, len, ...]."""
+    return mask.view(*mask.shape, *([1] * (like.dim() - mask.dim())))
 
 
 def score_positions(
@@ -345,18 +395,20 @@ def score_positions(
     layout: PaddedLayout | PackedLayout,
     columns: slice,
     images: RowImages | None = None,
+    gather_ids: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The model's forward on `micro_batch` ([batch, seqlen] `input_ids`, `attention_mask`, `position_ids`),
     scored by `spec` at the padded `columns` (the results of column t are from its logits, which predict
-    token t + 1): each result [batch, len(columns)]."""
+    token t + 1): each result [batch, len(columns), ...]. `gather_ids` [batch, seqlen, k]: tokens whose
+    log-probs each column's logits give ("gathered_log_probs")."""
     keep_logits = not spec.use_fused_kernels and _keeps_logits(model, spec.value_head)
     device = micro_batch["input_ids"].device
     image_inputs = {} if images is None else images.of(micro_batch[IMAGE_ROW], device)
-    laid_out = layout.prepare(model, micro_batch, columns, keep_logits, image_inputs)
+    laid_out = layout.prepare(model, micro_batch, columns, keep_logits, image_inputs, gather_ids)
     sp_group = layout.sp_group if isinstance(layout, PackedLayout) and sp_size_of(layout.sp_group) > 1 else None
     with spec.output_head(model, laid_out.head_labels), vision_hooks(model, bool(image_inputs), sp_group):
         output = model(**laid_out.inputs, use_cache=False)
-    return laid_out.restore(spec.score(laid_out.select(output.logits), laid_out.labels))
+    return laid_out.restore(spec.score(laid_out.select(output.logits), laid_out.labels, laid_out.gather_ids))
 
 
 def _keeps_logits(model, value_head: bool) -> bool:

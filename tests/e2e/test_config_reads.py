@@ -26,6 +26,7 @@ CHECKED_ONLY = {
     "actor_rollout_ref.model.fused_kernel_options.impl_backend": "must be torch: triton and liger are refused",
     "trainer.v1.separate_async.parameter_sync_step": "must make train_batch_size = parameter_sync_step × "
     "ppo_mini_batch_size: the weights are pushed once per step",
+    "distillation.nnodes": "must be 0: a teacher pool of its own is refused; the teacher shares the training processes",
 }
 
 RUNS = {
@@ -58,6 +59,13 @@ RUNS = {
         "trainer.v1.separate_async.parameter_sync_step=2",
         "actor_rollout_ref.rollout.nnodes=1",
         "actor_rollout_ref.rollout.n_gpus_per_node=1",
+        "trainer.val_before_train=false",
+    ],
+    "grpo_distillation_policy_gradient": [  # the teacher is the policy's own initial checkpoint
+        "distillation.enabled=true",
+        "distillation.teacher_models.teacher_model.model_path=builtin://tiny",
+        "distillation.distillation_loss.loss_mode=k1",
+        "distillation.distillation_loss.use_policy_gradient=true",
         "trainer.val_before_train=false",
     ],
     "ppo_critic_kl_in_reward": [

@@ -133,3 +133,26 @@ def test_separate_async_with_vllm_on_the_rollout_pool_cuts_continues_and_trains_
         assert len(counts) == 4 and set(counts.values()) == {4}  # 4 prompts of n = 4 samples
         trained.update(counts.keys())
     assert len(trained) == 12 and set(trained.values()) == {1}
+
+
+def test_distillation_with_the_vllm_rollout_scores_the_samples_with_the_teacher(tmp_path, cache_dir):
+    """distillation.enabled=true with rollout.name=vllm: the teacher pass runs on vLLM's samples. The teacher is the
+    student's own checkpoint, so before the first update its log-probs are the actor's, bit for bit: the first
+    step's k3 term is exactly 0 (temperature 1)."""
+    run_dir = tmp_path / "distill"
+    out = run_main(
+        JOB
+        + [
+            "trainer.total_training_steps=2",
+            f"trainer.default_local_dir={run_dir}",
+            "distillation.enabled=true",
+            "distillation.teacher_models.teacher_model.model_path=builtin://smollm2-135m-instruct",
+        ],
+        cache_dir,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    steps = [m for m in read_metrics(run_dir) if "actor/pg_loss" in m]
+    assert len(steps) == 2
+    assert steps[0]["actor/distillation/loss"] == 0.0
+    for m in steps:
+        assert m["actor/distillation/abs_loss"] >= 0 and m["timing_s/teacher"] > 0

@@ -286,3 +286,22 @@ def test_cli_help_and_unknown_command(capsys):
 
     assert cli_main(["--help"]) == 0 and "explain" in capsys.readouterr().out
     assert cli_main(["bogus"]) == 2
+
+
+def test_the_algorithm_section_says_what_the_distillation_term_is():
+    from rlframe.explain.formatting import format_algorithm
+    from rlframe.trainer.config import typed
+
+    teacher = "distillation.teacher_models.teacher_model.model_path=/models/teacher"
+    assert "distill" not in format_algorithm(typed(compose([])))
+    pg_topk = [
+        "distillation.enabled=true",
+        teacher,
+        "distillation.distillation_loss.loss_mode=forward_kl_topk",
+        "distillation.distillation_loss.topk=8",
+        "distillation.distillation_loss.use_policy_gradient=true",
+        "distillation.distillation_loss.use_task_rewards=false",
+    ]
+    assert format_algorithm(typed(compose(pg_topk))).splitlines()[-1] == (
+        "distill    forward_kl_topk (top 8) to the teacher /models/teacher at T = 1, as a policy-gradient reward, alone"
+    )

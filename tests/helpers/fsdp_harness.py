@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from helpers.world import spawned_world
 from rlframe.algorithms.config import RolloutCorrection, RolloutCorrectionConfig
+from rlframe.algorithms.distillation import DistillationLoss
 from rlframe.algorithms.update_mode import ActorUpdate, UpdateMode
 from rlframe.batch_plan import ForwardPlan, UpdatePlan
 from rlframe.distributed.parallel_dims import ParallelDims, ParallelPlan
@@ -80,6 +81,7 @@ class Scenario:
     freeze_vision_tower: bool = False  # actor.freeze_vision_tower: a vision-language model's tower does not train
     update_mode: str = "decoupled"  # the actor's UpdateMode: decoupled | bypass | on_policy
     correction: dict = field(default_factory=dict)  # algorithm.rollout_correction keys over their defaults
+    distillation: dict = field(default_factory=dict)  # DistillationLoss fields over its defaults; {}: no teacher term
     extra: dict = field(default_factory=dict)
 
     @property
@@ -201,9 +203,10 @@ def role_for(sc: Scenario, num_seqs: int) -> tuple:
 
 
 def actor_update(sc: Scenario) -> ActorUpdate:
-    """The actor's update of a scenario: its mode and its rollout correction, parsed; temperature 1."""
+    """The actor's update of a scenario: its mode, its rollout correction parsed, its distillation term; T = 1."""
     correction = RolloutCorrection.parse(RolloutCorrectionConfig(**sc.correction))
-    return ActorUpdate(UpdateMode(sc.update_mode), correction)
+    distillation = DistillationLoss(**sc.distillation) if sc.distillation else None
+    return ActorUpdate(UpdateMode(sc.update_mode), correction, distillation=distillation)
 
 
 def make_role(sc: Scenario, num_seqs: int, module, optimizer=None, dims=None):

@@ -83,12 +83,27 @@ def verl_core_algos():
 _SFT_UNUSED_IMPORTS = ("datasets", "verl.models.transformers.qwen2_vl")
 
 
-def verl_multiturn_sft_dataset():
-    """verl 0.9.1's MultiTurnSFTDataset class, or a pytest skip when its source is absent."""
-    for name in _SFT_UNUSED_IMPORTS:
+def _stand_in_unused(names: tuple[str, ...]) -> None:
+    """Empty stand-ins for the modules `names` that an import chain needs but the compared functions never call."""
+    for name in names:
         if name not in sys.modules and (name.startswith("verl.") or importlib.util.find_spec(name) is None):
             sys.modules[name] = _stand_in(name)
+
+
+def verl_multiturn_sft_dataset():
+    """verl 0.9.1's MultiTurnSFTDataset class, or a pytest skip when its source is absent."""
+    _stand_in_unused(_SFT_UNUSED_IMPORTS)
     return verl_module("verl.utils.dataset.multiturn_sft_dataset").MultiTurnSFTDataset
+
+
+def verl_distillation_losses():
+    """verl 0.9.1's `trainer.distillation.losses` and `trainer.distillation.fsdp.losses` modules, or a pytest skip.
+
+    Their import chain reaches verl's dataset package (hence the SFT dataset's stand-ins); the loss functions
+    never call it.
+    """
+    _stand_in_unused(_SFT_UNUSED_IMPORTS)
+    return verl_module("verl.trainer.distillation.losses"), verl_module("verl.trainer.distillation.fsdp.losses")
 
 
 def verl_module(name: str):
