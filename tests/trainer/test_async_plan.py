@@ -66,7 +66,7 @@ def test_the_plan_counts_pools_in_flight_sequences_and_their_bytes():
 def test_rollout_tensor_table_matches_what_the_rollout_returns():
     """ROLLOUT_TENSORS is what build_rollout_output and RolloutWorker put in a generated batch, byte for byte."""
     from rlframe.workers.rollout.base import build_rollout_output
-    from rlframe.workers.rollout_worker import VERSIONS_KEY
+    from rlframe.workers.rollout.partial import VERSIONS_KEY
 
     prompt_len, response_len, rows = 5, 7, 3
     mask = torch.ones(rows, prompt_len, dtype=torch.long)

@@ -12,9 +12,9 @@ import torch
 from helpers.rollout import PROMPT_LEN, RESPONSE_LEN, load_tokenizer, make_prompts, one_process_rollout_worker
 
 from rlframe.workers.rollout.base import BaseRollout
+from rlframe.workers.rollout.partial import VERSIONS_KEY
 from rlframe.workers.rollout.registry import engine_for, engine_names, register, unregister
 from rlframe.workers.rollout.spec import Capabilities, EngineSpec
-from rlframe.workers.rollout_worker import VERSIONS_KEY
 
 ROOT = Path(__file__).resolve().parents[3]
 ROLLOUT = "actor_rollout_ref.rollout"
