@@ -239,29 +239,74 @@ def test_streaming_groups_over_two_replicas_finishing_out_of_order_stay_within_t
     assert sum(m["async/rollout_pool/idle_s"] for m in metrics) > 0  # replica 0 waits while the step trains
 
 
+def test_colocate_async_cuts_what_generates_ahead_once_a_batch_is_sampled_and_trains_every_prompt_once(
+    ray_cluster, tmp_path, monkeypatch
+):
+    """colocate_async, η = 1, responses of 24 tokens at ~0.12 s a token: the engine that generated a step's batch goes
+    on with the next batch while the driver scores (a scorer of ~0.1 s a sample); once the step's batch is sampled
+    that generation is cut (before the step trains on the same process) and its rows continue on the new weights.
+    Every trained token is at most η versions old, cut rows span two versions, and every prompt is trained once."""
+    monkeypatch.setenv("RLFRAME_DELAY_AT", "rollout.decode:5:0.1-0.14")
+    scorer = tmp_path / "slow_scorer.py"
+    scorer.write_text(
+        "import time\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    time.sleep(0.1)\n"
+        "    return float(len(solution_str) % 2)\n"
+    )
+    dumps = tmp_path / "rollouts"
+    metrics, _ = train_in_process(
+        [
+            *BASE,
+            *COLOCATE,
+            f"custom_reward_function.path={scorer}",
+            "data.max_response_length=24",
+            "trainer.total_training_steps=4",
+            "trainer.test_freq=-1",
+            "trainer.v1.sampler.max_off_policy_threshold=2",  # η = 1
+            f"trainer.rollout_data_dir={dumps}",
+            f"trainer.default_local_dir={tmp_path / 'async'}",
+        ]
+    )
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert max(m[f"{STALENESS}_worst/max"] for m in metrics) <= 1
+    assert [m[f"{STALENESS}_worst/max"] for m in metrics][1:] == [1, 1, 1]  # the batch generated one step ahead
+    assert sum(m["async/interrupted_samples"] for m in metrics) > 0
+    assert max(m["training/off_policy/trajectory_spans/max"] for m in metrics) == 2
+    # a cut row's newest tokens come from the weights its step starts from
+    assert min(m[f"{STALENESS}/min"] for m in metrics[1:]) == 0
+    assert [m["async/in_flight_groups"] for m in metrics] == [4, 4, 4, 0]  # L = 1 batch ahead, none after the last
+    assert max(m["async/in_flight_groups/max"] for m in metrics) == 8  # (L + 1) · B
+    assert not any("async/rollout_pool/idle_s" in m for m in metrics)  # no rollout pool
+    trained = times_trained(dumps, (1, 2, 3, 4))
+    assert len(trained) == 16 and set(trained.values()) == {1}
+
+
 def _trained_prompts(dumps, steps) -> dict[int, set]:
     """{step: the prompt indices it trained}, from the rollout dumps."""
     return {s: {json.loads(line)["index"] for line in (dumps / f"{s}.jsonl").read_text().splitlines()} for s in steps}
 
 
-ETA1_FOUR_STEPS = [*BASE, *SEPARATE, "trainer.total_training_steps=4", "trainer.test_freq=-1"]
-ETA1_FOUR_STEPS += ["trainer.v1.sampler.max_off_policy_threshold=2"]  # η = 1
+FOUR_STEPS = [*BASE, "trainer.total_training_steps=4", "trainer.test_freq=-1"]
+ETA1 = ["trainer.v1.sampler.max_off_policy_threshold=2"]  # η = 1
 
 
-@pytest.fixture(scope="module")
-def eta1_saved_at_step_2(ray_cluster, tmp_path_factory):
-    """η = 1, four steps, a checkpoint at step 2 (when the groups of steps 3 and 4 are generating or finished):
-    (the run's folder, its metrics)."""
-    first = tmp_path_factory.mktemp("eta1_first")
+@pytest.fixture(scope="module", params=list(MODES))
+def eta1_saved_at_step_2(request, ray_cluster, tmp_path_factory):
+    """η = 1 under either async mode, four steps, a checkpoint at step 2 (when the groups of steps 3 and 4 are
+    generating or finished): (the mode, the run's folder, its metrics)."""
+    first = tmp_path_factory.mktemp(f"eta1_first_{request.param}")
     metrics, _ = train_in_process(
         [
-            *ETA1_FOUR_STEPS,
+            *FOUR_STEPS,
+            *MODES[request.param],
+            *ETA1,
             "trainer.save_freq=2",
             f"trainer.rollout_data_dir={first / 'dumps'}",
             f"trainer.default_local_dir={first}",
         ]
     )
-    return first, metrics
+    return request.param, first, metrics
 
 
 def resumed_from_step_2(first, resumed, overrides: list[str]) -> list[dict]:
@@ -278,14 +323,18 @@ def resumed_from_step_2(first, resumed, overrides: list[str]) -> list[dict]:
     return metrics
 
 
-def test_a_checkpoint_keeps_the_prompts_in_flight_and_the_resumed_run_trains_them(eta1_saved_at_step_2, tmp_path):
+@pytest.mark.parametrize("resumed_mode", list(MODES))
+def test_a_checkpoint_keeps_the_prompts_in_flight_and_a_run_resumed_in_either_async_mode_trains_them(
+    eta1_saved_at_step_2, tmp_path, resumed_mode
+):
     """η = 1: when step 2 saves, the groups of steps 3 and 4 are generating or finished. The checkpoint keeps their
-    prompts (not their responses); a run resumed from it generates them again first and trains exactly the prompts
-    the uninterrupted run trained in steps 3 and 4, none of those of steps 1 and 2."""
-    first, metrics = eta1_saved_at_step_2
+    prompts (not their responses); a run resumed from it, in the same async mode or the other, generates them again
+    first and trains exactly the prompts the uninterrupted run trained in steps 3 and 4, none of those of steps 1
+    and 2."""
+    _, first, metrics = eta1_saved_at_step_2
     assert [m["async/in_flight_groups"] for m in metrics][:2] == [4, 4]  # step 2 saved with groups in flight
     resumed = tmp_path / "resumed"
-    metrics = resumed_from_step_2(first, resumed, ETA1_FOUR_STEPS)
+    metrics = resumed_from_step_2(first, resumed, [*FOUR_STEPS, *MODES[resumed_mode], *ETA1])
     assert [m["step"] for m in metrics] == [3, 4]
     before = _trained_prompts(first / "dumps", (1, 2, 3, 4))
     after = _trained_prompts(resumed / "dumps", (3, 4))
@@ -297,29 +346,30 @@ def test_an_asynchronous_checkpoint_resumed_synchronously_trains_the_prompts_it_
     eta1_saved_at_step_2, tmp_path
 ):
     """Before, the sync loop ignored the checkpoint's in-flight prompts: 4 prompts were never trained, without a
-    word. Now its steps 3 and 4 train exactly the prompts the asynchronous run trained there."""
-    first, _ = eta1_saved_at_step_2
+    word. Now its steps 3 and 4 train exactly the prompts the asynchronous run (either mode) trained there."""
+    _, first, _ = eta1_saved_at_step_2
     resumed = tmp_path / "resumed"
-    metrics = resumed_from_step_2(first, resumed, [*BASE, "trainer.total_training_steps=4", "trainer.test_freq=-1"])
+    metrics = resumed_from_step_2(first, resumed, FOUR_STEPS)
     assert [m["step"] for m in metrics] == [3, 4]
     before = _trained_prompts(first / "dumps", (1, 2, 3, 4))
     after = _trained_prompts(resumed / "dumps", (3, 4))
     assert after[3] | after[4] == before[3] | before[4] and len(after[3] | after[4]) == 8
 
 
+@pytest.mark.parametrize("mode", list(MODES))
 def test_a_synchronous_checkpoint_resumes_asynchronously_in_its_own_folder_and_each_step_is_logged_once(
-    ray_cluster, tmp_path
+    ray_cluster, tmp_path, mode
 ):
-    """Before, `separate_async` crashed on a sync checkpoint (KeyError: 'async_prompts'). Resumed in the same folder,
-    the asynchronous run trains the prompts the sync run trained in steps 3 and 4, and metrics.jsonl holds each step
-    once: the sync run's lines past the checkpoint are replaced by the resumed run's."""
+    """Before, `separate_async` crashed on a sync checkpoint (KeyError: 'async_prompts'). Resumed in the same folder
+    under either async mode, the run trains the prompts the sync run trained in steps 3 and 4, and metrics.jsonl
+    holds each step once: the sync run's lines past the checkpoint are replaced by the resumed run's."""
     folder = tmp_path / "run"
-    common = [*BASE, "trainer.total_training_steps=4", "trainer.test_freq=-1", f"trainer.default_local_dir={folder}"]
+    common = [*FOUR_STEPS, f"trainer.default_local_dir={folder}"]
     train_in_process([*common, "trainer.save_freq=2", f"trainer.rollout_data_dir={tmp_path / 'sync_dumps'}"])
     metrics, _ = train_in_process(
         [
             *common,
-            *SEPARATE,
+            *MODES[mode],
             "trainer.resume_mode=resume_path",
             f"trainer.resume_from_path={folder / 'global_step_2'}",
             f"trainer.rollout_data_dir={tmp_path / 'async_dumps'}",
