@@ -239,13 +239,15 @@ def test_streaming_groups_over_two_replicas_finishing_out_of_order_stay_within_t
     assert sum(m["async/rollout_pool/idle_s"] for m in metrics) > 0  # replica 0 waits while the step trains
 
 
+@pytest.mark.parametrize("processes", [1, 2])
 def test_colocate_async_cuts_what_generates_ahead_once_a_batch_is_sampled_and_trains_every_prompt_once(
-    ray_cluster, tmp_path, monkeypatch
+    ray_cluster, tmp_path, monkeypatch, processes
 ):
     """colocate_async, η = 1, responses of 24 tokens at ~0.12 s a token: the engine that generated a step's batch goes
     on with the next batch while the driver scores (a scorer of ~0.1 s a sample); once the step's batch is sampled
-    that generation is cut (before the step trains on the same process) and its rows continue on the new weights.
-    Every trained token is at most η versions old, cut rows span two versions, and every prompt is trained once."""
+    that generation is cut (before the step trains on the same processes; with 2, each cuts its own share) and its
+    rows continue on the new weights. Every trained token is at most η versions old, cut rows span two versions, and
+    every prompt is trained once."""
     monkeypatch.setenv("RLFRAME_DELAY_AT", "rollout.decode:5:0.1-0.14")
     scorer = tmp_path / "slow_scorer.py"
     scorer.write_text(
@@ -259,6 +261,7 @@ def test_colocate_async_cuts_what_generates_ahead_once_a_batch_is_sampled_and_tr
         [
             *BASE,
             *COLOCATE,
+            f"trainer.n_gpus_per_node={processes}",
             f"custom_reward_function.path={scorer}",
             "data.max_response_length=24",
             "trainer.total_training_steps=4",
