@@ -286,6 +286,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         devices = [torch.cuda.current_device()] if self.device_type == "cuda" else []
         rng = torch.random.fork_rng(devices=devices) if validate else nullcontext()
         with rng:
+            # validation is never cut: it is queued after the step's weight sync, so no newer version is announced
             if self.versioned is not None and not validate:
                 output = self.versioned.generate(self._to_device(prompts))
             elif self.generation_pool is not None:
