@@ -376,16 +376,12 @@ class TrainerV1Config(Section):
         if self.trainer_mode == "separate_async":
             return {f"{path}.colocate_async": f"{mode}: only colocate_async reads it"}
         pool = f"{mode}: only separate_async reads it"
+        cut = "; colocate_async always cuts what generates ahead once a step's batch is sampled (verl)"
         out = {
             f"{path}.separate_async": pool,
             f"{rollout}.nnodes": pool,
             f"{rollout}.n_gpus_per_node": pool,
-            f"{rollout}.partial_rollout": f"{mode}: only separate_async reads it"
-            + (
-                "; colocate_async always cuts what generates ahead once a step's batch is sampled (verl)"
-                if self.trainer_mode == "colocate_async"
-                else ""
-            ),
+            f"{rollout}.partial_rollout": pool + (cut if self.trainer_mode == "colocate_async" else ""),
         }
         if self.trainer_mode == "sync":
             why = f"{mode}: only the async modes read it"
