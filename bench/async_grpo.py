@@ -1,8 +1,9 @@
-"""Asynchronous GRPO (trainer.v1.trainer_mode=separate_async) against the synchronous loop, on the same cores.
+"""Asynchronous GRPO (trainer.v1.trainer_modes separate_async, colocate_async) against the sync loop, same cores.
 
     python bench/async_grpo.py                 # 40 steps each, the first 6 skipped, responses up to 128 tokens
     python bench/async_grpo.py --steps 24 --skip-steps 4 --response-length 48
     python bench/async_grpo.py --job tools --steps 8 --skip-steps 2    # the agentic job (needs the smollm2 extra)
+    python bench/async_grpo.py --only colocate  # sync and the colocate_async row
 
 `--job add_digits` (the default): GRPO on builtin://add_digits with the quickstart's untrained model
 (builtin://tiny-quickstart, a 64-token vocabulary), 16 prompts x 8 samples per step, responses up to
@@ -25,7 +26,9 @@ Rows, all on the same 2 CPU processes of one thread each:
   stale samples (rollout_is=token); a push waits for the generation running;
 - separate_async η=2 with partial rollout (threshold 3, two batches ahead): the same, streaming, and a push cuts the
   generation running, whose rows (for the tool job: trajectories, inside or between turns) continue on the new
-  weights.
+  weights;
+- colocate_async η=1 (threshold 2, one batch ahead): both processes generate and train, as sync, and the next
+  batch generates between steps, cut once a step's batch is sampled and continued on the new weights.
 Step time is the median `timing_s/step` after the warm-up steps: for the async rows the whole cycle, the wait for
 samples included. The ratio is sync's step time over each row's (above 1: faster than sync). The machine is shared,
 so the runs go one after the other in one process and are compared only with each other.
@@ -63,6 +66,12 @@ ROWS = {
         *ASYNC,
         "trainer.v1.sampler.max_off_policy_threshold=3",
         "trainer.v1.separate_async.num_warmup_batches=2",
+        "algorithm.rollout_correction.rollout_is=token",
+    ],
+    "colocate_async η=1 (2 processes)": [
+        "trainer.n_gpus_per_node=2",
+        "trainer.v1.trainer_mode=colocate_async",
+        "trainer.v1.sampler.max_off_policy_threshold=2",
         "algorithm.rollout_correction.rollout_is=token",
     ],
 }
@@ -152,9 +161,15 @@ def main() -> None:
     parser.add_argument("--skip-steps", type=int, default=6)
     parser.add_argument("--job", choices=sorted(JOBS), default="add_digits")
     parser.add_argument("--response-length", type=int, default=None, help="default: 128 (add_digits), 96 (tools)")
+    parser.add_argument("--only", nargs="*", default=None, help="the rows whose name holds one of these (and sync)")
     args = parser.parse_args()
     length = args.response_length or JOBS[args.job][1]
-    results = {name: run(args.job, overrides, args.steps, args.skip_steps, length) for name, overrides in ROWS.items()}
+    rows = {
+        name: overrides
+        for name, overrides in ROWS.items()
+        if args.only is None or name.startswith("sync") or any(part in name for part in args.only)
+    }
+    results = {name: run(args.job, overrides, args.steps, args.skip_steps, length) for name, overrides in rows.items()}
     sync = results["sync (2 processes, colocated)"]["step_s"]
     print_table(
         [

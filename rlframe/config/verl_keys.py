@@ -107,7 +107,6 @@ UNSUPPORTED = {
     "trainer.use_v1": "verl's legacy (non-V1) trainer is not a separate path: rlframe's trainer runs V1's modes "
     "(trainer.v1.trainer_mode)",
     "trainer.v1.sync": "verl's sync-mode options are empty in 0.9.1; rlframe's sync mode has none",
-    "trainer.v1.colocate_async": "trainer.v1.trainer_mode=colocate_async is not implemented yet (docs/async.md)",
     "trainer.v1.separate_async.hybrid_rollout": "lending idle training replicas to generation is not implemented",
     "trainer.v1.sampler.custom_sampler": "custom samplers (replay buffers) are not supported",
     "trainer.v1.sampler.sampler_kwargs": "custom samplers (replay buffers) are not supported",

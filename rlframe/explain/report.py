@@ -40,7 +40,7 @@ def explain(
     model_path = resolved.actor_rollout_ref.model.path
     rows = key_statuses(cfg)
     warnings = launch_warnings(cfg, overrides)
-    pools = make_async_plan(resolved, plan)  # None unless trainer.v1.trainer_mode=separate_async
+    pools = make_async_plan(resolved, plan)  # None under trainer.v1.trainer_mode=sync
     sim = source = None
     if lengths is not None:
         seqlens, source = sequence_lengths(lengths, plan, seed)

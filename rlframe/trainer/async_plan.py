@@ -1,7 +1,8 @@
-"""What `trainer.v1.trainer_mode=separate_async` runs on and holds: the two pools, η and L, the batches in flight.
+"""What the asynchronous trainer modes run on and hold: the pools, η and L, the batches in flight.
 
 `make_async_plan` computes, before Ray starts, what the asynchronous rollout stage (`PooledSource`) will do with a
-config: the training and rollout pools, the staleness bound η and the lookahead L (`staleness_bound`, `lookahead`:
+config: the training and rollout pools (under `colocate_async` the rollout is the training processes' own engines),
+the staleness bound η and the lookahead L (`staleness_bound`, `lookahead`:
 the numbers the trainer runs with), the sequences that can be in flight and the bytes of their rollout tensors, the
 weight copy each push puts in Ray's object store, and which objective the update optimizes on stale samples.
 `rlframe explain` prints it (docs/async.md shows an example).
@@ -39,8 +40,9 @@ ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 @dataclass(frozen=True)
 class AsyncPlan:
-    """The pools, the staleness bound and what it holds in memory, for one separate_async config."""
+    """The pools, the staleness bound and what it holds in memory, for one separate_async or colocate_async config."""
 
+    mode: str  # trainer.v1.trainer_mode
     training_nnodes: int
     training_n_gpus_per_node: int
     training_roles: tuple[str, ...]  # the roles each training process hosts
@@ -51,7 +53,7 @@ class AsyncPlan:
     rollout_replicas: int
     max_off_policy_threshold: int
     max_off_policy_strategy: str
-    partial_rollout: bool  # actor_rollout_ref.rollout.partial_rollout: a push cuts the generations it finds running
+    partial_rollout: bool  # a push (colocate: a step's sampled batch) cuts the generations it finds running
     staleness_bound: int  # η
     num_warmup_batches: int
     lookahead: int  # L
@@ -72,7 +74,7 @@ class AsyncPlan:
     weight_dtype: str  # actor_rollout_ref.actor.fsdp_config.model_dtype: the dtype export_weights sends
     weight_element_bytes: int
     weight_parameters: int | None  # elements of the actor's state dict; None when its config is not readable
-    weight_push_bytes: int | None
+    weight_push_bytes: int | None  # None under colocate_async: the engines take the weights in place
     objective: str  # on_policy | decoupled | bypass | uncorrected
 
     @property
@@ -129,34 +131,41 @@ def exported_parameters(path: str | None, trust_remote_code: bool = False) -> in
 
 
 def make_async_plan(cfg: Any, plan: BatchPlan) -> AsyncPlan | None:
-    """The separate_async plan of a normalized config (None under any other trainer.v1.trainer_mode)."""
+    """The async plan of a normalized config (None under trainer.v1.trainer_mode=sync).
+
+    colocate_async generates on the training processes' engines: its rollout "pool" is the training pool, one
+    replica (each call splits its rows over the processes), partial rollout always on, and no weight copy."""
     v1 = cfg.trainer.v1
-    if v1.trainer_mode != "separate_async":
+    if v1.trainer_mode == "sync":
         return None
+    colocate = v1.trainer_mode == "colocate_async"
     rollout, model = cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.model
+    nnodes = plan.nnodes if colocate else rollout.nnodes
+    per_node = plan.n_gpus_per_node if colocate else rollout.n_gpus_per_node
     eta, ahead = staleness_bound(v1), lookahead(v1)
     tensors = [t for t in ROLLOUT_TENSORS if t[0] != LOG_PROBS or rollout.calculate_log_probs]
     per_prompt_token, per_response_token = sum(t[2] for t in tensors), sum(t[3] for t in tensors)
     per_sequence = per_prompt_token * plan.max_prompt_length + per_response_token * plan.max_response_length
     in_flight = (1 + ahead) * plan.sequences_per_step
-    replicas = rollout.nnodes * rollout.n_gpus_per_node // rollout.tensor_model_parallel_size
+    replicas = 1 if colocate else nnodes * per_node // rollout.tensor_model_parallel_size
     dtype = cfg.actor_rollout_ref.actor.fsdp_config.model_dtype
     element_bytes = ELEMENT_BYTES[DTYPES[dtype]]
-    parameters = exported_parameters(model.path, bool(model.trust_remote_code))
+    parameters = None if colocate else exported_parameters(model.path, bool(model.trust_remote_code))
     return AsyncPlan(
+        mode=v1.trainer_mode,
         training_nnodes=plan.nnodes,
         training_n_gpus_per_node=plan.n_gpus_per_node,
         training_roles=training_roles(cfg, plan),
-        rollout_nnodes=rollout.nnodes,
-        rollout_n_gpus_per_node=rollout.n_gpus_per_node,
+        rollout_nnodes=nnodes,
+        rollout_n_gpus_per_node=per_node,
         rollout_engine=rollout.name,
         rollout_tp=rollout.tensor_model_parallel_size,
         rollout_replicas=replicas,
         max_off_policy_threshold=v1.sampler.max_off_policy_threshold,
         max_off_policy_strategy=v1.sampler.max_off_policy_strategy,
-        partial_rollout=bool(rollout.partial_rollout),
+        partial_rollout=colocate or bool(rollout.partial_rollout),
         staleness_bound=eta,
-        num_warmup_batches=v1.separate_async.num_warmup_batches,
+        num_warmup_batches=getattr(v1, v1.trainer_mode).num_warmup_batches,
         lookahead=ahead,
         train_batch_size=plan.train_batch_size,
         in_flight_groups=(1 + ahead) * plan.train_batch_size,

@@ -194,6 +194,7 @@ def _non_negative(value: int) -> None:
 TRAINER_MODES = ("sync", "separate_async", "colocate_async")
 V1 = "trainer.v1"
 SEPARATE = "trainer.v1.trainer_mode=separate_async"
+ASYNC_MODES = ("separate_async", "colocate_async")
 
 
 def _at_least_one(value: int) -> None:
@@ -206,7 +207,7 @@ class SamplerConfig(Section):
     max_off_policy_threshold: int = key(
         8,
         "the most policy versions a trajectory may span from its submission to its training (verl V1): "
-        "threshold - 1 is the staleness bound η, so 1 = synchronous; separate_async only",
+        "threshold - 1 is the staleness bound η, so 1 = synchronous; the async modes only",
         check=_at_least_one,
     )
     max_off_policy_strategy: str = key(
@@ -247,7 +248,17 @@ class SeparateAsyncConfig(Section):
             )
 
 
-# What separate_async does not implement yet: (is it set?, the key and value, why). docs/async.md lists them.
+@dataclass
+class ColocateAsyncConfig(Section):
+    num_warmup_batches: int = key(
+        1,
+        "batches generated ahead of training (verl V1); rlframe's lookahead is min(this, "
+        "trainer.v1.sampler.max_off_policy_threshold - 1), so generation never runs past the staleness bound",
+        check=_non_negative,
+    )
+
+
+# What the async modes do not implement yet: (is it set?, the key and value, why). docs/async.md lists them.
 def _separate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
     rollout, model = root.actor_rollout_ref.rollout, root.actor_rollout_ref.model
     engine = find_engine(rollout.name)
@@ -294,8 +305,9 @@ def staleness_bound(v1: Any) -> int:
 
 
 def lookahead(v1: Any) -> int:
-    """L = min(trainer.v1.separate_async.num_warmup_batches, η): the batches generated ahead of training."""
-    return min(int(v1.separate_async.num_warmup_batches), staleness_bound(v1))
+    """L = min(trainer.v1.<the async mode>.num_warmup_batches, η): the batches generated ahead of training."""
+    section = v1.colocate_async if v1.trainer_mode == "colocate_async" else v1.separate_async
+    return min(int(section.num_warmup_batches), staleness_bound(v1))
 
 
 @dataclass
@@ -304,32 +316,37 @@ class TrainerV1Config(Section):
         "sync",
         "sync: generate, then train, on the same worker processes | separate_async: a "
         "rollout pool of its own (actor_rollout_ref.rollout.nnodes × n_gpus_per_node) generates the next batches "
-        "while the training pool trains (docs/async.md) | colocate_async: not implemented yet",
+        "while the training pool trains (docs/async.md) | colocate_async: the same schedule on the training "
+        "processes' own engines, whose generation ahead is cut when a step's batch is sampled and continues on the "
+        "new weights after the step",
         choices=TRAINER_MODES,
     )
     sampler: SamplerConfig = section(SamplerConfig, "the staleness bound of the async modes")
+    colocate_async: ColocateAsyncConfig = section(ColocateAsyncConfig, "trainer_mode=colocate_async's settings")
     separate_async: SeparateAsyncConfig = section(SeparateAsyncConfig, "trainer_mode=separate_async's settings")
 
     def check(self, path: str, root: Any) -> None:
-        if self.trainer_mode == "colocate_async":
-            raise ValueError(
-                f"{path}.trainer_mode=colocate_async is not implemented yet; the async mode rlframe runs is "
-                f"separate_async (a rollout pool of its own: actor_rollout_ref.rollout.nnodes >= 1), or use sync"
-            )
-        if self.trainer_mode != "separate_async":
+        if self.trainer_mode not in ASYNC_MODES:
             return
-        nnodes = root.actor_rollout_ref.rollout.nnodes
-        if nnodes < 1:
+        mode = f"{path}.trainer_mode={self.trainer_mode}"
+        rollout = root.actor_rollout_ref.rollout
+        if self.trainer_mode == "separate_async" and rollout.nnodes < 1:
             raise ValueError(
-                f"actor_rollout_ref.rollout.nnodes={nnodes} with {SEPARATE}: the rollout pool needs nodes; set "
-                "actor_rollout_ref.rollout.nnodes>=1 (and actor_rollout_ref.rollout.n_gpus_per_node)"
+                f"actor_rollout_ref.rollout.nnodes={rollout.nnodes} with {SEPARATE}: the rollout pool needs nodes; "
+                "set actor_rollout_ref.rollout.nnodes>=1 (and actor_rollout_ref.rollout.n_gpus_per_node)"
+            )
+        if self.trainer_mode == "colocate_async" and rollout.pool_cpu_generation:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.pool_cpu_generation=true with {mode}: every training process's engine "
+                "generates its own share (a replica each, cut and continued on its own), not pooled on rank 0; set "
+                "it to null or false"
             )
         for refused, setting, why in _separate_async_refusals(root):
             if refused:
-                raise ValueError(f"{setting} with {SEPARATE}: {why} (docs/async.md: what is refused)")
+                raise ValueError(f"{setting} with {mode}: {why} (docs/async.md: what is refused)")
 
     def warnings(self, path: str, root: Any) -> list[str]:
-        if self.trainer_mode != "separate_async" or lookahead(self) < 1:
+        if self.trainer_mode not in ASYNC_MODES or lookahead(self) < 1:
             return []
         correction = root.algorithm.rollout_correction
         if correction.rollout_is is not None or correction.rollout_rs is not None or correction.bypass_mode:
@@ -340,9 +357,10 @@ class TrainerV1Config(Section):
             if root.actor_rollout_ref.rollout.calculate_log_probs
             else " with actor_rollout_ref.rollout.calculate_log_probs=true"
         )
+        mode = self.trainer_mode
         return [
-            f"{SEPARATE} trains samples up to L = min({path}.separate_async.num_warmup_batches="
-            f"{self.separate_async.num_warmup_batches}, η = {path}.sampler.max_off_policy_threshold − 1 = "
+            f"{path}.trainer_mode={mode} trains samples up to L = min({path}.{mode}.num_warmup_batches="
+            f"{getattr(self, mode).num_warmup_batches}, η = {path}.sampler.max_off_policy_threshold − 1 = "
             f"{staleness_bound(self)}) = {lookahead(self)} policy version(s) older than the weights their step starts "
             f"from, with no behaviour correction ({rc}.rollout_is=null, {rc}.rollout_rs=null, {rc}.bypass_mode=false): "
             f"the update is PPO around π_prox on samples drawn from older weights, which is biased; set "
@@ -351,17 +369,22 @@ class TrainerV1Config(Section):
         ]
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
-        if self.trainer_mode == "separate_async":
-            return {}
-        why = f"{path}.trainer_mode={self.trainer_mode}: only separate_async reads it"
+        mode = f"{path}.trainer_mode={self.trainer_mode}"
         rollout = "actor_rollout_ref.rollout"
-        return {
-            f"{path}.sampler": why,
-            f"{path}.separate_async": why,
-            f"{rollout}.nnodes": why,
-            f"{rollout}.n_gpus_per_node": why,
-            f"{rollout}.partial_rollout": why,
+        if self.trainer_mode == "separate_async":
+            return {f"{path}.colocate_async": f"{mode}: only colocate_async reads it"}
+        pool = f"{mode}: only separate_async reads it"
+        cut = "; colocate_async always cuts what generates ahead once a step's batch is sampled (verl)"
+        out = {
+            f"{path}.separate_async": pool,
+            f"{rollout}.nnodes": pool,
+            f"{rollout}.n_gpus_per_node": pool,
+            f"{rollout}.partial_rollout": pool + (cut if self.trainer_mode == "colocate_async" else ""),
         }
+        if self.trainer_mode == "sync":
+            why = f"{mode}: only the async modes read it"
+            out.update({f"{path}.sampler": why, f"{path}.colocate_async": why})
+        return out
 
 
 @dataclass

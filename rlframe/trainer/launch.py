@@ -124,7 +124,8 @@ def create_worker_groups(
             pool,
             create_colocated_worker_cls(roles),
             call_timeout_s=cfg.trainer.worker_timeout_s,
-            runtime_env=nsight_runtime_env(cfg),  # global_profiler.tool=nsys: the workers run under nsys
+            # global_profiler.tool=nsys: the workers run under nsys; the tests' delay points reach the engines
+            runtime_env={**nsight_runtime_env(cfg), **delay_runtime_env()},
         )
     except ClusterTooSmallError as err:
         waited = f" (trainer.restart_node_wait_s={node_wait_s:g})" if node_wait_s else ""
@@ -153,6 +154,12 @@ def create_worker_groups(
     return groups
 
 
+def delay_runtime_env() -> dict:
+    """The tests' delay points (`RLFRAME_DELAY_AT`), for worker processes of a Ray cluster started before they were
+    set; {} without them."""
+    return {"env_vars": {DELAY_ENV: os.environ[DELAY_ENV]}} if os.environ.get(DELAY_ENV) else {}
+
+
 def _role(worker_cls: type, config, *args, **kwargs):
     """A role's worker class with its init arguments: only the sections it reads (`worker_cls.SECTIONS`), typed."""
     from rlframe.single_controller.ray import RayClassWithInitArgs
@@ -177,7 +184,7 @@ def _create_rollout_group(cfg, plan: BatchPlan, config, groups: WorkerGroups, de
             groups._rollout_pool,
             _role(RolloutWorker, config, plan),
             call_timeout_s=cfg.trainer.worker_timeout_s,
-            runtime_env={"env_vars": {DELAY_ENV: os.environ[DELAY_ENV]}} if os.environ.get(DELAY_ENV) else None,
+            runtime_env=delay_runtime_env() or None,
         )
     except ClusterTooSmallError as err:
         raise ClusterTooSmallError(

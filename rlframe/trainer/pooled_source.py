@@ -1,7 +1,9 @@
-"""PooledSource: `trainer.v1.trainer_mode=separate_async`, streaming groups through a rollout pool of its own.
+"""PooledSource: the asynchronous trainer modes, streaming groups through rollout replicas.
 
-The rollout pool (`WorkerGroups.rollout`, `RolloutWorker`s) generates while the training pool trains. The driver
-admits prompt groups as the staleness core allows (`GroupLedger`: AReaL's rule, at most (L + 1) · B groups
+Where the replicas are, how weights reach them and when their generation is cut is `Replicas`' (`replicas.py`):
+the rollout pool of `separate_async`, or the training processes' own engines under `colocate_async`. Below, the
+rollout pool's case (`WorkerGroups.rollout`, `RolloutWorker`s), which generates while the training pool trains.
+The driver admits prompt groups as the staleness core allows (`GroupLedger`: AReaL's rule, at most (L + 1) · B groups
 generating or finished-but-untrained, L = min(num_warmup_batches, η), η = max_off_policy_threshold - 1) and sends
 them in chunks of ⌈B / replicas⌉ groups to the replica with the fewest calls queued. A step starts when the ledger
 says `Take`: the B finished groups with the oldest admission version. Finished groups older than η are evicted
@@ -15,6 +17,10 @@ With `actor_rollout_ref.rollout.partial_rollout` (the default), a push first ann
 are sent again as continuations (`rollout/partial.py`), which run after the new weights on every replica. A group is
 finished when all its rows are; its admission version still bounds its staleness, so every token of a trained
 sample is at most η versions old.
+
+Under `colocate_async` the same schedule runs on the hybrid engines: a step's batch taken, the version is
+announced at once (verl's abort at the sample's end), so what runs ahead is cut before the step trains on the same
+devices; the push is the hybrid weight sync, and the cut rows continue after it.
 
 With η = 0 the schedule is the sync loop's, with generation moved to the other pool (docs/async.md draws the
 timelines).
@@ -34,6 +40,7 @@ from rlframe.protocol import DataProto
 from rlframe.trainer.config import lookahead, staleness_bound
 from rlframe.trainer.dynamic_sampling import DynamicSampler
 from rlframe.trainer.metrics import compute_staleness_metrics, reduce_metrics
+from rlframe.trainer.replicas import Replicas
 from rlframe.trainer.rollout_stage import (
     BatchSource,
     SourceInputs,
@@ -52,8 +59,7 @@ ADMITTED_KEY = "admitted_version"  # each row's group's admission version, from 
 if TYPE_CHECKING:  # Ray is imported only when the groups are created
     from collections.abc import Iterator
 
-    from rlframe.single_controller.ray import PendingCall, RayWorkerGroup
-    from rlframe.trainer.launch import WorkerGroups
+    from rlframe.single_controller.ray import PendingCall
 
 
 @dataclass
@@ -69,22 +75,20 @@ class Chunk:
 
 
 class PooledSource(BatchSource):
-    """separate_async: generation of the next groups on the rollout pool overlaps the training of this step."""
+    """The asynchronous modes: the next groups generate on `replicas` ahead of the steps that train them."""
 
-    def __init__(self, inputs: SourceInputs, groups: WorkerGroups, total_steps: int):
-        if groups.rollout is None:
-            raise ValueError("trainer.v1.trainer_mode=separate_async needs the rollout pool's worker group")
+    def __init__(self, inputs: SourceInputs, replicas: Replicas, total_steps: int):
         config, plan = inputs.config, inputs.plan
         self.rollout_cfg, self.plan, self.total_steps = config.actor_rollout_ref.rollout, plan, total_steps
+        self.config_mode = f"trainer.v1.trainer_mode={config.trainer.v1.trainer_mode}"
         self.loader, self.pending, self.scorer = inputs.loader, inputs.pending, inputs.scorer
         self.sampler = DynamicSampler.of(config, plan)  # DAPO's: a round is one take of B finished groups
         self.total_epochs = int(config.trainer.total_epochs)
-        self.actor_wg, self.rollout_wg = groups.actor_rollout, groups.rollout
-        self.replicas: list[RayWorkerGroup] = groups.rollout.rank_views()  # TP 1: one replica per process
+        self.replicas = replicas
         v1 = config.trainer.v1
         batch_groups = plan.train_batch_size
         self.ledger = GroupLedger(batch_groups, staleness_bound(v1), lookahead(v1), v1.sampler.max_off_policy_strategy)
-        self.groups_per_call = math.ceil(batch_groups / len(self.replicas))
+        self.groups_per_call = math.ceil(batch_groups / len(replicas.views))
         self.published_version = 0  # the weights the rollout pool generates with once its queued calls have run
         self._push: PendingCall | None = None
         self._prompt_of: dict[int, DataProto] = {}  # group id -> its prompt (to regenerate it)
@@ -93,14 +97,12 @@ class PooledSource(BatchSource):
         self._chunks: list[Chunk] = []
         self._take: list[int] = []  # the groups the step under way trains
         self._batches: Iterator[DataProto] | None = None
-        self._board = None  # partial rollout: where a push announces its version first (a VersionBoard actor)
-        if self.rollout_cfg.partial_rollout:
+        if replicas.partial_rollout:  # a push announces its version first on a VersionBoard actor
             import ray
 
-            from rlframe.workers.rollout_worker import VersionBoard
+            from rlframe.workers.versioned_rollout import VersionBoard
 
-            self._board = ray.remote(num_cpus=0)(VersionBoard).remote()
-            self.rollout_wg.watch_versions(self._board)
+            replicas.watch(ray.remote(num_cpus=0)(VersionBoard).remote())
         self._interrupted = 0  # rows cut by a push since the last step's metrics
         self._gen_metrics: list[dict] = []  # the rollout's metrics of the calls returned since the last step
         self._evicted = {"groups": 0, "spans": [], "tokens": 0}  # since the last step's metrics
@@ -124,7 +126,7 @@ class PooledSource(BatchSource):
                 return None
             if take is None:  # only an empty pass over the loader leaves nothing to admit and nothing generating
                 raise RuntimeError(
-                    f"separate_async: the training loader gave no batch in a whole pass (step {step - 1} of "
+                    f"{self.config_mode}: the training loader gave no batch in a whole pass (step {step - 1} of "
                     f"{self.total_steps}); data.train_files holds fewer than data.train_batch_size="
                     f"{self.plan.train_batch_size} prompts?"
                 )
@@ -142,6 +144,7 @@ class PooledSource(BatchSource):
                 ready.metrics.update(sampling_metrics)
                 break
             self._trained(take)  # consumed: its informative groups wait in the sampler, the others are dropped
+        self.replicas.sample_end(step)
         self._take = take
         ready.batch = batch
         ready.metrics.update(self._step_async_metrics(batch, step))
@@ -216,8 +219,8 @@ class PooledSource(BatchSource):
 
     def _submit(self, method: str, rollout_rows: DataProto, batch: DataProto, slots: list[tuple[int, int]]) -> None:
         """Send rows to the replica with the fewest calls queued."""
-        replica = min(range(len(self.replicas)), key=lambda r: sum(c.replica == r for c in self._chunks))
-        call = self.replicas[replica].submit(method, rollout_rows)
+        replica = min(range(len(self.replicas.views)), key=lambda r: sum(c.replica == r for c in self._chunks))
+        call = self.replicas.views[replica].submit(method, rollout_rows)
         self._chunks.append(Chunk(call, replica, batch, slots, dict(rollout_rows.meta_info)))
 
     def _next_prompts(self, count: int) -> list[DataProto]:
@@ -241,7 +244,7 @@ class PooledSource(BatchSource):
         self._chunks.remove(chunk)
         output = chunk.call.result()
         self._gen_metrics.append(output.meta_info.pop("metrics", {}))
-        self._rollout_idle_s += output.meta_info.pop("idle_s")
+        self._rollout_idle_s += output.meta_info.pop("idle_s", 0.0)  # a rollout pool's processes report it
         output.meta_info = {}
         cut = interrupted(output)  # the engine's own stop reasons: only interrupted rows go on
         output.pop(batch_keys=[STOP_KEY])
@@ -307,7 +310,8 @@ class PooledSource(BatchSource):
         metrics["async/in_flight_groups"] = self.ledger.in_flight - len(self._take)
         metrics["async/in_flight_groups/max"] = self.ledger.peak_in_flight
         self.ledger.peak_in_flight = self.ledger.in_flight
-        metrics["async/rollout_pool/idle_s"] = self._rollout_idle_s
+        if self.replicas.own_processes:  # colocate_async's engines are the training processes: never idle
+            metrics["async/rollout_pool/idle_s"] = self._rollout_idle_s
         self._rollout_idle_s = 0.0
         metrics["async/interrupted_samples"] = self._interrupted  # cut by a push and continued, since the last step
         self._interrupted = 0
@@ -319,16 +323,13 @@ class PooledSource(BatchSource):
         return [self._prompt_of[gid] for gid in sorted(self._prompt_of)] + list(self.pending.rows)
 
     def _push_weights(self, step: int) -> None:
-        """Queue the actor's weights on the rollout pool as version `step` (after the calls queued there). With
+        """Queue the actor's weights on the replicas as version `step` (after the calls queued there). With
         partial rollout the version is announced first, and the calls submitted before it are collected after."""
         if self._push is not None:  # the previous push ran before the generation this step trained on
             self._push.result()
-        weights = self.actor_wg.export_weights()
-        if self._board is not None:  # running generations stop now; what they cut continues on these weights
-            self._board.announce.remote(step)
-        self._push = self.rollout_wg.submit("load_weights", step, weights)
+        self._push = self.replicas.publish(step)
         self.published_version = step
-        if self._board is not None and step < self.total_steps:
+        if self.replicas.partial_rollout and step < self.total_steps:
             # every call queued before the weights returns at its next decoding step (or at once, not started), so
             # the cut rows are sent again now: their continuations run first on the new weights, before any group
             # admitted after this push, which would otherwise overtake them and leave them to go stale

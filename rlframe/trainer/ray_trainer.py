@@ -172,13 +172,20 @@ class RayPPOTrainer:
         return last_metrics
 
     def _batch_source(self, groups: WorkerGroups) -> BatchSource:
-        """The rollout stage of this trainer mode: the training processes' engine, or a rollout pool of its own."""
+        """The rollout stage of this trainer mode: the training processes' engine, one batch at a time (sync), or
+        the asynchronous schedule on a rollout pool of its own (separate_async) or on those engines (colocate_async)."""
         inputs = SourceInputs(self.config, self.plan, self.train_dataloader, self.pending, self.scorer)
-        if self.config.trainer.v1.trainer_mode == "separate_async":
-            from rlframe.trainer.pooled_source import PooledSource
+        mode = self.config.trainer.v1.trainer_mode
+        if mode == "sync":
+            return ColocatedSource(inputs, groups.actor_rollout)
+        from rlframe.trainer.pooled_source import PooledSource
+        from rlframe.trainer.replicas import HybridReplicas, PoolReplicas
 
-            return PooledSource(inputs, groups, self.total_training_steps)
-        return ColocatedSource(inputs, groups.actor_rollout)
+        if mode == "separate_async":
+            replicas = PoolReplicas(groups, bool(self.config.actor_rollout_ref.rollout.partial_rollout))
+        else:
+            replicas = HybridReplicas(groups)
+        return PooledSource(inputs, replicas, self.total_training_steps)
 
     def _start(self) -> tuple[ProgressBar, dict | None]:
         """Open the trackers, resume, validate before training: (the progress bar, the validation if val_only)."""

@@ -22,6 +22,9 @@ class ActorRolloutGroup(RayWorkerGroup[ActorRolloutRefWorker]):
 
     init_model = ActorRolloutRefWorker.init_model
     generate_sequences = ActorRolloutRefWorker.generate_sequences
+    watch_versions = ActorRolloutRefWorker.watch_versions
+    sync_rollout_weights = ActorRolloutRefWorker.sync_rollout_weights
+    continue_sequences = ActorRolloutRefWorker.continue_sequences
     compute_log_prob = ActorRolloutRefWorker.compute_log_prob
     compute_ref_log_prob = ActorRolloutRefWorker.compute_ref_log_prob
     compute_teacher_log_prob = ActorRolloutRefWorker.compute_teacher_log_prob

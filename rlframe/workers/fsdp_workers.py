@@ -39,6 +39,7 @@ from rlframe.workers.model_loading import ModelSpec, load_hf_model
 from rlframe.workers.optimizer import build_optimizer, move_optimizer_state
 from rlframe.workers.profiler import Profiler, ProfileSession, profiled
 from rlframe.workers.updater import ModelOptions, PPOUpdater, RoleModel
+from rlframe.workers.versioned_rollout import VersionedRollout
 from rlframe.workers.weight_sync import iter_full_params_bucketed, sync_lora_to_rollout
 
 
@@ -180,6 +181,9 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         self._strategy = str(self.config.actor_rollout_ref.actor.strategy)
         self._optimizer_offload = bool(self.config.actor_rollout_ref.actor.fsdp_config.optimizer_offload)
         self._weights_dirty = True
+        # trainer.v1.trainer_mode=colocate_async: the engine generates the source's groups under a policy version
+        # and a cut (`VersionedRollout`, built with the engine); else it generates each step's batch as it comes
+        self.versioned: VersionedRollout | None = None
         # as verl's colocated worker: the actor's settings profile the process (rollout included); the
         # reference's own settings only choose whether its stage gets a trace of its own (discrete)
         self.profiler = self._profiler(self.config.actor_rollout_ref.actor.profiler, "actor_rollout_ref")
@@ -272,10 +276,12 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             self.dims.tp_group,
             chat_template_kwargs=OmegaConf.to_container(self.config.data.apply_chat_template_kwargs),
         )
+        if self.config.trainer.v1.trainer_mode == "colocate_async":  # each rank a replica of its own, TP 1
+            self.versioned = VersionedRollout(self.rollout)
         # rollout.pool_cpu_generation: the ranks of this machine generate on rank 0 (rollout/pool.py)
         self.generation_pool = None
         group = self.dims.pool_group  # the plan's: an engine that pools, on CPU, TP 1, more than one rank
-        if group is not None:
+        if group is not None and self.versioned is None:
             weight_bytes = sum(p.numel() * p.element_size() for p in self.actor_module.parameters())
             if pools_generation(cfg.rollout.pool_cpu_generation, weight_bytes, group, self.shared_memory):
                 self.generation_pool = group
@@ -289,10 +295,31 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @profiled("rollout_generate")
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Sync the actor's current weights into the rollout engine, then generate."""
+        """Sync the actor's current weights into the rollout engine, then generate (colocate_async, training
+        rows: stamped with the policy version and cuttable, `VersionedRollout.generate`)."""
         from rlframe.workers.rollout import generate_in_tp_group
         from rlframe.workers.rollout.pool import generate_pooled
 
+        sync_s = self._wake_rollout()
+        self.kill_points.hit("worker.generate")  # crash-consistency tests (docs/reliability.md)
+        # validation must not advance the training RNG stream, or resuming would diverge
+        validate = prompts.meta_info.get("validate", False)
+        devices = [torch.cuda.current_device()] if self.device_type == "cuda" else []
+        rng = torch.random.fork_rng(devices=devices) if validate else nullcontext()
+        with rng:
+            # validation is never cut: it is queued after the step's weight sync, so no newer version is announced
+            if self.versioned is not None and not validate:
+                output = self.versioned.generate(self._to_device(prompts))
+            elif self.generation_pool is not None:
+                output = generate_pooled(self.rollout, self._to_device(prompts), self.generation_pool)
+            else:
+                output = generate_in_tp_group(self.rollout, self._to_device(prompts), self.dims.tp_group)
+        self._sleep_rollout()
+        output.meta_info.setdefault("metrics", {})["timing_s/weight_sync"] = sync_s
+        return output.to("cpu")
+
+    def _wake_rollout(self) -> float:
+        """Resume the engine and give it the actor's weights if they changed since; the seconds it took."""
         start = time.perf_counter()
         generates_here = self.generation_pool is None or dist.get_rank(self.generation_pool) == 0
         if generates_here:
@@ -307,21 +334,34 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
             else:
                 self.rollout.update_weights(iter_full_params_bucketed(self.actor_module))
             self._weights_dirty = False
-        sync_s = time.perf_counter() - start
-        self.kill_points.hit("worker.generate")  # crash-consistency tests (docs/reliability.md)
-        # validation must not advance the training RNG stream, or resuming would diverge
-        devices = [torch.cuda.current_device()] if self.device_type == "cuda" else []
-        rng = torch.random.fork_rng(devices=devices) if prompts.meta_info.get("validate", False) else nullcontext()
-        with rng:
-            if self.generation_pool is not None:
-                output = generate_pooled(self.rollout, self._to_device(prompts), self.generation_pool)
-            else:
-                output = generate_in_tp_group(self.rollout, self._to_device(prompts), self.dims.tp_group)
+        return time.perf_counter() - start
+
+    def _sleep_rollout(self) -> None:
+        """With free_cache_engine, the engine's memory goes back to training (its weights then need a new sync)."""
         if self.rollout.config.free_cache_engine:
             self.rollout.release()
             self._weights_dirty = True
-        output.meta_info.setdefault("metrics", {})["timing_s/weight_sync"] = sync_s
-        return output.to("cpu")
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def watch_versions(self, board) -> None:
+        """colocate_async: stop a generation once `board` (a VersionBoard actor) announces newer weights."""
+        self.versioned.watch(board)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def sync_rollout_weights(self, version: int) -> None:
+        """colocate_async: the engine takes the actor's weights as policy version `version` (verl's
+        update_weights at a step's end); the generations after this call run on them."""
+        self._wake_rollout()
+        self.versioned.version = int(version)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def continue_sequences(self, rows: DataProto) -> DataProto:
+        """colocate_async: finish rows a cut stopped, on the engine's current weights (`rollout/partial.py`)."""
+        sync_s = self._wake_rollout()
+        output = self.versioned.continue_rows(self._to_device(rows))
+        self._sleep_rollout()
+        output.meta_info["metrics"]["timing_s/weight_sync"] = sync_s
+        return output
 
     @register(dispatch_mode=Dispatch.RANK_ZERO)
     def export_weights(self) -> dict[str, torch.Tensor] | None:

@@ -6,28 +6,20 @@ version it holds: the number of training steps behind those weights (0 = the ini
 response token is stamped with that version (`rollout_versions`, -1 on padding), so the driver can tell how
 stale a sample is when it trains on it.
 
-Sampling seeds: a hybrid worker draws one seed per generate call from its process RNG
-(`generate_in_tp_group`). That RNG is seeded with data.seed and then advanced by whatever the roles' set-up
-draws (a critic's fresh value head), so `init_model` receives the training processes' state once every role is
-built (`ActorRolloutRefWorker.process_rng_state`). The rollout pool then draws the seeds the hybrid engine would
-have drawn for the same sequence of calls: a synchronous schedule on two pools samples the tokens of a
-synchronous run on one. Each row's seed comes back with it (`sample_seed`), for its continuation.
-
-Partial rollout (`actor_rollout_ref.rollout.partial_rollout`, `rollout/partial.py`): the driver announces each new
-version on a `VersionBoard` before it queues the weights. A generation running on older weights sees the
-announcement at its next decoding step (the board is asked at most every `BOARD_POLL_S`) and stops; the rows it
-cut come back `Stop.INTERRUPTED`, and `continue_sequences` later finishes them under the new weights. A tool agent's
-trajectory is cut inside a turn (the same interrupt) or between turns (its next generation request finds the
-interrupt set and generates nothing); it comes back with its state and continues from it.
+The version, the sampling seeds and the cut of a running generation by newer weights (partial rollout) are
+`VersionedRollout`'s (`rlframe/workers/versioned_rollout.py`), shared with the hybrid engine of `colocate_async`.
+The seeds follow the hybrid engine's: a hybrid worker draws one seed per generate call from its process RNG, which
+is seeded with data.seed and then advanced by whatever the roles' set-up draws (a critic's fresh value head), so
+`init_model` receives the training processes' state once every role is built
+(`ActorRolloutRefWorker.process_rng_state`): a synchronous schedule on two pools samples the tokens of a
+synchronous run on one.
 """
 
 from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from rlframe.batch_plan import BatchPlan
@@ -37,23 +29,7 @@ from rlframe.models.builtin import copy_to_shm
 from rlframe.protocol import DataProto
 from rlframe.single_controller import Dispatch, Worker, register
 from rlframe.utils.faults import DelayPoints
-from rlframe.workers.rollout.base import SEED_KEY, TRAJECTORY_KEY, VERSIONS_KEY, call_seed, seeded
-from rlframe.workers.rollout.partial import continue_generation
-
-BOARD_POLL_S = 0.02  # how often a running generation asks the board whether newer weights were announced
-
-
-class VersionBoard:
-    """The newest policy version the driver has announced to the rollout pool (a Ray actor of its own)."""
-
-    def __init__(self):
-        self.version = 0
-
-    def announce(self, version: int) -> None:
-        self.version = max(self.version, int(version))
-
-    def announced(self) -> int:
-        return self.version
+from rlframe.workers.versioned_rollout import VersionedRollout
 
 
 class RolloutWorker(Worker):
@@ -67,11 +43,8 @@ class RolloutWorker(Worker):
         self.config = read_only(sections)
         self.plan = plan
         self.device_type = resolve_device(self.config.trainer.device)
-        self.version = 0
-        self.delay_points = DelayPoints()  # tests: RLFRAME_DELAY_AT=rollout.generate|rollout.decode:… (utils/faults.py)
+        self.delay_points = DelayPoints()  # tests: RLFRAME_DELAY_AT=rollout.generate:… (utils/faults.py)
         self._idle_since = time.perf_counter()  # the end of this process's last call (its idle time starts)
-        self._board = None  # partial rollout: the driver's VersionBoard
-        self._announced, self._asked_at = 0, 0.0
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self, rng_state: torch.Tensor) -> None:
@@ -104,48 +77,31 @@ class RolloutWorker(Worker):
             chat_template_kwargs=OmegaConf.to_container(self.config.data.apply_chat_template_kwargs),
         )
         self.engine = self.rollout.unwrapped  # the engine, under rollout.mode=async's agent loops
+        self.versioned = VersionedRollout(self.rollout)
         torch.set_rng_state(rng_state)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def watch_versions(self, board) -> None:
         """Partial rollout: stop a generation once `board` (a VersionBoard actor) announces newer weights."""
-        self._board = board
-        self.engine.interrupt = self._weights_moved_on
-
-    def _weights_moved_on(self) -> bool:
-        """Whether a version newer than the engine's was announced (the board asked at most every BOARD_POLL_S)."""
-        import ray
-
-        self.delay_points.hit("rollout.decode")  # tests: a slower decoding step, so that pushes land mid-generation
-        now = time.monotonic()
-        if now - self._asked_at >= BOARD_POLL_S:
-            self._announced, self._asked_at = ray.get(self._board.announced.remote()), now
-        return self._announced > self.version
+        self.versioned.watch(board)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_weights(self, version: int, named_tensors: dict[str, torch.Tensor]) -> None:
         """Load the full actor tensors of policy version `version` (HF names) into the engine."""
         self.rollout.update_weights(named_tensors.items())
-        self.version = int(version)
+        self.versioned.version = int(version)
         self._idle_since = time.perf_counter()
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Generate this replica's share with the engine's policy version (`policy_version`): the rollout stamps each
-        response token with it (`rollout_versions`) and reports why each row stopped (`stop_reason`; the rows a
-        newer version cut are `Stop.INTERRUPTED`). The output's meta_info["idle_s"] is how long this process waited
-        for work before the call (since its last call).
-
-        The seeds: one draw of the process RNG, then the rows' sample seeds under it, exactly as
-        `generate_in_tp_group` draws them with TP 1; they stay in the rows (`sample_seed`) for a continuation."""
+        """Generate this replica's share with the engine's policy version: the rollout stamps the response tokens with
+        it and reports why each row stopped (`stop_reason`; the rows a newer version cut are `Stop.INTERRUPTED`).
+        The output's meta_info["idle_s"] is how long this process waited for work before the call (since its last
+        call). The seeds are `VersionedRollout.generate`'s."""
         idle = time.perf_counter() - self._idle_since
         self.kill_points.hit("rollout.generate")
         self.delay_points.hit("rollout.generate")
-        prompts = prompts.to(self.device_type)
-        prompts.meta_info["policy_version"] = self.version
-        with seeded(call_seed(dist.get_rank())):
-            prompts.non_tensor_batch[SEED_KEY] = np.array(self.rollout.sample_seeds(len(prompts)), dtype=object)
-            output = self.rollout.generate_sequences(prompts).to("cpu")
+        output = self.versioned.generate(prompts.to(self.device_type))
         output.meta_info["idle_s"] = idle
         self._idle_since = time.perf_counter()
         return output
@@ -155,25 +111,9 @@ class RolloutWorker(Worker):
         """Finish rows a weight update cut: their new tokens carry this engine's version. A single-turn row goes on
         from its tokens (`rollout/partial.py`); a tool agent's trajectory from its state (`TRAJECTORY_KEY`,
         `multi_turn.py`), whose tool calls already ran are never run again."""
-        from rlframe.workers.rollout.base import response_metrics
-
         idle = time.perf_counter() - self._idle_since
         self.kill_points.hit("rollout.continue")
-        start = time.perf_counter()
-        rows = rows.to(self.device_type)
-        rows.meta_info["policy_version"] = self.version
-        with torch.no_grad():
-            if self.rollout.runs_trajectories:
-                trajectories = list(rows.non_tensor_batch[TRAJECTORY_KEY])
-                output = self.rollout.continue_trajectories(rows, trajectories).to("cpu")
-            else:
-                output = continue_generation(self.engine, rows, self.version).to("cpu")
-        elapsed = time.perf_counter() - start
-        eos_ids, _ = self.rollout.special_tokens_for(rows.meta_info)
-        metrics = {**output.meta_info.get("metrics", {})}
-        metrics.update(response_metrics(output.batch["response_mask"], output.batch["responses"], eos_ids))
-        new_tokens = int((output.batch[VERSIONS_KEY] == self.version).sum())
-        metrics.update({"timing_s/generate": elapsed, "perf/rollout_tokens_per_s": new_tokens / max(elapsed, 1e-9)})
-        output.meta_info = {"metrics": metrics, "idle_s": idle}
+        output = self.versioned.continue_rows(rows.to(self.device_type))
+        output.meta_info["idle_s"] = idle
         self._idle_since = time.perf_counter()
         return output

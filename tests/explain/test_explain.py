@@ -251,6 +251,42 @@ def test_explain_shows_pools_and_staleness_under_separate_async(capsys):
     assert any("trainer.v1.trainer_mode=separate_async trains samples" in w for w in report["warnings"])
 
 
+def test_explain_shows_the_colocate_async_schedule_on_the_training_processes(capsys):
+    overrides = [
+        *SMALL,
+        "trainer.v1.trainer_mode=colocate_async",
+        "trainer.v1.sampler.max_off_policy_threshold=3",
+        "trainer.v1.colocate_async.num_warmup_batches=1",
+    ]
+    assert main(overrides) == 0
+    text = capsys.readouterr().out
+    section = text.split("── pools and staleness ")[1].split("── algorithm")[0]
+    for fragment in (
+        "training  nnodes 1 × n_gpus_per_node 2 = 2 processes, each: actor, rollout (validation)",
+        "the training processes' own engines (hf, tp 1) as one replica, each generate call split over the 2 processes",
+        "η = trainer.v1.sampler.max_off_policy_threshold 3 − 1 = 2",
+        "L = min(trainer.v1.colocate_async.num_warmup_batches 1, η 2) = 1: the training processes' engines generate "
+        "up to 1 batch ahead",
+        "stay within (L + 1) × 8 = 16 (AReaL's rule); each generate call takes ⌈8 / 1⌉ = 8 groups",
+        "once a step's batch is sampled, what generates ahead stops at its next decoding step",
+        "in flight ≤ 16 groups = 64 sequences (sync: 32)",
+        "syncs its actor's weights into its own engine in place",
+        "objective uncorrected",
+    ):
+        assert fragment in section, fragment
+    assert "rollout pool" not in section.split("counted:")[0]
+    warnings = text.split("── warnings ")[1]
+    assert "trainer.v1.trainer_mode=colocate_async trains samples up to L" in warnings
+    assert main(["--format", "json", *overrides]) == 0
+    pools = json.loads(capsys.readouterr().out)["async"]
+    assert (pools["mode"], pools["lookahead"], pools["rollout_replicas"], pools["weight_push_bytes"]) == (
+        "colocate_async",
+        1,
+        1,
+        None,
+    )
+
+
 def test_pools_say_the_weight_copy_per_parameter_when_the_model_is_not_readable():
     from dataclasses import replace
 

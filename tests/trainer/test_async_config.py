@@ -13,6 +13,7 @@ SEPARATE = [
     "data.train_batch_size=8",
     "actor_rollout_ref.actor.ppo_mini_batch_size=2",  # parameter_sync_step 4 (verl's default) × 2 = 8
 ]
+COLOCATE = ["trainer.v1.trainer_mode=colocate_async", "trainer.v1.sampler.max_off_policy_threshold=3"]
 
 OPENAI_AGENT = [
     "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent",
@@ -31,6 +32,7 @@ def test_the_v1_keys_have_verls_names_and_defaults():
     assert v1.sampler.max_off_policy_strategy == defaults["trainer.v1.sampler.max_off_policy_strategy"] == "drop"
     assert v1.separate_async.num_warmup_batches == defaults["trainer.v1.separate_async.num_warmup_batches"] == 1
     assert v1.separate_async.parameter_sync_step == defaults["trainer.v1.separate_async.parameter_sync_step"] == 4
+    assert v1.colocate_async.num_warmup_batches == defaults["trainer.v1.colocate_async.num_warmup_batches"] == 1
     assert cfg.actor_rollout_ref.rollout.nnodes == defaults["actor_rollout_ref.rollout.nnodes"] == 0
     # verl: ${oc.select:trainer.n_gpus_per_node,8}; rlframe's trainer.n_gpus_per_node always exists
     assert typed(compose(["trainer.n_gpus_per_node=3"])).actor_rollout_ref.rollout.n_gpus_per_node == 3
@@ -41,19 +43,56 @@ def test_separate_async_with_a_rollout_pool_is_accepted_and_its_keys_take_effect
     cfg = typed(compose(SEPARATE))
     assert cfg.trainer.v1.trainer_mode == "separate_async"
     inactive = inactive_keys(cfg)
-    assert not any(key.startswith(("trainer.v1", "actor_rollout_ref.rollout.n")) for key in inactive)
+    in_effect = ("trainer.v1.sampler", "trainer.v1.separate_async", "actor_rollout_ref.rollout.n")
+    assert not any(key.startswith(in_effect) for key in inactive)
 
 
 def test_under_sync_the_async_keys_are_reported_without_effect():
     inactive = inactive_keys(typed(compose([])))
-    for key in ("trainer.v1.sampler", "trainer.v1.separate_async", "actor_rollout_ref.rollout.nnodes"):
+    for key in (
+        "trainer.v1.sampler",
+        "trainer.v1.separate_async",
+        "trainer.v1.colocate_async",
+        "actor_rollout_ref.rollout.nnodes",
+    ):
         assert "trainer.v1.trainer_mode=sync" in inactive[key]
+
+
+def test_colocate_async_is_accepted_on_the_training_processes_and_reads_its_own_lookahead():
+    from rlframe.trainer.config import lookahead
+
+    cfg = typed(compose([*COLOCATE, "trainer.v1.colocate_async.num_warmup_batches=2"]))
+    assert cfg.trainer.v1.trainer_mode == "colocate_async"
+    assert lookahead(cfg.trainer.v1) == 2  # min(num_warmup_batches 2, η = 3 - 1)
+    inactive = inactive_keys(cfg)
+    assert not any(key.startswith(("trainer.v1.sampler", "trainer.v1.colocate_async")) for key in inactive)
+    for key in (
+        "trainer.v1.separate_async",
+        "actor_rollout_ref.rollout.nnodes",
+        "actor_rollout_ref.rollout.partial_rollout",
+    ):
+        assert "only separate_async reads it" in inactive[key]
+    assert "colocate_async" in inactive_keys(typed(compose(SEPARATE)))["trainer.v1.colocate_async"]
 
 
 @pytest.mark.parametrize(
     "overrides,expected",
     [
-        (["trainer.v1.trainer_mode=colocate_async"], r"trainer.v1.trainer_mode=colocate_async is not implemented"),
+        (["trainer.v1.colocate_async.num_warmup_batches=-1"], r"colocate_async.num_warmup_batches=-1: must be >= 0"),
+        (["actor_rollout_ref.rollout.pool_cpu_generation=true"], r"pool_cpu_generation=true with .*colocate_async"),
+        (["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], r"tensor_model_parallel_size=2 with .*colocate"),
+        (["algorithm.adv_estimator=remax"], r"algorithm.adv_estimator=remax with trainer.v1.trainer_mode=colocate"),
+        (["actor_rollout_ref.model.lora_rank=8"], r"lora_rank=8 with trainer.v1.trainer_mode=colocate_async"),
+    ],
+)
+def test_what_colocate_async_does_not_support_is_refused_by_name(overrides, expected):
+    with pytest.raises(ValueError, match=expected):
+        typed(compose([*COLOCATE, *overrides]))
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
         (["trainer.v1.trainer_mode=fully_async"], r"trainer.v1.trainer_mode='fully_async' is not one of sync"),
         ([*SEPARATE, "actor_rollout_ref.rollout.nnodes=0"], r"rollout.nnodes=0 with .*separate_async"),
         ([*SEPARATE, "trainer.v1.sampler.max_off_policy_threshold=0"], r"max_off_policy_threshold=0: must be >= 1"),
@@ -84,7 +123,6 @@ def test_what_separate_async_does_not_support_is_refused_by_name(overrides, expe
     [
         ("trainer.v1.separate_async.hybrid_rollout.enable_switch=true", r"lending idle training replicas"),
         ("trainer.v1.sampler.sync_refill_failed_groups=true", r"refilling failed groups is not implemented"),
-        ("trainer.v1.colocate_async.num_warmup_batches=2", r"colocate_async is not implemented yet"),
         ("trainer.use_v1=false", r"trainer.use_v1=false: verl's legacy"),
     ],
 )

@@ -86,7 +86,7 @@ def test_a_cut_row_continued_on_the_same_weights_is_the_uncut_row(worker, cut_af
 
 
 def test_a_row_cut_under_one_version_continues_under_the_next_with_each_tokens_version_and_log_prob(worker):
-    version = worker.version
+    version = worker.versioned.version
     before = {name: tensor.clone() for name, tensor in worker.engine.model.state_dict().items()}
     cut, flags = _generate_cut(worker, 3)
     rows = cut.select_idxs(flags)

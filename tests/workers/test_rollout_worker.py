@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers.rollout import make_prompts, one_process_rollout_worker
 
-from rlframe.workers.rollout_worker import VERSIONS_KEY
+from rlframe.workers.rollout.partial import VERSIONS_KEY
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,9 @@ import pytest
 import torch
 from helpers.rollout import PROMPT_LEN, RESPONSE_LEN, load_tokenizer, make_prompts, one_process_rollout_worker
 
-from rlframe.workers.rollout.base import BaseRollout, Generated, Stop
+from rlframe.workers.rollout.base import VERSIONS_KEY, BaseRollout, Generated, Stop
 from rlframe.workers.rollout.registry import engine_for, engine_names, register, unregister
 from rlframe.workers.rollout.spec import Capabilities, EngineSpec
-from rlframe.workers.rollout_worker import VERSIONS_KEY
 
 ROOT = Path(__file__).resolve().parents[3]
 ROLLOUT = "actor_rollout_ref.rollout"

@@ -1,0 +1,98 @@
+"""Where the pooled source's groups generate, how new weights reach them, and when running generation is cut.
+
+`PooledSource` (`rlframe/trainer/pooled_source.py`) runs one schedule for both asynchronous trainer modes: the
+ledger admits groups, sends them in chunks to the replicas, takes a step's batch, evicts what went stale, and
+continues the rows a cut stopped. What differs between the modes is here:
+
+- `PoolReplicas`, `separate_async`: a rollout pool of its own, one replica per process. Each step's weights are
+  exported by the training pool and pushed through the driver; with `actor_rollout_ref.rollout.partial_rollout`
+  the push cuts what is running (the training pool trained meanwhile, so generation overlaps training).
+- `HybridReplicas`, `colocate_async`: the training processes' own engines, the whole group one replica (each call
+  splits its rows over the ranks). The engines take the actor's weights in place (the hybrid sync, no export),
+  and partial rollout is always on: once a step's batch is sampled the generation running ahead is cut at once,
+  so the step trains on the same devices without waiting for it, and the cut rows continue on the new weights.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlframe.single_controller.ray import PendingCall, RayWorkerGroup
+    from rlframe.trainer.launch import WorkerGroups
+
+
+class Replicas(ABC):
+    """The engines a pooled source generates on."""
+
+    views: list[RayWorkerGroup]  # one group per replica: a call on it runs on that replica alone
+    partial_rollout: bool  # whether running generation is cut when newer weights are announced
+    own_processes: bool  # a pool of processes of their own, which report how long they waited for work
+    board = None  # partial rollout: the VersionBoard actor every replica watches
+
+    def watch(self, board) -> None:
+        """Partial rollout: every replica stops its generation once `board` announces a version newer than its
+        weights'."""
+        self.board = board
+        self._watch_group().watch_versions(board)
+
+    def _announce(self, version: int) -> None:
+        if self.board is not None:
+            self.board.announce.remote(version)
+
+    def sample_end(self, step: int) -> None:
+        """Step `step`'s batch is sampled and about to train."""
+
+    @abstractmethod
+    def _watch_group(self) -> RayWorkerGroup:
+        """The worker group whose processes hold the replicas' engines."""
+
+    @abstractmethod
+    def publish(self, version: int) -> PendingCall:
+        """Queue the actor's current weights on every replica as policy version `version`, after the calls
+        queued there; with partial rollout, the generations running on older weights are cut first."""
+
+
+class PoolReplicas(Replicas):
+    """separate_async: the rollout pool's processes, their weights pushed from the training pool."""
+
+    own_processes = True
+
+    def __init__(self, groups: WorkerGroups, partial_rollout: bool):
+        if groups.rollout is None:
+            raise ValueError("trainer.v1.trainer_mode=separate_async needs the rollout pool's worker group")
+        self.actor_wg, self.rollout_wg = groups.actor_rollout, groups.rollout
+        self.views = groups.rollout.rank_views()  # TP 1: one replica per process
+        self.partial_rollout = partial_rollout
+
+    def _watch_group(self) -> RayWorkerGroup:
+        return self.rollout_wg
+
+    def publish(self, version: int) -> PendingCall:
+        weights = self.actor_wg.export_weights()
+        self._announce(version)  # running generations stop now; what they cut continues on these weights
+        return self.rollout_wg.submit("load_weights", version, weights)
+
+
+class HybridReplicas(Replicas):
+    """colocate_async: the training processes' engines, synced in place from the actor they live next to."""
+
+    partial_rollout = True  # verl: colocate_async runs with partial rollout
+    own_processes = False
+
+    def __init__(self, groups: WorkerGroups):
+        self.actor_wg = groups.actor_rollout
+        self.views = [groups.actor_rollout]
+
+    def _watch_group(self) -> RayWorkerGroup:
+        return self.actor_wg
+
+    def sample_end(self, step: int) -> None:
+        """verl's abort at the sample's end: what generates ahead stops now, before the step trains on these
+        devices; its rows continue after the weight sync."""
+        self._announce(step)
+
+    def publish(self, version: int) -> PendingCall:
+        self._announce(version)  # a resumed run's first sync (a step's end announced it at its sample end)
+        return self.actor_wg.submit("sync_rollout_weights", version)

@@ -1,0 +1,110 @@
+"""A rollout engine that generates under a policy version and can be cut: what both asynchronous modes' replicas do.
+
+The replicas are the standalone rollout pool's `RolloutWorker`s (`separate_async`) or the training processes' own
+hybrid engines (`ActorRolloutRefWorker`, `colocate_async`). Each holds a `VersionedRollout` over its engine:
+
+- its policy version: the number of training steps behind the weights the engine holds (0 = the initial model).
+  Every generated response token is stamped with it (`rollout_versions`, -1 on padding), so the driver can tell
+  how stale a sample is when it trains on it.
+- the cut (`actor_rollout_ref.rollout.partial_rollout`, `rollout/partial.py`): the driver announces a new version on
+  a `VersionBoard` (a Ray actor). A generation running on older weights sees the announcement at its next decoding
+  step (the board is asked at most every `BOARD_POLL_S`) and stops; the rows it cut come back `Stop.INTERRUPTED`
+  (the engine's own stop reason), and `continue_rows` later finishes them under the new weights. A tool agent's
+  trajectory is cut inside a turn (the same interrupt) or between turns (its next generation request finds the
+  interrupt set and generates nothing); it comes back with its state (`TRAJECTORY_KEY`) and continues from it.
+- the sampling seeds: one draw of the process RNG per generate call, then the rows' sample seeds under it, exactly
+  as `generate_in_tp_group` draws them with TP 1, so a replica samples the tokens the synchronous hybrid engine
+  would for the same sequence of calls. Each row's seed comes back with it (`sample_seed`), for its continuation.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rlframe.protocol import DataProto
+from rlframe.utils.faults import DelayPoints
+from rlframe.workers.rollout.base import (
+    SEED_KEY,
+    TRAJECTORY_KEY,
+    VERSIONS_KEY,
+    Rollout,
+    call_seed,
+    response_metrics,
+    seeded,
+)
+from rlframe.workers.rollout.partial import continue_generation
+
+BOARD_POLL_S = 0.02  # how often a running generation asks the board whether newer weights were announced
+
+
+class VersionBoard:
+    """The newest policy version the driver has announced to the replicas (a Ray actor of its own)."""
+
+    def __init__(self):
+        self.version = 0
+
+    def announce(self, version: int) -> None:
+        self.version = max(self.version, int(version))
+
+    def announced(self) -> int:
+        return self.version
+
+
+class VersionedRollout:
+    """One replica's engine with its policy version, the board that cuts it, and its stamped generation."""
+
+    def __init__(self, rollout: Rollout):
+        self.rollout, self.engine = rollout, rollout.unwrapped  # the engine, under rollout.mode=async's agent loops
+        self.version = 0
+        self.delay_points = DelayPoints()  # tests: RLFRAME_DELAY_AT=rollout.decode:… (utils/faults.py)
+        self._board = None
+        self._announced, self._asked_at = 0, 0.0
+
+    def watch(self, board) -> None:
+        """Stop a generation once `board` (a VersionBoard actor) announces a version newer than the engine's."""
+        self._board = board
+        self.engine.interrupt = self._weights_moved_on
+
+    def _weights_moved_on(self) -> bool:
+        """Whether a version newer than the engine's was announced (the board asked at most every BOARD_POLL_S)."""
+        import ray
+
+        self.delay_points.hit("rollout.decode")  # tests: a slower decoding step, so that cuts land mid-generation
+        now = time.monotonic()
+        if now - self._asked_at >= BOARD_POLL_S:
+            self._announced, self._asked_at = ray.get(self._board.announced.remote()), now
+        return self._announced > self.version
+
+    def generate(self, prompts: DataProto) -> DataProto:
+        """Generate the rows on the CPU side with the engine's policy version (`policy_version`): the rollout stamps
+        each response token with it (`rollout_versions`) and reports why each row stopped (`stop_reason`); each row
+        keeps its sample seed for its continuation."""
+        prompts.meta_info["policy_version"] = self.version
+        with seeded(call_seed(dist.get_rank())):
+            prompts.non_tensor_batch[SEED_KEY] = np.array(self.rollout.sample_seeds(len(prompts)), dtype=object)
+            return self.rollout.generate_sequences(prompts).to("cpu")
+
+    def continue_rows(self, rows: DataProto) -> DataProto:
+        """Finish rows a cut stopped: their new tokens carry this engine's version. A single-turn row goes on from its
+        tokens (`rollout/partial.py`); a tool agent's trajectory from its state (`TRAJECTORY_KEY`, `multi_turn.py`),
+        whose tool calls already ran are never run again."""
+        start = time.perf_counter()
+        rows.meta_info["policy_version"] = self.version
+        with torch.no_grad():
+            if self.rollout.runs_trajectories:
+                trajectories = list(rows.non_tensor_batch[TRAJECTORY_KEY])
+                output = self.rollout.continue_trajectories(rows, trajectories).to("cpu")
+            else:
+                output = continue_generation(self.engine, rows, self.version).to("cpu")
+        elapsed = time.perf_counter() - start
+        eos_ids, _ = self.rollout.special_tokens_for(rows.meta_info)
+        metrics = {**output.meta_info.get("metrics", {})}
+        metrics.update(response_metrics(output.batch["response_mask"], output.batch["responses"], eos_ids))
+        new_tokens = int((output.batch[VERSIONS_KEY] == self.version).sum())
+        metrics.update({"timing_s/generate": elapsed, "perf/rollout_tokens_per_s": new_tokens / max(elapsed, 1e-9)})
+        output.meta_info = {"metrics": metrics}
+        return output
