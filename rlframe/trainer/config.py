@@ -263,11 +263,6 @@ def _separate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
             "the rollout pool runs one engine per process (TP 1)",
         ),
         (
-            root.algorithm.adv_estimator == "remax",
-            "algorithm.adv_estimator=remax",
-            "ReMax's greedy baselines are not generated on the rollout pool yet",
-        ),
-        (
             agent_tools or rollout.agent.default_agent_loop == "tool_agent",
             "actor_rollout_ref.rollout.multi_turn / agent.default_agent_loop=tool_agent",
             "multi-turn rollouts with tools are not run on the rollout pool yet",

@@ -40,6 +40,7 @@ from rlframe.trainer.rollout_stage import (
     StepBatch,
     assign_uids,
     generation_inputs,
+    greedy_inputs,
     merged_metrics,
     timer,
 )
@@ -66,6 +67,7 @@ class Chunk:
     batch: DataProto
     slots: list[tuple[int, int]]
     meta_info: dict  # the call's sampling settings, which a continuation of its rows keeps
+    baseline: bool = False  # ReMax: the greedy baseline rows of its groups (slots (group id, 0)), never cut
 
 
 class PooledSource(BatchSource):
@@ -78,6 +80,7 @@ class PooledSource(BatchSource):
         self.rollout_cfg, self.plan, self.total_steps = config.actor_rollout_ref.rollout, plan, total_steps
         self.loader, self.pending, self.scorer = inputs.loader, inputs.pending, inputs.scorer
         self.sampler = DynamicSampler.of(config, plan)  # DAPO's: a round is one take of B finished groups
+        self.remax = config.algorithm.adv_estimator == "remax"
         self.total_epochs = int(config.trainer.total_epochs)
         self.actor_wg, self.rollout_wg = groups.actor_rollout, groups.rollout
         self.replicas: list[RayWorkerGroup] = groups.rollout.rank_views()  # TP 1: one replica per process
@@ -90,6 +93,7 @@ class PooledSource(BatchSource):
         self._prompt_of: dict[int, DataProto] = {}  # group id -> its prompt (to regenerate it)
         self._rows: dict[int, DataProto] = {}  # group id -> its n generated rows, once finished
         self._samples: dict[int, dict[int, DataProto]] = {}  # group id -> its rows finished so far, by sample index
+        self._greedy: dict[int, DataProto] = {}  # ReMax: group id -> its greedy baseline row, until its step
         self._chunks: list[Chunk] = []
         self._take: list[int] = []  # the groups the step under way trains
         self._batches: Iterator[DataProto] | None = None
@@ -132,6 +136,8 @@ class PooledSource(BatchSource):
             admitted = torch.tensor([self.ledger.finished[gid] for gid in take])
             batch.batch[ADMITTED_KEY] = admitted.repeat_interleave(self.plan.n)
             with timer("reward", ready.timings):
+                if self.remax:
+                    batch.batch["reward_baselines"] = self._remax_baselines(take, step, ready.metrics)
                 extra_info = self.scorer.score(batch, ready.metrics)
             if self.sampler is None:
                 break
@@ -208,17 +214,31 @@ class PooledSource(BatchSource):
             self._prompt_of.update(zip(gids, prompts))
             batch = DataProto.concat(prompts)
             assign_uids(batch)
+            replica = None
+            if self.remax:  # the greedy baselines first, on the replica of the samples (`_remax_baselines`)
+                greedy, gen_greedy = greedy_inputs(batch, self.rollout_cfg)
+                replica = self._submit("generate_whole", gen_greedy, greedy, [(gid, 0) for gid in gids], baseline=True)
             batch, gen_batch = generation_inputs(
                 batch.repeat(self.plan.n, interleave=True), self.rollout_cfg, validate=False
             )
             slots = [(gid, j) for gid in gids for j in range(self.plan.n)]
-            self._submit("generate_sequences", gen_batch, batch, slots)
+            self._submit("generate_sequences", gen_batch, batch, slots, replica=replica)
 
-    def _submit(self, method: str, rollout_rows: DataProto, batch: DataProto, slots: list[tuple[int, int]]) -> None:
-        """Send rows to the replica with the fewest calls queued."""
-        replica = min(range(len(self.replicas)), key=lambda r: sum(c.replica == r for c in self._chunks))
+    def _submit(
+        self,
+        method: str,
+        rollout_rows: DataProto,
+        batch: DataProto,
+        slots: list[tuple[int, int]],
+        replica: int | None = None,
+        baseline: bool = False,
+    ) -> int:
+        """Send rows to `replica` (default: the one with the fewest calls queued); returns the replica."""
+        if replica is None:
+            replica = min(range(len(self.replicas)), key=lambda r: sum(c.replica == r for c in self._chunks))
         call = self.replicas[replica].submit(method, rollout_rows)
-        self._chunks.append(Chunk(call, replica, batch, slots, dict(rollout_rows.meta_info)))
+        self._chunks.append(Chunk(call, replica, batch, slots, dict(rollout_rows.meta_info), baseline))
+        return replica
 
     def _next_prompts(self, count: int) -> list[DataProto]:
         """Up to `count` prompts: the waiting ones first (regenerated, or restored from a checkpoint), then the
@@ -240,9 +260,14 @@ class PooledSource(BatchSource):
             chunk = next(c for c in self._chunks if c.call is call)
         self._chunks.remove(chunk)
         output = chunk.call.result()
-        self._gen_metrics.append(output.meta_info.pop("metrics", {}))
+        metrics = output.meta_info.pop("metrics", {})
         self._rollout_idle_s += output.meta_info.pop("idle_s")
         output.meta_info = {}
+        if chunk.baseline:  # ReMax's greedy rows wait for their step; their metrics are not the step's (as in sync)
+            rows = chunk.batch.union(output)
+            self._greedy.update((gid, rows.select_idxs([i])) for i, (gid, _) in enumerate(chunk.slots))
+            return
+        self._gen_metrics.append(metrics)
         cut = output.pop(batch_keys=[INTERRUPTED_KEY]).batch[INTERRUPTED_KEY]
         again = torch.nonzero(cut).flatten()
         fields = chunk.batch.select_idxs(again)  # before the union below adds the generated keys to chunk.batch
@@ -279,10 +304,31 @@ class PooledSource(BatchSource):
         self._evicted["spans"] += [self.ledger.staleness(gid, step) + 1 for gid in groups]  # verl's span
         for gid in groups:
             self._evicted["tokens"] += int(self._rows.pop(gid).batch["response_mask"].sum())
+            self._greedy.pop(gid, None)
         self.ledger.remove(groups)
         prompts = [self._prompt_of.pop(gid) for gid in groups]
         if self.ledger.strategy == "regenerate":
             self.pending.rows.extendleft(reversed(prompts))
+
+    def _remax_baselines(self, take: list[int], step: int, metrics: dict) -> torch.Tensor:
+        """ReMax: the scores of the taken groups' greedy rows, repeated over each group's n samples.
+
+        The rule: a group's baseline is generated whole by the weights of its admission version, the version its
+        samples start from and that bounds their staleness. Its greedy call goes to the samples' replica just before
+        them (`generate_whole`: a push never cuts it, and the pushed weights load after it), so its rows carry that
+        version; with partial rollout a sample cut by a push continues on newer weights, its baseline does not.
+        """
+        greedy = DataProto.concat([self._greedy.pop(gid) for gid in take])
+        greedy.pop(non_tensor_batch_keys=[SEED_KEY])
+        versions = greedy.pop(batch_keys=[VERSIONS_KEY, INTERRUPTED_KEY]).batch[VERSIONS_KEY].max(-1).values
+        admitted = torch.tensor([self.ledger.finished[gid] for gid in take], dtype=versions.dtype)
+        versions = torch.where(versions < 0, admitted, versions)  # a response with no token: its call's version
+        if not torch.equal(versions, admitted):
+            raise AssertionError(f"step {step}: ReMax baselines of versions {versions.tolist()}, admitted {admitted}")
+        staleness = (step - 1 - versions).float()
+        metrics["async/remax_baseline_staleness/max"] = float(staleness.max())
+        metrics["async/remax_baseline_staleness/min"] = float(staleness.min())
+        return self.scorer.baseline_scores(greedy).repeat_interleave(self.plan.n)
 
     def _step_async_metrics(self, batch: DataProto, step: int) -> dict:
         """The step's staleness (checked against η), evictions, occupancy and rollout metrics; the versions

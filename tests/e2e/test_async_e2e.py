@@ -99,8 +99,10 @@ def compared(metrics: list[dict]) -> list[dict]:
             "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
             "+reward_model.reward_kwargs.max_resp_len=8",
         ],
+        # ReMax: each admission chunk's greedy baseline call runs just before its samples, as in the sync loop
+        ["algorithm.adv_estimator=remax"],
     ],
-    ids=["grpo", "gae", "dapo"],
+    ids=["grpo", "gae", "dapo", "remax"],
 )
 def test_eta0_on_separate_pools_gives_the_sync_run_bitwise(ray_cluster, tmp_path, algorithm):
     sync_metrics, sync_weights = train_in_process([*BASE, *algorithm, f"trainer.default_local_dir={tmp_path / 'sync'}"])
@@ -121,6 +123,8 @@ def test_eta0_on_separate_pools_gives_the_sync_run_bitwise(ray_cluster, tmp_path
     assert [m[f"{STALENESS}/max"] for m in async_metrics] == [0, 0, 0]
     assert [m["async/in_flight_groups"] for m in async_metrics] == [0, 0, 0]  # nothing generated ahead
     assert [m["async/in_flight_groups/max"] for m in async_metrics] == [4, 4, 4]  # (L + 1) · B with L = 0
+    if "algorithm.adv_estimator=remax" in algorithm:  # the baselines of the weights that sampled their groups
+        assert [m["async/remax_baseline_staleness/max"] for m in async_metrics] == [0, 0, 0]
     assert sync_weights.keys() == async_weights.keys()
     assert all(torch.equal(sync_weights[name], async_weights[name]) for name in sync_weights)
 
@@ -186,6 +190,36 @@ def test_partial_rollout_cuts_the_generation_a_push_finds_running_and_trains_eve
     assert min(m[f"{STALENESS}/min"] for m in metrics[1:]) == 0
     trained = times_trained(dumps, (1, 2, 3, 4))
     assert len(trained) == 16 and set(trained.values()) == {1}
+
+
+def test_remax_baselines_come_from_their_groups_admission_version_when_a_push_cuts_the_samples(
+    ray_cluster, tmp_path, monkeypatch
+):
+    """ReMax at η = 1 with partial rollout, decoding slowed so that each push finds the next groups generating: their
+    samples are cut and continued on the new weights, while each group's greedy baseline, generated just before its
+    samples and never cut, comes from the weights the group was admitted under (the driver checks each row's version
+    against its group's admission and raises otherwise). So every step's baselines are exactly as stale as its
+    groups' admissions, one version older than the samples' newest tokens."""
+    monkeypatch.setenv("RLFRAME_DELAY_AT", "rollout.decode:5:0.1-0.14")
+    metrics, _ = train_in_process(
+        [
+            *BASE,
+            *SEPARATE,
+            "algorithm.adv_estimator=remax",
+            "data.max_response_length=24",
+            "trainer.total_training_steps=4",
+            "trainer.test_freq=-1",
+            "trainer.v1.sampler.max_off_policy_threshold=2",  # η = 1
+            f"trainer.default_local_dir={tmp_path / 'async'}",
+        ]
+    )
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert sum(m["async/interrupted_samples"] for m in metrics) > 0
+    # one-step-off: step 1 trains groups admitted at version 0, step k > 1 groups admitted at version k - 2
+    assert [m["async/remax_baseline_staleness/max"] for m in metrics] == [0, 1, 1, 1]
+    assert [m["async/remax_baseline_staleness/min"] for m in metrics] == [0, 1, 1, 1]
+    # while samples of those groups were cut and finished on the next weights (σ = 0 from their newest tokens)
+    assert min(m[f"{STALENESS}/min"] for m in metrics[1:]) == 0
 
 
 def test_streaming_groups_over_two_replicas_finishing_out_of_order_stay_within_the_bound(

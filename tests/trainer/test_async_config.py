@@ -55,7 +55,6 @@ def test_under_sync_the_async_keys_are_reported_without_effect():
             r"parameter_sync_step=2 with data.train_batch_size=8 .* set .*parameter_sync_step=4",
         ),
         ([*SEPARATE, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], r"tensor_model_parallel_size=2 with"),
-        ([*SEPARATE, "algorithm.adv_estimator=remax"], r"algorithm.adv_estimator=remax with"),
         ([*SEPARATE, "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"], r"tool_agent with"),
         ([*SEPARATE, "actor_rollout_ref.model.lora_rank=8"], r"actor_rollout_ref.model.lora_rank=8 with"),
         ([*SEPARATE, "global_profiler.tool=torch"], r"global_profiler.tool=torch with .*not profiled"),
