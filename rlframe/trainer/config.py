@@ -248,7 +248,7 @@ class SeparateAsyncConfig(Section):
 
 # What separate_async does not implement yet: (is it set?, the key and value, why). docs/async.md lists them.
 def _separate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
-    rollout, model = root.actor_rollout_ref.rollout, root.actor_rollout_ref.model
+    rollout = root.actor_rollout_ref.rollout
     agent_tools = bool(rollout.multi_turn.tool_config_path or rollout.multi_turn.function_tool_path)
     engine = find_engine(rollout.name)
     return [
@@ -271,11 +271,6 @@ def _separate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
             rollout.agent.default_agent_loop == "openai_agent",
             "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent",
             "the OpenAI endpoint does not run on the rollout pool yet (partial rollout of an endpoint request)",
-        ),
-        (
-            model.lora_rank > 0,
-            f"actor_rollout_ref.model.lora_rank={model.lora_rank}",
-            "LoRA weights are not pushed yet",
         ),
         (
             root.global_profiler.tool is not None,

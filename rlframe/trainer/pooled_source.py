@@ -90,6 +90,7 @@ class PooledSource(BatchSource):
         self.groups_per_call = math.ceil(batch_groups / len(self.replicas))
         self.published_version = 0  # the weights the rollout pool generates with once its queued calls have run
         self._push: PendingCall | None = None
+        self._with_base = False  # whether the next push brings a LoRA adapter engine its base weights (`start`)
         self._prompt_of: dict[int, DataProto] = {}  # group id -> its prompt (to regenerate it)
         self._rows: dict[int, DataProto] = {}  # group id -> its n generated rows, once finished
         self._samples: dict[int, dict[int, DataProto]] = {}  # group id -> its rows finished so far, by sample index
@@ -111,7 +112,10 @@ class PooledSource(BatchSource):
         self._rollout_idle_s = 0.0  # reported by the generate calls returned since the last step's metrics
 
     def start(self, step: int) -> None:
-        if step > 0:  # resumed: the rollout pool starts from the checkpoint's weights
+        # an engine started from dummy weights (vLLM's load_format=dummy) takes the actor's before it generates: the
+        # first push brings them (with a LoRA adapter engine, the base weights, which later pushes leave out)
+        self._with_base = any(self.rollout_wg.needs_base_weights())
+        if step > 0 or self._with_base:  # resumed: the rollout pool starts from the checkpoint's weights
             self._push_weights(step)
         self._batches = self._loader_batches()
 
@@ -367,7 +371,8 @@ class PooledSource(BatchSource):
         partial rollout the version is announced first, and the calls submitted before it are collected after."""
         if self._push is not None:  # the previous push ran before the generation this step trained on
             self._push.result()
-        weights = self.actor_wg.export_weights()
+        weights = self.actor_wg.export_weights(with_base=self._with_base)
+        self._with_base = False
         if self._board is not None:  # running generations stop now; what they cut continues on these weights
             self._board.announce.remote(step)
         self._push = self.rollout_wg.submit("load_weights", step, weights)

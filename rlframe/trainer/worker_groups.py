@@ -63,6 +63,7 @@ class RolloutGroup(RayWorkerGroup[RolloutWorker]):
     generate_whole = RolloutWorker.generate_whole
     continue_sequences = RolloutWorker.continue_sequences
     load_weights = RolloutWorker.load_weights
+    needs_base_weights = RolloutWorker.needs_base_weights
     watch_versions = RolloutWorker.watch_versions
 
 

@@ -35,8 +35,10 @@ from rlframe.models.builtin import copy_to_shm
 from rlframe.protocol import DataProto
 from rlframe.single_controller import Dispatch, Worker, register
 from rlframe.utils.faults import DelayPoints
+from rlframe.workers.lora import configured_lora_rank
 from rlframe.workers.rollout.base import SEED_KEY, call_seed, seeded
 from rlframe.workers.rollout.partial import INTERRUPTED_KEY, VERSIONS_KEY, continue_generation, interrupted_rows
+from rlframe.workers.weight_sync import AdapterWeights, load_rollout_weights
 
 BOARD_POLL_S = 0.02  # how often a running generation asks the board whether newer weights were announced
 
@@ -91,6 +93,7 @@ class RolloutWorker(Worker):
             copy_to_shm(cfg.model.path) if cfg.model.use_shm else cfg.model.path,
             trust_remote_code=bool(cfg.model.trust_remote_code),
             override_config=OmegaConf.to_container(cfg.model.override_config),
+            lora_rank=configured_lora_rank(cfg.model),
         )
         self.rollout = build_rollout(
             str(cfg.rollout.name),
@@ -121,9 +124,15 @@ class RolloutWorker(Worker):
         return self._announced > self.version
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_weights(self, version: int, named_tensors: dict[str, torch.Tensor]) -> None:
-        """Load the full actor tensors of policy version `version` (HF names) into the engine."""
-        self.rollout.update_weights(named_tensors.items())
+    def needs_base_weights(self) -> bool:
+        """Whether the engine waits for the actor's weights before it may generate (vLLM's load_format=dummy)."""
+        return self.rollout.needs_base_weights
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_weights(self, version: int, weights: dict[str, torch.Tensor] | AdapterWeights) -> None:
+        """Load policy version `version` into the engine: the actor's full tensors by HF name, or a LoRA actor's
+        adapter (after its base, the first time) for an engine that serves adapters (`export_weights`)."""
+        load_rollout_weights(self.rollout, weights)
         self.version = int(version)
         self._idle_since = time.perf_counter()
 

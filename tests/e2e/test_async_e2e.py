@@ -101,8 +101,10 @@ def compared(metrics: list[dict]) -> list[dict]:
         ],
         # ReMax: each admission chunk's greedy baseline call runs just before its samples, as in the sync loop
         ["algorithm.adv_estimator=remax"],
+        # LoRA: the rollout pool's hf engine takes the merged weights each push, as the hybrid engine does
+        ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"],
     ],
-    ids=["grpo", "gae", "dapo", "remax"],
+    ids=["grpo", "gae", "dapo", "remax", "lora"],
 )
 def test_eta0_on_separate_pools_gives_the_sync_run_bitwise(ray_cluster, tmp_path, algorithm):
     sync_metrics, sync_weights = train_in_process([*BASE, *algorithm, f"trainer.default_local_dir={tmp_path / 'sync'}"])

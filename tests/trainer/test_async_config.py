@@ -56,7 +56,6 @@ def test_under_sync_the_async_keys_are_reported_without_effect():
         ),
         ([*SEPARATE, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], r"tensor_model_parallel_size=2 with"),
         ([*SEPARATE, "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"], r"tool_agent with"),
-        ([*SEPARATE, "actor_rollout_ref.model.lora_rank=8"], r"actor_rollout_ref.model.lora_rank=8 with"),
         ([*SEPARATE, "global_profiler.tool=torch"], r"global_profiler.tool=torch with .*not profiled"),
         ([*SEPARATE, "actor_rollout_ref.hybrid_engine=false"], r"hybrid_engine=false"),
     ],
