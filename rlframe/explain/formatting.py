@@ -159,6 +159,12 @@ STALE_STRATEGIES = {
 }
 
 
+PUSHED = {  # AsyncPlan.weight_form
+    "full": "the actor's full state dict",
+    "lora_merged": "the LoRA actor's merged weights (the base model's state dict)",
+    "lora_adapter": "the LoRA adapter alone (not counted here; the base model's state dict, counted, only at the "
+    "first push when the engine starts from load_format=dummy)",
+}
 OBJECTIVES = {
     "on_policy": "on-policy: L = 0, so every sample comes from the weights its step starts from (σ = 0), as in sync",
     "decoupled": "decoupled (verl's decoupled mode): the PPO ratio is taken against π_prox (the old-log-prob pass) and "
@@ -222,7 +228,7 @@ def format_pools(ap: AsyncPlan) -> str:
             f"{ap.bytes_per_response_token} × {ap.max_response_length} = {ap.bytes_per_sequence:,} bytes)",
             f"          counted: {counted}. Not counted: what the step adds (log-probs, values, advantages), "
             "the non-tensor fields, the prompts on their way to the rollout pool",
-            "weights   each push sends the actor's full state dict from training rank 0 through the driver to the "
+            f"weights   each push sends {PUSHED[ap.weight_form]} from training rank 0 through the driver to the "
             f"rollout pool, in Ray's object store (put once for all rollout processes): {weights}",
             f"objective {OBJECTIVES[ap.objective]}",
         ]
