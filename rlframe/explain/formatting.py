@@ -159,6 +159,12 @@ STALE_STRATEGIES = {
 }
 
 
+PUSHED = {  # AsyncPlan.weight_form
+    "full": "the actor's full state dict",
+    "lora_merged": "the LoRA actor's merged weights (the base model's state dict)",
+    "lora_adapter": "the LoRA adapter alone (not counted here; the base model's state dict, counted, only at the "
+    "first push when the engine starts from load_format=dummy)",
+}
 OBJECTIVES = {
     "on_policy": "on-policy: L = 0, so every sample comes from the weights its step starts from (σ = 0), as in sync",
     "decoupled": "decoupled (verl's decoupled mode): the PPO ratio is taken against π_prox (the old-log-prob pass) and "
@@ -188,7 +194,7 @@ def _weights(ap: AsyncPlan) -> str:
             f"{ap.weight_dtype}) = {_size(ap.weight_push_bytes)} per copy"
         )
     return (
-        "each push sends the actor's full state dict from training rank 0 through the driver to the rollout "
+        f"each push sends {PUSHED[ap.weight_form]} from training rank 0 through the driver to the rollout "
         f"pool, in Ray's object store (put once for all rollout processes): {size}"
     )
 

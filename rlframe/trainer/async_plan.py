@@ -18,6 +18,7 @@ from typing import Any
 from rlframe.batch_plan import BatchPlan
 from rlframe.trainer.config import lookahead, staleness_bound
 from rlframe.workers.config.model import DTYPES
+from rlframe.workers.rollout.registry import find_engine
 
 # The tensors of one generated sequence as the driver keeps them (`build_rollout_output` and `mark_rollout_state` in
 # rlframe/workers/rollout/base.py; the 1-byte stop reason is dropped as a call returns, and a cut tool-agent
@@ -75,6 +76,7 @@ class AsyncPlan:
     weight_element_bytes: int
     weight_parameters: int | None  # elements of the actor's state dict; None when its config is not readable
     weight_push_bytes: int | None  # None under colocate_async: the engines take the weights in place
+    weight_form: str  # full | lora_merged | lora_adapter: what each push holds (weight_sync.rollout_weights)
     objective: str  # on_policy | decoupled | bypass | uncorrected
 
     @property
@@ -111,6 +113,14 @@ def objective(cfg: Any) -> str:
     if correction.rollout_is is not None or correction.rollout_rs is not None:
         return "decoupled"
     return "uncorrected"
+
+
+def weight_form(cfg: Any) -> str:
+    """What each push holds: the full weights, a LoRA actor's merged ones, or its adapter (vLLM serves adapters)."""
+    if cfg.actor_rollout_ref.model.lora_rank <= 0:
+        return "full"
+    engine = find_engine(cfg.actor_rollout_ref.rollout.name)
+    return "lora_adapter" if engine is not None and engine.capabilities.lora == "adapter" else "lora_merged"
 
 
 def exported_parameters(path: str | None, trust_remote_code: bool = False) -> int | None:
@@ -183,5 +193,6 @@ def make_async_plan(cfg: Any, plan: BatchPlan) -> AsyncPlan | None:
         weight_element_bytes=element_bytes,
         weight_parameters=parameters,
         weight_push_bytes=None if parameters is None else parameters * element_bytes,
+        weight_form=weight_form(cfg),
         objective=objective(cfg),
     )

@@ -47,6 +47,7 @@ from rlframe.trainer.rollout_stage import (
     StepBatch,
     assign_uids,
     generation_inputs,
+    greedy_inputs,
     merged_metrics,
     timer,
 )
@@ -72,6 +73,7 @@ class Chunk:
     batch: DataProto
     slots: list[tuple[int, int]]
     meta_info: dict  # the call's sampling settings, which a continuation of its rows keeps
+    baseline: bool = False  # ReMax: the greedy baseline rows of its groups (slots (group id, 0)), never cut
 
 
 class PooledSource(BatchSource):
@@ -83,6 +85,7 @@ class PooledSource(BatchSource):
         self.config_mode = f"trainer.v1.trainer_mode={config.trainer.v1.trainer_mode}"
         self.loader, self.pending, self.scorer = inputs.loader, inputs.pending, inputs.scorer
         self.sampler = DynamicSampler.of(config, plan)  # DAPO's: a round is one take of B finished groups
+        self.remax = config.algorithm.adv_estimator == "remax"
         self.total_epochs = int(config.trainer.total_epochs)
         self.replicas = replicas
         v1 = config.trainer.v1
@@ -94,6 +97,7 @@ class PooledSource(BatchSource):
         self._prompt_of: dict[int, DataProto] = {}  # group id -> its prompt (to regenerate it)
         self._rows: dict[int, DataProto] = {}  # group id -> its n generated rows, once finished
         self._samples: dict[int, dict[int, DataProto]] = {}  # group id -> its rows finished so far, by sample index
+        self._greedy: dict[int, DataProto] = {}  # ReMax: group id -> its greedy baseline row, until its step
         self._chunks: list[Chunk] = []
         self._take: list[int] = []  # the groups the step under way trains
         self._batches: Iterator[DataProto] | None = None
@@ -109,7 +113,9 @@ class PooledSource(BatchSource):
         self._rollout_idle_s = 0.0  # reported by the generate calls returned since the last step's metrics
 
     def start(self, step: int) -> None:
-        if step > 0:  # resumed: the rollout pool starts from the checkpoint's weights
+        # an engine started from dummy weights (vLLM's load_format=dummy) takes the actor's before it generates: the
+        # first push brings them (with a LoRA adapter engine, the base weights, which later pushes leave out)
+        if step > 0 or self.replicas.start_from_dummy_weights():  # resumed: the replicas start from the checkpoint's
             self._push_weights(step)
         self._batches = self._loader_batches()
 
@@ -134,6 +140,8 @@ class PooledSource(BatchSource):
             admitted = torch.tensor([self.ledger.finished[gid] for gid in take])
             batch.batch[ADMITTED_KEY] = admitted.repeat_interleave(self.plan.n)
             with timer("reward", ready.timings):
+                if self.remax:
+                    batch.batch["reward_baselines"] = self._remax_baselines(take, step, ready.metrics)
                 extra_info = self.scorer.score(batch, ready.metrics)
             if self.sampler is None:
                 break
@@ -211,17 +219,31 @@ class PooledSource(BatchSource):
             self._prompt_of.update(zip(gids, prompts))
             batch = DataProto.concat(prompts)
             assign_uids(batch)
+            replica = None
+            if self.remax:  # the greedy baselines first, on the replica of the samples (`_remax_baselines`)
+                greedy, gen_greedy = greedy_inputs(batch, self.rollout_cfg)
+                replica = self._submit("generate_whole", gen_greedy, greedy, [(gid, 0) for gid in gids], baseline=True)
             batch, gen_batch = generation_inputs(
                 batch.repeat(self.plan.n, interleave=True), self.rollout_cfg, validate=False
             )
             slots = [(gid, j) for gid in gids for j in range(self.plan.n)]
-            self._submit("generate_sequences", gen_batch, batch, slots)
+            self._submit("generate_sequences", gen_batch, batch, slots, replica=replica)
 
-    def _submit(self, method: str, rollout_rows: DataProto, batch: DataProto, slots: list[tuple[int, int]]) -> None:
-        """Send rows to the replica with the fewest calls queued."""
-        replica = min(range(len(self.replicas.views)), key=lambda r: sum(c.replica == r for c in self._chunks))
+    def _submit(
+        self,
+        method: str,
+        rollout_rows: DataProto,
+        batch: DataProto,
+        slots: list[tuple[int, int]],
+        replica: int | None = None,
+        baseline: bool = False,
+    ) -> int:
+        """Send rows to `replica` (default: the one with the fewest calls queued); returns the replica."""
+        if replica is None:
+            replica = min(range(len(self.replicas.views)), key=lambda r: sum(c.replica == r for c in self._chunks))
         call = self.replicas.views[replica].submit(method, rollout_rows)
-        self._chunks.append(Chunk(call, replica, batch, slots, dict(rollout_rows.meta_info)))
+        self._chunks.append(Chunk(call, replica, batch, slots, dict(rollout_rows.meta_info), baseline))
+        return replica
 
     def _next_prompts(self, count: int) -> list[DataProto]:
         """Up to `count` prompts: the waiting ones first (regenerated, or restored from a checkpoint), then the
@@ -243,9 +265,14 @@ class PooledSource(BatchSource):
             chunk = next(c for c in self._chunks if c.call is call)
         self._chunks.remove(chunk)
         output = chunk.call.result()
-        self._gen_metrics.append(output.meta_info.pop("metrics", {}))
+        metrics = output.meta_info.pop("metrics", {})
         self._rollout_idle_s += output.meta_info.pop("idle_s", 0.0)  # a rollout pool's processes report it
         output.meta_info = {}
+        if chunk.baseline:  # ReMax's greedy rows wait for their step; their metrics are not the step's (as in sync)
+            rows = chunk.batch.union(output)
+            self._greedy.update((gid, rows.select_idxs([i])) for i, (gid, _) in enumerate(chunk.slots))
+            return
+        self._gen_metrics.append(metrics)
         cut = interrupted(output)  # the engine's own stop reasons: only interrupted rows go on
         output.pop(batch_keys=[STOP_KEY])
         again = torch.nonzero(cut).flatten()
@@ -284,10 +311,32 @@ class PooledSource(BatchSource):
         self._evicted["spans"] += [self.ledger.staleness(gid, step) + 1 for gid in groups]  # verl's span
         for gid in groups:
             self._evicted["tokens"] += int(self._rows.pop(gid).batch["response_mask"].sum())
+            self._greedy.pop(gid, None)
         self.ledger.remove(groups)
         prompts = [self._prompt_of.pop(gid) for gid in groups]
         if self.ledger.strategy == "regenerate":
             self.pending.rows.extendleft(reversed(prompts))
+
+    def _remax_baselines(self, take: list[int], step: int, metrics: dict) -> torch.Tensor:
+        """ReMax: the scores of the taken groups' greedy rows, repeated over each group's n samples.
+
+        The rule: a group's baseline is generated whole by the weights of its admission version, the version its
+        samples start from and that bounds their staleness. Its greedy call goes to the samples' replica just before
+        them (`generate_whole`: a push never cuts it, and the pushed weights load after it), so its rows carry that
+        version; with partial rollout a sample cut by a push continues on newer weights, its baseline does not.
+        """
+        greedy = DataProto.concat([self._greedy.pop(gid) for gid in take])
+        greedy.pop(non_tensor_batch_keys=[SEED_KEY])
+        greedy.non_tensor_batch.pop(TRAJECTORY_KEY, None)
+        versions = greedy.pop(batch_keys=[VERSIONS_KEY, STOP_KEY]).batch[VERSIONS_KEY].max(-1).values
+        admitted = torch.tensor([self.ledger.finished[gid] for gid in take], dtype=versions.dtype)
+        versions = torch.where(versions < 0, admitted, versions)  # a response with no token: its call's version
+        if not torch.equal(versions, admitted):
+            raise AssertionError(f"step {step}: ReMax baselines of versions {versions.tolist()}, admitted {admitted}")
+        staleness = (step - 1 - versions).float()
+        metrics["async/remax_baseline_staleness/max"] = float(staleness.max())
+        metrics["async/remax_baseline_staleness/min"] = float(staleness.min())
+        return self.scorer.baseline_scores(greedy).repeat_interleave(self.plan.n)
 
     def _step_async_metrics(self, batch: DataProto, step: int) -> dict:
         """The step's staleness (checked against η), evictions, occupancy and rollout metrics; the versions

@@ -44,6 +44,10 @@ class Replicas(ABC):
     def sample_end(self, step: int) -> None:
         """Step `step`'s batch is sampled and about to train."""
 
+    def start_from_dummy_weights(self) -> bool:
+        """Whether the engines wait for the actor's weights before they may generate (a first push brings them)."""
+        return False
+
     @abstractmethod
     def _watch_group(self) -> RayWorkerGroup:
         """The worker group whose processes hold the replicas' engines."""
@@ -65,12 +69,20 @@ class PoolReplicas(Replicas):
         self.actor_wg, self.rollout_wg = groups.actor_rollout, groups.rollout
         self.views = groups.rollout.rank_views()  # TP 1: one replica per process
         self.partial_rollout = partial_rollout
+        self._with_base = False  # whether the next push brings a LoRA adapter engine its base weights
 
     def _watch_group(self) -> RayWorkerGroup:
         return self.rollout_wg
 
+    def start_from_dummy_weights(self) -> bool:
+        """vLLM's load_format=dummy: the first push brings the actor's weights (with a LoRA adapter engine, the base
+        weights, which later pushes leave out)."""
+        self._with_base = any(self.rollout_wg.needs_base_weights())
+        return self._with_base
+
     def publish(self, version: int) -> PendingCall:
-        weights = self.actor_wg.export_weights()
+        weights = self.actor_wg.export_weights(with_base=self._with_base)
+        self._with_base = False
         self._announce(version)  # running generations stop now; what they cut continues on these weights
         return self.rollout_wg.submit("load_weights", version, weights)
 

@@ -116,6 +116,11 @@ def generation_inputs(batch: DataProto, rollout_cfg, **meta_info) -> tuple[DataP
     return batch, gen_batch
 
 
+def greedy_inputs(prompts: DataProto, rollout_cfg) -> tuple[DataProto, DataProto]:
+    """ReMax's baseline call: `generation_inputs` of a copy of the prompts (one row each), sampled greedily."""
+    return generation_inputs(prompts.select(deepcopy=True), rollout_cfg, validate=False, do_sample=False)
+
+
 def merge_generated(batch: DataProto, output: DataProto) -> tuple[DataProto, dict]:
     """The batch with the rollout's output joined back; (it, the rollout's metrics, lists by name)."""
     metrics = output.meta_info.pop("metrics", {})
@@ -144,6 +149,11 @@ class Scorer:
     def __init__(self, config: DictConfig, reward_fn: RewardManager, reward_model_wg: RayWorkerGroup | None):
         self.reward_fn, self.reward_model_wg = reward_fn, reward_model_wg
         self.gdpo_keys = list(config.algorithm.gdpo_reward_keys) if config.algorithm.adv_estimator == "gdpo" else None
+
+    def baseline_scores(self, greedy: DataProto) -> torch.Tensor:
+        """ReMax: each greedy response's summed rule-based score, the baseline (`reward_baselines`) of its prompt's
+        samples."""
+        return self.reward_fn(greedy, return_dict=True)["reward_tensor"].sum(-1)
 
     def score(self, batch: DataProto, metrics: dict) -> dict:
         """Set `token_level_scores` (and GDPO's components); returns the reward manager's per-sample extra info."""
@@ -234,8 +244,9 @@ class ColocatedSource(BatchSource):
 
     def _remax_baselines(self, prompts: DataProto) -> torch.Tensor:
         """ReMax: the score of one greedy response per prompt, the baseline of that prompt's samples."""
-        greedy, _ = generate(self.wg, prompts.select(deepcopy=True), self.rollout_cfg, validate=False, do_sample=False)
-        return self.scorer.reward_fn(greedy, return_dict=True)["reward_tensor"].sum(-1)
+        greedy, gen_batch = greedy_inputs(prompts, self.rollout_cfg)
+        greedy, _ = merge_generated(greedy, self.wg.generate_sequences(gen_batch))
+        return self.scorer.baseline_scores(greedy)
 
     def untrained_prompts(self) -> list[DataProto]:
         return list(self.pending.rows)

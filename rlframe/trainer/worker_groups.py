@@ -64,8 +64,10 @@ class RolloutGroup(RayWorkerGroup[RolloutWorker]):
 
     init_model = RolloutWorker.init_model
     generate_sequences = RolloutWorker.generate_sequences
+    generate_whole = RolloutWorker.generate_whole
     continue_sequences = RolloutWorker.continue_sequences
     load_weights = RolloutWorker.load_weights
+    needs_base_weights = RolloutWorker.needs_base_weights
     watch_versions = RolloutWorker.watch_versions
 
 

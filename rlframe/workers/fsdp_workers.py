@@ -40,7 +40,14 @@ from rlframe.workers.optimizer import build_optimizer, move_optimizer_state
 from rlframe.workers.profiler import Profiler, ProfileSession, profiled
 from rlframe.workers.updater import ModelOptions, PPOUpdater, RoleModel
 from rlframe.workers.versioned_rollout import VersionedRollout
-from rlframe.workers.weight_sync import iter_full_params_bucketed, sync_lora_to_rollout
+from rlframe.workers.weight_sync import (
+    AdapterWeights,
+    copied_weights,
+    drain_weights,
+    iter_full_params_bucketed,
+    rollout_weights,
+    sync_lora_to_rollout,
+)
 
 
 def fsdp_spec(fsdp_cfg: DictConfig, strategy: str, device_type: str) -> FSDPSpec:
@@ -364,20 +371,20 @@ class ActorRolloutRefWorker(FSDPWorkerBase):
         return output
 
     @register(dispatch_mode=Dispatch.RANK_ZERO)
-    def export_weights(self) -> dict[str, torch.Tensor] | None:
-        """The actor's full tensors by HF name, for a standalone rollout pool (rank 0's answer is the result).
+    def export_weights(self, with_base: bool = False) -> dict[str, torch.Tensor] | AdapterWeights | None:
+        """What the rollout pool's engine takes of the actor (rank 0's answer is the result): its full tensors by HF
+        name; a LoRA actor's merged weights, or for an "adapter" engine (vLLM) its `AdapterWeights`, with the base
+        weights only `with_base` (`weight_sync.rollout_weights`).
 
-        Every rank joins the bucketed gather (`iter_full_params_bucketed`); rank 0 keeps a copy of each tensor,
-        because the stream yields views of a buffer it reuses.
+        Every rank joins the gathers; rank 0 keeps a copy of each tensor, because the stream yields views of a
+        buffer it reuses.
         """
-        if lora.is_lora(self.actor_module):
-            raise ValueError("export_weights: a LoRA actor (actor_rollout_ref.model.lora_rank > 0) is not exported")
-        stream = iter_full_params_bucketed(self.actor_module)
-        if self.rank != 0:  # its shards reach rank 0 through the gather
-            for _ in stream:
-                pass
+        adapter = self.rollout_engine.capabilities.lora == "adapter"
+        weights = rollout_weights(self.actor_module, adapter, with_base)
+        if self.rank != 0:  # its shards reach rank 0 through the gathers
+            drain_weights(weights)
             return None
-        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in stream}
+        return copied_weights(weights)
 
     @register(dispatch_mode=Dispatch.RANK_ZERO, execute_mode=Execute.RANK_ZERO)
     def process_rng_state(self) -> torch.Tensor:

@@ -59,6 +59,17 @@ class LoraSpec:
         )
 
 
+def configured_lora_rank(model_cfg) -> int:
+    """The actor's adapter rank before its model is built: a loaded adapter's own (`lora_adapter_path`), else
+    `lora_rank`; 0 without LoRA (a process that serves the adapter without training it, the rollout pool's)."""
+    spec = LoraSpec.from_config(model_cfg)
+    if spec is None or spec.adapter_path is None:
+        return 0 if spec is None else spec.rank
+    from peft import PeftConfig
+
+    return int(PeftConfig.from_pretrained(spec.adapter_path).r)
+
+
 def _names(value: Any) -> str | tuple[str, ...] | None:
     """A module-name key as PEFT takes it: one string (a regex or `all-linear`) or a list of names."""
     if value is None or isinstance(value, str):

@@ -11,14 +11,18 @@ sockets, and the full tensors yielded are views of it, valid until the stream ha
 that are not sharded that way (FSDP1, HSDP's 2-D meshes, plain tensors) go through `iter_full_params`'s
 path.
 
-A LoRA actor streams through `sync_lora_to_rollout`: merged weights for the HF engine, the base weights once
-and then the adapter for vLLM (the merge and the adapter's files are `lora.py`'s).
+A LoRA actor reaches a rollout engine as `rollout_weights` gives it: merged weights for the HF engine, the base
+weights once and then the adapter for vLLM (the merge and the adapter's files are `lora.py`'s). The colocated
+rollout loads it as it streams (`sync_lora_to_rollout`); `separate_async`'s rollout pool receives a copy
+(`copied_weights`, `ActorRolloutRefWorker.export_weights`) and loads it the same way (`load_rollout_weights`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +35,7 @@ from rlframe.workers.lora import (
     base_name,
     full_adapter_state,
     is_adapter_tensor,
+    is_lora,
     lora_scalings,
     merged_params,
     peft_adapter_files,
@@ -148,20 +153,68 @@ def iter_full_params_bucketed(model: nn.Module, bucket_bytes: int = BUCKET_BYTES
         yield from _gather_bucket(bucket, memory)
 
 
+@dataclass
+class AdapterWeights:
+    """A LoRA actor as an engine whose `capabilities.lora` is "adapter" (vLLM) takes it: the base weights while the
+    engine still needs them (started from dummy weights: once, first), then the adapter as PEFT saves it."""
+
+    base: Iterable[tuple[str, torch.Tensor]] | None
+    tensors: dict[str, torch.Tensor]
+    peft_config: Any
+
+
+def rollout_weights(
+    model: nn.Module, adapter: bool, with_base: bool
+) -> Iterable[tuple[str, torch.Tensor]] | AdapterWeights:
+    """What a rollout engine takes of the actor `model`: its full tensors by HF name; a LoRA actor's merged
+    weights, or with `adapter` its `AdapterWeights` (the base only `with_base`).
+
+    A collective under FSDP: every rank calls it and consumes what it returns, in the same order.
+    """
+    if not is_lora(model):
+        return iter_full_params_bucketed(model)
+    if not adapter:
+        return merged_params(iter_full_params_bucketed(model), lora_scalings(model))
+    base = None
+    if with_base:
+        base = ((base_name(n), t) for n, t in iter_full_params_bucketed(model) if not is_adapter_tensor(n))
+    tensors = peft_adapter_files(model, full_adapter_state(model))
+    return AdapterWeights(base, tensors, peft_model_of(model).peft_config[ADAPTER])
+
+
+def load_rollout_weights(rollout, weights: Iterable[tuple[str, torch.Tensor]] | dict | AdapterWeights) -> None:
+    """Load what `rollout_weights` gives (or a copy of it: tensors by name) into the rollout engine."""
+    if not isinstance(weights, AdapterWeights):
+        rollout.update_weights(weights.items() if isinstance(weights, dict) else weights)
+        return
+    if weights.base is not None:
+        rollout.update_weights(weights.base.items() if isinstance(weights.base, dict) else weights.base)
+    rollout.update_lora_adapter(weights.tensors, weights.peft_config)
+
+
+def copied_weights(weights: Iterable[tuple[str, torch.Tensor]] | AdapterWeights) -> dict | AdapterWeights:
+    """`rollout_weights`'s answer held in CPU memory of its own (the stream yields views of a buffer it reuses)."""
+
+    def copy(named_tensors):
+        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in named_tensors}
+
+    if not isinstance(weights, AdapterWeights):
+        return copy(weights)
+    base = None if weights.base is None else copy(weights.base)
+    return AdapterWeights(base, copy(weights.tensors.items()), weights.peft_config)
+
+
+def drain_weights(weights: Iterable[tuple[str, torch.Tensor]] | AdapterWeights) -> None:
+    """Take part in `rollout_weights`'s collectives without keeping anything (the ranks that do not export)."""
+    stream = (weights.base or ()) if isinstance(weights, AdapterWeights) else weights
+    for _ in stream:
+        pass
+
+
 def sync_lora_to_rollout(rollout, model: nn.Module, adapter: bool) -> None:
-    """Send the LoRA actor to the rollout: merged weights, or with `adapter` (an engine whose declared
+    """Send the LoRA actor to the colocated rollout: merged weights, or with `adapter` (an engine whose declared
     `capabilities.lora` is "adapter", vLLM) the adapter after the base once.
 
     A collective under FSDP: every rank calls it, in the same state (every engine replica is in step).
     """
-    if not adapter:
-        rollout.update_weights(merged_params(iter_full_params_bucketed(model), lora_scalings(model)))
-        return
-    if rollout.needs_base_weights:
-        rollout.update_weights(
-            (base_name(name), tensor)
-            for name, tensor in iter_full_params_bucketed(model)
-            if not is_adapter_tensor(name)
-        )
-    adapter = full_adapter_state(model)
-    rollout.update_lora_adapter(peft_adapter_files(model, adapter), peft_model_of(model).peft_config[ADAPTER])
+    load_rollout_weights(rollout, rollout_weights(model, adapter, with_base=rollout.needs_base_weights))

@@ -117,37 +117,45 @@ def sync_runs(ray_cluster, tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize(
-    "algorithm",
-    [
-        [],  # GRPO
-        # PPO with a critic: its fresh value head draws from the process RNG the rollout's seeds come from
-        ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "critic.ppo_micro_batch_size_per_gpu=2"],
-        # DAPO: a sync round of gen_batch_size = train_batch_size prompts reads what one take of B groups does
-        [
-            "data.gen_batch_size=4",
-            "algorithm.filter_groups.enable=true",
-            "algorithm.filter_groups.metric=seq_reward",
-            "reward_model.reward_manager=dapo",  # its overlong penalty makes a group's scores differ by length
-            "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
-            "+reward_model.reward_kwargs.overlong_buffer_cfg.len=4",
-            "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
-            "+reward_model.reward_kwargs.max_resp_len=8",
-        ],
-        [*TOOL_AGENT, "actor_rollout_ref.rollout.mode=async"],
-        [*TOOL_AGENT, "actor_rollout_ref.rollout.mode=sync"],
-        # your own agent through the OpenAI endpoint (its episodes are not cut by a push: partial_rollout=false)
-        [
-            "data.max_response_length=64",
-            "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent",
-            f"actor_rollout_ref.rollout.agent.openai_agent.path={OPENAI_AGENT}",
-            "actor_rollout_ref.rollout.agent.openai_agent.name=agent",
-            "actor_rollout_ref.rollout.partial_rollout=false",
-        ],
+ALGORITHMS = {
+    "grpo": [],
+    # PPO with a critic: its fresh value head draws from the process RNG the rollout's seeds come from
+    "gae": ["algorithm.adv_estimator=gae", "critic.optim.lr=1e-3", "critic.ppo_micro_batch_size_per_gpu=2"],
+    # DAPO: a sync round of gen_batch_size = train_batch_size prompts reads what one take of B groups does
+    "dapo": [
+        "data.gen_batch_size=4",
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=seq_reward",
+        "reward_model.reward_manager=dapo",  # its overlong penalty makes a group's scores differ by length
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.len=4",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+        "+reward_model.reward_kwargs.max_resp_len=8",
     ],
-    ids=["grpo", "gae", "dapo", "tool_agent", "tool_agent_turn_sync", "openai_agent"],
-)
-@pytest.mark.parametrize("mode", list(MODES))
+}
+POOL_ONLY = {  # what runs under separate_async and colocate_async refuses (docs/async.md)
+    "tool_agent": [*TOOL_AGENT, "actor_rollout_ref.rollout.mode=async"],
+    "tool_agent_turn_sync": [*TOOL_AGENT, "actor_rollout_ref.rollout.mode=sync"],
+    # your own agent through the OpenAI endpoint (its episodes are not cut by a push: partial_rollout=false)
+    "openai_agent": [
+        "data.max_response_length=64",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent",
+        f"actor_rollout_ref.rollout.agent.openai_agent.path={OPENAI_AGENT}",
+        "actor_rollout_ref.rollout.agent.openai_agent.name=agent",
+        "actor_rollout_ref.rollout.partial_rollout=false",
+    ],
+    # ReMax: each admission chunk's greedy baseline call runs just before its samples, as in the sync loop
+    "remax": ["algorithm.adv_estimator=remax"],
+    # LoRA: the rollout pool's hf engine takes the merged weights each push, as the hybrid engine does
+    "lora": ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"],
+}
+ETA0_CASES = [
+    *(pytest.param(overrides, mode, id=f"{name}-{mode}") for name, overrides in ALGORITHMS.items() for mode in MODES),
+    *(pytest.param(overrides, "separate_async", id=f"{name}-separate_async") for name, overrides in POOL_ONLY.items()),
+]
+
+
+@pytest.mark.parametrize("algorithm,mode", ETA0_CASES)
 def test_eta0_in_either_async_mode_gives_the_sync_run_bitwise(ray_cluster, sync_runs, tmp_path, algorithm, mode):
     sync_metrics, sync_weights = sync_runs(tuple(algorithm))
     async_metrics, async_weights = train_in_process(
@@ -242,6 +250,36 @@ def test_partial_rollout_cuts_the_generation_a_push_finds_running_and_trains_eve
     assert min(m[f"{STALENESS}/min"] for m in metrics[1:]) == 0
     trained = times_trained(dumps, (1, 2, 3, 4))
     assert len(trained) == 16 and set(trained.values()) == {1}
+
+
+def test_remax_baselines_come_from_their_groups_admission_version_when_a_push_cuts_the_samples(
+    ray_cluster, tmp_path, monkeypatch
+):
+    """ReMax at η = 1 with partial rollout, decoding slowed so that each push finds the next groups generating: their
+    samples are cut and continued on the new weights, while each group's greedy baseline, generated just before its
+    samples and never cut, comes from the weights the group was admitted under (the driver checks each row's version
+    against its group's admission and raises otherwise). So every step's baselines are exactly as stale as its
+    groups' admissions, one version older than the samples' newest tokens."""
+    monkeypatch.setenv("RLFRAME_DELAY_AT", "rollout.decode:5:0.1-0.14")
+    metrics, _ = train_in_process(
+        [
+            *BASE,
+            *SEPARATE,
+            "algorithm.adv_estimator=remax",
+            "data.max_response_length=24",
+            "trainer.total_training_steps=4",
+            "trainer.test_freq=-1",
+            "trainer.v1.sampler.max_off_policy_threshold=2",  # η = 1
+            f"trainer.default_local_dir={tmp_path / 'async'}",
+        ]
+    )
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert sum(m["async/interrupted_samples"] for m in metrics) > 0
+    # one-step-off: step 1 trains groups admitted at version 0, step k > 1 groups admitted at version k - 2
+    assert [m["async/remax_baseline_staleness/max"] for m in metrics] == [0, 1, 1, 1]
+    assert [m["async/remax_baseline_staleness/min"] for m in metrics] == [0, 1, 1, 1]
+    # while samples of those groups were cut and finished on the next weights (σ = 0 from their newest tokens)
+    assert min(m[f"{STALENESS}/min"] for m in metrics[1:]) == 0
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])

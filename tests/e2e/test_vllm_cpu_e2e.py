@@ -156,3 +156,40 @@ def test_distillation_with_the_vllm_rollout_scores_the_samples_with_the_teacher(
     assert steps[0]["actor/distillation/loss"] == 0.0
     for m in steps:
         assert m["actor/distillation/abs_loss"] >= 0 and m["timing_s/teacher"] > 0
+
+
+def test_lora_on_the_rollout_pool_at_eta0_samples_the_sync_runs_tokens_with_the_adapter_served_by_vllm(
+    tmp_path, cache_dir
+):
+    """A LoRA actor (rank 8) with vLLM on separate_async's rollout pool, η = 0: the pool's engine starts from dummy
+    weights (load_format=dummy), gets the base weights at the first push and the adapter alone after every step, and
+    samples exactly the tokens the synchronous LoRA run's colocated vLLM samples, with log-probs the actor's."""
+    lora = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"]
+    lora += ["actor_rollout_ref.actor.optim.lr=1e-3", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=3"]
+    pool = [
+        "trainer.v1.trainer_mode=separate_async",
+        f"{ROLLOUT}.nnodes=1",
+        f"{ROLLOUT}.n_gpus_per_node=1",
+        "trainer.v1.sampler.max_off_policy_threshold=1",  # η = 0
+        "trainer.v1.separate_async.parameter_sync_step=1",
+    ]
+    runs = {}
+    for name, mode in (("sync", []), ("pool", pool)):
+        run_dir = tmp_path / name
+        job = [o for o in JOB if not o.startswith("trainer.n_gpus_per_node=")]
+        out = run_main(
+            job
+            + lora
+            + mode
+            + [f"trainer.default_local_dir={run_dir}", f"trainer.rollout_data_dir={run_dir / 'rollouts'}"],
+            cache_dir,
+        )
+        assert out.returncode == 0, out.stderr[-4000:]
+        runs[name] = run_dir
+    steps = [m for m in read_metrics(runs["pool"]) if "actor/pg_loss" in m]
+    assert len(steps) == 3
+    for m in steps:  # the pool's engine samples with the actor's weights: neither dummy ones nor the bare base
+        assert m["training/rollout_probs_diff_mean"] < PROB_DIFF_MEAN, m
+        assert m["training/rollout_probs_diff_max"] < PROB_DIFF_MAX, m
+    for step in (1, 2, 3):
+        assert rollouts(runs["pool"] / "rollouts", step) == rollouts(runs["sync"] / "rollouts", step)

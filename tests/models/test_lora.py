@@ -26,7 +26,7 @@ from transformers import AutoConfig
 from rlframe.workers import checkpoint as ckpt
 from rlframe.workers import lora
 from rlframe.workers.optimizer import build_optimizer
-from rlframe.workers.weight_sync import sync_lora_to_rollout
+from rlframe.workers.weight_sync import copied_weights, load_rollout_weights, rollout_weights, sync_lora_to_rollout
 
 RTOL = 1e-5
 NUM_SEQS = 8
@@ -209,6 +209,29 @@ def test_vllm_rollout_receives_the_base_once_then_the_adapter(tiny_model_path, a
     on_disk = load_file(os.path.join(adapter, "adapter_model.safetensors"))  # PEFT's own file names
     assert tensors.keys() == on_disk.keys() and all(torch.equal(tensors[k], on_disk[k]) for k in on_disk)
     assert config.r == RANK and config.lora_alpha == ALPHA
+
+
+@pytest.mark.parametrize("adapter_engine", [False, True], ids=["merged", "adapter"])
+def test_the_rollout_pool_loads_a_copy_of_what_the_colocated_rollout_receives(tiny_model_path, adapter, adapter_engine):
+    """separate_async: `export_weights` copies `rollout_weights` (the base only with_base, at the first push) and the
+    rollout pool's `load_weights` loads the copy: the same tensors a colocated engine receives, in pushes of the same
+    form, and CPU tensors of their own (not views of the gather's reused buffer)."""
+    model = lora.apply_lora(base_model(tiny_model_path), lora.LoraSpec(1, 1, "all-linear", None, adapter))
+    colocated, pool = RecordingRollout(adapter_engine), RecordingRollout(adapter_engine)
+    for first in (True, False):
+        sync_lora_to_rollout(colocated, model, adapter_engine)
+        pushed = copied_weights(rollout_weights(model, adapter_engine, with_base=first))
+        load_rollout_weights(pool, pushed)
+    assert len(pool.weights) == len(colocated.weights) == (1 if adapter_engine else 2)
+    for sent, expected in zip(pool.weights, colocated.weights):
+        assert sent.keys() == expected.keys() and all(torch.equal(sent[k], expected[k]) for k in expected)
+    assert len(pool.adapters) == len(colocated.adapters) == (2 if adapter_engine else 0)
+    for (sent, config), (expected, expected_config) in zip(pool.adapters, colocated.adapters):
+        assert sent.keys() == expected.keys() and all(torch.equal(sent[k], expected[k]) for k in expected)
+        assert config.to_dict() == expected_config.to_dict()
+    storages = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
+    received = [*pool.weights[-1].values(), *(pool.adapters[-1][0].values() if adapter_engine else ())]
+    assert not storages & {t.untyped_storage().data_ptr() for t in received}
 
 
 def test_vllm_names_and_engine_arguments():

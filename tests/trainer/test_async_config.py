@@ -83,6 +83,8 @@ def test_colocate_async_is_accepted_on_the_training_processes_and_reads_its_own_
         (["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], r"tensor_model_parallel_size=2 with .*colocate"),
         (["algorithm.adv_estimator=remax"], r"algorithm.adv_estimator=remax with trainer.v1.trainer_mode=colocate"),
         (["actor_rollout_ref.model.lora_rank=8"], r"lora_rank=8 with trainer.v1.trainer_mode=colocate_async"),
+        (["actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"], r"tool_agent with .*colocate_async"),
+        ([*OPENAI_AGENT, "actor_rollout_ref.rollout.partial_rollout=false"], r"openai_agent with .*colocate_async"),
     ],
 )
 def test_what_colocate_async_does_not_support_is_refused_by_name(overrides, expected):
@@ -103,8 +105,6 @@ def test_what_colocate_async_does_not_support_is_refused_by_name(overrides, expe
             r"parameter_sync_step=2 with data.train_batch_size=8 .* set .*parameter_sync_step=4",
         ),
         ([*SEPARATE, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], r"tensor_model_parallel_size=2 with"),
-        ([*SEPARATE, "algorithm.adv_estimator=remax"], r"algorithm.adv_estimator=remax with"),
-        ([*SEPARATE, "actor_rollout_ref.model.lora_rank=8"], r"actor_rollout_ref.model.lora_rank=8 with"),
         (
             [*SEPARATE, *OPENAI_AGENT],  # partial_rollout=true, rlframe's default
             r"openai_agent with actor_rollout_ref.rollout.partial_rollout=true with .*set .*partial_rollout=false",

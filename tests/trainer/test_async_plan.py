@@ -96,6 +96,20 @@ def test_the_weight_copy_counts_the_actors_state_dict_in_its_dtype():
     assert bf16.weight_push_bytes == 2 * ap.weight_parameters
 
 
+def test_a_lora_push_is_the_merged_weights_for_hf_and_the_adapter_for_vllm():
+    from rlframe.explain.formatting import format_pools
+
+    lora = "actor_rollout_ref.model.lora_rank=8"
+    assert async_plan().weight_form == "full"
+    assert async_plan(lora).weight_form == "lora_merged"
+    merged = async_plan(lora)
+    assert merged.weight_form == "lora_merged"
+    assert "the LoRA actor's merged weights" in format_pools(merged)
+    adapter = async_plan(lora, "actor_rollout_ref.rollout.name=vllm")
+    assert adapter.weight_form == "lora_adapter"
+    assert "the LoRA adapter alone" in format_pools(adapter)
+
+
 def test_no_config_json_means_no_parameter_count(tmp_path):
     assert exported_parameters(str(tmp_path)) is None
     assert exported_parameters(None) is None
