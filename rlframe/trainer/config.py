@@ -257,9 +257,11 @@ def _separate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
             "the rollout pool runs the hf and vllm engines (SGLang's weight push and interrupt are not written yet)",
         ),
         (
-            rollout.tensor_model_parallel_size != 1,
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}",
-            "the rollout pool runs one engine per process (TP 1)",
+            rollout.tensor_model_parallel_size != 1 and rollout.name != "hf",
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} with "
+            f"actor_rollout_ref.rollout.name={rollout.name}",
+            "TP replicas on the rollout pool run the hf engine (vLLM's server asks the interrupt on its TP leader "
+            "alone, and its peers would not stop at the same step)",
         ),
         (
             root.algorithm.adv_estimator == "remax",
@@ -275,11 +277,6 @@ def _separate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
             model.lora_rank > 0,
             f"actor_rollout_ref.model.lora_rank={model.lora_rank}",
             "LoRA weights are not pushed yet",
-        ),
-        (
-            root.global_profiler.tool is not None,
-            f"global_profiler.tool={root.global_profiler.tool}",
-            "the rollout pool's processes are not profiled yet",
         ),
     ]
 
@@ -319,6 +316,14 @@ class TrainerV1Config(Section):
             raise ValueError(
                 f"actor_rollout_ref.rollout.nnodes={nnodes} with {SEPARATE}: the rollout pool needs nodes; set "
                 "actor_rollout_ref.rollout.nnodes>=1 (and actor_rollout_ref.rollout.n_gpus_per_node)"
+            )
+        rollout = root.actor_rollout_ref.rollout
+        processes, tp = nnodes * rollout.n_gpus_per_node, rollout.tensor_model_parallel_size
+        if processes % tp:
+            raise ValueError(
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} with {SEPARATE}: a rollout replica is a TP "
+                f"group of the rollout pool's actor_rollout_ref.rollout.nnodes × n_gpus_per_node = {processes} "
+                f"processes; pick a TP size that divides {processes}"
             )
         for refused, setting, why in _separate_async_refusals(root):
             if refused:

@@ -177,7 +177,10 @@ def _create_rollout_group(cfg, plan: BatchPlan, config, groups: WorkerGroups, de
             groups._rollout_pool,
             _role(RolloutWorker, config, plan),
             call_timeout_s=cfg.trainer.worker_timeout_s,
-            runtime_env={"env_vars": {DELAY_ENV: os.environ[DELAY_ENV]}} if os.environ.get(DELAY_ENV) else None,
+            runtime_env={
+                **nsight_runtime_env(cfg),  # global_profiler.tool=nsys: the pool's processes run under nsys too
+                **({"env_vars": {DELAY_ENV: os.environ[DELAY_ENV]}} if os.environ.get(DELAY_ENV) else {}),
+            },
         )
     except ClusterTooSmallError as err:
         raise ClusterTooSmallError(

@@ -80,7 +80,8 @@ class PooledSource(BatchSource):
         self.sampler = DynamicSampler.of(config, plan)  # DAPO's: a round is one take of B finished groups
         self.total_epochs = int(config.trainer.total_epochs)
         self.actor_wg, self.rollout_wg = groups.actor_rollout, groups.rollout
-        self.replicas: list[RayWorkerGroup] = groups.rollout.rank_views()  # TP 1: one replica per process
+        # a replica is a TP group of consecutive processes (`RolloutWorker`); its calls run on all of them
+        self.replicas: list[RayWorkerGroup] = groups.rollout.rank_views(self.rollout_cfg.tensor_model_parallel_size)
         v1 = config.trainer.v1
         batch_groups = plan.train_batch_size
         self.ledger = GroupLedger(batch_groups, staleness_bound(v1), lookahead(v1), v1.sampler.max_off_policy_strategy)

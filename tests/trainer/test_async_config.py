@@ -54,10 +54,16 @@ def test_under_sync_the_async_keys_are_reported_without_effect():
             [*SEPARATE, "trainer.v1.separate_async.parameter_sync_step=2"],
             r"parameter_sync_step=2 with data.train_batch_size=8 .* set .*parameter_sync_step=4",
         ),
-        ([*SEPARATE, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], r"tensor_model_parallel_size=2 with"),
+        (
+            [
+                *SEPARATE,
+                "actor_rollout_ref.rollout.n_gpus_per_node=3",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            ],
+            r"tensor_model_parallel_size=2 with .*n_gpus_per_node = 3 processes; pick a TP size that divides 3",
+        ),
         ([*SEPARATE, "algorithm.adv_estimator=remax"], r"algorithm.adv_estimator=remax with"),
         ([*SEPARATE, "actor_rollout_ref.model.lora_rank=8"], r"actor_rollout_ref.model.lora_rank=8 with"),
-        ([*SEPARATE, "global_profiler.tool=torch"], r"global_profiler.tool=torch with .*not profiled"),
         ([*SEPARATE, "actor_rollout_ref.hybrid_engine=false"], r"hybrid_engine=false"),
     ],
 )
@@ -108,3 +114,24 @@ def test_the_rollout_pool_takes_hf_and_vllm_and_refuses_sglang_by_name():
         engine = _separate_async_refusals(cfg)[0]
         assert engine[0] is refused and engine[1] == f"actor_rollout_ref.rollout.name={name}"
         assert "hf and vllm engines" in engine[2]
+
+
+def test_tp_replicas_run_on_the_rollout_pool_with_the_hf_engine_and_vllms_are_refused_by_name():
+    cfg = typed(
+        compose([*SEPARATE, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
+    )  # 2 processes: 1 replica
+    from rlframe.trainer.config import _separate_async_refusals
+
+    cfg.actor_rollout_ref.rollout.name = "vllm"  # read directly: vllm is refused earlier when it is not installed
+    refused = [(setting, why) for is_set, setting, why in _separate_async_refusals(cfg) if is_set]
+    assert refused == [
+        (
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2 with actor_rollout_ref.rollout.name=vllm",
+            refused[0][1],
+        )
+    ]
+    assert "TP leader" in refused[0][1]
+
+
+def test_the_profiler_runs_on_the_rollout_pool():
+    typed(compose([*SEPARATE, "global_profiler.tool=torch", "global_profiler.steps=[1]"]))

@@ -132,5 +132,7 @@ class RoleProfilerConfig(Section):
 @dataclass
 class RolloutProfilerConfig(RoleProfilerConfig):
     def inactive(self, path: str, root: Any) -> dict[str, str]:
+        if root.trainer.v1.trainer_mode == "separate_async":  # the rollout pool's processes profile with these
+            return super().inactive(path, root)
         # verl colocated does the same: the hybrid worker profiles with the actor's settings
         return {path: "the rollout runs in the actor's worker processes: actor_rollout_ref.actor.profiler profiles it"}
