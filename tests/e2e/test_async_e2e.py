@@ -207,8 +207,7 @@ def test_the_rollout_pools_processes_are_profiled_on_the_listed_step_beside_the_
             "global_profiler.tool=torch",
             "global_profiler.steps=[2]",
             f"global_profiler.save_path={traces}",
-            "actor_rollout_ref.actor.profiler.enable=true",
-            "actor_rollout_ref.rollout.profiler.enable=true",
+            "actor_rollout_ref.actor.profiler.enable=true",  # the rollout pool's profiler follows it (verl's default)
             f"trainer.default_local_dir={tmp_path / 'async'}",
         ]
     )

@@ -133,5 +133,13 @@ def test_tp_replicas_run_on_the_rollout_pool_with_the_hf_engine_and_vllms_are_re
     assert "TP leader" in refused[0][1]
 
 
-def test_the_profiler_runs_on_the_rollout_pool():
-    typed(compose([*SEPARATE, "global_profiler.tool=torch", "global_profiler.steps=[1]"]))
+def test_the_profiler_runs_on_the_rollout_pool_with_the_actors_settings_by_default_as_in_verl():
+    actor = ["actor_rollout_ref.actor.profiler.enable=true", "actor_rollout_ref.actor.profiler.ranks=[1]"]
+    cfg = typed(compose([*SEPARATE, "global_profiler.tool=torch", "global_profiler.steps=[1]", *actor]))
+    profiler = cfg.actor_rollout_ref.rollout.profiler
+    assert (profiler.enable, profiler.all_ranks, profiler.ranks) == (True, False, [1])
+    assert not any(key.startswith("actor_rollout_ref.rollout.profiler") for key in inactive_keys(cfg))
+    own = typed(
+        compose([*SEPARATE, "global_profiler.tool=torch", *actor, "actor_rollout_ref.rollout.profiler.ranks=[0]"])
+    )
+    assert own.actor_rollout_ref.rollout.profiler.ranks == [0]
