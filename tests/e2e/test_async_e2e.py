@@ -166,18 +166,23 @@ def test_eta0_with_a_tp2_replica_on_the_pool_gives_the_sync_tp2_run_bitwise(ray_
     assert all(torch.equal(sync_weights[name], async_weights[name]) for name in sync_weights)
 
 
+@pytest.mark.parametrize(
+    "agent", [[], [*TOOL_AGENT, "actor_rollout_ref.rollout.mode=async"]], ids=["single_turn", "tools"]
+)
 def test_partial_rollout_cuts_a_tp2_replica_on_every_tp_rank_at_once_and_trains_every_prompt_once(
-    ray_cluster, tmp_path, monkeypatch
+    ray_cluster, tmp_path, monkeypatch, agent
 ):
     """η = 1 with partial rollout on a TP 2 replica, decoding slowed so that pushes land mid-generation: TP rank 0
-    asks the board and both ranks stop at the same step (else the next all-reduce hangs); the cut rows continue on
-    the same TP group within the bound, and every prompt is trained exactly once."""
+    asks the board and both ranks stop at the same step (else the next all-reduce hangs); the cut rows (or the tool
+    agent's trajectories, whose TP peer follows the agent loops' engine calls) continue on the same TP group within
+    the bound, and every prompt is trained exactly once."""
     monkeypatch.setenv("RLFRAME_DELAY_AT", "rollout.decode:5:0.1-0.14")
     dumps = tmp_path / "rollouts"
     metrics, _ = train_in_process(
         [
             *TP2,
             *TP2_SEPARATE,
+            *agent,
             "data.max_response_length=24",
             "trainer.total_training_steps=4",
             "trainer.test_freq=-1",
