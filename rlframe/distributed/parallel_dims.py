@@ -72,10 +72,7 @@ class ParallelDims:
         fsdp_mesh = build_fsdp_mesh(device_type, plan.world_size, plan.fsdp_size)
         sp_mesh = init_device_mesh(device_type, (plan.dp_size, plan.sp_size), mesh_dim_names=("dp", "sp"))
         sp_group = sp_mesh["sp"].get_group() if plan.sp_size > 1 else None
-        tp_group = None
-        if plan.tp_size > 1:  # consecutive ranks generate together
-            shape = (plan.world_size // plan.tp_size, plan.tp_size)
-            tp_group = init_device_mesh(device_type, shape, mesh_dim_names=("dp", "tp"))["tp"].get_group()
+        tp_group = build_tp_group(device_type, plan.world_size, plan.tp_size)
         pool_group = dist.group.WORLD if plan.pools_generation and device_type == "cpu" else None
         return cls(plan.dp_size, plan.sp_size, sp_mesh["dp"].get_group(), sp_group, fsdp_mesh, tp_group, pool_group)
 
@@ -91,6 +88,16 @@ class ParallelDims:
     @property
     def sp_rank(self) -> int:
         return dist.get_rank(self.sp_group) if self.sp_group is not None else 0
+
+
+def build_tp_group(device_type: str, world_size: int, tp_size: int):
+    """This rank's rollout TP group: consecutive ranks generate together (None with tp_size 1). A collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if tp_size == 1:
+        return None
+    shape = (world_size // tp_size, tp_size)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("dp", "tp"))["tp"].get_group()
 
 
 def build_fsdp_mesh(device_type: str, world_size: int, fsdp_size: int):

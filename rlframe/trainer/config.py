@@ -269,9 +269,11 @@ def _separate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
             "the rollout pool runs the hf and vllm engines (SGLang's weight push and interrupt are not written yet)",
         ),
         (
-            rollout.tensor_model_parallel_size != 1,
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}",
-            "the rollout pool runs one engine per process (TP 1)",
+            rollout.tensor_model_parallel_size != 1 and engine is not None and not engine.capabilities.tp_cut,
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} with "
+            f"actor_rollout_ref.rollout.name={rollout.name}",
+            "this engine's TP ranks would not stop at the same step when a push cuts them (vLLM's server asks the "
+            "interrupt on its TP leader alone); TP replicas on the rollout pool run the hf engine",
         ),
         (
             rollout.agent.default_agent_loop == "openai_agent" and rollout.partial_rollout,
@@ -280,11 +282,6 @@ def _separate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
             "a push does not cut an OpenAI agent's requests yet (its episode lives in your agent's coroutine, which "
             "cannot move to a continuation call); set actor_rollout_ref.rollout.partial_rollout=false: each episode "
             "then finishes on the weights it started with",
-        ),
-        (
-            root.global_profiler.tool is not None,
-            f"global_profiler.tool={root.global_profiler.tool}",
-            "the rollout pool's processes are not profiled yet",
         ),
     ]
 
@@ -296,6 +293,12 @@ def _colocate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
     not_yet = "runs under separate_async; on the training processes' engines it is not built and tested yet"
     return [
         (root.algorithm.adv_estimator == "remax", "algorithm.adv_estimator=remax", not_yet),
+        (
+            rollout.tensor_model_parallel_size != 1,
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}",
+            not_yet,
+        ),
+        (root.global_profiler.tool is not None, f"global_profiler.tool={root.global_profiler.tool}", not_yet),
         (model.lora_rank > 0, f"actor_rollout_ref.model.lora_rank={model.lora_rank}", not_yet),
         (
             agent_tools or rollout.agent.default_agent_loop == "tool_agent",
@@ -353,6 +356,14 @@ class TrainerV1Config(Section):
                 "generates its own share (a replica each, cut and continued on its own), not pooled on rank 0; set "
                 "it to null or false"
             )
+        if self.trainer_mode == "separate_async":
+            processes, tp = rollout.nnodes * rollout.n_gpus_per_node, rollout.tensor_model_parallel_size
+            if processes % tp:
+                raise ValueError(
+                    f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} with {SEPARATE}: a rollout replica is "
+                    f"a TP group of the rollout pool's actor_rollout_ref.rollout.nnodes × n_gpus_per_node = "
+                    f"{processes} processes; pick a TP size that divides {processes}"
+                )
         refusals = _separate_async_refusals(root)
         if self.trainer_mode == "colocate_async":
             refusals += _colocate_async_refusals(root)

@@ -184,7 +184,8 @@ def _create_rollout_group(cfg, plan: BatchPlan, config, groups: WorkerGroups, de
             groups._rollout_pool,
             _role(RolloutWorker, config, plan),
             call_timeout_s=cfg.trainer.worker_timeout_s,
-            runtime_env=delay_runtime_env() or None,
+            # global_profiler.tool=nsys: the pool's processes run under nsys too
+            runtime_env={**nsight_runtime_env(cfg), **delay_runtime_env()},
         )
     except ClusterTooSmallError as err:
         raise ClusterTooSmallError(

@@ -13,18 +13,27 @@ from omegaconf import OmegaConf
 
 
 class StepProfiler:
-    """`begin(step)` before a step's first generation, `end(step, is_last)` after the step is logged."""
+    """`begin(step)` before a step's first generation, `end(step, is_last)` after the step is logged, `close()` once
+    the loop is done.
 
-    def __init__(self, global_cfg, worker_groups: list):
+    `queued_groups` (separate_async's rollout pool) generate while the driver goes on: their start and stop are
+    queued behind the calls already sent to them instead of waited for, so a profiled window covers the pool's
+    calls sent between its begin and its end (with η = 0 exactly the step's generation), and `close` waits for the
+    last stop (the traces are written then)."""
+
+    def __init__(self, global_cfg, worker_groups: list, queued_groups: list = ()):
         self.steps = set(global_cfg.steps or []) if global_cfg.tool is not None else set()
         self.continuous = global_cfg.profile_continuous_steps
         self.groups = [group for group in worker_groups if group is not None]
+        self.queued_groups = [group for group in queued_groups if group is not None]
+        self.queued_calls: list = []  # PendingCalls of the queued starts and stops not yet waited for
         self.running = False
 
     def begin(self, step: int) -> None:
         if step in self.steps and not self.running:
             for group in self.groups:
                 group.start_profile(step)
+            self.queued_calls += [group.submit("start_profile", step) for group in self.queued_groups]
             self.running = True
 
     def end(self, step: int, is_last: bool) -> None:
@@ -32,7 +41,14 @@ class StepProfiler:
         if self.running and not window_goes_on:
             for group in self.groups:
                 group.stop_profile()
+            self.queued_calls += [group.submit("stop_profile") for group in self.queued_groups]
             self.running = False
+
+    def close(self) -> None:
+        """Wait for the queued groups' starts and stops (a failure surfaces here)."""
+        calls, self.queued_calls = self.queued_calls, []
+        for call in calls:
+            call.result()
 
 
 def nsight_runtime_env(cfg) -> dict:

@@ -124,7 +124,9 @@ class RayPPOTrainer:
         self.secrets = run.secrets
         self.actor_rollout_wg = groups.actor_rollout
         self.critic_wg = groups.critic
-        self.step_profiler = StepProfiler(config.global_profiler, [self.actor_rollout_wg, self.critic_wg])
+        self.step_profiler = StepProfiler(
+            config.global_profiler, [self.actor_rollout_wg, self.critic_wg], queued_groups=[groups.rollout]
+        )
         self.use_critic = plan.critic is not None
         self.use_reference = plan.ref is not None
         self.use_teacher = bool(config.distillation.enabled)
@@ -167,6 +169,7 @@ class RayPPOTrainer:
             self.source.after_update(self.global_step, last_metrics)
             self._end_step(last_metrics, progress, self.global_step >= self.total_training_steps)
         self.source.close()
+        self.step_profiler.close()
         progress.close()
         self.tracker.finish()
         return last_metrics
@@ -182,7 +185,7 @@ class RayPPOTrainer:
         from rlframe.trainer.replicas import HybridReplicas, PoolReplicas
 
         if mode == "separate_async":
-            replicas = PoolReplicas(groups, bool(self.config.actor_rollout_ref.rollout.partial_rollout))
+            replicas = PoolReplicas(groups, self.config.actor_rollout_ref.rollout)
         else:
             replicas = HybridReplicas(groups)
         return PooledSource(inputs, replicas, self.total_training_steps)

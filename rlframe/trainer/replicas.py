@@ -4,9 +4,10 @@
 ledger admits groups, sends them in chunks to the replicas, takes a step's batch, evicts what went stale, and
 continues the rows a cut stopped. What differs between the modes is here:
 
-- `PoolReplicas`, `separate_async`: a rollout pool of its own, one replica per process. Each step's weights are
-  exported by the training pool and pushed through the driver; with `actor_rollout_ref.rollout.partial_rollout`
-  the push cuts what is running (the training pool trained meanwhile, so generation overlaps training).
+- `PoolReplicas`, `separate_async`: a rollout pool of its own, one replica per TP group of processes. Each step's
+  weights are exported by the training pool and pushed through the driver; with
+  `actor_rollout_ref.rollout.partial_rollout` the push cuts what is running (the training pool trained meanwhile, so
+  generation overlaps training).
 - `HybridReplicas`, `colocate_async`: the training processes' own engines, the whole group one replica (each call
   splits its rows over the ranks). The engines take the actor's weights in place (the hybrid sync, no export),
   and partial rollout is always on: once a step's batch is sampled the generation running ahead is cut at once,
@@ -63,12 +64,14 @@ class PoolReplicas(Replicas):
 
     own_processes = True
 
-    def __init__(self, groups: WorkerGroups, partial_rollout: bool):
+    def __init__(self, groups: WorkerGroups, rollout_cfg):
+        """`rollout_cfg`: actor_rollout_ref.rollout (its TP size and partial_rollout)."""
         if groups.rollout is None:
             raise ValueError("trainer.v1.trainer_mode=separate_async needs the rollout pool's worker group")
         self.actor_wg, self.rollout_wg = groups.actor_rollout, groups.rollout
-        self.views = groups.rollout.rank_views()  # TP 1: one replica per process
-        self.partial_rollout = partial_rollout
+        # a replica is a TP group of consecutive processes (`RolloutWorker`); its calls run on all of them
+        self.views = groups.rollout.rank_views(int(rollout_cfg.tensor_model_parallel_size))
+        self.partial_rollout = bool(rollout_cfg.partial_rollout)
         self._with_base = False  # whether the next push brings a LoRA adapter engine its base weights
 
     def _watch_group(self) -> RayWorkerGroup:

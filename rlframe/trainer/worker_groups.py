@@ -69,6 +69,8 @@ class RolloutGroup(RayWorkerGroup[RolloutWorker]):
     load_weights = RolloutWorker.load_weights
     needs_base_weights = RolloutWorker.needs_base_weights
     watch_versions = RolloutWorker.watch_versions
+    start_profile = RolloutWorker.start_profile
+    stop_profile = RolloutWorker.stop_profile
 
 
 # the colocated roles' views, by the role names `launch.create_worker_groups` gives them

@@ -25,7 +25,7 @@ from rlframe.config.schema import read_only
 from rlframe.distributed.parallel_dims import ParallelDims, ParallelPlan
 from rlframe.models.builtin import copy_to_shm
 from rlframe.protocol import DataProto, all_gather_data_proto
-from rlframe.single_controller import Dispatch, Execute, Worker, register
+from rlframe.single_controller import Dispatch, Execute, register
 from rlframe.utils.flops import model_flops_info
 from rlframe.workers import checkpoint as ckpt
 from rlframe.workers import lora
@@ -37,7 +37,7 @@ from rlframe.workers.fsdp_wrap import FSDPSpec, wrap_fsdp
 from rlframe.workers.lr_schedule import build_lr_scheduler
 from rlframe.workers.model_loading import ModelSpec, load_hf_model
 from rlframe.workers.optimizer import build_optimizer, move_optimizer_state
-from rlframe.workers.profiler import Profiler, ProfileSession, profiled
+from rlframe.workers.profiler import ProfiledWorker, profiled
 from rlframe.workers.updater import ModelOptions, PPOUpdater, RoleModel
 from rlframe.workers.versioned_rollout import VersionedRollout
 from rlframe.workers.weight_sync import (
@@ -64,7 +64,7 @@ def fsdp_spec(fsdp_cfg: DictConfig, strategy: str, device_type: str) -> FSDPSpec
     )
 
 
-class FSDPWorkerBase(Worker):
+class FSDPWorkerBase(ProfiledWorker):
     """Shared set-up: process group, meshes, FSDP-wrapped models, SP gather/scatter."""
 
     SECTIONS: tuple[str, ...]  # the top-level config sections this role reads (`schema.sections_of`)
@@ -76,28 +76,6 @@ class FSDPWorkerBase(Worker):
         self.plan = plan
         self.device_type = resolve_device(self.config.trainer.device)
         self.dims = ParallelDims.single()
-        self.profilers: list[Profiler] = []  # the roles' profilers of this worker (global_profiler)
-
-    def _profiler(self, role_cfg, role: str, stages_only: bool = False) -> Profiler:
-        global_cfg = self.config.global_profiler
-        session = self.process_state("profile_session", ProfileSession)  # the roles of this process share it
-        profiler = Profiler(
-            global_cfg, role_cfg, role, self.rank, self.world_size, self.device_type, stages_only, session
-        )
-        self.profilers.append(profiler)
-        return profiler
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def start_profile(self, step: int) -> None:
-        """Global step `step` is profiled (global_profiler.steps): start where this rank's roles profile."""
-        for profiler in self.profilers:
-            profiler.start(step)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def stop_profile(self) -> None:
-        """The profiled step (or window) ended: write its traces or snapshots."""
-        for profiler in reversed(self.profilers):
-            profiler.stop()
 
     def _init_dist(self, parallel: ParallelPlan):
         """Join the default process group, then build every group of the role's layout (the plan's)."""

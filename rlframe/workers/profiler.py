@@ -33,6 +33,8 @@ import os
 
 import torch
 
+from rlframe.single_controller import Dispatch, Worker, register
+
 
 class ProfileSession:
     """The running step-long trace (torch) or capture range (nsys) of one worker process, shared by its roles.
@@ -71,6 +73,38 @@ class ProfileSession:
             session["trace"].export_chrome_trace(trace_path("+".join(session["roles"]), session["step"]))
         else:
             torch.cuda.profiler.stop()
+
+
+class ProfiledWorker(Worker):
+    """A worker whose roles profile on global_profiler.steps: the driver's `start_profile` / `stop_profile`.
+
+    A role makes its profiler with `_profiler` (its `profiler` section and the name its traces carry); the
+    worker needs `config.global_profiler` and `device_type`."""
+
+    def __init__(self):
+        super().__init__()
+        self.profilers: list[Profiler] = []  # the roles' profilers of this worker
+
+    def _profiler(self, role_cfg, role: str, stages_only: bool = False) -> Profiler:
+        global_cfg = self.config.global_profiler
+        session = self.process_state("profile_session", ProfileSession)  # the roles of this process share it
+        profiler = Profiler(
+            global_cfg, role_cfg, role, self.rank, self.world_size, self.device_type, stages_only, session
+        )
+        self.profilers.append(profiler)
+        return profiler
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def start_profile(self, step: int) -> None:
+        """Global step `step` is profiled (global_profiler.steps): start where this rank's roles profile."""
+        for profiler in self.profilers:
+            profiler.start(step)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def stop_profile(self) -> None:
+        """The profiled step (or window) ended: write its traces or snapshots."""
+        for profiler in reversed(self.profilers):
+            profiler.stop()
 
 
 class Profiler:

@@ -1,10 +1,10 @@
 """RolloutWorker: a process of the standalone rollout pool (`trainer.v1.trainer_mode=separate_async`).
 
-It holds only the rollout engine (hf, TP 1): no actor, no optimizer. Its weights arrive from the training
-pool (`ActorRolloutRefWorker.export_weights` → the driver → `load_weights`), each push tagged with the policy
-version it holds: the number of training steps behind those weights (0 = the initial model). Every generated
-response token is stamped with that version (`rollout_versions`, -1 on padding), so the driver can tell how
-stale a sample is when it trains on it.
+It holds only the rollout engine (a TP group of consecutive processes is one replica): no actor, no optimizer. Its
+weights arrive from the training pool (`ActorRolloutRefWorker.export_weights` → the driver → `load_weights`), each
+push tagged with the policy version it holds: the number of training steps behind those weights (0 = the initial
+model). Every generated response token is stamped with that version (`rollout_versions`, -1 on padding), so the
+driver can tell how stale a sample is when it trains on it.
 
 The version, the sampling seeds and the cut of a running generation by newer weights (partial rollout) are
 `VersionedRollout`'s (`rlframe/workers/versioned_rollout.py`), shared with the hybrid engine of `colocate_async`.
@@ -25,19 +25,22 @@ from omegaconf import OmegaConf
 from rlframe.batch_plan import BatchPlan
 from rlframe.config.checks import resolve_device
 from rlframe.config.schema import read_only
+from rlframe.distributed.parallel_dims import build_tp_group
 from rlframe.models.builtin import copy_to_shm
 from rlframe.protocol import DataProto
-from rlframe.single_controller import Dispatch, Worker, register
+from rlframe.single_controller import Dispatch, register
 from rlframe.utils.faults import DelayPoints
 from rlframe.workers.lora import configured_lora_rank
+from rlframe.workers.profiler import ProfiledWorker, profiled
 from rlframe.workers.versioned_rollout import VersionedRollout
 from rlframe.workers.weight_sync import AdapterWeights, load_rollout_weights
 
 
-class RolloutWorker(Worker):
+class RolloutWorker(ProfiledWorker):
     """One rollout-only process: `init_model`, `generate_sequences`, `load_weights`."""
 
-    SECTIONS = ("actor_rollout_ref", "data", "trainer")  # the rollout, the model, the tokenizer and the device
+    # the rollout, the model, the tokenizer, the device and the profiler
+    SECTIONS = ("actor_rollout_ref", "data", "trainer", "global_profiler")
 
     def __init__(self, sections: dict, plan: BatchPlan):
         """`sections`: its `SECTIONS` of the driver's typed tree (interpolations resolved), by key."""
@@ -45,6 +48,8 @@ class RolloutWorker(Worker):
         self.config = read_only(sections)
         self.plan = plan
         self.device_type = resolve_device(self.config.trainer.device)
+        # global_profiler.steps: the pool's generate and continue calls, traced per actor_rollout_ref.rollout.profiler
+        self.profiler = self._profiler(self.config.actor_rollout_ref.rollout.profiler, "rollout")
         self.delay_points = DelayPoints()  # tests: RLFRAME_DELAY_AT=rollout.generate:… (utils/faults.py)
         self._idle_since = time.perf_counter()  # the end of this process's last call (its idle time starts)
 
@@ -61,6 +66,8 @@ class RolloutWorker(Worker):
 
         self.init_process_group(timeout_s=float(self.config.actor_rollout_ref.nccl_timeout))
         cfg = self.config.actor_rollout_ref
+        # a replica is a TP group of consecutive processes; the driver sends its rows to all of them
+        self.tp_group = build_tp_group(self.device_type, self.world_size, int(cfg.rollout.tensor_model_parallel_size))
         tokenizer = AutoTokenizer.from_pretrained(
             self.config.data.tokenizer or cfg.model.path, trust_remote_code=bool(self.config.data.trust_remote_code)
         )
@@ -76,11 +83,11 @@ class RolloutWorker(Worker):
             served,
             tokenizer,
             self.device_type,
-            None,
+            self.tp_group,
             chat_template_kwargs=OmegaConf.to_container(self.config.data.apply_chat_template_kwargs),
         )
         self.engine = self.rollout.unwrapped  # the engine, under rollout.mode=async's agent loops
-        self.versioned = VersionedRollout(self.rollout)
+        self.versioned = VersionedRollout(self.rollout, self.tp_group)
         torch.set_rng_state(rng_state)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -102,6 +109,7 @@ class RolloutWorker(Worker):
         self._idle_since = time.perf_counter()
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @profiled("rollout_generate")
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Generate this replica's share with the engine's policy version: the rollout stamps the response tokens with
         it and reports why each row stopped (`stop_reason`; the rows a newer version cut are `Stop.INTERRUPTED`).
@@ -126,6 +134,7 @@ class RolloutWorker(Worker):
             self.engine.interrupt = interrupt
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @profiled("rollout_continue")
     def continue_sequences(self, rows: DataProto) -> DataProto:
         """Finish rows a weight update cut: their new tokens carry this engine's version. A single-turn row goes on
         from its tokens (`rollout/partial.py`); a tool agent's trajectory from its state (`TRAJECTORY_KEY`,

@@ -21,22 +21,20 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from rlframe.protocol import DataProto
 from rlframe.utils.faults import DelayPoints
+from rlframe.workers.rollout import generate_in_tp_group, run_in_tp_group
 from rlframe.workers.rollout.base import (
-    SEED_KEY,
     TRAJECTORY_KEY,
     VERSIONS_KEY,
     Rollout,
-    call_seed,
     response_metrics,
-    seeded,
 )
 from rlframe.workers.rollout.partial import continue_generation
+from rlframe.workers.rollout.tp import group_rank_and_size
 
 BOARD_POLL_S = 0.02  # how often a running generation asks the board whether newer weights were announced
 
@@ -57,8 +55,9 @@ class VersionBoard:
 class VersionedRollout:
     """One replica's engine with its policy version, the board that cuts it, and its stamped generation."""
 
-    def __init__(self, rollout: Rollout):
+    def __init__(self, rollout: Rollout, tp_group=None):
         self.rollout, self.engine = rollout, rollout.unwrapped  # the engine, under rollout.mode=async's agent loops
+        self.tp_group = tp_group  # a replica's TP group: its ranks generate, cut and continue together
         self.version = 0
         self.delay_points = DelayPoints()  # tests: RLFRAME_DELAY_AT=rollout.decode:… (utils/faults.py)
         self._board = None
@@ -70,36 +69,44 @@ class VersionedRollout:
         self.engine.interrupt = self._weights_moved_on
 
     def _weights_moved_on(self) -> bool:
-        """Whether a version newer than the engine's was announced (the board asked at most every BOARD_POLL_S)."""
+        """Whether a version newer than the engine's was announced (the board asked at most every BOARD_POLL_S).
+
+        With TP the engine asks at the same decoding steps on every TP rank (identical input), and all must stop at
+        the same one or the next all-reduce hangs: TP rank 0 asks the board and broadcasts its answer."""
         import ray
 
         self.delay_points.hit("rollout.decode")  # tests: a slower decoding step, so that cuts land mid-generation
+        rank, size = group_rank_and_size(self.tp_group)
         now = time.monotonic()
-        if now - self._asked_at >= BOARD_POLL_S:
+        if rank == 0 and now - self._asked_at >= BOARD_POLL_S:
             self._announced, self._asked_at = ray.get(self._board.announced.remote()), now
-        return self._announced > self.version
+        moved_on = torch.tensor([int(self._announced > self.version)])
+        if size > 1:
+            dist.broadcast(moved_on, group_src=0, group=self.tp_group)
+        return bool(moved_on.item())
 
     def generate(self, prompts: DataProto) -> DataProto:
         """Generate the rows on the CPU side with the engine's policy version (`policy_version`): the rollout stamps
-        each response token with it (`rollout_versions`) and reports why each row stopped (`stop_reason`); each row
-        keeps its sample seed for its continuation."""
+        each response token with it (`rollout_versions`) and reports why each row stopped (`stop_reason`). The seeds
+        are `generate_in_tp_group`'s (one per call from TP rank 0, with the replica's index), and each row keeps its
+        sample seed for its continuation."""
         prompts.meta_info["policy_version"] = self.version
-        with seeded(call_seed(dist.get_rank())):
-            prompts.non_tensor_batch[SEED_KEY] = np.array(self.rollout.sample_seeds(len(prompts)), dtype=object)
-            return self.rollout.generate_sequences(prompts).to("cpu")
+        return generate_in_tp_group(self.rollout, prompts, self.tp_group, keep_seeds=True).to("cpu")
+
+    def _continue(self, rows: DataProto) -> DataProto:
+        if self.rollout.runs_trajectories:
+            return self.rollout.continue_trajectories(rows, list(rows.non_tensor_batch[TRAJECTORY_KEY]))
+        return continue_generation(self.engine, rows, self.version)
 
     def continue_rows(self, rows: DataProto) -> DataProto:
         """Finish rows a cut stopped: their new tokens carry this engine's version. A single-turn row goes on from its
         tokens (`rollout/partial.py`); a tool agent's trajectory from its state (`TRAJECTORY_KEY`, `multi_turn.py`),
-        whose tool calls already ran are never run again."""
+        whose tool calls already ran are never run again. The replica's TP peers continue them too."""
         start = time.perf_counter()
         rows.meta_info["policy_version"] = self.version
         with torch.no_grad():
-            if self.rollout.runs_trajectories:
-                trajectories = list(rows.non_tensor_batch[TRAJECTORY_KEY])
-                output = self.rollout.continue_trajectories(rows, trajectories).to("cpu")
-            else:
-                output = continue_generation(self.engine, rows, self.version).to("cpu")
+            _, output = run_in_tp_group(self._continue, rows, self.tp_group)
+        output = output.to("cpu")
         elapsed = time.perf_counter() - start
         eos_ids, _ = self.rollout.special_tokens_for(rows.meta_info)
         metrics = {**output.meta_info.get("metrics", {})}

@@ -7,6 +7,7 @@ by the module, so each test can read the actor's final parameters before the wor
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from collections import Counter
@@ -36,6 +37,16 @@ MODES = {"separate_async": SEPARATE, "colocate_async": COLOCATE}
 NOT_COMPARED = ("timing_", "perf/", "rollout/server_", "time", "memory/", "training/off_policy/", "async/")
 STALENESS = "training/off_policy/trajectory_staleness"
 # the tool agent with the calculator, the agent loops (rollout.mode=async) or the turn-synchronous loop (sync)
+# one TP group of 2 processes: the hybrid engine's in the sync run, the rollout pool's replica in the async one
+TP2 = [
+    *(key for key in BASE if not key.startswith("trainer.n_gpus_per_node=")),
+    "trainer.n_gpus_per_node=2",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+]
+TP2_SEPARATE = [
+    *(key for key in SEPARATE if "n_gpus_per_node" not in key),
+    "actor_rollout_ref.rollout.n_gpus_per_node=2",
+]
 CALCULATOR = Path(__file__).parents[2] / "examples" / "tools" / "calculator.yaml"
 TOOL_AGENT = [
     f"actor_rollout_ref.rollout.multi_turn.tool_config_path={CALCULATOR}",
@@ -58,7 +69,7 @@ def ray_cluster(tmp_path_factory):
 
     cache = os.environ.get("RLFRAME_CACHE")
     os.environ["RLFRAME_CACHE"] = str(tmp_path_factory.mktemp("rlframe_cache"))
-    init_ray(num_cpus=3, include_dashboard=False)  # 1 training + up to 2 rollout processes
+    init_ray(num_cpus=4, include_dashboard=False)  # up to 2 training + 2 rollout processes (TP 2 replicas)
     yield
     ray.shutdown()
     if cache is None:
@@ -187,6 +198,84 @@ def test_eta0_in_either_async_mode_gives_the_sync_run_bitwise(ray_cluster, sync_
     assert [m["async/in_flight_groups/max"] for m in async_metrics] == [4, 4, 4]  # (L + 1) · B with L = 0
     assert sync_weights.keys() == async_weights.keys()
     assert all(torch.equal(sync_weights[name], async_weights[name]) for name in sync_weights)
+
+
+def test_eta0_with_a_tp2_replica_on_the_pool_gives_the_sync_tp2_run_bitwise(ray_cluster, tmp_path):
+    """The rollout pool's replica is a TP group of 2 processes; the sync run generates with the hybrid engine's TP
+    group of 2. Same rows per TP rank, same seed (TP rank 0's, replica index 0): the same samples, bit for bit."""
+    sync_metrics, sync_weights = train_in_process([*TP2, f"trainer.default_local_dir={tmp_path / 'sync'}"])
+    async_metrics, async_weights = train_in_process(
+        [
+            *TP2,
+            *TP2_SEPARATE,
+            "trainer.v1.sampler.max_off_policy_threshold=1",  # η = 0
+            f"trainer.default_local_dir={tmp_path / 'async'}",
+        ]
+    )
+    assert [m["step"] for m in sync_metrics] == [1, 2, 3]
+    assert compared(async_metrics) == compared(sync_metrics)
+    assert [m[f"{STALENESS}/max"] for m in async_metrics] == [0, 0, 0]
+    assert sync_weights.keys() == async_weights.keys()
+    assert all(torch.equal(sync_weights[name], async_weights[name]) for name in sync_weights)
+
+
+@pytest.mark.parametrize(
+    "agent", [[], [*TOOL_AGENT, "actor_rollout_ref.rollout.mode=async"]], ids=["single_turn", "tools"]
+)
+def test_partial_rollout_cuts_a_tp2_replica_on_every_tp_rank_at_once_and_trains_every_prompt_once(
+    ray_cluster, tmp_path, monkeypatch, agent
+):
+    """η = 1 with partial rollout on a TP 2 replica, decoding slowed so that pushes land mid-generation: TP rank 0
+    asks the board and both ranks stop at the same step (else the next all-reduce hangs); the cut rows (or the tool
+    agent's trajectories, whose TP peer follows the agent loops' engine calls) continue on the same TP group within
+    the bound, and every prompt is trained exactly once."""
+    monkeypatch.setenv("RLFRAME_DELAY_AT", "rollout.decode:5:0.1-0.14")
+    dumps = tmp_path / "rollouts"
+    metrics, _ = train_in_process(
+        [
+            *TP2,
+            *TP2_SEPARATE,
+            *agent,
+            "data.max_response_length=24",
+            "trainer.total_training_steps=4",
+            "trainer.test_freq=-1",
+            "trainer.v1.sampler.max_off_policy_threshold=2",  # η = 1
+            f"trainer.rollout_data_dir={dumps}",
+            f"trainer.default_local_dir={tmp_path / 'async'}",
+        ]
+    )
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert max(m[f"{STALENESS}_worst/max"] for m in metrics) <= 1
+    assert sum(m["async/interrupted_samples"] for m in metrics) > 0
+    assert max(m["training/off_policy/trajectory_spans/max"] for m in metrics) == 2
+    trained = times_trained(dumps, (1, 2, 3, 4))
+    assert len(trained) == 16 and set(trained.values()) == {1}
+
+
+def test_the_rollout_pools_processes_are_profiled_on_the_listed_step_beside_the_training_ones(ray_cluster, tmp_path):
+    """global_profiler.tool=torch on step 2: the training process and the rollout pool's process each write a trace
+    into save_path, the pool's named after its role and holding its generate calls."""
+    traces = tmp_path / "traces"
+    train_in_process(
+        [
+            *BASE,
+            *SEPARATE,
+            "trainer.v1.sampler.max_off_policy_threshold=1",  # η = 0: step 2's generation runs inside its window
+            "trainer.test_freq=-1",
+            "global_profiler.tool=torch",
+            "global_profiler.steps=[2]",
+            f"global_profiler.save_path={traces}",
+            "actor_rollout_ref.actor.profiler.enable=true",  # the rollout pool's profiler follows it (verl's default)
+            f"trainer.default_local_dir={tmp_path / 'async'}",
+        ]
+    )
+    names = sorted(path.name for path in traces.iterdir())
+    assert [name.split("_pid")[0] for name in names] == [
+        "actor_rollout_ref_step2_rank0-of-1",
+        "rollout_step2_rank0-of-1",
+    ]
+    with gzip.open(traces / names[1], "rt") as trace:
+        assert '"rollout_generate"' in trace.read()
 
 
 def test_eta1_trains_one_step_off_and_every_prompt_once(ray_cluster, tmp_path):

@@ -398,6 +398,13 @@ def test_rank_views_run_a_call_on_one_rank_each_and_wait_any_returns_the_first_d
         wait_any([])
 
 
+def test_rank_views_of_two_ranks_split_the_group_into_consecutive_pairs(group):
+    pairs = group.rank_views(2)  # the rollout pool's TP-2 replicas
+    assert [[info["rank"] for info in view.whoami("p")] for view in pairs] == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match=r"rank_views\(3\): 4 ranks do not split"):
+        group.rank_views(3)
+
+
 def test_a_failure_in_a_submitted_call_surfaces_from_result_with_its_rank(group):
     pending = group.submit("fail_on", 2)
     with pytest.raises(WorkerError) as info:

@@ -83,6 +83,7 @@ def test_colocate_async_is_accepted_on_the_training_processes_and_reads_its_own_
         (["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], r"tensor_model_parallel_size=2 with .*colocate"),
         (["algorithm.adv_estimator=remax"], r"algorithm.adv_estimator=remax with trainer.v1.trainer_mode=colocate"),
         (["actor_rollout_ref.model.lora_rank=8"], r"lora_rank=8 with trainer.v1.trainer_mode=colocate_async"),
+        (["global_profiler.tool=torch"], r"global_profiler.tool=torch with trainer.v1.trainer_mode=colocate_async"),
         (["actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"], r"tool_agent with .*colocate_async"),
         ([*OPENAI_AGENT, "actor_rollout_ref.rollout.partial_rollout=false"], r"openai_agent with .*colocate_async"),
     ],
@@ -104,12 +105,18 @@ def test_what_colocate_async_does_not_support_is_refused_by_name(overrides, expe
             [*SEPARATE, "trainer.v1.separate_async.parameter_sync_step=2"],
             r"parameter_sync_step=2 with data.train_batch_size=8 .* set .*parameter_sync_step=4",
         ),
-        ([*SEPARATE, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"], r"tensor_model_parallel_size=2 with"),
+        (
+            [
+                *SEPARATE,
+                "actor_rollout_ref.rollout.n_gpus_per_node=3",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            ],
+            r"tensor_model_parallel_size=2 with .*n_gpus_per_node = 3 processes; pick a TP size that divides 3",
+        ),
         (
             [*SEPARATE, *OPENAI_AGENT],  # partial_rollout=true, rlframe's default
             r"openai_agent with actor_rollout_ref.rollout.partial_rollout=true with .*set .*partial_rollout=false",
         ),
-        ([*SEPARATE, "global_profiler.tool=torch"], r"global_profiler.tool=torch with .*not profiled"),
         ([*SEPARATE, "actor_rollout_ref.hybrid_engine=false"], r"hybrid_engine=false"),
     ],
 )
@@ -159,3 +166,32 @@ def test_the_rollout_pool_takes_hf_and_vllm_and_refuses_sglang_by_name():
         engine = _separate_async_refusals(cfg)[0]
         assert engine[0] is refused and engine[1] == f"actor_rollout_ref.rollout.name={name}"
         assert "hf and vllm engines" in engine[2]
+
+
+def test_tp_replicas_run_on_the_rollout_pool_with_the_hf_engine_and_vllms_are_refused_by_name():
+    cfg = typed(
+        compose([*SEPARATE, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
+    )  # 2 processes: 1 replica
+    from rlframe.trainer.config import _separate_async_refusals
+
+    cfg.actor_rollout_ref.rollout.name = "vllm"  # read directly: vllm is refused earlier when it is not installed
+    refused = [(setting, why) for is_set, setting, why in _separate_async_refusals(cfg) if is_set]
+    assert refused == [
+        (
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=2 with actor_rollout_ref.rollout.name=vllm",
+            refused[0][1],
+        )
+    ]
+    assert "TP leader" in refused[0][1]
+
+
+def test_the_profiler_runs_on_the_rollout_pool_with_the_actors_settings_by_default_as_in_verl():
+    actor = ["actor_rollout_ref.actor.profiler.enable=true", "actor_rollout_ref.actor.profiler.ranks=[1]"]
+    cfg = typed(compose([*SEPARATE, "global_profiler.tool=torch", "global_profiler.steps=[1]", *actor]))
+    profiler = cfg.actor_rollout_ref.rollout.profiler
+    assert (profiler.enable, profiler.all_ranks, profiler.ranks) == (True, False, [1])
+    assert not any(key.startswith("actor_rollout_ref.rollout.profiler") for key in inactive_keys(cfg))
+    own = typed(
+        compose([*SEPARATE, "global_profiler.tool=torch", *actor, "actor_rollout_ref.rollout.profiler.ranks=[0]"])
+    )
+    assert own.actor_rollout_ref.rollout.profiler.ranks == [0]

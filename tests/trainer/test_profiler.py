@@ -151,6 +151,34 @@ class _Group:
         self.calls.append(("stop",))
 
 
+class _QueuedGroup:
+    """A rollout pool's group: its calls are submitted, and run when `result()` is asked (here)."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def submit(self, method, *args):
+        group = self
+
+        class Call:
+            def result(self):
+                group.calls.append((method, *args))
+
+        return Call()
+
+
+def test_step_profiler_queues_the_rollout_pools_start_and_stop_and_waits_for_them_at_close(tmp_path):
+    cfg = _config(tmp_path, "global_profiler.tool=torch", "global_profiler.steps=[2]")
+    calls, queued = [], []
+    steps = StepProfiler(cfg.global_profiler, [_Group(calls)], queued_groups=[_QueuedGroup(queued), None])
+    for step in range(1, 4):
+        steps.begin(step)
+        steps.end(step, is_last=step == 3)
+    assert calls == [("start", 2), ("stop",)] and queued == []  # sent, not waited for
+    steps.close()
+    assert queued == [("start_profile", 2), ("stop_profile",)]
+
+
 @pytest.mark.parametrize(
     "continuous, expected",
     [

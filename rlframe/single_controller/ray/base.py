@@ -228,16 +228,21 @@ class RayWorkerGroup(Generic[W]):
             views[role] = view
         return views
 
-    def rank_views(self) -> list[RayWorkerGroup]:
-        """One group per rank over the same processes: a call on view r runs on rank r alone (its whole batch
-        there), so the driver can keep each rollout replica busy on its own."""
+    def rank_views(self, ranks_per_view: int = 1) -> list[RayWorkerGroup]:
+        """One group per `ranks_per_view` consecutive ranks over the same processes: a call on view r runs on its
+        ranks alone (its whole batch there, split among them by the method's dispatch mode), so the driver can
+        keep each rollout replica (a TP group) busy on its own."""
+        workers = self._live_workers()
+        if len(workers) % ranks_per_view:
+            raise ValueError(f"rank_views({ranks_per_view}): {len(workers)} ranks do not split into such views")
         views = []
-        for rank, worker in enumerate(self._live_workers()):
+        for first in range(0, len(workers), ranks_per_view):
+            ranks = slice(first, first + ranks_per_view)
             view = type(self).__new__(type(self))
             view.resource_pool, view.call_timeout_s = self.resource_pool, self.call_timeout_s
-            view.worker_info = [self.worker_info[rank]]
+            view.worker_info = self.worker_info[ranks]
             view._role_classes, view._rendezvous_file = {}, None  # the parent group owns the file
-            view._setup([worker], self.worker_cls, role=self.role)
+            view._setup(workers[ranks], self.worker_cls, role=self.role)
             views.append(view)
         return views
 

@@ -131,6 +131,15 @@ class RoleProfilerConfig(Section):
 
 @dataclass
 class RolloutProfilerConfig(RoleProfilerConfig):
+    # verl's defaults: the actor's choice (the rollout pool of separate_async reads them; colocated, the actor's do)
+    enable: bool = key("${actor_rollout_ref.actor.profiler.enable}", "profile the rollout pool (default: the actor's)")
+    all_ranks: bool = key("${actor_rollout_ref.actor.profiler.all_ranks}", "profile every rank of the rollout pool")
+    ranks: list[int] = key(
+        "${actor_rollout_ref.actor.profiler.ranks}", "rollout pool ranks to profile; [] and all_ranks=false: rank 0"
+    )
+
     def inactive(self, path: str, root: Any) -> dict[str, str]:
+        if root.trainer.v1.trainer_mode == "separate_async":  # the rollout pool's processes profile with these
+            return super().inactive(path, root)
         # verl colocated does the same: the hybrid worker profiles with the actor's settings
         return {path: "the rollout runs in the actor's worker processes: actor_rollout_ref.actor.profiler profiles it"}

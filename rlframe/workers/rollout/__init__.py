@@ -10,6 +10,7 @@ for the group with a shared RNG seed, and keep this rank's share.
 
 from __future__ import annotations
 
+import numpy as np
 import torch.distributed as dist
 
 from rlframe.config.keys import ROLLOUT
@@ -17,6 +18,7 @@ from rlframe.protocol import DataProto, all_gather_data_proto
 from rlframe.workers.rollout import hf_rollout, sglang_rollout, vllm_rollout
 from rlframe.workers.rollout.agent_loop import AgentLoopRollout
 from rlframe.workers.rollout.base import (
+    SEED_KEY,
     BaseRollout,
     Rollout,
     ServedModel,
@@ -47,6 +49,7 @@ __all__ = [
     "build_rollout_output",
     "check_prompts",
     "generate_in_tp_group",
+    "run_in_tp_group",
 ]
 
 
@@ -84,35 +87,50 @@ def build_rollout(
     return multi_turn or rollout  # sync: the whole batch at once (tool rows turn by turn)
 
 
-def generate_in_tp_group(rollout: Rollout, prompts: DataProto, tp_group=None) -> DataProto:
+def generate_in_tp_group(rollout: Rollout, prompts: DataProto, tp_group=None, keep_seeds: bool = False) -> DataProto:
     """Generate this rank's prompts together with its TP peers' and return this rank's share.
 
     Every TP rank must run the engine on identical input with identical RNG state (TP shards one
     model; different tokens would corrupt the all-reduces and different stopping steps would hang
-    them). So the group's prompts are all-gathered in rank order, and generation runs under a seed
-    drawn by TP rank 0 (`call_seed`, with the group's DP index). With no group (TP=1) the same seeding
-    applies.
+    them). So the group's prompts are all-gathered in rank order (`run_in_tp_group`), and generation runs
+    under a seed drawn by TP rank 0 (`call_seed`, with the group's DP index). With no group (TP=1) the same
+    seeding applies. `keep_seeds`: the rows' sample seeds, drawn under that seed as the engine would draw
+    them, come back in the rows (`SEED_KEY`), for a continuation of a row cut later (the rollout pool).
     """
     rank, size = group_rank_and_size(tp_group)
     dp_index = dist.get_rank() // size if dist.is_initialized() else 0
     seed = call_seed(dp_index)
-    counts = [len(prompts)]
     if size > 1:
         shared = [seed]
         dist.broadcast_object_list(shared, group_src=0, group=tp_group)
         seed = shared[0]
-        counts = [None] * size
-        dist.all_gather_object(counts, len(prompts), group=tp_group)
-        prompts = all_gather_data_proto(prompts, tp_group)
-    with seeded(seed):
-        output = rollout.generate_sequences(prompts)
+
+    def generate(rows: DataProto) -> DataProto:
+        with seeded(seed):
+            if keep_seeds:
+                rows.non_tensor_batch[SEED_KEY] = np.array(rollout.sample_seeds(len(rows)), dtype=object)
+            return rollout.generate_sequences(rows)
+
+    output, share = run_in_tp_group(generate, prompts, tp_group)
     if size == 1:
-        return output
-    start = sum(counts[:rank])
-    share = output.select_idxs(slice(start, start + counts[rank]))
+        return share
     # length statistics describe this rank's share; timing and throughput the group's generation
     metrics = dict(output.meta_info["metrics"])
     eos_ids, _ = rollout.special_tokens_for(prompts.meta_info)
     metrics.update(response_metrics(share.batch["response_mask"], share.batch["responses"], eos_ids))
     share.meta_info = {"metrics": metrics}
     return share
+
+
+def run_in_tp_group(run, rows: DataProto, tp_group=None) -> tuple[DataProto, DataProto]:
+    """(`run` of the TP group's rows, all-gathered in rank order; this rank's share of it). Every rank of the group
+    calls it, so the engine runs on identical input on every TP rank; without a group, both are `run(rows)`."""
+    rank, size = group_rank_and_size(tp_group)
+    if size == 1:
+        output = run(rows)
+        return output, output
+    counts = [None] * size
+    dist.all_gather_object(counts, len(rows), group=tp_group)
+    output = run(all_gather_data_proto(rows, tp_group))
+    start = sum(counts[:rank])
+    return output, output.select_idxs(slice(start, start + counts[rank]))

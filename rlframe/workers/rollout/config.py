@@ -317,7 +317,9 @@ class RolloutConfig(Section):
     val_kwargs: ValKwargsConfig = section(ValKwargsConfig)
     multi_turn: MultiTurnConfig = section(MultiTurnConfig, "multi-turn rollouts with tools (tool_agent rows)")
     agent: AgentConfig = section(AgentConfig, "which agent loop runs a row")
-    profiler: RolloutProfilerConfig = section(RolloutProfilerConfig, "verl's; the actor's profiler covers the rollout")
+    profiler: RolloutProfilerConfig = section(
+        RolloutProfilerConfig, "the rollout pool's (separate_async); else the actor's covers it"
+    )
 
     def check(self, path: str, root: Any) -> None:
         # the sampling the engines derive from this section (`SamplingParams.from_config`), checked before Ray starts

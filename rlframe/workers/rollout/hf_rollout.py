@@ -358,6 +358,6 @@ def _inactive(rollout, path: str, root) -> dict[str, str]:
 SPEC = EngineSpec(
     name="hf",
     build=HFRollout,
-    capabilities=Capabilities(partial_rollout=True, micro_batches=True, pools_cpu_generation=True),
+    capabilities=Capabilities(partial_rollout=True, tp_cut=True, micro_batches=True, pools_cpu_generation=True),
     inactive=_inactive,
 )

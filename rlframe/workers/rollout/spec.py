@@ -26,6 +26,7 @@ class Capabilities:
     sleep: bool = True  # `release`/`resume` free and restore its memory around training (free_cache_engine)
     images: bool = True  # generates for vision-language rows (their images reach the engine)
     partial_rollout: bool = False  # runs on separate_async's rollout pool: interruptible, continues cut rows
+    tp_cut: bool = False  # a TP group stops at the same decoding step on every rank when cut (TP replicas on the pool)
     tensor_parallel: bool = True  # shards a replica over a TP group of consecutive ranks
     micro_batches: bool = False  # generates `rollout.micro_batch_size` sequences at a time (else: by tokens)
     pools_cpu_generation: bool = False  # on CPU without TP, one machine's ranks may generate on the first
