@@ -135,6 +135,7 @@ def test_the_worker_syncs_the_rollout_only_when_it_may_differ_from_the_actor(tin
     worker.device_type, worker.dims, worker.rollout, worker.actor_module = "cpu", ParallelDims.single(), rollout, actor
     worker._weights_dirty = True  # as after init_model
     worker.generation_pool = None  # one process: nothing to pool
+    worker.versioned = None  # the sync mode: generations are not stamped or cut
     worker.profiler = Profiler(cfg.global_profiler, None, "actor_rollout_ref", 0, 1, "cpu")  # profiling off
     ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9, 10], [0, 5, 6, 7, 8, 9, 10, 11]])
     mask = (ids != 0).long()
