@@ -140,7 +140,9 @@ class OpenAIEndpoint:
         """Serve on `host` at a free port (then `self.port`) from a daemon thread; once (later calls do nothing)."""
         if self._server is not None:
             return
-        config = uvicorn.Config(self.app(), host=self.host, port=self.port, log_level="warning", lifespan="off")
+        config = uvicorn.Config(
+            _ClosingConnections(self.app()), host=self.host, port=self.port, log_level="warning", lifespan="off"
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="openai-endpoint", daemon=True)
         self._thread.start()
@@ -400,6 +402,29 @@ class OpenAIEndpoint:
                 "total_tokens": prompt_tokens + generated,
             },
         }
+
+
+class _ClosingConnections:
+    """Every response closes its connection (`Connection: close`), so a client closes its side once it has read
+    the answer.
+
+    Why: agents run in this process, on the agent-loop threads' event loops, and often never close their client. An
+    idle keep-alive connection of such a client is left to the garbage collector, which can run on any thread: it
+    closes the socket (the asyncio transport's finalizer) and the `openai` client's finalizer then schedules its own
+    close, which later unregisters that socket's file descriptor from its event loop. By then a new connection may
+    hold the same descriptor number, and its answer is never read: that agent waits until `openai_agent.timeout_s`.
+    A connection closed by its client right after each answer leaves the collector nothing to close."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        async def send_closing(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, receive, send_closing)
 
 
 def _parse(model: type[BaseModel], raw: bytes):

@@ -8,8 +8,10 @@ against what the engine sampled.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import threading
+import time
 from contextlib import contextmanager
 from functools import partial
 
@@ -20,6 +22,7 @@ import torch
 from helpers.rollout import load_tokenizer, rollout_config
 
 from rlframe.workers.rollout import build_rollout
+from rlframe.workers.rollout.agent_loop import _EventLoopThreads
 from rlframe.workers.rollout.episodes import Episode
 from rlframe.workers.rollout.openai_endpoint import EpisodeBudget, OpenAIEndpoint
 from rlframe.workers.rollout.server import BatchingServer
@@ -302,6 +305,54 @@ def test_32_concurrent_sessions_sample_like_one_at_a_time(engine):
         [trajectory] = record.trajectories
         expected = engine_sample(engine, trajectory.prompt_ids, Episode("", seed).request_seeds(0, 1)[0], 6)
         assert expected.tokens == trajectory.response_ids
+
+
+def test_a_client_left_to_the_garbage_collector_does_not_strand_another_agents_answer(engine):
+    """An agent that never closes its `openai` client, collected on another agent-loop thread while a second agent
+    waits for its answer: the first client's connection must not take the second one's socket with it.
+
+    Each connection used to stay open (keep-alive) after its answer. The collector then closed the idle socket
+    (asyncio's transport finalizer) and the client's finalizer scheduled a close on the collecting thread's loop, which
+    ran later and unregistered that descriptor number from the agents' loop: by then the second agent's new socket had
+    it, so its answer was never read and the episode hung until `openai_agent.timeout_s`."""
+    loops = _EventLoopThreads(2)  # 0: the agents' loop; 1: another agent-loop thread, where the collector runs
+    gc.collect()  # earlier tests' garbage, collected now, on a thread without an event loop
+    gc.disable()  # the collector runs below, where the race needs it
+    try:
+        with serving(engine, 2) as (server, endpoint):
+            record, first_url = endpoint.open_episode(0)  # not counted away: the server waits for its finish
+
+            async def leave_the_client():
+                await client(first_url).models.list()  # the client, in a reference cycle, waits for the collector
+
+            loops.submit(0, leave_the_client()).result(timeout=60)
+            release = threading.Event()
+
+            async def collect_and_hold():
+                gc.collect()
+                release.wait()  # the client's finalizer scheduled its close on this loop: it runs after this step
+
+            collected = loops.submit(1, collect_and_hold())
+            with episode(server, endpoint, seed=1) as (_, second_url):
+                asking = loops.submit(
+                    0,
+                    client(second_url).chat.completions.create(
+                        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+                    ),
+                )
+                deadline = time.monotonic() + 60
+                while not server._waiting:  # the second agent now waits for its answer on its new socket
+                    assert time.monotonic() < deadline and not asking.done(), asking
+                    time.sleep(0.01)
+                release.set()
+                collected.result(timeout=60)
+                loops.submit(1, asyncio.sleep(0.5)).result(timeout=60)  # the scheduled close has run
+                endpoint.close_episode(record)
+                server.finished()  # the first episode is done: the server answers the second
+                answer = asking.result(timeout=60)  # stranded, it would wait for the client's own 600 s timeout
+            assert answer.choices[0].message.content is not None
+    finally:
+        gc.enable()
 
 
 def test_the_endpoint_listens_on_loopback_only_by_default(engine):
