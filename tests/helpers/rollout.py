@@ -93,3 +93,15 @@ def one_process_rollout_worker(model_path: str, rendezvous: str, *overrides: str
         dist.destroy_process_group()
         for key, value in saved.items():
             os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+
+
+class CutAfter:
+    """An `interrupt` that says True from its (calls + 1)-th question on (asked at a micro-batch's start, then after
+    each decoding step)."""
+
+    def __init__(self, calls: int):
+        self.calls, self.asked = calls, 0
+
+    def __call__(self) -> bool:
+        self.asked += 1
+        return self.asked > self.calls

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.multi_turn import ScriptedEngine, call, make_prompts, rollout_cfg
-from helpers.rollout import load_tokenizer
+from helpers.rollout import CutAfter, load_tokenizer
 
 from rlframe.protocol import DataProto
 from rlframe.workers.rollout.agent_loop import AgentLoopRollout
@@ -32,17 +32,6 @@ class CountingCalculator(CalculatorTool):
     async def execute(self, instance_id, parameters, **kwargs):
         type(self).runs += 1
         return await super().execute(instance_id, parameters, **kwargs)
-
-
-class CutAfter:
-    """An `interrupt` that says True from its (calls + 1)-th question on."""
-
-    def __init__(self, calls: int):
-        self.calls, self.asked = calls, 0
-
-    def __call__(self) -> bool:
-        self.asked += 1
-        return self.asked > self.calls
 
 
 @pytest.fixture(scope="module")

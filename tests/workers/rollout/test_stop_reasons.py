@@ -9,24 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.rollout import RESPONSE_LEN, load_tokenizer, make_prompts, rollout_config
+from helpers.rollout import RESPONSE_LEN, CutAfter, load_tokenizer, make_prompts, rollout_config
 
 from rlframe.workers.rollout import build_rollout
 from rlframe.workers.rollout.base import STOP_KEY, Stop, clip_row
 
 GREEDY = {"do_sample": False}
-
-
-class CutAfter:
-    """An `interrupt` that says True from its (calls + 1)-th question on (asked at a micro-batch's start, then after
-    each decoding step)."""
-
-    def __init__(self, calls: int):
-        self.calls, self.asked = calls, 0
-
-    def __call__(self) -> bool:
-        self.asked += 1
-        return self.asked > self.calls
 
 
 @pytest.fixture(scope="module")
