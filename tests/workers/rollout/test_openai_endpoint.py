@@ -437,3 +437,31 @@ def test_an_engine_failure_answers_500_in_openai_shape_and_the_endpoint_keeps_se
         assert served.status_code == 200 and served.json()["choices"][0]["finish_reason"] == "stop"
     finally:
         endpoint.stop()
+
+
+# ------------------------------------------------------------------------------------------ an agent framework
+def test_an_openai_agents_sdk_agent_calls_its_tool_and_its_episode_is_one_trajectory(engine):
+    """examples/openai_agent/agents_sdk_agent.py: the OpenAI Agents SDK's requests (strict function tools, its own
+    rendering of the assistant's tool call and the tool result) extend the recorded conversation token for token."""
+    import importlib.util
+    from pathlib import Path
+
+    from rlframe.workers.rollout.openai_agent import MODEL_NAME
+
+    path = Path(__file__).resolve().parents[3] / "examples" / "openai_agent" / "agents_sdk_agent.py"
+    spec = importlib.util.spec_from_file_location("agents_sdk_agent", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "12*7"}}</tool_call>'
+    script = [call, "12*7 = 84"]
+    sample = {"prompt": [{"role": "user", "content": "What is 12*7?"}], "data_source": "t", "extra_info": {}}
+    with serving(engine, 1, script=script) as (server, endpoint), episode(server, endpoint) as (record, base_url):
+        endpoint.model_name = MODEL_NAME  # the name the trainer's endpoint serves, which the example asks for
+        assert asyncio.run(example.run_agent(base_url, sample)) is None
+    [trajectory] = record.trajectories  # the SDK's second request extended the first
+    tokenizer, eos = endpoint.tokenizer, endpoint.eos_ids[0]
+    turns = [tokenizer.encode(text, add_special_tokens=False) + [eos] for text in script]
+    tool_turn = trajectory.response_ids[len(turns[0]) : len(trajectory.response_ids) - len(turns[1])]
+    assert trajectory.response_ids == turns[0] + tool_turn + turns[1]
+    assert trajectory.response_mask == [1] * len(turns[0]) + [0] * len(tool_turn) + [1] * len(turns[1])
+    assert "84" in tokenizer.decode(tool_turn)  # the calculator ran and its result is the template's tool turn
