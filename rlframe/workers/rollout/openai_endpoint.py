@@ -8,7 +8,8 @@ and recorded token for token (`episodes.py`). What the endpoint serves:
 
 - `POST /v1/chat/completions`: messages (text content), `tools` (rendered by the chat template; calls parsed
   from the policy's Hermes `<tool_call>` blocks with the tool agent's parser, returned as `tool_calls`),
-  `max_tokens` / `max_completion_tokens`, `n`, `stop`, `stream` (server-sent events), `logprobs`;
+  `tool_choice` (`none`, `auto`, and `required` or a named function, which write the call's opening for the
+  policy), `max_tokens` / `max_completion_tokens`, `n`, `stop`, `stream` (server-sent events), `logprobs`;
 - `POST /v1/completions`: a text prompt, same sampling keys, `logprobs` 0;
 - `GET /v1/models`: the one served model.
 
@@ -95,10 +96,32 @@ class _Sampling(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[dict] = Field(min_length=1)
     tools: list[dict] | None = None
-    tool_choice: Literal["none", "auto"] | dict | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=0)
+
+    def forced_opening(self) -> str:
+        """The opening of a Hermes tool call that `tool_choice` forces ("required": any tool; a named function:
+        that one), written for the policy before it samples; "" when the policy chooses."""
+        choice = self.tool_choice
+        if choice in (None, "none", "auto"):
+            return ""
+        names = [tool.get("function", {}).get("name") for tool in self.tools or []]
+        if choice == "required":
+            if not names:
+                raise OpenAIError(400, "tool_choice='required' needs tools", "tool_choice", "invalid_value")
+            return "<tool_call>\n"
+        name = choice.get("function", {}).get("name") if choice.get("type") == "function" else None
+        if name not in names:
+            raise OpenAIError(
+                400,
+                f"tool_choice={choice!r}: accepted are 'none', 'auto', 'required' and "
+                f"{{'type': 'function', 'function': {{'name': N}}}} with N one of the tools {names}",
+                "tool_choice",
+                "invalid_value",
+            )
+        return '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": '
 
 
 class CompletionRequest(_Sampling):
@@ -267,16 +290,25 @@ class OpenAIEndpoint:
                 "messages",
                 "unsupported_value",
             )
+        opening = body.forced_opening()
         turns = self._template_turns(body.tools if body.tool_choice != "none" else None)
         try:
             trajectory, context, room = next_context(episode, messages, turns, self.eos_ids, self.limits)
         except ContextTooLong as error:
             raise OpenAIError(400, str(error), "messages", "context_length_exceeded") from error
+        # a forced call's opening is written for the policy: context, not trained; what follows it is sampled
+        opening_ids = list(self.tokenizer.encode(opening, add_special_tokens=False)) if opening else []
+        if room - len(opening_ids) < 1:
+            raise OpenAIError(
+                400, "the forced tool call's opening leaves no room to generate", "messages", "context_length_exceeded"
+            )
+        context, room = context + opening_ids, room - len(opening_ids)
         max_tokens = min(room, body.max_completion_tokens or body.max_tokens or room)
         before = copy.deepcopy(trajectory)  # choices after the first branch from here
         choices = []
         full_context = trajectory.prompt_ids + trajectory.response_ids + context
         samples = await self._sample(episode.request_seeds(number, body.n), full_context, max_tokens, stops)
+        samples = [(ids, log_probs, opening + text, reason) for ids, log_probs, text, reason in samples]
         call_prefix = secrets.token_hex(4)
         with self._records:
             self._episode(episode.token)  # still open

@@ -206,6 +206,37 @@ def test_tool_calls_come_back_in_openai_form_and_the_next_turn_extends_the_token
     assert trajectory.log_probs == [-0.5] * len(turn_1) + [0.0] * len(tool_turn) + [-0.5] * len(turn_2)
 
 
+def forced(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
+@pytest.mark.parametrize("choice", ["required", forced("calculator")], ids=["required", "named"])
+def test_a_forced_tool_call_writes_its_opening_and_trains_only_what_the_policy_sampled(engine, choice):
+    opening = '<tool_call>\n{"name": "calculator", "arguments": ' if choice != "required" else "<tool_call>\n"
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*7"}}\n</tool_call>'
+    script = [call[len(opening) :]]  # the engine samples the rest of the call
+    with serving(engine, 1, script=script) as (server, endpoint), episode(server, endpoint) as (record, base_url):
+
+        async def run():
+            async with client(base_url) as api:
+                messages = [{"role": "user", "content": "What is 12*7?"}]
+                return await api.chat.completions.create(
+                    model=MODEL, messages=messages, tools=[CALCULATOR], tool_choice=choice
+                )
+
+        answer = asyncio.run(run())
+    [tool_call] = answer.choices[0].message.tool_calls
+    assert answer.choices[0].finish_reason == "tool_calls" and tool_call.function.name == "calculator"
+    assert json.loads(tool_call.function.arguments) == {"expression": "12*7"}
+    [trajectory] = record.trajectories
+    tokenizer, eos = endpoint.tokenizer, endpoint.eos_ids[0]
+    opening_ids = tokenizer.encode(opening, add_special_tokens=False)
+    sampled = tokenizer.encode(script[0], add_special_tokens=False) + [eos]
+    assert trajectory.response_ids == opening_ids + sampled
+    assert trajectory.response_mask == [0] * len(opening_ids) + [1] * len(sampled)  # the opening is not trained
+    assert answer.usage.completion_tokens == len(sampled)
+
+
 def test_a_request_that_rewrites_history_starts_a_new_trajectory(engine):
     with serving(engine, 1) as (server, endpoint), episode(server, endpoint) as (record, base_url):
 
@@ -240,6 +271,14 @@ def test_bad_requests_answer_openai_errors_and_the_endpoint_keeps_serving(engine
             (json.dumps({"model": MODEL, "messages": [{"content": "no role"}]}).encode(), 400, None),
             (json.dumps({"model": MODEL, "messages": hi, "top_logprobs": 3}).encode(), 400, "invalid_value"),
             (json.dumps({"model": MODEL, "messages": hi, "stop": ["", "x"]}).encode(), 400, "invalid_value"),
+            (json.dumps({"model": MODEL, "messages": hi, "tool_choice": "required"}).encode(), 400, "invalid_value"),
+            (
+                json.dumps(
+                    {"model": MODEL, "messages": hi, "tools": [CALCULATOR], "tool_choice": forced("search")}
+                ).encode(),
+                400,
+                "invalid_value",
+            ),
         ]
         for body, status, code in bad:
             answer = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=30)
