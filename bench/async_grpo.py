@@ -4,6 +4,7 @@
     python bench/async_grpo.py --steps 24 --skip-steps 4 --response-length 48
     python bench/async_grpo.py --job tools --steps 8 --skip-steps 2    # the agentic job (needs the smollm2 extra)
     python bench/async_grpo.py --only colocate  # sync and the colocate_async row
+    python bench/async_grpo.py --job tools --tool-latency 1.0   # the agentic job with a slow tool
 
 `--job add_digits` (the default): GRPO on builtin://add_digits with the quickstart's untrained model
 (builtin://tiny-quickstart, a 64-token vocabulary), 16 prompts x 8 samples per step, responses up to
@@ -17,6 +18,10 @@ One optimizer step per training step, lr 3e-4, fp32, remove-padding.
 builtin://calc_multiply (examples/grpo_smollm2_tools_cpu.sh's task), 4 prompts x 6 samples per step at temperature
 0.7, up to 3 policy turns and --response-length tokens (default 96 here): trajectories differ in their number of
 turns (no call, one call, a malformed call and a retry) and in their lengths, a heavy tail per group.
+With `--tool-latency S` the calculator answers after a delay, as a sandbox or a web API does: log-normal with median
+S seconds and σ = 1 (a heavy tail: one call in 20 waits over 5 S), drawn from the expression's hash, so every layout
+sees the same delay for the same call. The agent loop runs tool calls on threads, so the other trajectories keep
+generating while one waits.
 
 Rows, all on the same 2 CPU processes of one thread each:
 - sync: both processes generate, then both train (the hybrid engine), the quickstart's layout;
@@ -118,6 +123,36 @@ def tools_job(response_length: int) -> list[str]:
 
 JOBS = {"add_digits": (add_digits_job, 128), "tools": (tools_job, 96)}
 
+# --tool-latency: the calculator behind a delay, a function tool file written for the run (its median baked in)
+SLOW_CALCULATOR = """
+import asyncio
+import hashlib
+import math
+import random
+import time
+
+from rlframe.workers.rollout.tools import CalculatorTool, function_tool
+
+CALCULATOR = CalculatorTool({{}}, None)
+
+
+@function_tool(schema=CALCULATOR.tool_schema)
+def calculator(expression: str) -> str:
+    seed = int.from_bytes(hashlib.sha256(expression.encode()).digest()[:8], "little")
+    time.sleep({median} * math.exp(random.Random(seed).gauss(0.0, 1.0)))
+    return asyncio.run(CALCULATOR.execute("", {{"expression": expression}}))[0].text
+"""
+
+
+def slow_calculator(median_s: float, folder: str) -> list[str]:
+    path = os.path.join(folder, "slow_calculator.py")
+    with open(path, "w") as f:
+        f.write(SLOW_CALCULATOR.format(median=median_s))
+    return [
+        "actor_rollout_ref.rollout.multi_turn.tool_config_path=null",
+        f"actor_rollout_ref.rollout.multi_turn.function_tool_path={path}",
+    ]
+
 
 def job(name: str, steps: int, response_length: int, run_dir: str) -> list[str]:
     return [
@@ -162,8 +197,15 @@ def main() -> None:
     parser.add_argument("--job", choices=sorted(JOBS), default="add_digits")
     parser.add_argument("--response-length", type=int, default=None, help="default: 128 (add_digits), 96 (tools)")
     parser.add_argument("--only", nargs="*", default=None, help="the rows whose name holds one of these (and sync)")
+    parser.add_argument("--tool-latency", type=float, default=0.0, help="tools job: the calculator's median delay, s")
+    parser.add_argument("--set", nargs="*", default=[], help="key=value overrides for every row (e.g. the push)")
     args = parser.parse_args()
     length = args.response_length or JOBS[args.job][1]
+    extra = list(args.set)
+    if args.tool_latency:
+        if args.job != "tools":
+            parser.error("--tool-latency needs --job tools")
+        extra += slow_calculator(args.tool_latency, tempfile.mkdtemp(prefix="rlframe_bench_tools_"))
     rows = {
         name: overrides
         for name, overrides in ROWS.items()
@@ -173,7 +215,7 @@ def main() -> None:
         rows = {name: overrides for name, overrides in rows.items() if not name.startswith("colocate")}
     results = {}
     for name, overrides in rows.items():
-        results[name] = run(args.job, overrides, args.steps, args.skip_steps, length)
+        results[name] = run(args.job, overrides + extra, args.steps, args.skip_steps, length)
         print(f"[bench] {name}: {results[name]}", flush=True)  # each row as it ends, before the table
     sync = results["sync (2 processes, colocated)"]["step_s"]
     print_table(
