@@ -55,6 +55,7 @@ TOOL_AGENT = [
 ENGINE_LOG_PROBS = (
     "rollout_corr/",
     "training/rollout_probs_diff",
+    "training/rollout_actor_probs_pearson_corr",
 )  # the rollout engine's log-probs against the actor's
 OPENAI_AGENT = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "agents", "two_turns.py"
