@@ -12,6 +12,9 @@ hybrid engines (`ActorRolloutRefWorker`, `colocate_async`). Each holds a `Versio
   (the engine's own stop reason), and `continue_rows` later finishes them under the new weights. A tool agent's
   trajectory is cut inside a turn (the same interrupt) or between turns (its next generation request finds the
   interrupt set and generates nothing); it comes back with its state (`TRAJECTORY_KEY`) and continues from it.
+  An OpenAI agent's episode cannot come back (it lives in the agent's coroutine): on the rollout pool the board
+  also holds the announced weights (an object-store reference), and the endpoint's server loads them itself
+  (`catch_up`) and continues the cut requests in the same call (`RolloutServer.continue_cuts`).
 - the sampling seeds: one draw of the process RNG per generate call, then the rows' sample seeds under it, exactly
   as `generate_in_tp_group` draws them with TP 1, so a replica samples the tokens the synchronous hybrid engine
   would for the same sequence of calls. Each row's seed comes back with it (`sample_seed`), for its continuation.
@@ -35,21 +38,29 @@ from rlframe.workers.rollout.base import (
 )
 from rlframe.workers.rollout.partial import continue_generation
 from rlframe.workers.rollout.tp import group_rank_and_size
+from rlframe.workers.weight_sync import load_rollout_weights
 
 BOARD_POLL_S = 0.02  # how often a running generation asks the board whether newer weights were announced
 
 
 class VersionBoard:
-    """The newest policy version the driver has announced to the replicas (a Ray actor of its own)."""
+    """The newest policy version the driver has announced to the replicas (a Ray actor of its own), and on the rollout
+    pool its weights: `[ref]`, the object-store reference the push loads (a list, so that Ray passes it unresolved)."""
 
     def __init__(self):
-        self.version = 0
+        self.version, self.weights = 0, None
 
-    def announce(self, version: int) -> None:
-        self.version = max(self.version, int(version))
+    def announce(self, version: int, weights: list | None = None) -> None:
+        if int(version) >= self.version:
+            self.version = int(version)
+            if weights is not None:
+                self.weights = weights
 
     def announced(self) -> int:
         return self.version
+
+    def announced_weights(self) -> tuple[int, list | None]:
+        return self.version, self.weights
 
 
 class VersionedRollout:
@@ -62,11 +73,25 @@ class VersionedRollout:
         self.delay_points = DelayPoints()  # tests: RLFRAME_DELAY_AT=rollout.decode:… (utils/faults.py)
         self._board = None
         self._announced, self._asked_at = 0, 0.0
+        self.caught_up = -1  # the newest version `catch_up` loaded (its push, queued behind the call, is skipped)
 
     def watch(self, board) -> None:
         """Stop a generation once `board` (a VersionBoard actor) announces a version newer than the engine's."""
         self._board = board
         self.engine.interrupt = self._weights_moved_on
+
+    def catch_up(self) -> int:
+        """Load the newest weights the board announced, if newer than the engine's; return the engine's version.
+        The rollout pool's replicas only (TP 1: the announcement carries the pushed weights)."""
+        import ray
+
+        version, weights = ray.get(self._board.announced_weights.remote())
+        if version > self.version:
+            if weights is None:
+                raise RuntimeError(f"policy version {version} was announced without its weights: nothing to catch up")
+            load_rollout_weights(self.rollout, ray.get(weights[0]))
+            self.version = self.caught_up = version
+        return self.version
 
     def _weights_moved_on(self) -> bool:
         """Whether a version newer than the engine's was announced (the board asked at most every BOARD_POLL_S).
