@@ -61,9 +61,7 @@ class VersionBoard:
 
     async def announce(self, version: int, weights: list | None = None) -> None:
         if int(version) >= self.version:
-            self.version = int(version)
-            if weights is not None:
-                self.weights = weights
+            self.version, self.weights = int(version), weights  # no weights: nothing a replica could load
             event, self._announced = self._event(), None
             event.set()  # wakes every `newer_than` waiting
 
