@@ -43,6 +43,8 @@ class EpisodeTrajectory:
     def append(
         self, ids: list[int], trained: bool, log_probs: list[float] | None = None, versions: list[int] | None = None
     ) -> None:
+        if versions is not None and len(versions) != len(ids):
+            raise ValueError(f"{len(ids)} sampled ids with {len(versions)} policy versions: one version per id")
         self.response_ids += ids
         self.response_mask += [int(trained)] * len(ids)
         self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
