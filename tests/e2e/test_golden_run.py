@@ -6,9 +6,12 @@ old log-probs; PPO with a critic, two epochs, padded layout, fused head, clip_co
 rollout correction, a reference model and a reward-model worker is elsewhere). Every logged number except
 clocks and throughput must equal the recording exactly: a change that moves any of them changed the math.
 
-The recordings hold on any x86-64 machine with AVX2 (2 CPU threads per worker, torch 2.13.0 CPU): the runs pin
-ATen's kernels and MKL's code path to AVX2 (`ISA_PINNED`), because the default path follows the CPU and the
-last float bits with it: a machine with AVX-512 FP16 gave losses 1e-6 apart from one without, from the same code.
+The recordings hold on any x86-64 machine, Intel or AMD (2 CPU threads per worker, torch 2.13.0 CPU): the runs pin
+ATen's kernels to their baseline build, MKL to its vendor-neutral code path and oneDNN to SSE4.1 (`ISA_PINNED`),
+because the default paths follow the CPU and the last float bits with them: a machine with AVX-512 FP16 gave losses
+1e-6 apart from one without, and with the AVX2 pins an AMD EPYC still gave losses 2e-8 apart from the Intel machine
+that recorded them (MKL's AVX2 path is Intel's; `MKL_CBWR=COMPATIBLE` is the one MKL documents as the same on
+every x86 vendor).
 After a deliberate change of the numbers, record again with
 `RLFRAME_RECORD_GOLDEN=1 pytest tests/e2e/test_golden_run.py` and say why in the commit.
 """
@@ -66,7 +69,7 @@ RUNS = {
 
 # the kernels' instruction set, the same on every x86-64 machine of the last decade (MKL's conditional numerical
 # reproducibility; ATen's CPU dispatch; oneDNN's, for the ops that reach it)
-ISA_PINNED = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+ISA_PINNED = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41"}
 
 # clocks, throughput and the host's memory: everything else is arithmetic on the seed
 UNTIMED_PREFIXES = ("timing_", "perf/", "rollout/server_", "time", "memory/")
