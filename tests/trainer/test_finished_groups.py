@@ -5,6 +5,7 @@ tests/e2e/test_async_e2e.py.)"""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,7 +15,7 @@ from PIL import Image
 
 from rlframe.data.dataloader import make_dataloader
 from rlframe.protocol import DataProto, plain_data
-from rlframe.trainer.checkpointing import CHECKPOINT_REFUSAL, load_data
+from rlframe.trainer.checkpointing import CHECKPOINT_REFUSAL, TrainerCheckpointer, load_data
 from rlframe.trainer.config import compose
 from rlframe.trainer.finished_groups import FinishedGroup, check_rollout_n, plain_groups, saved_groups
 from rlframe.trainer.pending_prompts import PendingPrompts
@@ -164,15 +165,15 @@ class Replica:
         return SimpleNamespace()
 
 
-def pooled_source(total_steps: int, loader_prompts: int):
+def pooled_source(total_steps: int, loader_prompts: int, n: int = N):
     config = compose(
         [
-            f"actor_rollout_ref.rollout.n={N}",
+            f"actor_rollout_ref.rollout.n={n}",
             "trainer.v1.trainer_mode=separate_async",
             "trainer.v1.sampler.max_off_policy_threshold=2",  # η = 1, L = 1
         ]
     )
-    plan = SimpleNamespace(n=N, train_batch_size=2, filter_groups=False)
+    plan = SimpleNamespace(n=n, train_batch_size=2, filter_groups=False)
     rows = [{k: v[0] for k, v in prompt(100 + i).batch.items()} for i in range(loader_prompts)]
     loader = make_dataloader(rows, 2, shuffle=False, seed=0)
 
@@ -214,3 +215,40 @@ def test_a_pooled_source_under_remax_generates_a_checkpoints_finished_groups_aga
     source.remax = True  # the greedy baselines are not in the checkpoint
     source.restore_finished([group(1, version=1)])
     assert source.ledger.in_flight == 0 and [int(r.non_tensor_batch["index"][0]) for r in source.pending.rows] == [1]
+
+
+class Role:
+    """A stand-in worker group: what it was asked to save and load."""
+
+    def __init__(self):
+        self.loaded: list[str] = []
+
+    def save_checkpoint(self, path):
+        os.makedirs(path)
+
+    def load_checkpoint(self, path):
+        self.loaded.append(path)
+
+
+def test_another_rollout_n_is_refused_at_resume_before_the_workers_load_the_checkpoint(tmp_path):
+    """Through the checkpointer and the pooled source's check: the error names the checkpoint, the key and both
+    values, and no worker has loaded anything."""
+    config = SimpleNamespace(
+        default_local_dir=str(tmp_path),
+        resume_mode="auto",
+        resume_from_path=None,
+        max_actor_ckpt_to_keep=None,
+        max_critic_ckpt_to_keep=None,
+    )
+    loader = SimpleNamespace(state_dict=lambda: {"yielded": 4}, load_state_dict=lambda state: None)
+    entry, _ = plain_groups([group(1, version=1)], N)
+    TrainerCheckpointer(config).save(2, Role(), None, loader, {"global_step": 2, "finished_groups": entry})
+    four, _ = pooled_source(total_steps=4, loader_prompts=4, n=4)
+    actor = Role()
+    refused = r"global_step_2: .*actor_rollout_ref\.rollout\.n=2 .*actor_rollout_ref\.rollout\.n=4"
+    with pytest.raises(ValueError, match=refused):
+        TrainerCheckpointer(config).maybe_resume(actor, None, loader, check_driver=four.check_resumable)
+    assert actor.loaded == []
+    same, _ = pooled_source(total_steps=4, loader_prompts=4)
+    assert TrainerCheckpointer(config).maybe_resume(actor, None, loader, check_driver=same.check_resumable)
+    assert actor.loaded == [str(tmp_path / "global_step_2" / "actor")]
