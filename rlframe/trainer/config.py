@@ -276,12 +276,15 @@ def _separate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
             "interrupt on its TP leader alone); TP replicas on the rollout pool run the hf engine",
         ),
         (
-            rollout.agent.default_agent_loop == "openai_agent" and rollout.partial_rollout,
+            rollout.agent.default_agent_loop == "openai_agent"
+            and rollout.partial_rollout
+            and rollout.tensor_model_parallel_size != 1,
             "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent with "
-            "actor_rollout_ref.rollout.partial_rollout=true",
-            "a push does not cut an OpenAI agent's requests yet (its episode lives in your agent's coroutine, which "
-            "cannot move to a continuation call); set actor_rollout_ref.rollout.partial_rollout=false: each episode "
-            "then finishes on the weights it started with",
+            "actor_rollout_ref.rollout.partial_rollout=true and "
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}",
+            "a push cuts an OpenAI agent's request and the replica loads the new weights itself to continue it, "
+            "which a TP group's ranks do not do together yet; set actor_rollout_ref.rollout.partial_rollout=false "
+            "(each episode then finishes on the weights it started with) or tensor_model_parallel_size=1",
         ),
     ]
 

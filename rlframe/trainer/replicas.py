@@ -38,9 +38,11 @@ class Replicas(ABC):
         self.board = board
         self._watch_group().watch_versions(board)
 
-    def _announce(self, version: int) -> None:
+    def _announce(self, version: int, weights=None) -> None:
+        """`weights`: the object-store reference of the pushed weights, which a replica may load itself
+        (`VersionedRollout.catch_up`)."""
         if self.board is not None:
-            self.board.announce.remote(version)
+            self.board.announce.remote(version, None if weights is None else [weights])
 
     def sample_end(self, step: int) -> None:
         """Step `step`'s batch is sampled and about to train."""
@@ -84,9 +86,12 @@ class PoolReplicas(Replicas):
         return self._with_base
 
     def publish(self, version: int) -> PendingCall:
-        weights = self.actor_wg.export_weights(with_base=self._with_base)
+        import ray
+
+        # one copy in the object store for every replica, and for the board that lets a replica load it itself
+        weights = ray.put(self.actor_wg.export_weights(with_base=self._with_base))
         self._with_base = False
-        self._announce(version)  # running generations stop now; what they cut continues on these weights
+        self._announce(version, weights)  # running generations stop now; what they cut continues on these weights
         return self.rollout_wg.submit("load_weights", version, weights)
 
 

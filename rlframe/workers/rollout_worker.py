@@ -92,8 +92,10 @@ class RolloutWorker(ProfiledWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def watch_versions(self, board) -> None:
-        """Partial rollout: stop a generation once `board` (a VersionBoard actor) announces newer weights."""
+        """Partial rollout: stop a generation once `board` (a VersionBoard actor) announces newer weights; the OpenAI
+        endpoint's requests continue on them in the same call (`VersionedRollout.catch_up`)."""
         self.versioned.watch(board)
+        self.engine.catch_up = self.versioned.catch_up
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def needs_base_weights(self) -> bool:
@@ -103,7 +105,11 @@ class RolloutWorker(ProfiledWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_weights(self, version: int, weights: dict[str, torch.Tensor] | AdapterWeights) -> None:
         """Load policy version `version` into the engine: the actor's full tensors by HF name, or a LoRA actor's
-        adapter (after its base, the first time) for an engine that serves adapters (`export_weights`)."""
+        adapter (after its base, the first time) for an engine that serves adapters (`export_weights`). Weights the
+        engine already caught up to in its last call (the OpenAI endpoint's cut requests) are not loaded again."""
+        if self.versioned.caught_up >= int(version):
+            self._idle_since = time.perf_counter()
+            return
         load_rollout_weights(self.rollout, weights)
         self.versioned.version = int(version)
         self._idle_since = time.perf_counter()

@@ -7,11 +7,15 @@ hybrid engines (`ActorRolloutRefWorker`, `colocate_async`). Each holds a `Versio
   Every generated response token is stamped with it (`rollout_versions`, -1 on padding), so the driver can tell
   how stale a sample is when it trains on it.
 - the cut (`actor_rollout_ref.rollout.partial_rollout`, `rollout/partial.py`): the driver announces a new version on
-  a `VersionBoard` (a Ray actor). A generation running on older weights sees the announcement at its next decoding
-  step (the board is asked at most every `BOARD_POLL_S`) and stops; the rows it cut come back `Stop.INTERRUPTED`
+  a `VersionBoard` (a Ray actor). Each replica's TP rank 0 keeps one call waiting on the board (`newer_than`, on a
+  thread of its own), which returns the moment a newer version is announced; a generation running on older weights
+  reads that answer at its next decoding step (no call per step) and stops; the rows it cut come back `Stop.INTERRUPTED`
   (the engine's own stop reason), and `continue_rows` later finishes them under the new weights. A tool agent's
   trajectory is cut inside a turn (the same interrupt) or between turns (its next generation request finds the
   interrupt set and generates nothing); it comes back with its state (`TRAJECTORY_KEY`) and continues from it.
+  An OpenAI agent's episode cannot come back (it lives in the agent's coroutine): on the rollout pool the board
+  also holds the announced weights (an object-store reference), and the endpoint's server loads them itself
+  (`catch_up`) and continues the cut requests in the same call (`RolloutServer.continue_cuts`).
 - the sampling seeds: one draw of the process RNG per generate call, then the rows' sample seeds under it, exactly
   as `generate_in_tp_group` draws them with TP 1, so a replica samples the tokens the synchronous hybrid engine
   would for the same sequence of calls. Each row's seed comes back with it (`sample_seed`), for its continuation.
@@ -19,6 +23,7 @@ hybrid engines (`ActorRolloutRefWorker`, `colocate_async`). Each holds a `Versio
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -35,21 +40,39 @@ from rlframe.workers.rollout.base import (
 )
 from rlframe.workers.rollout.partial import continue_generation
 from rlframe.workers.rollout.tp import group_rank_and_size
-
-BOARD_POLL_S = 0.02  # how often a running generation asks the board whether newer weights were announced
+from rlframe.workers.weight_sync import load_rollout_weights
 
 
 class VersionBoard:
-    """The newest policy version the driver has announced to the replicas (a Ray actor of its own)."""
+    """The newest policy version the driver has announced to the replicas (an asyncio Ray actor of its own), and on
+    the rollout pool its weights: `[ref]`, the object-store reference the push loads (a list, so that Ray passes it
+    unresolved)."""
 
     def __init__(self):
-        self.version = 0
+        self.version, self.weights = 0, None
+        self._announced = None  # an asyncio.Event, made in the actor's event loop
 
-    def announce(self, version: int) -> None:
-        self.version = max(self.version, int(version))
+    def _event(self):
+        import asyncio
 
-    def announced(self) -> int:
+        if self._announced is None:
+            self._announced = asyncio.Event()
+        return self._announced
+
+    async def announce(self, version: int, weights: list | None = None) -> None:
+        if int(version) >= self.version:
+            self.version, self.weights = int(version), weights  # no weights: nothing a replica could load
+            event, self._announced = self._event(), None
+            event.set()  # wakes every `newer_than` waiting
+
+    async def newer_than(self, version: int) -> int:
+        """The announced version, once it is newer than `version` (at once if it is already)."""
+        while self.version <= int(version):
+            await self._event().wait()
         return self.version
+
+    def announced_weights(self) -> tuple[int, list | None]:
+        return self.version, self.weights
 
 
 class VersionedRollout:
@@ -61,25 +84,47 @@ class VersionedRollout:
         self.version = 0
         self.delay_points = DelayPoints()  # tests: RLFRAME_DELAY_AT=rollout.decode:… (utils/faults.py)
         self._board = None
-        self._announced, self._asked_at = 0, 0.0
+        self._announced = 0  # the newest version the board announced, as the watching thread last heard
+        self.caught_up = -1  # the newest version `catch_up` loaded (its push, queued behind the call, is skipped)
 
     def watch(self, board) -> None:
-        """Stop a generation once `board` (a VersionBoard actor) announces a version newer than the engine's."""
+        """Stop a generation once `board` (a VersionBoard actor) announces a version newer than the engine's. TP rank 0
+        listens on a thread of its own; its TP peers get its answer at each question (`_weights_moved_on`)."""
         self._board = board
         self.engine.interrupt = self._weights_moved_on
+        if group_rank_and_size(self.tp_group)[0] == 0:
+            threading.Thread(target=self._listen, name="version-board", daemon=True).start()
 
-    def _weights_moved_on(self) -> bool:
-        """Whether a version newer than the engine's was announced (the board asked at most every BOARD_POLL_S).
-
-        With TP the engine asks at the same decoding steps on every TP rank (identical input), and all must stop at
-        the same one or the next all-reduce hangs: TP rank 0 asks the board and broadcasts its answer."""
+    def _listen(self) -> None:
+        """Hold one call on the board at a time; each answer is the newest announced version."""
         import ray
 
+        try:
+            while True:
+                self._announced = ray.get(self._board.newer_than.remote(self._announced))
+        except Exception:  # noqa: BLE001 - the board is gone: the run is ending; nothing more will be announced
+            return
+
+    def catch_up(self) -> int:
+        """Load the newest weights the board announced, if newer than the engine's; return the engine's version.
+        The rollout pool's replicas only (TP 1: the announcement carries the pushed weights)."""
+        import ray
+
+        version, weights = ray.get(self._board.announced_weights.remote())
+        if version > self.version:
+            if weights is None:
+                raise RuntimeError(f"policy version {version} was announced without its weights: nothing to catch up")
+            load_rollout_weights(self.rollout, ray.get(weights[0]))
+            self.version = self.caught_up = version
+        return self.version
+
+    def _weights_moved_on(self) -> bool:
+        """Whether a version newer than the engine's was announced (as the listening thread last heard).
+
+        With TP the engine asks at the same decoding steps on every TP rank (identical input), and all must stop at
+        the same one or the next all-reduce hangs: TP rank 0 answers from what it heard and broadcasts its answer."""
         self.delay_points.hit("rollout.decode")  # tests: a slower decoding step, so that cuts land mid-generation
-        rank, size = group_rank_and_size(self.tp_group)
-        now = time.monotonic()
-        if rank == 0 and now - self._asked_at >= BOARD_POLL_S:
-            self._announced, self._asked_at = ray.get(self._board.announced.remote()), now
+        _, size = group_rank_and_size(self.tp_group)
         moved_on = torch.tensor([int(self._announced > self.version)])
         if size > 1:
             dist.broadcast(moved_on, group_src=0, group=self.tp_group)

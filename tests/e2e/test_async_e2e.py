@@ -404,6 +404,37 @@ def test_partial_rollout_cuts_tool_agent_trajectories_and_continues_them_within_
     assert len(trained) == 16 and set(trained.values()) == {1}
 
 
+def test_a_push_cuts_an_openai_agents_requests_and_the_endpoint_continues_them_within_the_bound(
+    ray_cluster, tmp_path, monkeypatch
+):
+    """Your own agent on the rollout pool at η = 1 with partial rollout, decoding slowed so that pushes land while its
+    requests generate: the replica loads the pushed weights itself and continues the cut requests in the same call
+    (the agent only waits longer), so episodes span two versions, every trained token is at most η versions old and
+    every prompt is trained exactly once."""
+    monkeypatch.setenv("RLFRAME_DELAY_AT", "rollout.decode:5:0.1-0.14")
+    dumps = tmp_path / "rollouts"
+    metrics, _ = train_in_process(
+        [
+            *BASE,
+            *SEPARATE,
+            *(key for key in POOL_ONLY["openai_agent"] if "partial_rollout" not in key),
+            "trainer.total_training_steps=4",
+            "trainer.test_freq=-1",
+            "trainer.v1.sampler.max_off_policy_threshold=2",  # η = 1
+            f"trainer.rollout_data_dir={dumps}",
+            f"trainer.default_local_dir={tmp_path / 'async'}",
+        ]
+    )
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert max(m[f"{STALENESS}_worst/max"] for m in metrics) <= 1
+    assert sum(m["rollout/server_requests_cut"] for m in metrics) > 0
+    assert sum(m["async/interrupted_samples"] for m in metrics) == 0  # no episode came back cut
+    assert max(m["training/off_policy/trajectory_spans/max"] for m in metrics) == 2
+    assert all(m["openai_agent/failed_ratio"] == 0 for m in metrics)
+    trained = times_trained(dumps, (1, 2, 3, 4))
+    assert len(trained) == 16 and set(trained.values()) == {1}
+
+
 def test_streaming_groups_over_two_replicas_finishing_out_of_order_stay_within_the_bound(
     ray_cluster, tmp_path, monkeypatch
 ):

@@ -40,6 +40,7 @@ def test_the_v1_keys_have_verls_names_and_defaults():
 
 def test_separate_async_with_a_rollout_pool_is_accepted_and_its_keys_take_effect():
     typed(compose([*SEPARATE, *OPENAI_AGENT, "actor_rollout_ref.rollout.partial_rollout=false"]))  # episodes uncut
+    typed(compose([*SEPARATE, *OPENAI_AGENT]))  # a push cuts a request and the replica continues it
     cfg = typed(compose(SEPARATE))
     assert cfg.trainer.v1.trainer_mode == "separate_async"
     inactive = inactive_keys(cfg)
@@ -114,8 +115,14 @@ def test_what_colocate_async_does_not_support_is_refused_by_name(overrides, expe
             r"tensor_model_parallel_size=2 with .*n_gpus_per_node = 3 processes; pick a TP size that divides 3",
         ),
         (
-            [*SEPARATE, *OPENAI_AGENT],  # partial_rollout=true, rlframe's default
-            r"openai_agent with actor_rollout_ref.rollout.partial_rollout=true with .*set .*partial_rollout=false",
+            [  # partial_rollout=true, rlframe's default
+                *SEPARATE,
+                *OPENAI_AGENT,
+                "actor_rollout_ref.rollout.n_gpus_per_node=2",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+            ],
+            r"openai_agent with .*partial_rollout=true and .*tensor_model_parallel_size=2 with .*separate_async: "
+            r".*set .*partial_rollout=false",
         ),
         ([*SEPARATE, "actor_rollout_ref.hybrid_engine=false"], r"hybrid_engine=false"),
     ],

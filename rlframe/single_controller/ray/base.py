@@ -291,7 +291,8 @@ class RayWorkerGroup(Generic[W]):
         return PendingCall(self._submit(workers, method, plan), plan, qualified, self.call_timeout_s)
 
     def _submit(self, workers: list, method: str, plan: CallPlan) -> list:
-        """Send each rank its arguments; a non-scalar value several ranks read is put once for all of them.
+        """Send each rank its arguments; a non-scalar value several ranks read is put once for all of them (a value
+        the caller put already, an `ObjectRef`, is passed as it is).
 
         A value only one rank reads (its data-parallel shard) travels with that rank's call: Ray puts it
         into the object store itself when it is large, and sends a small one inline, sparing the small
@@ -301,7 +302,7 @@ class RayWorkerGroup(Generic[W]):
         refs_by_id: dict[int, Any] = {}
 
         def prepare(value):
-            if isinstance(value, _INLINE_TYPES):
+            if isinstance(value, _INLINE_TYPES) or isinstance(value, ray.ObjectRef):  # a reference: Ray resolves it
                 return value
             if readers[id(value)] == 1:
                 return pack_value(value)

@@ -1,7 +1,8 @@
 """An OpenAI-endpoint episode's requests become token-exact trajectories.
 
 Every chat request of an episode is recorded with the token ids of its rendered prompt, the ids the engine
-sampled, their log-probs and the policy version that sampled them. The session rule:
+sampled, their log-probs and the policy version that sampled each of them (a push that cuts a request on the rollout
+pool continues it on the new weights: its later tokens carry the newer version). The session rule:
 
 - a request whose messages begin with a trajectory's whole conversation (its requests' messages and the
   assistant message the endpoint returned last) *extends* it: the recorded ids are reused as they are, and only
@@ -35,13 +36,19 @@ class EpisodeTrajectory:
     response_ids: list[int] = field(default_factory=list)
     response_mask: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
-    policy_versions: list[int] = field(default_factory=list)  # one per assistant turn
+    versions: list[int] = field(default_factory=list)  # per response token: the version that sampled it, -1 context
+    policy_versions: list[int] = field(default_factory=list)  # one per assistant turn: its first token's
     ended_with_eos: bool = True  # the last assistant turn ended at an EOS (else the template's closing is added)
 
-    def append(self, ids: list[int], trained: bool, log_probs: list[float] | None = None) -> None:
+    def append(
+        self, ids: list[int], trained: bool, log_probs: list[float] | None = None, versions: list[int] | None = None
+    ) -> None:
+        if versions is not None and len(versions) != len(ids):
+            raise ValueError(f"{len(ids)} sampled ids with {len(versions)} policy versions: one version per id")
         self.response_ids += ids
         self.response_mask += [int(trained)] * len(ids)
         self.log_probs += log_probs if log_probs is not None else [0.0] * len(ids)
+        self.versions += versions if versions is not None else [-1] * len(ids)
 
 
 @dataclass
@@ -151,19 +158,18 @@ def record_turn(
     trajectory: EpisodeTrajectory,
     context: list[int],
     request_messages: list[dict],
-    turn: tuple[list[int], list[float] | None, bool],
+    turn: tuple[list[int], list[float] | None, list[int], bool],
     reply: dict,
-    policy_version: int,
 ) -> None:
-    """Append one sampled turn (`turn`: ids, log-probs, ended at an EOS) to its trajectory (a new one joins the
-    episode)."""
-    ids, log_probs, ended_with_eos = turn
+    """Append one sampled turn (`turn`: ids, log-probs, each id's policy version, ended at an EOS) to its trajectory
+    (a new one joins the episode)."""
+    ids, log_probs, versions, ended_with_eos = turn
     if not any(known is trajectory for known in episode.trajectories):
         episode.trajectories.append(trajectory)
     trajectory.append(context, trained=False)
-    trajectory.append(ids, trained=True, log_probs=log_probs)
+    trajectory.append(ids, trained=True, log_probs=log_probs, versions=versions)
     trajectory.messages = list(request_messages) + [normalize_message(reply)]
-    trajectory.policy_versions.append(policy_version)
+    trajectory.policy_versions.append(versions[0] if versions else -1)
     trajectory.ended_with_eos = ended_with_eos
     episode.num_generated_tokens += len(ids)
 

@@ -65,9 +65,12 @@ class OpenAIAgents:
         return await self._server.generate(request, away=True)
 
     def serve_with(self, server: RolloutServer, policy_version: int) -> None:
-        """Send the endpoint's requests to this rollout call's server (started at the first call); its turns are
-        recorded with `policy_version` (the trainer's weight updates so far)."""
-        self._server, self.endpoint.policy_version = server, policy_version
+        """Send the endpoint's requests to this rollout call's server (started at the first call), which serves
+        `policy_version` (the trainer's weight updates so far). On the rollout pool with partial rollout a push cuts
+        a running request and the server continues it on the new weights (`catch_up`): the agent only waits
+        longer, and each sampled token keeps the version that sampled it."""
+        self._server = server
+        server.continue_cuts(policy_version, self.engine.catch_up)
         self.endpoint.start()
 
     async def run_episode(self, row: int, prompts: DataProto, seed: int) -> tuple[Episode, object]:
@@ -122,11 +125,13 @@ class OpenAIAgents:
         non_tensor["__num_turns__"] = np.array([len(t.policy_versions) for t in trajectories])
         out = DataProto.from_dict({k: v.to(device) for k, v in tensors.items()}, non_tensor)
         out.meta_info["metrics"] = _metrics(episodes)
-        # an episode is never cut (its agent's coroutine cannot be continued elsewhere): its tokens are all of the
-        # weights this call served with, and it stopped at an EOS or where its agent or budget stopped it
+        # an episode never comes back cut (its agent's coroutine cannot be continued elsewhere; a push's cut is
+        # continued by the server): it stopped at an EOS or where its agent or budget stopped it
         eos = self.engine.eos_ids
         stops = [Stop.EOS if t.response_ids and t.response_ids[-1] in eos else Stop.LENGTH for t in trajectories]
-        versions = torch.full(response.shape, self.endpoint.policy_version, dtype=torch.int32)
+        versions = torch.full(response.shape, -1, dtype=torch.int32)
+        for row, t in enumerate(trajectories):
+            versions[row, : len(t.versions)] = torch.tensor(t.versions, dtype=torch.int32)
         return mark_rollout_state(out, torch.tensor([int(stop) for stop in stops]), versions)
 
     def _row_trajectory(self, prompts: DataProto, row: int, episode: Episode) -> EpisodeTrajectory:

@@ -150,7 +150,6 @@ class OpenAIEndpoint:
         self.limits, self.model_name, self.host, self.budget = limits, model_name, host, budget
         self.port = 0  # a free one, known once started
         self.chat_template_kwargs = chat_template_kwargs
-        self.policy_version = 0  # recorded with every sampled turn; the trainer sets it when weights change
         self.episodes: dict[str, Episode] = {}
         self._records = threading.Lock()  # an episode closes between requests, never while one is recorded
         self._turns: dict[str, ChatTemplateTurns] = {}  # by the tools' JSON
@@ -308,7 +307,9 @@ class OpenAIEndpoint:
         choices = []
         full_context = trajectory.prompt_ids + trajectory.response_ids + context
         samples = await self._sample(episode.request_seeds(number, body.n), full_context, max_tokens, stops)
-        samples = [(ids, log_probs, opening + text, reason) for ids, log_probs, text, reason in samples]
+        samples = [
+            (ids, log_probs, versions, opening + text, reason) for ids, log_probs, versions, text, reason in samples
+        ]
         call_prefix = secrets.token_hex(4)
         with self._records:
             self._episode(episode.token)  # still open
@@ -329,7 +330,7 @@ class OpenAIEndpoint:
 
     def _chat_choice(self, episode, index, sample, where, messages, call_id, logprobs: bool) -> dict:
         """Record choice `index` and answer it; other choices (and a concurrent request's) branch from `before`."""
-        ids, log_probs, text, reason = sample
+        ids, log_probs, versions, text, reason = sample
         trajectory, before, context = where
         untouched = trajectory.messages == before.messages  # no concurrent request extended it meanwhile
         target = trajectory if index == 0 and untouched else copy.deepcopy(before)
@@ -337,7 +338,7 @@ class OpenAIEndpoint:
         ended = bool(ids) and ids[-1] in self.eos_ids
         if "tool_calls" in reply and ended:
             reason = "tool_calls"
-        record_turn(episode, target, context, messages, (ids, log_probs, ended), reply, self.policy_version)
+        record_turn(episode, target, context, messages, (ids, log_probs, versions, ended), reply)
         choice = {"index": index, "message": reply, "finish_reason": reason, "logprobs": None}
         if logprobs:
             choice["logprobs"] = {"content": self._token_logprobs(ids, log_probs)}
@@ -369,15 +370,14 @@ class OpenAIEndpoint:
         max_tokens = min(response_length, body.max_tokens or 16)
         samples = await self._sample(episode.request_seeds(number, body.n), prompt_ids, max_tokens, stops)
         choices = []
-        for index, (ids, log_probs, text, reason) in enumerate(samples):
+        for index, (ids, log_probs, versions, text, reason) in enumerate(samples):
             trajectory = EpisodeTrajectory([], prompt_ids)
             reply = {"role": "assistant", "content": text}
             ended = bool(ids) and ids[-1] in self.eos_ids
             prompt_message = {"role": "completion_prompt", "content": body.prompt}
             with self._records:
                 self._episode(episode.token)  # still open
-                turn = (ids, log_probs, ended)
-                record_turn(episode, trajectory, [], [prompt_message], turn, reply, self.policy_version)
+                record_turn(episode, trajectory, [], [prompt_message], (ids, log_probs, versions, ended), reply)
             choice = {"index": index, "text": text, "finish_reason": reason, "logprobs": None}
             if body.logprobs is not None:
                 entries = self._token_logprobs(ids, log_probs)
@@ -392,22 +392,24 @@ class OpenAIEndpoint:
 
     # ------------------------------------------------------------------ sampling
     async def _sample(self, seeds: list[int], context: list[int], max_tokens: int, stops: list[str]):
-        """One sample per seed after `context`: (ids, log-probs, text, finish reason) each, cut after a stop string."""
+        """One sample per seed after `context`: (ids, log-probs, each id's policy version, text, finish reason) each,
+        cut after a stop string."""
         requests = [GenerationRequest(next(self._request_index), context, max_tokens, seed) for seed in seeds]
         completions = await asyncio.gather(*(self.generate(request) for request in requests))
-        return [self._finish(c.tokens, c.log_probs, max_tokens, stops) for c in completions]
+        return [self._finish(c, max_tokens, stops) for c in completions]
 
-    def _finish(self, ids: list[int], log_probs, max_tokens: int, stops: list[str]):
+    def _finish(self, completion: Completion, max_tokens: int, stops: list[str]):
         """The sampled turn as the agent receives it: text without the EOS, cut at the first stop string."""
+        ids, log_probs, versions = completion.tokens, completion.log_probs, completion.versions
         ended = bool(ids) and ids[-1] in self.eos_ids
         reason = "stop" if ended else ("length" if len(ids) >= max_tokens else "stop")
         for end in range(1, len(ids) + 1) if stops else ():
             text = self.tokenizer.decode(ids[:end], skip_special_tokens=False)
             at = min((text.find(s) for s in stops if s in text), default=-1)
             if at >= 0:  # the policy's tokens up to the one completing the stop string are kept and trained
-                return ids[:end], log_probs[:end] if log_probs is not None else None, text[:at], "stop"
+                return ids[:end], log_probs[:end] if log_probs is not None else None, versions[:end], text[:at], "stop"
         text = self.tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=False)
-        return ids, log_probs, text, reason
+        return ids, log_probs, versions, text, reason
 
     def _token_logprobs(self, ids: list[int], log_probs: list[float] | None) -> list[dict]:
         if log_probs is None:

@@ -16,8 +16,16 @@ With `tensor_model_parallel_size > 1` the TP ranks must run the engine on identi
 moments: TP rank 0 (the leader) runs the agent loops and broadcasts every engine call's requests to its TP
 peers, which run the same call (`follow`) and discard the results.
 
+A request a weight push cuts (`Stop.INTERRUPTED`) is answered with what it has, to be continued by the driver
+(`partial.py`, `multi_turn.py`), unless the server continues cuts itself (`continue_cuts`, the OpenAI endpoint's
+requests on the rollout pool: their episodes live in the agent's coroutine and cannot move to a continuation call).
+Then the request goes back to the queue as its prompt plus the tokens it has, with the rest of its budget and the
+same seed; before its next engine call the server loads the announced weights (`catch_up`), and the agent gets one
+answer, slower, whose tokens each carry the version that sampled them (`Completion.versions`).
+
 Metrics: `rollout/server_queue_time_s/{mean,max}` (from a request's arrival to the start of its batch),
-`rollout/server_tokens_per_s` (generated tokens over the serving time), `rollout/server_batch_size_mean`.
+`rollout/server_tokens_per_s` (generated tokens over the serving time), `rollout/server_batch_size_mean`, and with
+`continue_cuts` `rollout/server_requests_cut` (requests cut by a push and continued on the new weights).
 """
 
 from __future__ import annotations
@@ -26,9 +34,10 @@ import asyncio
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -60,6 +69,7 @@ class Completion:
     tokens: list[int]
     log_probs: list[float] | None
     stop: Stop = Stop.EOS
+    versions: list[int] = field(default_factory=list)  # per token: the policy version that sampled it
 
 
 @dataclass
@@ -67,6 +77,7 @@ class _Pending:
     request: GenerationRequest
     future: Future
     arrived: float
+    done: Completion | None = None  # what the request generated before a cut (`continue_cuts`)
 
 
 class RolloutServer(ABC):
@@ -83,6 +94,15 @@ class RolloutServer(ABC):
         self._batch_sizes: list[int] = []
         self._generated = 0
         self._closed: BaseException | None = None
+        self.version = 0  # the engine's policy version: each completed token is stamped with it
+        self._catch_up: Callable[[], int] | None = None  # `continue_cuts`
+        self._cut = False  # a cut request waits for the announced weights
+        self._cuts = 0  # requests cut and continued
+
+    def continue_cuts(self, version: int, catch_up: Callable[[], int] | None) -> None:
+        """Serve under policy `version`; with `catch_up` (it loads the newest announced weights and returns their
+        version), a request a push cuts is continued here on the new weights instead of being answered cut."""
+        self.version, self._catch_up = int(version), catch_up
 
     # ------------------------------------------------------------------ the agent loops' side (any thread)
     async def generate(self, request: GenerationRequest, away: bool = False) -> Completion:
@@ -166,9 +186,24 @@ class RolloutServer(ABC):
 
     def _complete(self, pending: _Pending, completion: Completion) -> None:
         self._generated += len(completion.tokens)
+        new = replace(completion, versions=[self.version] * len(completion.tokens))
+        whole = new if pending.done is None else _joined(pending.done, new)
+        request, left = pending.request, pending.request.max_tokens - len(new.tokens)
         with self._cond:
             self._in_flight.pop(id(pending), None)
-        pending.future.set_result(completion)
+            if new.stop == Stop.INTERRUPTED and self._catch_up is not None and left > 0:
+                # back to the queue: its prompt and tokens so far, the rest of its budget, the same seed
+                rest = replace(request, prompt_ids=[*request.prompt_ids, *new.tokens], max_tokens=left)
+                self._waiting.append(_Pending(rest, pending.future, time.perf_counter(), whole))
+                self._cut, self._cuts = True, self._cuts + 1
+                self._cond.notify_all()
+                return
+        pending.future.set_result(whole)
+
+    def _catch_up_after_cut(self) -> None:
+        """Before an engine call: if a push cut requests, load the announced weights they continue on."""
+        if self._cut:
+            self.version, self._cut = int(self._catch_up()), False
 
     def _broadcast(self, requests, receive: bool = False):
         """TP rank 0's engine call to its TP peers (nothing to do without TP)."""
@@ -200,7 +235,14 @@ class RolloutServer(ABC):
             "rollout/server_queue_time_s/max": max(self._queue_times),
             "rollout/server_tokens_per_s": self._generated / max(elapsed, 1e-9),
             "rollout/server_batch_size_mean": sum(self._batch_sizes) / len(self._batch_sizes),
+            **({"rollout/server_requests_cut": float(self._cuts)} if self._catch_up is not None else {}),
         }
+
+
+def _joined(before: Completion, after: Completion) -> Completion:
+    """A cut request's completion: what it generated before the cut, then its continuation."""
+    log_probs = None if after.log_probs is None else before.log_probs + after.log_probs
+    return Completion(before.tokens + after.tokens, log_probs, after.stop, before.versions + after.versions)
 
 
 class BatchingServer(RolloutServer):
@@ -213,6 +255,7 @@ class BatchingServer(RolloutServer):
                 if not self._waiting:
                     return  # every trajectory finished
                 pendings, self._waiting = self._waiting, []
+            self._catch_up_after_cut()
             requests = self._take(pendings)
             by_index = {p.request.index: p for p in pendings}
             for request, completion in zip(requests, self._run(requests)):

@@ -41,6 +41,8 @@ class VLLMServer(RolloutServer):
                 if self._open == 0 and not running:
                     return
                 pendings, self._waiting = self._waiting, []
+            if not running:  # requests a push cut continue on the announced weights (`continue_cuts`)
+                self._catch_up_after_cut()
             if self.engine.interrupt is not None and self.engine.interrupt():
                 self._cut(running, latest, pendings)
                 continue
@@ -55,7 +57,8 @@ class VLLMServer(RolloutServer):
 
     def _cut(self, running: dict[str, _Pending], latest: dict[str, object], new: list[_Pending]) -> None:
         """Partial rollout (the rollout pool, TP 1): newer weights were announced. The running requests are aborted
-        and answered with the tokens they have; the new ones are answered at once with none."""
+        and answered with the tokens they have; the new ones are answered at once with none (or, under
+        `continue_cuts`, all go back to the queue and continue once the new weights are loaded)."""
         self.engine.llm.llm_engine.abort_request(sorted(running))
         for pending in new:
             self._complete(pending, self._completion(SimpleNamespace(outputs=[NO_TOKENS]), pending.request))

@@ -10,12 +10,14 @@ import textwrap
 
 import numpy as np
 import pytest
+import torch
 from helpers.multi_turn import make_prompts
 from helpers.rewards import make_batch
 from helpers.rollout import load_tokenizer, rollout_config
 
 from rlframe.reward.manager import AGENT_SCORE_KEY, NaiveRewardManager
 from rlframe.workers.rollout import build_rollout, generate_in_tp_group
+from rlframe.workers.rollout.base import VERSIONS_KEY
 from rlframe.workers.rollout.openai_agent import AgentFailed
 
 AGENTS = textwrap.dedent(
@@ -172,3 +174,105 @@ def test_the_example_calculator_agent_runs_through_the_endpoint(tiny_model_path)
     assert out.batch["response_mask"].sum() > 0
     calculate = rollout.openai_agents.function.__globals__["calculate"]
     assert calculate("123 * 45") == "5535" and calculate("__import__('os')").startswith("error")
+
+
+class PushAfter:
+    """The rollout pool's board in miniature: newer weights are announced at the engine's (asks + 1)-th question
+    (`interrupt`, asked when a micro-batch starts and after each decoding step); `catch_up` loads `weights` (None:
+    the engine keeps its own) and takes the announced version, as `VersionedRollout.catch_up` does."""
+
+    def __init__(self, engine, asks: int, weights: dict | None = None):
+        self.engine, self.asks, self.weights = engine, asks, weights
+        self.asked = self.announced = self.version = 0
+
+    def interrupt(self) -> bool:
+        self.asked += 1
+        if self.asked > self.asks:
+            self.announced = 1
+        return self.announced > self.version
+
+    def catch_up(self) -> int:
+        if self.weights is not None:
+            self.engine.update_weights(self.weights.items())
+        self.version = self.announced
+        return self.version
+
+
+def _two_turn_rows(rollout, prompts, push: PushAfter | None):
+    """The two-turn agent's rows (the sampling seed drawn from the same RNG state each time) and its replies."""
+    seen = rollout.openai_agents.function.__globals__["SEEN"]
+    seen.clear()
+    engine = rollout.unwrapped
+    state = torch.get_rng_state()
+    engine.interrupt, engine.catch_up = (push.interrupt, push.catch_up) if push else (None, None)
+    try:
+        out = generate_in_tp_group(rollout, prompts)
+    finally:
+        engine.interrupt = engine.catch_up = None
+        torch.set_rng_state(state)
+    return out, {row: [list(reply) for reply in replies] for row, replies in seen.items()}
+
+
+def test_a_push_cuts_a_running_request_and_the_endpoint_continues_it_unseen_by_the_agent(tiny_model_path, agent_file):
+    """Under unchanged weights the continued requests give the agent the very tokens of an uncut run (sampling is
+    keyed by seed and position); the tokens before the cut carry the old version, those after it the new one."""
+    rollout = openai_rollout(tiny_model_path, agent_file, "two_turns")
+    prompts = rows(tiny_model_path, 4)
+    whole, _ = _two_turn_rows(rollout, prompts, None)
+    cut, replies = _two_turn_rows(rollout, prompts, PushAfter(rollout.unwrapped, asks=3))
+    assert cut.meta_info["metrics"]["rollout/server_requests_cut"] >= 1
+    assert cut.meta_info["metrics"]["openai_agent/failed_ratio"] == 0
+    for key in ("responses", "response_mask", "input_ids", "attention_mask"):
+        assert torch.equal(cut.batch[key], whole.batch[key]), key
+    # a continuation's first token comes from a prefill of prompt + prefix, not a decoding step: the same value up
+    # to the rounding of a differently shaped computation
+    torch.testing.assert_close(cut.batch["rollout_log_probs"], whole.batch["rollout_log_probs"], rtol=0, atol=1e-5)
+    mask = cut.batch["response_mask"].bool()
+    versions = cut.batch[VERSIONS_KEY]
+    assert (whole.batch[VERSIONS_KEY][mask] == 0).all() and (versions[~mask] == -1).all()
+    for row in range(4):
+        policy = versions[row][mask[row]].tolist()
+        assert policy == sorted(policy) and policy.count(0) <= 3  # cut after 3 decoding steps at most
+        trained = cut.batch["rollout_log_probs"][row][mask[row]].tolist()
+        assert trained == [p for reply in replies[row] for p in reply]  # what the agent received, exactly
+    assert (versions[mask] == 0).any() and (versions[mask] == 1).any()
+
+
+def test_a_cut_request_continues_on_the_new_weights_with_each_tokens_version_and_log_prob(tiny_model_path, agent_file):
+    """The new weights arrive mid-request: the tokens before the cut were sampled (and their log-probs computed) by
+    the old weights, the rest by the new ones; the rows record which, token by token."""
+    rollout = openai_rollout(tiny_model_path, agent_file, "two_turns")
+    engine = rollout.unwrapped
+    before = {name: t.clone() for name, t in engine.model.state_dict().items()}
+    gen = torch.Generator().manual_seed(0)
+    newer = {
+        name: t + 0.05 * torch.randn(t.shape, generator=gen) for name, t in before.items() if t.is_floating_point()
+    }
+    try:
+        out, _ = _two_turn_rows(rollout, rows(tiny_model_path, 4), PushAfter(engine, asks=3, weights=newer))
+        mask = out.batch["response_mask"].bool()
+        versions = out.batch[VERSIONS_KEY]
+        assert (versions[mask] == 0).any() and (versions[mask] == 1).any()
+        recorded = out.batch["rollout_log_probs"]
+        under_new = _teacher_forced_log_probs(rollout, out)
+        engine.update_weights(before.items())
+        under_old = _teacher_forced_log_probs(rollout, out)
+        old, new = mask & (versions == 0), mask & (versions == 1)
+        torch.testing.assert_close(recorded[old], under_old[old], rtol=0, atol=1e-5)
+        torch.testing.assert_close(recorded[new], under_new[new], rtol=0, atol=1e-5)
+    finally:
+        engine.update_weights(before.items())
+
+
+def _teacher_forced_log_probs(rollout, rows) -> torch.Tensor:
+    """log p(response token) under the engine's current weights, from one forward over prompt + response."""
+    temperature = rollout.unwrapped.sampling_for({}).temperature
+    width = rows.batch["prompts"].shape[1]
+    with torch.no_grad():
+        logits = rollout.unwrapped.model(
+            input_ids=rows.batch["input_ids"],
+            attention_mask=rows.batch["attention_mask"],
+            position_ids=rows.batch["position_ids"],
+        ).logits[:, width - 1 : -1]
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return log_probs.gather(-1, rows.batch["responses"][..., None]).squeeze(-1)

@@ -97,7 +97,7 @@ def _scripted(server, texts, tokenizer, requests):
     out = []
     for _ in requests:
         ids = tokenizer.encode(next(texts), add_special_tokens=False) + [server.eos_ids[0]]
-        out.append(Completion(ids, [-0.5] * len(ids)))
+        out.append(Completion(ids, [-0.5] * len(ids), versions=[0] * len(ids)))
     return out
 
 
@@ -463,7 +463,7 @@ def test_an_engine_failure_answers_500_in_openai_shape_and_the_endpoint_keeps_se
         calls.append(request)
         if len(calls) == 1:
             raise RuntimeError("the rollout server stopped")
-        return Completion([engine.eos_ids[0]], [-0.1])
+        return Completion([engine.eos_ids[0]], [-0.1], versions=[0])
 
     endpoint = OpenAIEndpoint(generate, engine.test_tokenizer, engine.eos_ids, (256, 160), MODEL)
     endpoint.start()
