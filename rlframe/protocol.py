@@ -32,14 +32,14 @@ __all__ = [
 
 
 def plain_data(value: Any, where: str, refusal: str) -> Any:
-    """`value` as tensors, numbers, strings and lists/tuples/dicts of them: what `torch.load(weights_only=True)`
-    reads back. numpy scalars become Python numbers and numpy arrays tensors; anything else raises a
-    TypeError naming `where`, followed by `refusal` (what the caller writes, and why only that).
+    """`value` as tensors, numbers, strings, bytes (an image's PNG) and lists/tuples/dicts of them: what
+    `torch.load(weights_only=True)` reads back. numpy scalars become Python numbers and numpy arrays tensors;
+    anything else raises a TypeError naming `where`, followed by `refusal` (what the caller writes, and why only that).
 
     Used at save time (DataProto.save_to_disk, the checkpoint's data.pt), so that a value a
     weights_only load would refuse fails the save that wrote it, not the load.
     """
-    if value is None or isinstance(value, (bool, str, torch.Tensor)):
+    if value is None or isinstance(value, (bool, str, bytes, torch.Tensor)):
         return value
     if isinstance(value, np.generic):
         return value.item()
@@ -59,7 +59,7 @@ def plain_data(value: Any, where: str, refusal: str) -> Any:
 
 # Why DataProto.save_to_disk refuses a value (plain_data's `refusal`).
 _SAVE_TO_DISK_REFUSAL = (
-    "DataProto.save_to_disk writes only tensors, numbers, strings and lists/tuples/dicts of them "
+    "DataProto.save_to_disk writes only tensors, numbers, strings, bytes and lists/tuples/dicts of them "
     "(so that loading the file cannot run code)"
 )
 

@@ -38,7 +38,7 @@ LATEST = "latest_checkpointed_iteration.txt"
 DATA_FILE = "data.pt"
 # why data.pt refuses a value (plain_data's `refusal`): checked at save time, not at resume
 CHECKPOINT_REFUSAL = (
-    "a checkpoint holds only tensors, numbers, strings and lists/tuples/dicts of them "
+    "a checkpoint holds only tensors, numbers, strings, bytes and lists/tuples/dicts of them "
     "(so that loading it cannot run code)"
 )
 RESUME_MODES = ("auto", "disable", "resume_path")
@@ -208,12 +208,18 @@ class TrainerCheckpointer:
         verify_manifest(folder)  # an explicit choice: no fallback, the error names the file
         return folder
 
-    def maybe_resume(self, actor_wg, critic_wg, dataloader) -> dict | None:
-        """Load the checkpoint the resume mode asks for; returns the driver state, or None for a fresh start."""
+    def maybe_resume(self, actor_wg, critic_wg, dataloader, check_driver=None) -> dict | None:
+        """Load the checkpoint the resume mode asks for; returns the driver state, or None for a fresh start.
+        `check_driver(driver_state)` may refuse the driver state before the workers load anything."""
         folder = self.resume_folder()
         if folder is None:
             return None
         state = load_data(os.path.join(folder, DATA_FILE))  # before the workers: a refused file stops here
+        if check_driver is not None:
+            try:
+                check_driver(state["driver"])
+            except ValueError as error:
+                raise ValueError(f"cannot resume from {folder}: {error}") from error
         print(f"[rlframe] resuming from {folder}", flush=True)
         self.last_complete = folder
         actor_wg.load_checkpoint(os.path.join(folder, "actor"))

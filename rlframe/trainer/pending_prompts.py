@@ -1,10 +1,11 @@
 """Prompts a checkpoint carries untrained, so that a resume in either trainer mode trains each prompt exactly once.
 
 The loader's saved position is past every prompt it has handed out. An asynchronous run has handed out more than it
-has trained: the groups generating or finished but not trained yet, and the prompts waiting for room. The
-synchronous loop, resuming such a checkpoint, may be left with rows that do not fill a loader batch. Both keep
-these prompts in the driver state as `pending_prompts`, oldest first; a resumed run in either mode takes them
-before the loader's next ones (`PendingPrompts`). Their responses are not saved: a resumed run generates them again.
+has trained: the groups generating, those finished but not trained yet (kept whole: `finished_groups.py`), and the
+prompts waiting for room. The synchronous loop, resuming such a checkpoint, may be left with rows that do not fill a
+loader batch. Both keep the prompts not kept whole in the driver state as `pending_prompts`, oldest first; a resumed
+run in either mode takes them before the loader's next ones (`PendingPrompts`). Their responses are not saved: a
+resumed run generates them again.
 Checkpoints written before this file named the entry `async_prompts`; it is read under that name too.
 """
 

@@ -39,6 +39,7 @@ import torch
 from rlframe.protocol import DataProto
 from rlframe.trainer.config import lookahead, staleness_bound
 from rlframe.trainer.dynamic_sampling import DynamicSampler
+from rlframe.trainer.finished_groups import FinishedGroup, check_rollout_n
 from rlframe.trainer.metrics import compute_staleness_metrics, reduce_metrics
 from rlframe.trainer.replicas import Replicas
 from rlframe.trainer.rollout_stage import (
@@ -111,6 +112,21 @@ class PooledSource(BatchSource):
         self._gen_metrics: list[dict] = []  # the rollout's metrics of the calls returned since the last step
         self._evicted = {"groups": 0, "spans": [], "tokens": 0}  # since the last step's metrics
         self._rollout_idle_s = 0.0  # reported by the generate calls returned since the last step's metrics
+        self._restored_taken = 0  # groups a checkpoint carried finished, in the step's batch
+
+    def check_resumable(self, driver_state: dict) -> None:
+        check_rollout_n(driver_state, self.plan.n, self.config_mode)
+
+    def restore_finished(self, groups: list[FinishedGroup]) -> None:
+        """The checkpoint's finished groups go back into the ledger, oldest first, with their admission versions:
+        the first steps take them as they are (or evict them, past η). ReMax needs each group's greedy baseline,
+        which a checkpoint does not keep: its prompts are generated again first."""
+        if self.remax:
+            self.pending.rows.extendleft(reversed([group.prompt for group in groups]))
+            return
+        for group in groups:
+            gid = self.ledger.restore(group.version)
+            self._prompt_of[gid], self._rows[gid] = group.prompt, group.rows
 
     def start(self, step: int) -> None:
         # an engine started from dummy weights (vLLM's load_format=dummy) takes the actor's before it generates: the
@@ -137,6 +153,7 @@ class PooledSource(BatchSource):
                     f"{self.plan.train_batch_size} prompts?"
                 )
             batch = DataProto.concat([self._rows.pop(gid) for gid in take])
+            self._restored_taken += len(self.ledger.restored.intersection(take))
             admitted = torch.tensor([self.ledger.finished[gid] for gid in take])
             batch.batch[ADMITTED_KEY] = admitted.repeat_interleave(self.plan.n)
             with timer("reward", ready.timings):
@@ -314,7 +331,7 @@ class PooledSource(BatchSource):
             self._greedy.pop(gid, None)
         self.ledger.remove(groups)
         prompts = [self._prompt_of.pop(gid) for gid in groups]
-        if self.ledger.strategy == "regenerate":
+        if self.ledger.strategy != "drop":  # under wait, only restored groups are evicted: regenerated
             self.pending.rows.extendleft(reversed(prompts))
 
     def _remax_baselines(self, take: list[int], step: int, metrics: dict) -> torch.Tensor:
@@ -364,12 +381,26 @@ class PooledSource(BatchSource):
         self._rollout_idle_s = 0.0
         metrics["async/interrupted_samples"] = self._interrupted  # cut by a push and continued, since the last step
         self._interrupted = 0
+        metrics["async/restored_groups"] = self._restored_taken  # a checkpoint's finished groups, not generated again
+        self._restored_taken = 0
         return metrics
 
+    def finished_groups(self) -> list[FinishedGroup]:
+        """The groups finished and not trained, oldest first: the checkpoint keeps them whole. ReMax's are not kept
+        (their greedy baselines are not saved): their prompts are generated again."""
+        if self.remax:
+            return []
+        return [FinishedGroup(self.ledger.finished[g], self._prompt_of[g], self._rows[g]) for g in self._kept()]
+
     def untrained_prompts(self) -> list[DataProto]:
-        """The groups generating or finished (their responses are not saved: a resumed run generates them again, at
-        its own version), then the prompts waiting for room. The loader's own state is past all of them."""
-        return [self._prompt_of[gid] for gid in sorted(self._prompt_of)] + list(self.pending.rows)
+        """The groups generating (their rows are not saved: a resumed run generates them again, at its own version),
+        then the prompts waiting for room. The loader's own state is past all of them."""
+        kept = set(self._kept()) if not self.remax else set()
+        return [self._prompt_of[g] for g in sorted(self._prompt_of) if g not in kept] + list(self.pending.rows)
+
+    def _kept(self) -> list[int]:
+        """The finished groups not trained yet (between steps, the step's take has left the ledger)."""
+        return sorted(g for g in self.ledger.finished if g not in self._take)
 
     def _push_weights(self, step: int) -> None:
         """Queue the actor's weights on the replicas as version `step` (after the calls queued there). With

@@ -37,6 +37,8 @@ from rlframe.protocol import DataProto
 from rlframe.reward.manager import group_index
 from rlframe.seqpack import balance_dp_partitions, packing_metrics
 from rlframe.trainer.checkpointing import TrainerCheckpointer
+from rlframe.trainer.finished_groups import STATE_KEY as FINISHED_KEY
+from rlframe.trainer.finished_groups import plain_groups, saved_groups
 from rlframe.trainer.metrics import (
     compute_data_metrics,
     compute_throughput_metrics,
@@ -200,7 +202,9 @@ class RayPPOTrainer:
             cfg.default_local_dir,
             self.secrets.mask(OmegaConf.to_container(self.config)),
         )
-        driver_state = self.checkpointer.maybe_resume(self.actor_rollout_wg, self.critic_wg, self.train_dataloader)
+        driver_state = self.checkpointer.maybe_resume(
+            self.actor_rollout_wg, self.critic_wg, self.train_dataloader, check_driver=self.source.check_resumable
+        )
         if driver_state is not None:
             self._restore_driver_state(driver_state)
         # the lines an earlier run logged past this run's start: after the resumed checkpoint (a killed run's), or
@@ -325,12 +329,17 @@ class RayPPOTrainer:
         return flops / (seconds * self.num_devices * self.peak_tflops * 1e12)
 
     def _driver_state(self) -> dict:
-        pending = plain_rows(self.source.untrained_prompts())
-        return {"global_step": self.global_step, "kl_coef": self.kl_ctrl.value, PENDING_KEY: pending}
+        """What the checkpoint keeps of the driver: the step, the KL coefficient, and what was handed out and not
+        trained: the finished groups whole, the other prompts as prompts (`finished_groups.py`)."""
+        finished, unsaved = plain_groups(self.source.finished_groups(), self.plan.n)
+        pending = plain_rows(unsaved + self.source.untrained_prompts())
+        state = {"global_step": self.global_step, "kl_coef": self.kl_ctrl.value, PENDING_KEY: pending}
+        return {**state, FINISHED_KEY: finished}
 
     def _restore_driver_state(self, state: dict) -> None:
         self.global_step, self.kl_ctrl.value = state["global_step"], state["kl_coef"]
         self.pending.restore(state)  # an asynchronous run's untrained prompts come first
+        self.source.restore_finished(saved_groups(state))  # then its finished groups (sync: their prompts, first)
 
     # ------------------------------------------------------------------ the steps
     def _balance_batch(self, batch: DataProto, metrics: dict) -> None:

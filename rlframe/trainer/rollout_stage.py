@@ -8,8 +8,9 @@ source that the update is done. A source composes the same stages whatever gener
 
 `ColocatedSource` (`trainer.v1.trainer_mode=sync`) generates on the training processes' own engine, one loader
 batch at a time; `PooledSource` (`separate_async`, `rlframe/trainer/pooled_source.py`) streams groups through a
-rollout pool of its own. What a source has handed out and not had trained (its `untrained_prompts`) goes into the
-trainer's checkpoint, so a run resumes under either mode without losing a prompt.
+rollout pool of its own. What a source has handed out and not had trained goes into the trainer's checkpoint, so a
+run resumes under either mode without losing a prompt: the groups finished (`finished_groups`, trained as they are
+by an asynchronous resume, generated again by a synchronous one) and the prompts (`untrained_prompts`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from rlframe.models.vision import MULTIMODAL_KEYS
 from rlframe.protocol import DataProto
 from rlframe.reward.manager import drop_failed_samples, extra_info_metrics
 from rlframe.trainer.dynamic_sampling import DynamicSampler
+from rlframe.trainer.finished_groups import FinishedGroup
 from rlframe.trainer.metrics import reduce_metrics
 from rlframe.trainer.pending_prompts import PendingPrompts
 from rlframe.workers.rollout.base import PROMPT_KEYS, drop_rollout_state
@@ -77,6 +79,8 @@ class StepBatch:
 class BatchSource(ABC):
     """Where the fit loop's training batches come from (`docs/trainer.md`, "The rollout stage")."""
 
+    pending: PendingPrompts  # the prompts it takes before the loader's next ones (`SourceInputs.pending`)
+
     def start(self, step: int) -> None:
         """Called once before the first step, after a resume has restored the trainer at `step`."""
 
@@ -89,7 +93,20 @@ class BatchSource(ABC):
 
     @abstractmethod
     def untrained_prompts(self) -> list[DataProto]:
-        """Every prompt handed out and not trained yet, oldest first (one row each): the checkpoint keeps them."""
+        """Every prompt handed out and not trained yet, oldest first (one row each), but those of `finished_groups`:
+        the checkpoint keeps them."""
+
+    def finished_groups(self) -> list[FinishedGroup]:
+        """The groups generated and not trained yet, oldest first: the checkpoint keeps them whole."""
+        return []
+
+    def check_resumable(self, driver_state: dict) -> None:
+        """Refuse a checkpoint's driver state this source cannot resume from (before the workers load it)."""
+
+    def restore_finished(self, groups: list[FinishedGroup]) -> None:
+        """A checkpoint's finished groups (called once, before `start`); this source generates their prompts again
+        (before the other pending prompts: they are older)."""
+        self.pending.rows.extendleft(reversed([group.prompt for group in groups]))
 
     def close(self) -> None:
         """The run is over: wait for what is still under way."""

@@ -17,6 +17,9 @@ Definitions (docs/async.md states them for users):
   step while training the oldest finished groups would leave a running group unable to be trained within η (verl's
   `wait` holds it while a running group has reached η; rlframe's rule looks further ahead, so that no group ever
   goes stale, which verl's does not guarantee once several groups fall due at once).
+- a resumed run's ledger first takes back the finished groups its checkpoint carried, with their admission versions
+  (`restore`): they are trained or evicted by the same rules. Under `wait` one already past η (a run resumed with a
+  smaller η) is evicted too, and its prompt generated again: no waiting can make it younger.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ class Take:
 
 @dataclass(frozen=True)
 class Evict:
-    """These finished groups are older than η: they are never trained (drop, or regenerate their prompts)."""
+    """These finished groups are older than η: they are never trained (drop, or regenerate their prompts; under wait
+    only restored groups are, and their prompts are regenerated)."""
 
     groups: list[int]
 
@@ -57,6 +61,7 @@ class GroupLedger:
     strategy: str = "drop"
     running: dict[int, int] = field(default_factory=dict)  # id -> admission version
     finished: dict[int, int] = field(default_factory=dict)
+    restored: set[int] = field(default_factory=set)  # finished groups a checkpoint carried, until removed
     next_id: int = 0
     peak_in_flight: int = 0  # the most finished-untrained plus running groups seen at once
 
@@ -88,6 +93,16 @@ class GroupLedger:
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         return gid
 
+    def restore(self, version: int) -> int:
+        """A finished group a checkpoint carried, admitted at `version` by the run that saved it, joins the finished
+        groups under a new id; returns it. Restored before any admission, they keep the admission order. The capacity
+        is not checked: the saving run kept them within its own."""
+        gid, self.next_id = self.next_id, self.next_id + 1
+        self.finished[gid] = version
+        self.restored.add(gid)
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        return gid
+
     def finish(self, gid: int) -> None:
         """The group's responses are all back."""
         self.finished[gid] = self.running.pop(gid)
@@ -102,7 +117,7 @@ class GroupLedger:
         counted in flight, until `remove` after the update: admission never runs ahead of the bound meanwhile."""
         stale = [g for g in self.finished if self.staleness(g, step) > self.max_staleness]
         if stale:
-            if self.strategy == "wait":  # `_keeps_every_deadline` prevents this
+            if self.strategy == "wait" and not self.restored.issuperset(stale):  # `_keeps_every_deadline` prevents it
                 raise AssertionError(f"step {step}: groups {stale} went past η={self.max_staleness} under wait")
             return Evict(stale)
         if len(self.finished) < self.batch_groups:
@@ -126,3 +141,4 @@ class GroupLedger:
         """The groups were trained or evicted: they leave the ledger and free their room."""
         for gid in groups:
             del self.finished[gid]
+            self.restored.discard(gid)

@@ -519,6 +519,24 @@ def _trained_prompts(dumps, steps) -> dict[int, set]:
     return {s: {json.loads(line)["index"] for line in (dumps / f"{s}.jsonl").read_text().splitlines()} for s in steps}
 
 
+def _uids(dumps, steps) -> dict[int, set]:
+    """{prompt index: the uids of the groups that trained it in `steps`}: a group generated again gets a new uid."""
+    uids: dict[int, set] = {}
+    for s in steps:
+        for line in (dumps / f"{s}.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            uids.setdefault(row["index"], set()).add(row["uid"])
+    return uids
+
+
+def _kept_finished(checkpoint) -> list[int]:
+    """The prompt indices of the groups `checkpoint` keeps finished (responses and all), oldest first."""
+    from rlframe.trainer.checkpointing import load_data
+
+    entry = load_data(str(checkpoint / "data.pt"))["driver"].get("finished_groups")
+    return [int(i) for i in entry["prompts"]["fields"]["index"]] if entry and entry["versions"] else []
+
+
 FOUR_STEPS = [*BASE, "trainer.total_training_steps=4", "trainer.test_freq=-1"]
 ETA1 = ["trainer.v1.sampler.max_off_policy_threshold=2"]  # η = 1
 
@@ -559,19 +577,28 @@ def resumed_from_step_2(first, resumed, overrides: list[str]) -> list[dict]:
 def test_a_checkpoint_keeps_the_prompts_in_flight_and_a_run_resumed_in_either_async_mode_trains_them(
     eta1_saved_at_step_2, tmp_path, resumed_mode
 ):
-    """η = 1: when step 2 saves, the groups of steps 3 and 4 are generating or finished. The checkpoint keeps their
-    prompts (not their responses); a run resumed from it, in the same async mode or the other, generates them again
-    first and trains exactly the prompts the uninterrupted run trained in steps 3 and 4, none of those of steps 1
-    and 2."""
-    _, first, metrics = eta1_saved_at_step_2
+    """η = 1: when step 2 saves, the groups of steps 3 and 4 are generating or finished. The checkpoint keeps the
+    finished ones whole and the prompts of the others; a run resumed from it, in the same async mode or the other,
+    trains the finished groups as they are (their uids and responses are the first run's), generates the others
+    again, and trains exactly the prompts the uninterrupted run trained in steps 3 and 4, each once, none of those
+    of steps 1 and 2. (How many had finished at the save depends on the machine's speed; `colocate_async` cuts what
+    runs ahead once a batch is sampled, so mostly none.)"""
+    mode, first, metrics = eta1_saved_at_step_2
     assert [m["async/in_flight_groups"] for m in metrics][:2] == [4, 4]  # step 2 saved with groups in flight
+    kept = _kept_finished(first / "global_step_2")
+    assert kept or mode == "colocate_async"  # the pool generates step 3's groups during all of step 2's update
     resumed = tmp_path / "resumed"
     metrics = resumed_from_step_2(first, resumed, [*FOUR_STEPS, *MODES[resumed_mode], *ETA1])
     assert [m["step"] for m in metrics] == [3, 4]
     before = _trained_prompts(first / "dumps", (1, 2, 3, 4))
     after = _trained_prompts(resumed / "dumps", (3, 4))
     assert after[3] | after[4] == before[3] | before[4] and len(after[3] | after[4]) == 8
+    assert not after[3] & after[4]  # each once
     assert not (after[3] | after[4]) & (before[1] | before[2])
+    assert sum(m["async/restored_groups"] for m in metrics) == len(kept)
+    uids_before, uids_after = _uids(first / "dumps", (3, 4)), _uids(resumed / "dumps", (3, 4))
+    for index in after[3] | after[4]:  # a kept group is the first run's; any other was generated again
+        assert (uids_after[index] == uids_before[index]) == (index in kept), index
 
 
 def test_an_asynchronous_checkpoint_resumed_synchronously_trains_the_prompts_it_had_in_flight(
@@ -579,13 +606,19 @@ def test_an_asynchronous_checkpoint_resumed_synchronously_trains_the_prompts_it_
 ):
     """Before, the sync loop ignored the checkpoint's in-flight prompts: 4 prompts were never trained, without a
     word. Now its steps 3 and 4 train exactly the prompts the asynchronous run (either mode) trained there."""
-    _, first, _ = eta1_saved_at_step_2
+    mode, first, _ = eta1_saved_at_step_2
     resumed = tmp_path / "resumed"
     metrics = resumed_from_step_2(first, resumed, FOUR_STEPS)
     assert [m["step"] for m in metrics] == [3, 4]
     before = _trained_prompts(first / "dumps", (1, 2, 3, 4))
     after = _trained_prompts(resumed / "dumps", (3, 4))
     assert after[3] | after[4] == before[3] | before[4] and len(after[3] | after[4]) == 8
+    assert not after[3] & after[4]  # each once
+    # the groups the checkpoint kept finished are generated again (on-policy), first
+    uids_before, uids_after = _uids(first / "dumps", (3, 4)), _uids(resumed / "dumps", (3, 4))
+    kept = _kept_finished(first / "global_step_2")
+    assert kept or mode == "colocate_async"
+    assert set(kept) <= after[3] and all(not uids_after[i] & uids_before[i] for i in kept)
 
 
 @pytest.mark.parametrize("mode", list(MODES))

@@ -101,6 +101,30 @@ def test_a_checkpoints_untrained_prompts_are_generated_first_and_reported_until_
     assert len(src.untrained_prompts()) == 1  # the loader's prompt 1 waits for the next batch
 
 
+def test_a_checkpoints_finished_groups_are_generated_again_first_by_the_sync_loop():
+    """The sync loop trains on-policy: a finished group an asynchronous checkpoint carried is generated again, its
+    prompt before the checkpoint's other pending prompts (it is older), each once."""
+    from rlframe.trainer.finished_groups import FinishedGroup
+
+    def row(token):
+        return DataProto.from_single_dict(
+            {
+                "input_ids": torch.full((1, PROMPT_LEN), token),
+                "attention_mask": torch.ones(1, PROMPT_LEN, dtype=torch.long),
+                "position_ids": torch.arange(PROMPT_LEN)[None],
+            }
+        )
+
+    pending = PendingPrompts()
+    pending.restore({"pending_prompts": plain_rows([row(41)])})
+    src, workers = source(vary=lambda i: False, pending=pending)
+    src.restore_finished([FinishedGroup(1, row(40), row(40).repeat(N))])
+    ready = src.next_batch(1)
+    assert len(workers.calls) == 1  # generated again
+    assert ready.batch.batch["token_level_scores"][:, 0].tolist() == [40, 40, 41, 41]
+    assert len(src.untrained_prompts()) == 2  # the loader's batch regrouped behind them
+
+
 def test_remax_scores_one_greedy_response_per_prompt_before_the_samples():
     src, workers = source(lambda i: False, "algorithm.adv_estimator=remax")
     ready = src.next_batch(1)
