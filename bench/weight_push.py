@@ -1,6 +1,7 @@
 """separate_async's weight push: naive (Ray's object store) vs the collective push, against a memcpy floor.
 
     python bench/weight_push.py [--receivers 1] [--dtype float32] [--bucket-mb 2048] [--repeats 3] [--scale 1.0]
+    python bench/weight_push.py --quick     # a 5% state, one repeat
 
 A state shaped like SmolLM2-135M (random values; `--scale` shrinks the vocabulary and the layers for a quick run)
 is pushed from one Ray actor (the training pool's rank 0, holding its copy of the full tensors, as `export_weights`
@@ -141,7 +142,10 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=2048, help="update_weights_bucket_megabytes")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scale", type=float, default=1.0, help="fraction of SmolLM2-135M's vocabulary and layers")
+    parser.add_argument("--quick", action="store_true", help="--scale 0.05 --repeats 1")
     args = parser.parse_args()
+    if args.quick:
+        args.scale, args.repeats = 0.05, 1
     dtype = getattr(torch, args.dtype)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
