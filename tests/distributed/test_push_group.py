@@ -32,9 +32,9 @@ class RecordingRollout:
         self.adapter, self.peft_config = {n: t.clone() for n, t in tensors.items()}, peft_config
 
 
-def _group(rank: int, port: int, world: int) -> PushGroup:
-    store = open_store("127.0.0.1", port, world, 60) if rank == 0 else None
-    return PushGroup("127.0.0.1", port, rank, world, torch.device("cpu"), 60, store=store)
+def _group(rank: int, port: int, world: int, timeout_s: float = 60) -> PushGroup:
+    store = open_store("127.0.0.1", port, world, timeout_s) if rank == 0 else None
+    return PushGroup("127.0.0.1", port, rank, world, torch.device("cpu"), timeout_s, store=store)
 
 
 def _push_twice(rank: int, port: int):
@@ -74,3 +74,27 @@ def test_rank_0_pushes_a_state_and_an_adapter_to_every_other_rank_bit_for_bit():
         assert torch.equal(adapter["base_model.model.layers.0.lora_A.weight"], torch.ones(2, 8))
         assert peft_config == {"r": 2}
     assert [r["sum"] for r in results] == [3, 3, 3]
+
+
+def _late_receiver(rank: int, port: int):
+    """Rank 2 reaches the push well after the group's 3 s timeout (a generation queued before it)."""
+    import time
+
+    import torch.distributed as dist
+
+    from rlframe.workers.weight_push import push_parts, receive_into
+
+    group = _group(rank, port, dist.get_world_size(), timeout_s=3)
+    if rank == 0:
+        return group.send(*push_parts(_state()), bucket_bytes=300)
+    if rank == 2:
+        time.sleep(6)
+    rollout = RecordingRollout()
+    receive_into(group, rollout)
+    return rollout.weights
+
+
+def test_a_push_waits_for_a_receiver_busy_past_the_groups_timeout():
+    results = spawned_world(3).run(_late_receiver, free_port())
+    for weights in results[1:]:
+        assert list(weights) == list(_state()) and all(torch.equal(weights[n], t) for n, t in _state().items())
