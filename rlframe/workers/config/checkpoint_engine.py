@@ -65,6 +65,10 @@ class CheckpointEngineConfig(Section):
         if root.trainer.v1.trainer_mode != "separate_async":
             mode = f"trainer.v1.trainer_mode={root.trainer.v1.trainer_mode}"
             return {path: f"{mode}: only separate_async pushes weights (the others sync them in place)"}
+        out = {
+            f"{path}.engine_kwargs": "only {}: rlframe's backends take no transfer-engine arguments",
+            f"{path}.custom_backend_module": "only null: custom backends are not supported",
+        }
         if self.backend == "naive":
-            return {f"{path}.update_weights_bucket_megabytes": f"{path}.backend=naive sends whole tensors"}
-        return {}
+            out[f"{path}.update_weights_bucket_megabytes"] = f"{path}.backend=naive sends whole tensors"
+        return out
