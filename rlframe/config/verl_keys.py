@@ -142,7 +142,6 @@ UNSUPPORTED = {
     "data.mm_processor_kwargs": "images are processed with the checkpoint's preprocessor_config.json as saved",
     "trainer.default_hdfs_dir": "HDFS upload is not supported; checkpoints go to trainer.default_local_dir",
     "actor_rollout_ref.rollout.disaggregation": "disaggregated prefill/decode is not supported",
-    "actor_rollout_ref.rollout.checkpoint_engine": "rlframe syncs weights in place, one parameter at a time",
     "actor_rollout_ref.actor.fsdp_config.turbo_config": "verl's FSDP turbo engine is not used",
     "actor_rollout_ref.ref.fsdp_config.turbo_config": "verl's FSDP turbo engine is not used",
     "critic.fsdp.turbo_config": "verl's FSDP turbo engine is not used",

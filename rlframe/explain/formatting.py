@@ -193,9 +193,17 @@ def _weights(ap: AsyncPlan) -> str:
             f"{ap.weight_parameters:,} parameters × {ap.weight_element_bytes} bytes ({ACTOR}.fsdp_config.model_dtype="
             f"{ap.weight_dtype}) = {_size(ap.weight_push_bytes)} per copy"
         )
+    engine = "actor_rollout_ref.rollout.checkpoint_engine"
+    if ap.push_backend != "naive":
+        return (
+            f"each push sends {PUSHED[ap.weight_form]} from training rank 0 to every rollout process over a process "
+            f"group of their own ({engine}.backend={ap.push_backend}), in buckets of "
+            f"{ap.push_bucket_megabytes} MB ({engine}.update_weights_bucket_megabytes); the broadcast runs behind the "
+            f"next step: {size}"
+        )
     return (
         f"each push sends {PUSHED[ap.weight_form]} from training rank 0 through the driver to the rollout "
-        f"pool, in Ray's object store (put once for all rollout processes): {size}"
+        f"pool, in Ray's object store ({engine}.backend=naive: put once for all rollout processes): {size}"
     )
 
 

@@ -77,6 +77,8 @@ class AsyncPlan:
     weight_parameters: int | None  # elements of the actor's state dict; None when its config is not readable
     weight_push_bytes: int | None  # None under colocate_async: the engines take the weights in place
     weight_form: str  # full | lora_merged | lora_adapter: what each push holds (weight_sync.rollout_weights)
+    push_backend: str  # naive | nccl over gloo | nccl over nccl: checkpoint_engine.backend and its transport
+    push_bucket_megabytes: int  # rollout.checkpoint_engine.update_weights_bucket_megabytes (the collective's)
     objective: str  # on_policy | decoupled | bypass | uncorrected
 
     @property
@@ -113,6 +115,16 @@ def objective(cfg: Any) -> str:
     if correction.rollout_is is not None or correction.rollout_rs is not None:
         return "decoupled"
     return "uncorrected"
+
+
+def push_backend(cfg: Any) -> str:
+    """actor_rollout_ref.rollout.checkpoint_engine.backend, with the collective's transport on the planned device."""
+    from rlframe.config.checks import planned_device
+
+    backend = str(cfg.actor_rollout_ref.rollout.checkpoint_engine.backend)
+    if backend == "naive":
+        return backend
+    return f"{backend} over {'nccl' if planned_device(cfg.trainer.device) == 'cuda' else 'gloo'}"
 
 
 def weight_form(cfg: Any) -> str:
@@ -194,5 +206,7 @@ def make_async_plan(cfg: Any, plan: BatchPlan) -> AsyncPlan | None:
         weight_parameters=parameters,
         weight_push_bytes=None if parameters is None else parameters * element_bytes,
         weight_form=weight_form(cfg),
+        push_backend=push_backend(cfg),
+        push_bucket_megabytes=int(rollout.checkpoint_engine.update_weights_bucket_megabytes),
         objective=objective(cfg),
     )

@@ -286,6 +286,17 @@ def _separate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
             "which a TP group's ranks do not do together yet; set actor_rollout_ref.rollout.partial_rollout=false "
             "(each episode then finishes on the weights it started with) or tensor_model_parallel_size=1",
         ),
+        (
+            rollout.agent.default_agent_loop == "openai_agent"
+            and rollout.partial_rollout
+            and rollout.checkpoint_engine.backend != "naive",
+            "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent with "
+            "actor_rollout_ref.rollout.partial_rollout=true and "
+            f"actor_rollout_ref.rollout.checkpoint_engine.backend={rollout.checkpoint_engine.backend}",
+            "a push cuts an OpenAI agent's request and the replica continues it on weights it loads itself from the "
+            "object store, where only the naive push puts them; set checkpoint_engine.backend=naive or "
+            "partial_rollout=false",
+        ),
     ]
 
 

@@ -188,6 +188,7 @@ class PooledSource(BatchSource):
         start = time.perf_counter()
         self._push_weights(step)
         metrics["timing_s/update_weights"] = time.perf_counter() - start
+        metrics.update(self.replicas.push_metrics())
         self._admit(step)
 
     def close(self) -> None:

@@ -5,7 +5,8 @@ ledger admits groups, sends them in chunks to the replicas, takes a step's batch
 continues the rows a cut stopped. What differs between the modes is here:
 
 - `PoolReplicas`, `separate_async`: a rollout pool of its own, one replica per TP group of processes. Each step's
-  weights are exported by the training pool and pushed through the driver; with
+  weights are exported by the training pool and pushed through the driver (`checkpoint_engine.backend=naive`), or
+  broadcast from the training pool's rank 0 over a process group of their own (`nccl`); with
   `actor_rollout_ref.rollout.partial_rollout` the push cuts what is running (the training pool trained meanwhile, so
   generation overlaps training).
 - `HybridReplicas`, `colocate_async`: the training processes' own engines, the whole group one replica (each call
@@ -44,6 +45,10 @@ class Replicas(ABC):
         if self.board is not None:
             self.board.announce.remote(version, None if weights is None else [weights])
 
+    def push_metrics(self) -> dict[str, float]:
+        """Metrics of the weight pushes (the collective push's last finished broadcast)."""
+        return {}
+
     def sample_end(self, step: int) -> None:
         """Step `step`'s batch is sampled and about to train."""
 
@@ -75,9 +80,23 @@ class PoolReplicas(Replicas):
         self.views = groups.rollout.rank_views(int(rollout_cfg.tensor_model_parallel_size))
         self.partial_rollout = bool(rollout_cfg.partial_rollout)
         self._with_base = False  # whether the next push brings a LoRA adapter engine its base weights
+        self.collective = rollout_cfg.checkpoint_engine.backend == "nccl"  # else naive: through Ray's object store
+        self._previous_push: tuple[int, float] | None = None  # the collective push's last finished broadcast
+        if self.collective:  # the push group forms now, while the rollout pool has no call queued to wait behind
+            world = 1 + self.rollout_wg.world_size
+            host, port = self.actor_wg.open_weight_push(world)  # rank 0 listens, and joins in its sending thread
+            self.rollout_wg.join_weight_push(host, port, world)
 
     def _watch_group(self) -> RayWorkerGroup:
         return self.rollout_wg
+
+    def push_metrics(self) -> dict[str, float]:
+        """backend=nccl: the bytes and seconds of the broadcast before the latest push (the latest is still under
+        way when the step's metrics are written), from its first bucket to its last."""
+        if self._previous_push is None:
+            return {}
+        nbytes, seconds = self._previous_push
+        return {"async/weight_push/bytes": nbytes, "async/weight_push/broadcast_s": seconds}
 
     def start_from_dummy_weights(self) -> bool:
         """vLLM's load_format=dummy: the first push brings the actor's weights (with a LoRA adapter engine, the base
@@ -86,6 +105,8 @@ class PoolReplicas(Replicas):
         return self._with_base
 
     def publish(self, version: int) -> PendingCall:
+        if self.collective:
+            return self._publish_collective(version)
         import ray
 
         # one copy in the object store for every replica, and for the board that lets a replica load it itself
@@ -93,6 +114,15 @@ class PoolReplicas(Replicas):
         self._with_base = False
         self._announce(version, weights)  # running generations stop now; what they cut continues on these weights
         return self.rollout_wg.submit("load_weights", version, weights)
+
+    def _publish_collective(self, version: int) -> PendingCall:
+        """checkpoint_engine.backend=nccl: the training pool's rank 0 broadcasts the weights to every rollout process
+        over a group of their own (`rlframe/workers/weight_push.py`), formed at the first push. The call returns once
+        rank 0 holds its copy; the receive is queued on the rollout pool after its calls, as the naive load is."""
+        self._previous_push = self.actor_wg.push_weights(with_base=self._with_base)
+        self._with_base = False
+        self._announce(version)
+        return self.rollout_wg.submit("receive_weights", version)
 
 
 class HybridReplicas(Replicas):

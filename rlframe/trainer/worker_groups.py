@@ -30,6 +30,8 @@ class ActorRolloutGroup(RayWorkerGroup[ActorRolloutRefWorker]):
     compute_teacher_log_prob = ActorRolloutRefWorker.compute_teacher_log_prob
     update_actor = ActorRolloutRefWorker.update_actor
     export_weights = ActorRolloutRefWorker.export_weights
+    open_weight_push = ActorRolloutRefWorker.open_weight_push
+    push_weights = ActorRolloutRefWorker.push_weights
     process_rng_state = ActorRolloutRefWorker.process_rng_state
     flops_info = ActorRolloutRefWorker.flops_info
     save_checkpoint = ActorRolloutRefWorker.save_checkpoint
@@ -67,6 +69,8 @@ class RolloutGroup(RayWorkerGroup[RolloutWorker]):
     generate_whole = RolloutWorker.generate_whole
     continue_sequences = RolloutWorker.continue_sequences
     load_weights = RolloutWorker.load_weights
+    join_weight_push = RolloutWorker.join_weight_push
+    receive_weights = RolloutWorker.receive_weights
     needs_base_weights = RolloutWorker.needs_base_weights
     watch_versions = RolloutWorker.watch_versions
     start_profile = RolloutWorker.start_profile

@@ -40,6 +40,7 @@ from rlframe.workers.optimizer import build_optimizer, move_optimizer_state
 from rlframe.workers.profiler import ProfiledWorker, profiled
 from rlframe.workers.updater import ModelOptions, PPOUpdater, RoleModel
 from rlframe.workers.versioned_rollout import VersionedRollout
+from rlframe.workers.weight_push import WeightPushSender
 from rlframe.workers.weight_sync import (
     AdapterWeights,
     copied_weights,
@@ -153,7 +154,7 @@ class FSDPWorkerBase(ProfiledWorker):
         return data.chunk(self.dims.sp_size)[self.dims.sp_rank]
 
 
-class ActorRolloutRefWorker(FSDPWorkerBase):
+class ActorRolloutRefWorker(FSDPWorkerBase, WeightPushSender):
     """Actor and rollout in one process (hybrid engine), plus the reference policy when `with_ref` and the
     distillation teacher with `distillation.enabled`."""
 

@@ -1,7 +1,8 @@
 """RolloutWorker: a process of the standalone rollout pool (`trainer.v1.trainer_mode=separate_async`).
 
 It holds only the rollout engine (a TP group of consecutive processes is one replica): no actor, no optimizer. Its
-weights arrive from the training pool (`ActorRolloutRefWorker.export_weights` → the driver → `load_weights`), each
+weights arrive from the training pool (`ActorRolloutRefWorker.export_weights` → the driver → `load_weights`, or
+over a process group of their own with checkpoint_engine.backend=nccl: `weight_push.py`), each
 push tagged with the policy version it holds: the number of training steps behind those weights (0 = the initial
 model). Every generated response token is stamped with that version (`rollout_versions`, -1 on padding), so the
 driver can tell how stale a sample is when it trains on it.
@@ -33,11 +34,13 @@ from rlframe.utils.faults import DelayPoints
 from rlframe.workers.lora import configured_lora_rank
 from rlframe.workers.profiler import ProfiledWorker, profiled
 from rlframe.workers.versioned_rollout import VersionedRollout
+from rlframe.workers.weight_push import WeightPushReceiver
 from rlframe.workers.weight_sync import AdapterWeights, load_rollout_weights
 
 
-class RolloutWorker(ProfiledWorker):
-    """One rollout-only process: `init_model`, `generate_sequences`, `load_weights`."""
+class RolloutWorker(ProfiledWorker, WeightPushReceiver):
+    """One rollout-only process: `init_model`, `generate_sequences`, `load_weights` (or, with
+    checkpoint_engine.backend=nccl, `join_weight_push` and `receive_weights`: `rlframe/workers/weight_push.py`)."""
 
     # the rollout, the model, the tokenizer, the device and the profiler
     SECTIONS = ("actor_rollout_ref", "data", "trainer", "global_profiler")

@@ -249,6 +249,30 @@ def test_explain_shows_pools_and_staleness_under_separate_async(capsys):
     assert (pools["in_flight_groups"], pools["groups_per_call"]) == (16, 8)
     assert (pools["in_flight_bytes"], pools["weight_push_bytes"]) == (64 * 2816, 4 * 126400)
     assert any("trainer.v1.trainer_mode=separate_async trains samples" in w for w in report["warnings"])
+    assert "Ray's object store (actor_rollout_ref.rollout.checkpoint_engine.backend=naive" in section
+    assert pools["push_backend"] == "naive"
+
+
+def test_explain_reports_the_collective_weight_push_and_its_buckets(capsys):
+    engine = "actor_rollout_ref.rollout.checkpoint_engine"
+    overrides = [
+        *SMALL,
+        "trainer.device=cpu",
+        "trainer.v1.trainer_mode=separate_async",
+        "trainer.v1.separate_async.parameter_sync_step=2",
+        "actor_rollout_ref.rollout.nnodes=1",
+        f"{engine}.backend=nccl",
+        f"{engine}.update_weights_bucket_megabytes=64",
+    ]
+    assert main(overrides) == 0
+    section = capsys.readouterr().out.split("── pools and staleness ")[1].split("── algorithm")[0]
+    assert (
+        f"to every rollout process over a process group of their own ({engine}.backend=nccl over gloo), in buckets "
+        f"of 64 MB ({engine}.update_weights_bucket_megabytes); the broadcast runs behind the next step" in section
+    )
+    assert main(["--format", "json", *overrides]) == 0
+    pools = json.loads(capsys.readouterr().out)["async"]
+    assert (pools["push_backend"], pools["push_bucket_megabytes"]) == ("nccl over gloo", 64)
 
 
 def test_explain_shows_the_colocate_async_schedule_on_the_training_processes(capsys):

@@ -124,6 +124,11 @@ def test_what_colocate_async_does_not_support_is_refused_by_name(overrides, expe
             r"openai_agent with .*partial_rollout=true and .*tensor_model_parallel_size=2 with .*separate_async: "
             r".*set .*partial_rollout=false",
         ),
+        (
+            [*SEPARATE, *OPENAI_AGENT, "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"],
+            r"openai_agent with .*partial_rollout=true and .*checkpoint_engine.backend=nccl with .*separate_async: "
+            r".*set checkpoint_engine.backend=naive or partial_rollout=false",
+        ),
         ([*SEPARATE, "actor_rollout_ref.hybrid_engine=false"], r"hybrid_engine=false"),
     ],
 )
@@ -202,3 +207,58 @@ def test_the_profiler_runs_on_the_rollout_pool_with_the_actors_settings_by_defau
         compose([*SEPARATE, "global_profiler.tool=torch", *actor, "actor_rollout_ref.rollout.profiler.ranks=[0]"])
     )
     assert own.actor_rollout_ref.rollout.profiler.ranks == [0]
+
+
+def test_the_checkpoint_engine_keys_have_verls_names_and_defaults_and_nccl_runs_on_the_rollout_pool():
+    from rlframe.config.verl_keys import verl_defaults
+
+    engine, defaults = typed(compose([])).actor_rollout_ref.rollout.checkpoint_engine, verl_defaults()
+    prefix = "actor_rollout_ref.rollout.checkpoint_engine"
+    for name in ("backend", "update_weights_bucket_megabytes", "engine_kwargs", "custom_backend_module"):
+        assert getattr(engine, name) == defaults[f"{prefix}.{name}"], name
+    cfg = typed(compose([*SEPARATE, f"{prefix}.backend=nccl", f"{prefix}.update_weights_bucket_megabytes=64"]))
+    assert cfg.actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes == 64
+    inactive = inactive_keys(cfg)
+    assert f"{prefix}.backend" not in inactive and f"{prefix}.update_weights_bucket_megabytes" not in inactive
+    assert (
+        "only {}" in inactive[f"{prefix}.engine_kwargs"] and "only null" in inactive[f"{prefix}.custom_backend_module"]
+    )
+    naive = inactive_keys(typed(compose(SEPARATE)))  # the naive push sends whole tensors: no buckets
+    assert "backend=naive" in naive[f"{prefix}.update_weights_bucket_megabytes"]
+    assert "trainer.v1.trainer_mode=sync" in inactive_keys(typed(compose([])))[prefix]
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (
+            ["actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"],
+            r"checkpoint_engine.backend=nccl with trainer.v1.trainer_mode=sync: .*nothing to push",
+        ),
+        (
+            [*COLOCATE, "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"],
+            r"checkpoint_engine.backend=nccl with trainer.v1.trainer_mode=colocate_async: .*set "
+            r"trainer.v1.trainer_mode=separate_async",
+        ),
+        (
+            [*SEPARATE, "actor_rollout_ref.rollout.checkpoint_engine.backend=nixl"],
+            r"checkpoint_engine.backend='nixl' is not one of .*naive.*nccl",
+        ),
+        (
+            [*SEPARATE, "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=0"],
+            r"update_weights_bucket_megabytes=0: must be >= 1",
+        ),
+        (
+            [*SEPARATE, "+actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.nccl.rebuild_group=true"],
+            r"checkpoint_engine.engine_kwargs=.*take no engine arguments.*leave it \{\}",
+        ),
+        (
+            [*SEPARATE, "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=my.backend"],
+            r"checkpoint_engine.custom_backend_module='my.backend': custom checkpoint-engine backends are not "
+            r"supported; leave it null",
+        ),
+    ],
+)
+def test_what_the_checkpoint_engine_does_not_support_is_refused_by_name(overrides, expected):
+    with pytest.raises(ValueError, match=expected):
+        typed(compose(overrides))

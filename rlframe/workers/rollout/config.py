@@ -9,6 +9,7 @@ from typing import Any, Dict, Optional
 from rlframe.config.checks import planned_device
 from rlframe.config.keys import ACTOR, LOG_PROB_FIELDS, ROLLOUT, micro_batch_inactive
 from rlframe.config.schema import Section, key, section
+from rlframe.workers.config.checkpoint_engine import CheckpointEngineConfig
 from rlframe.workers.config.model import DTYPES
 from rlframe.workers.config.profiler import RolloutProfilerConfig
 from rlframe.workers.rollout.registry import engine_for, engine_names, find_engine
@@ -272,6 +273,9 @@ class RolloutConfig(Section):
         True,
         "rlframe, separate_async: a weight push interrupts the generations running on older weights; their rows "
         "continue from the tokens so far on the new weights (verl V1 always does this); false: they finish first",
+    )
+    checkpoint_engine: CheckpointEngineConfig = section(
+        CheckpointEngineConfig, "separate_async: how the trainer's weights reach the rollout pool"
     )
     gpu_memory_utilization: float = key(
         0.5, "vllm, sglang: fraction of GPU memory for weights + KV cache", check=_check_memory_fraction
