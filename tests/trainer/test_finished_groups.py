@@ -188,6 +188,7 @@ def pooled_source(total_steps: int, loader_prompts: int, n: int = N):
         own_processes=True,
         sample_end=lambda step: None,
         publish=lambda version: SimpleNamespace(result=lambda: None),
+        push_metrics=dict,
     )
     source = PooledSource(inputs, replicas, total_steps)
     source._batches = source._loader_batches()  # `start` without the weight push
