@@ -105,3 +105,18 @@ class CutAfter:
     def __call__(self) -> bool:
         self.asked += 1
         return self.asked > self.calls
+
+
+def teacher_forced_log_probs(engine, rows: DataProto) -> torch.Tensor:
+    """log p(response token) under the engine's current weights (0 off the response mask), from one forward over
+    prompt + response at the engine's sampling temperature."""
+    temperature = engine.sampling_for({}).temperature
+    width = rows.batch["prompts"].shape[1]
+    with torch.no_grad():
+        logits = engine.model(
+            input_ids=rows.batch["input_ids"],
+            attention_mask=rows.batch["attention_mask"],
+            position_ids=rows.batch["position_ids"],
+        ).logits[:, width - 1 : -1]
+    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return log_probs.gather(-1, rows.batch["responses"][..., None]).squeeze(-1) * rows.batch["response_mask"]

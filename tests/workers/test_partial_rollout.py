@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.rollout import PROMPT_LEN, RESPONSE_LEN, make_prompts, one_process_rollout_worker
+from helpers.rollout import RESPONSE_LEN, make_prompts, one_process_rollout_worker, teacher_forced_log_probs
 
 from rlframe.protocol import DataProto
 from rlframe.workers.rollout.partial import STOP_KEY, VERSIONS_KEY, continuation_prompts, interrupted
@@ -44,19 +44,6 @@ def _generate_cut(worker, calls: int) -> tuple[DataProto, torch.Tensor]:
     flags = interrupted(out)
     out.pop(batch_keys=[STOP_KEY])
     return out, flags
-
-
-def _teacher_forced_log_probs(worker, rows: DataProto) -> torch.Tensor:
-    """log p(response token) under the engine's current weights, from one forward over prompt + response."""
-    temperature = worker.rollout.sampling_for({}).temperature
-    with torch.no_grad():
-        logits = worker.engine.model(
-            input_ids=rows.batch["input_ids"],
-            attention_mask=rows.batch["attention_mask"],
-            position_ids=rows.batch["position_ids"],
-        ).logits[:, PROMPT_LEN - 1 : -1]
-    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return log_probs.gather(-1, rows.batch["responses"][..., None]).squeeze(-1) * rows.batch["response_mask"]
 
 
 @pytest.mark.parametrize("cut_after", [0, 3], ids=["before-the-first-token", "after-three-tokens"])
@@ -108,9 +95,9 @@ def test_a_row_cut_under_one_version_continues_under_the_next_with_each_tokens_v
     assert (mask.sum(-1) > prefix).all()  # every cut row got new tokens
     # the behaviour log-probs: the prefix's under the weights that sampled it, the rest under the new ones
     recorded = continued.batch["rollout_log_probs"]
-    under_new = _teacher_forced_log_probs(worker, continued)
+    under_new = teacher_forced_log_probs(worker.engine, continued)
     worker.load_weights(version, before)
-    under_old = _teacher_forced_log_probs(worker, continued)
+    under_old = teacher_forced_log_probs(worker.engine, continued)
     torch.testing.assert_close(recorded[from_prefix], under_old[from_prefix], rtol=0, atol=1e-5)
     torch.testing.assert_close(recorded[~from_prefix], under_new[~from_prefix], rtol=0, atol=1e-5)
     worker.load_weights(version + 1, newer)  # the engine's weights are those of its version again

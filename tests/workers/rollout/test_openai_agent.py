@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers.multi_turn import make_prompts
 from helpers.rewards import make_batch
-from helpers.rollout import load_tokenizer, rollout_config
+from helpers.rollout import load_tokenizer, rollout_config, teacher_forced_log_probs
 
 from rlframe.reward.manager import AGENT_SCORE_KEY, NaiveRewardManager
 from rlframe.workers.rollout import build_rollout, generate_in_tp_group
@@ -254,25 +254,11 @@ def test_a_cut_request_continues_on_the_new_weights_with_each_tokens_version_and
         versions = out.batch[VERSIONS_KEY]
         assert (versions[mask] == 0).any() and (versions[mask] == 1).any()
         recorded = out.batch["rollout_log_probs"]
-        under_new = _teacher_forced_log_probs(rollout, out)
+        under_new = teacher_forced_log_probs(engine, out)
         engine.update_weights(before.items())
-        under_old = _teacher_forced_log_probs(rollout, out)
+        under_old = teacher_forced_log_probs(engine, out)
         old, new = mask & (versions == 0), mask & (versions == 1)
         torch.testing.assert_close(recorded[old], under_old[old], rtol=0, atol=1e-5)
         torch.testing.assert_close(recorded[new], under_new[new], rtol=0, atol=1e-5)
     finally:
         engine.update_weights(before.items())
-
-
-def _teacher_forced_log_probs(rollout, rows) -> torch.Tensor:
-    """log p(response token) under the engine's current weights, from one forward over prompt + response."""
-    temperature = rollout.unwrapped.sampling_for({}).temperature
-    width = rows.batch["prompts"].shape[1]
-    with torch.no_grad():
-        logits = rollout.unwrapped.model(
-            input_ids=rows.batch["input_ids"],
-            attention_mask=rows.batch["attention_mask"],
-            position_ids=rows.batch["position_ids"],
-        ).logits[:, width - 1 : -1]
-    log_probs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return log_probs.gather(-1, rows.batch["responses"][..., None]).squeeze(-1)
