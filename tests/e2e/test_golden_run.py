@@ -80,10 +80,18 @@ def numbers_of(run_dir: str) -> list[dict]:
     return [{k: v for k, v in line.items() if not k.startswith(UNTIMED_PREFIXES)} for line in read_metrics(run_dir)]
 
 
+@pytest.fixture(scope="module")
+def pinned_cache(tmp_path_factory):
+    """The runs' own RLFRAME_CACHE: the built-in tiny model is generated in the first run, under `ISA_PINNED`. Its
+    random initialization follows the kernels' instruction set too (torch's vectorized normal_), so a model another
+    test generated with the CPU's own kernels (AVX-512 here) would be another model."""
+    return tmp_path_factory.mktemp("golden_cache")
+
+
 @pytest.mark.parametrize("name", sorted(RUNS))
-def test_fixed_seed_run_is_bitwise_the_recorded_one(name, tmp_path, cache_dir):
+def test_fixed_seed_run_is_bitwise_the_recorded_one(name, tmp_path, pinned_cache):
     run_dir = tmp_path / "run"
-    out = run_main([*COMMON, *RUNS[name], f"trainer.default_local_dir={run_dir}"], cache_dir, extra_env=ISA_PINNED)
+    out = run_main([*COMMON, *RUNS[name], f"trainer.default_local_dir={run_dir}"], pinned_cache, extra_env=ISA_PINNED)
     assert out.returncode == 0, out.stderr[-4000:]
     got = numbers_of(str(run_dir))
     path = os.path.join(GOLDEN_DIR, f"{name}.json")
