@@ -96,7 +96,7 @@ class RolloutServer(ABC):
         self._closed: BaseException | None = None
         self.version = 0  # the engine's policy version: each completed token is stamped with it
         self._catch_up: Callable[[], int] | None = None  # `continue_cuts`
-        self._cut = False  # a cut request waits for the announced weights
+        self._awaits_weights = False  # a cut request waits for the announced weights
         self._cuts = 0  # requests cut and continued
 
     def continue_cuts(self, version: int, catch_up: Callable[[], int] | None) -> None:
@@ -195,15 +195,15 @@ class RolloutServer(ABC):
                 # back to the queue: its prompt and tokens so far, the rest of its budget, the same seed
                 rest = replace(request, prompt_ids=[*request.prompt_ids, *new.tokens], max_tokens=left)
                 self._waiting.append(_Pending(rest, pending.future, time.perf_counter(), whole))
-                self._cut, self._cuts = True, self._cuts + 1
+                self._awaits_weights, self._cuts = True, self._cuts + 1
                 self._cond.notify_all()
                 return
         pending.future.set_result(whole)
 
     def _catch_up_after_cut(self) -> None:
         """Before an engine call: if a push cut requests, load the announced weights they continue on."""
-        if self._cut:
-            self.version, self._cut = int(self._catch_up()), False
+        if self._awaits_weights:
+            self.version, self._awaits_weights = int(self._catch_up()), False
 
     def _broadcast(self, requests, receive: bool = False):
         """TP rank 0's engine call to its TP peers (nothing to do without TP)."""
