@@ -112,6 +112,11 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def best_of(fn, repeats: int) -> float:
+    """The fewest wall seconds of `repeats` calls of `fn` (the least disturbed by the machine's other work)."""
+    return min(timed(fn) for _ in range(repeats))
+
+
 def median(values) -> float:
     return statistics.median(values)
 

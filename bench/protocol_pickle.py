@@ -8,20 +8,11 @@ ids), with the ratio against TensorDict's own pickling measured in the same run.
 
 import argparse
 import pickle
-import time
 
 import torch
+from _common import best_of
 
 from rlframe.protocol import DataProto
-
-
-def best_of(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main() -> None:

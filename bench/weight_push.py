@@ -22,10 +22,10 @@ each push's ratio to the floor.
 from __future__ import annotations
 
 import argparse
-import time
 
 import ray
 import torch
+from _common import best_of
 
 SMOLLM2_135M = {"vocab": 49152, "hidden": 576, "intermediate": 1536, "layers": 30, "heads": 9, "kv_heads": 3}
 
@@ -116,15 +116,6 @@ class Rollout:
 
     def checksum(self) -> float:
         return float(sum(t.double().sum() for t in self.engine.params.values()))
-
-
-def best_of(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def memcpy_seconds(nbytes: int, repeats: int) -> float:
