@@ -16,7 +16,8 @@ class StepProfiler:
     """`begin(step)` before a step's first generation, `end(step, is_last)` after the step is logged, `close()` once
     the loop is done.
 
-    `queued_groups` (separate_async's rollout pool) generate while the driver goes on: their start and stop are
+    `queued_groups` (separate_async's rollout pool; under colocate_async the training processes) generate while the
+    driver goes on: their start and stop are
     queued behind the calls already sent to them instead of waited for, so a profiled window covers the pool's
     calls sent between its begin and its end (with η = 0 exactly the step's generation), and `close` waits for the
     last stop (the traces are written then)."""

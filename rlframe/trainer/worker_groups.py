@@ -22,6 +22,7 @@ class ActorRolloutGroup(RayWorkerGroup[ActorRolloutRefWorker]):
 
     init_model = ActorRolloutRefWorker.init_model
     generate_sequences = ActorRolloutRefWorker.generate_sequences
+    generate_whole = ActorRolloutRefWorker.generate_whole
     watch_versions = ActorRolloutRefWorker.watch_versions
     sync_rollout_weights = ActorRolloutRefWorker.sync_rollout_weights
     continue_sequences = ActorRolloutRefWorker.continue_sequences

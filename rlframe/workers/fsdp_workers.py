@@ -304,6 +304,13 @@ class ActorRolloutRefWorker(FSDPWorkerBase, WeightPushSender):
         output.meta_info.setdefault("metrics", {})["timing_s/weight_sync"] = sync_s
         return output.to("cpu")
 
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def generate_whole(self, prompts: DataProto) -> DataProto:
+        """colocate_async: `generate_sequences` that the cut at a sample's end does not stop
+        (`VersionedRollout.uncut`); the step trains once it is done."""
+        with self.versioned.uncut():
+            return self.generate_sequences(prompts)
+
     def _wake_rollout(self) -> float:
         """Resume the engine and give it the actor's weights if they changed since; the seconds it took."""
         start = time.perf_counter()

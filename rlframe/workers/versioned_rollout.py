@@ -23,6 +23,7 @@ hybrid engines (`ActorRolloutRefWorker`, `colocate_async`). Each holds a `Versio
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -137,6 +138,16 @@ class VersionedRollout:
         sample seed for its continuation."""
         prompts.meta_info["policy_version"] = self.version
         return generate_in_tp_group(self.rollout, prompts, self.tp_group, keep_seeds=True).to("cpu")
+
+    @contextlib.contextmanager
+    def uncut(self):
+        """Generation inside never stops for newer weights: every token comes from the weights loaded now (ReMax's
+        greedy baselines, generated whole by their group's admission version; `PooledSource._remax_baselines`)."""
+        interrupt, self.engine.interrupt = self.engine.interrupt, None
+        try:
+            yield
+        finally:
+            self.engine.interrupt = interrupt
 
     def _continue(self, rows: DataProto) -> DataProto:
         if self.rollout.runs_trajectories:

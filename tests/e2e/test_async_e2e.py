@@ -146,6 +146,10 @@ ALGORITHMS = {
         "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
         "+reward_model.reward_kwargs.max_resp_len=8",
     ],
+    # ReMax: each admission chunk's greedy baseline call runs just before its samples, as in the sync loop
+    "remax": ["algorithm.adv_estimator=remax"],
+    # LoRA: the rollout pool's hf engine takes the merged weights each push, the hybrid engine its own sync
+    "lora": ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"],
 }
 POOL_ONLY = {  # what runs under separate_async and colocate_async refuses (docs/async.md)
     "tool_agent": [*TOOL_AGENT, "actor_rollout_ref.rollout.mode=async"],
@@ -158,10 +162,6 @@ POOL_ONLY = {  # what runs under separate_async and colocate_async refuses (docs
         "actor_rollout_ref.rollout.agent.openai_agent.name=agent",
         "actor_rollout_ref.rollout.partial_rollout=false",
     ],
-    # ReMax: each admission chunk's greedy baseline call runs just before its samples, as in the sync loop
-    "remax": ["algorithm.adv_estimator=remax"],
-    # LoRA: the rollout pool's hf engine takes the merged weights each push, as the hybrid engine does
-    "lora": ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"],
 }
 BUCKETS = "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=1"
 ETA0_CASES = [
@@ -170,7 +170,7 @@ ETA0_CASES = [
     # the collective push: full tensors, and a LoRA actor's merged weights (the tiny model: one bucket of 1 MB)
     *(
         pytest.param([*overrides, BUCKETS], "separate_async_nccl", id=f"{name}-separate_async_nccl")
-        for name, overrides in (("grpo", ALGORITHMS["grpo"]), ("lora", POOL_ONLY["lora"]))
+        for name, overrides in (("grpo", ALGORITHMS["grpo"]), ("lora", ALGORITHMS["lora"]))
     ),
 ]
 
@@ -266,14 +266,16 @@ def test_partial_rollout_cuts_a_tp2_replica_on_every_tp_rank_at_once_and_trains_
     assert len(trained) == 16 and set(trained.values()) == {1}
 
 
-def test_the_rollout_pools_processes_are_profiled_on_the_listed_step_beside_the_training_ones(ray_cluster, tmp_path):
-    """global_profiler.tool=torch on step 2: the training process and the rollout pool's process each write a trace
-    into save_path, the pool's named after its role and holding its generate calls."""
+@pytest.mark.parametrize("mode", MODES)
+def test_the_generating_processes_are_profiled_on_the_listed_step_beside_the_training_ones(ray_cluster, tmp_path, mode):
+    """global_profiler.tool=torch on step 2: under separate_async the training process and the rollout pool's process
+    each write a trace into save_path, the pool's named after its role and holding its generate calls; under
+    colocate_async the training process's one trace holds its engine's generate calls beside the update."""
     traces = tmp_path / "traces"
     train_in_process(
         [
             *BASE,
-            *SEPARATE,
+            *MODES[mode],
             "trainer.v1.sampler.max_off_policy_threshold=1",  # η = 0: step 2's generation runs inside its window
             "trainer.test_freq=-1",
             "global_profiler.tool=torch",
@@ -284,12 +286,13 @@ def test_the_rollout_pools_processes_are_profiled_on_the_listed_step_beside_the_
         ]
     )
     names = sorted(path.name for path in traces.iterdir())
-    assert [name.split("_pid")[0] for name in names] == [
-        "actor_rollout_ref_step2_rank0-of-1",
-        "rollout_step2_rank0-of-1",
-    ]
-    with gzip.open(traces / names[1], "rt") as trace:
-        assert '"rollout_generate"' in trace.read()
+    expected = {"separate_async": ["actor_rollout_ref", "rollout"], "colocate_async": ["actor_rollout_ref"]}[mode]
+    assert [name.split("_pid")[0] for name in names] == [f"{role}_step2_rank0-of-1" for role in expected]
+    with gzip.open(traces / names[-1], "rt") as trace:
+        text = trace.read()
+    assert '"rollout_generate"' in text
+    if mode == "colocate_async":
+        assert '"actor_update"' in text
 
 
 def test_eta1_trains_one_step_off_and_every_prompt_once(ray_cluster, tmp_path):
@@ -355,8 +358,9 @@ def test_partial_rollout_cuts_the_generation_a_push_finds_running_and_trains_eve
     assert len(trained) == 16 and set(trained.values()) == {1}
 
 
+@pytest.mark.parametrize("mode", MODES)
 def test_remax_baselines_come_from_their_groups_admission_version_when_a_push_cuts_the_samples(
-    ray_cluster, tmp_path, monkeypatch
+    ray_cluster, tmp_path, monkeypatch, mode
 ):
     """ReMax at η = 1 with partial rollout, decoding slowed so that each push finds the next groups generating: their
     samples are cut and continued on the new weights, while each group's greedy baseline, generated just before its
@@ -367,7 +371,7 @@ def test_remax_baselines_come_from_their_groups_admission_version_when_a_push_cu
     metrics, _ = train_in_process(
         [
             *BASE,
-            *SEPARATE,
+            *MODES[mode],
             "algorithm.adv_estimator=remax",
             "data.max_response_length=24",
             "trainer.total_training_steps=4",

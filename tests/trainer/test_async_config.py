@@ -74,6 +74,9 @@ def test_colocate_async_is_accepted_on_the_training_processes_and_reads_its_own_
     ):
         assert "only separate_async reads it" in inactive[key]
     assert "colocate_async" in inactive_keys(typed(compose(SEPARATE)))["trainer.v1.colocate_async"]
+    # ReMax, LoRA and the profiler run on the training processes' engines too (tests/e2e/test_async_e2e.py)
+    typed(compose([*COLOCATE, "algorithm.adv_estimator=remax", "actor_rollout_ref.model.lora_rank=8"]))
+    typed(compose([*COLOCATE, "global_profiler.tool=torch", "global_profiler.steps=[1]"]))
 
 
 @pytest.mark.parametrize(
@@ -82,9 +85,6 @@ def test_colocate_async_is_accepted_on_the_training_processes_and_reads_its_own_
         (["trainer.v1.colocate_async.num_warmup_batches=-1"], r"colocate_async.num_warmup_batches=-1: must be >= 0"),
         (["actor_rollout_ref.rollout.pool_cpu_generation=true"], r"pool_cpu_generation=true with .*colocate_async"),
         (["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], r"tensor_model_parallel_size=2 with .*colocate"),
-        (["algorithm.adv_estimator=remax"], r"algorithm.adv_estimator=remax with trainer.v1.trainer_mode=colocate"),
-        (["actor_rollout_ref.model.lora_rank=8"], r"lora_rank=8 with trainer.v1.trainer_mode=colocate_async"),
-        (["global_profiler.tool=torch"], r"global_profiler.tool=torch with trainer.v1.trainer_mode=colocate_async"),
         (["actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"], r"tool_agent with .*colocate_async"),
         ([*OPENAI_AGENT, "actor_rollout_ref.rollout.partial_rollout=false"], r"openai_agent with .*colocate_async"),
     ],
