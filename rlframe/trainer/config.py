@@ -303,17 +303,11 @@ def _separate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
 # What separate_async runs and colocate_async does not yet: (is it set?, the key and value, why). docs/async.md.
 def _colocate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
     rollout = root.actor_rollout_ref.rollout
-    agent_tools = bool(rollout.multi_turn.tool_config_path or rollout.multi_turn.function_tool_path)
     not_yet = "runs under separate_async; on the training processes' engines it is not built and tested yet"
     return [
         (
             rollout.tensor_model_parallel_size != 1,
             f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}",
-            not_yet,
-        ),
-        (
-            agent_tools or rollout.agent.default_agent_loop == "tool_agent",
-            "actor_rollout_ref.rollout.multi_turn / agent.default_agent_loop=tool_agent",
             not_yet,
         ),
         (

@@ -150,10 +150,12 @@ ALGORITHMS = {
     "remax": ["algorithm.adv_estimator=remax"],
     # LoRA: the rollout pool's hf engine takes the merged weights each push, the hybrid engine its own sync
     "lora": ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"],
-}
-POOL_ONLY = {  # what runs under separate_async and colocate_async refuses (docs/async.md)
+    # the tool agent with the calculator, on the agent loops or turn-synchronous: a cut trajectory continues from its
+    # state
     "tool_agent": [*TOOL_AGENT, "actor_rollout_ref.rollout.mode=async"],
     "tool_agent_turn_sync": [*TOOL_AGENT, "actor_rollout_ref.rollout.mode=sync"],
+}
+POOL_ONLY = {  # what runs under separate_async and colocate_async refuses (docs/async.md)
     # your own agent through the OpenAI endpoint (its episodes are not cut by a push: partial_rollout=false)
     "openai_agent": [
         "data.max_response_length=64",
@@ -389,19 +391,22 @@ def test_remax_baselines_come_from_their_groups_admission_version_when_a_push_cu
     assert min(m[f"{STALENESS}/min"] for m in metrics[1:]) == 0
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@pytest.mark.parametrize(
+    "trainer_mode,mode", [("separate_async", "async"), ("separate_async", "sync"), ("colocate_async", "async")]
+)
 def test_partial_rollout_cuts_tool_agent_trajectories_and_continues_them_within_the_bound(
-    ray_cluster, tmp_path, monkeypatch, mode
+    ray_cluster, tmp_path, monkeypatch, trainer_mode, mode
 ):
-    """The tool agent on the rollout pool at η = 1 with partial rollout, decoding slowed so that pushes land while
-    trajectories generate: they are cut (inside a turn, or before their next one) and continued from their state on
-    the new weights. Every trained token is at most η versions old and every prompt is trained exactly once."""
+    """The tool agent at η = 1 with partial rollout (on the rollout pool, or on the training processes' engines),
+    decoding slowed so that cuts land while trajectories generate: they are cut (inside a turn, or before their next
+    one) and continued from their state on the new weights. Every trained token is at most η versions old and every
+    prompt is trained exactly once."""
     monkeypatch.setenv("RLFRAME_DELAY_AT", "rollout.decode:5:0.1-0.14")
     dumps = tmp_path / "rollouts"
     metrics, _ = train_in_process(
         [
             *BASE,
-            *SEPARATE,
+            *MODES[trainer_mode],
             *TOOL_AGENT,
             f"actor_rollout_ref.rollout.mode={mode}",
             "data.max_response_length=24",

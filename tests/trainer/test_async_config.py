@@ -85,7 +85,6 @@ def test_colocate_async_is_accepted_on_the_training_processes_and_reads_its_own_
         (["trainer.v1.colocate_async.num_warmup_batches=-1"], r"colocate_async.num_warmup_batches=-1: must be >= 0"),
         (["actor_rollout_ref.rollout.pool_cpu_generation=true"], r"pool_cpu_generation=true with .*colocate_async"),
         (["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], r"tensor_model_parallel_size=2 with .*colocate"),
-        (["actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"], r"tool_agent with .*colocate_async"),
         ([*OPENAI_AGENT, "actor_rollout_ref.rollout.partial_rollout=false"], r"openai_agent with .*colocate_async"),
     ],
 )
@@ -154,12 +153,13 @@ def test_verls_other_v1_keys_are_taken_at_their_defaults_only(override, expected
         compose([override])
 
 
+@pytest.mark.parametrize("trainer_mode", ["separate", "colocate"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_the_tool_agent_runs_on_the_rollout_pool_in_either_rollout_mode(mode):
+def test_the_tool_agent_runs_in_either_async_mode_and_either_rollout_mode(mode, trainer_mode):
     typed(
         compose(
             [
-                *SEPARATE,
+                *{"separate": SEPARATE, "colocate": COLOCATE}[trainer_mode],
                 "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
                 f"actor_rollout_ref.rollout.mode={mode}",
                 "data.return_raw_chat=true",
