@@ -303,13 +303,7 @@ def _separate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
 # What separate_async runs and colocate_async does not yet: (is it set?, the key and value, why). docs/async.md.
 def _colocate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
     rollout = root.actor_rollout_ref.rollout
-    not_yet = "runs under separate_async; on the training processes' engines it is not built and tested yet"
     return [
-        (
-            rollout.tensor_model_parallel_size != 1,
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}",
-            not_yet,
-        ),
         (
             rollout.agent.default_agent_loop == "openai_agent",
             "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent",

@@ -262,8 +262,8 @@ class ActorRolloutRefWorker(FSDPWorkerBase, WeightPushSender):
             self.dims.tp_group,
             chat_template_kwargs=OmegaConf.to_container(self.config.data.apply_chat_template_kwargs),
         )
-        if self.config.trainer.v1.trainer_mode == "colocate_async":  # each rank a replica of its own, TP 1
-            self.versioned = VersionedRollout(self.rollout)
+        if self.config.trainer.v1.trainer_mode == "colocate_async":  # cut and continued together by each TP group
+            self.versioned = VersionedRollout(self.rollout, self.dims.tp_group)
         # rollout.pool_cpu_generation: the ranks of this machine generate on rank 0 (rollout/pool.py)
         self.generation_pool = None
         group = self.dims.pool_group  # the plan's: an engine that pools, on CPU, TP 1, more than one rank

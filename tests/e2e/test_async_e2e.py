@@ -49,6 +49,7 @@ TP2_SEPARATE = [
     *(key for key in SEPARATE if "n_gpus_per_node" not in key),
     "actor_rollout_ref.rollout.n_gpus_per_node=2",
 ]
+TP2_MODES = {"separate_async": TP2_SEPARATE, "colocate_async": COLOCATE}  # the pool's replica, or the training group
 CALCULATOR = Path(__file__).parents[2] / "examples" / "tools" / "calculator.yaml"
 TOOL_AGENT = [
     f"actor_rollout_ref.rollout.multi_turn.tool_config_path={CALCULATOR}",
@@ -216,14 +217,16 @@ def test_eta0_in_either_async_mode_gives_the_sync_run_bitwise(ray_cluster, sync_
     assert all(torch.equal(sync_weights[name], async_weights[name]) for name in sync_weights)
 
 
-def test_eta0_with_a_tp2_replica_on_the_pool_gives_the_sync_tp2_run_bitwise(ray_cluster, tmp_path):
-    """The rollout pool's replica is a TP group of 2 processes; the sync run generates with the hybrid engine's TP
-    group of 2. Same rows per TP rank, same seed (TP rank 0's, replica index 0): the same samples, bit for bit."""
+@pytest.mark.parametrize("mode", TP2_MODES)
+def test_eta0_with_a_tp2_replica_gives_the_sync_tp2_run_bitwise(ray_cluster, tmp_path, mode):
+    """The replica is a TP group of 2 processes (the rollout pool's, or under colocate_async the training processes'
+    own engines); the sync run generates with the hybrid engine's TP group of 2. Same rows per TP rank, same seed (TP
+    rank 0's, replica index 0): the same samples, bit for bit."""
     sync_metrics, sync_weights = train_in_process([*TP2, f"trainer.default_local_dir={tmp_path / 'sync'}"])
     async_metrics, async_weights = train_in_process(
         [
             *TP2,
-            *TP2_SEPARATE,
+            *TP2_MODES[mode],
             "trainer.v1.sampler.max_off_policy_threshold=1",  # η = 0
             f"trainer.default_local_dir={tmp_path / 'async'}",
         ]
@@ -236,10 +239,16 @@ def test_eta0_with_a_tp2_replica_on_the_pool_gives_the_sync_tp2_run_bitwise(ray_
 
 
 @pytest.mark.parametrize(
-    "agent", [[], [*TOOL_AGENT, "actor_rollout_ref.rollout.mode=async"]], ids=["single_turn", "tools"]
+    "agent,mode",
+    [
+        ([], "separate_async"),
+        ([*TOOL_AGENT, "actor_rollout_ref.rollout.mode=async"], "separate_async"),
+        ([], "colocate_async"),
+    ],
+    ids=["single_turn", "tools", "single_turn-colocate_async"],
 )
 def test_partial_rollout_cuts_a_tp2_replica_on_every_tp_rank_at_once_and_trains_every_prompt_once(
-    ray_cluster, tmp_path, monkeypatch, agent
+    ray_cluster, tmp_path, monkeypatch, agent, mode
 ):
     """η = 1 with partial rollout on a TP 2 replica, decoding slowed so that pushes land mid-generation: TP rank 0
     asks the board and both ranks stop at the same step (else the next all-reduce hangs); the cut rows (or the tool
@@ -250,7 +259,7 @@ def test_partial_rollout_cuts_a_tp2_replica_on_every_tp_rank_at_once_and_trains_
     metrics, _ = train_in_process(
         [
             *TP2,
-            *TP2_SEPARATE,
+            *TP2_MODES[mode],
             *agent,
             "data.max_response_length=24",
             "trainer.total_training_steps=4",

@@ -84,7 +84,6 @@ def test_colocate_async_is_accepted_on_the_training_processes_and_reads_its_own_
     [
         (["trainer.v1.colocate_async.num_warmup_batches=-1"], r"colocate_async.num_warmup_batches=-1: must be >= 0"),
         (["actor_rollout_ref.rollout.pool_cpu_generation=true"], r"pool_cpu_generation=true with .*colocate_async"),
-        (["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], r"tensor_model_parallel_size=2 with .*colocate"),
         ([*OPENAI_AGENT, "actor_rollout_ref.rollout.partial_rollout=false"], r"openai_agent with .*colocate_async"),
     ],
 )
