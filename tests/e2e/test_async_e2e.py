@@ -110,6 +110,31 @@ def times_trained(dumps, steps) -> Counter:
     return trained
 
 
+def cut_run(tmp_path, monkeypatch, overrides: list[str], response_length: int | None = 24) -> list[dict]:
+    """η = 1 with partial rollout for 4 steps, decoding slowed from the 5th token (~0.12 s a token) so that cuts land
+    while generation runs: the run's metrics, checked for what every such run must hold (every trained token at most
+    η versions old, and every prompt trained exactly once). `overrides`: the base, the mode and the case's keys."""
+    monkeypatch.setenv("RLFRAME_DELAY_AT", "rollout.decode:5:0.1-0.14")
+    dumps = tmp_path / "rollouts"
+    length = [] if response_length is None else [f"data.max_response_length={response_length}"]
+    metrics, _ = train_in_process(
+        [
+            *overrides,
+            *length,
+            "trainer.total_training_steps=4",
+            "trainer.test_freq=-1",
+            "trainer.v1.sampler.max_off_policy_threshold=2",  # η = 1
+            f"trainer.rollout_data_dir={dumps}",
+            f"trainer.default_local_dir={tmp_path / 'async'}",
+        ]
+    )
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert max(m[f"{STALENESS}_worst/max"] for m in metrics) <= 1
+    trained = times_trained(dumps, (1, 2, 3, 4))
+    assert len(trained) == 16 and set(trained.values()) == {1}
+    return metrics
+
+
 def without(metrics: list[dict], prefixes: tuple[str, ...]) -> list[dict]:
     return [{k: v for k, v in line.items() if not k.startswith(prefixes)} for line in metrics]
 
@@ -254,27 +279,9 @@ def test_partial_rollout_cuts_a_tp2_replica_on_every_tp_rank_at_once_and_trains_
     asks the board and both ranks stop at the same step (else the next all-reduce hangs); the cut rows (or the tool
     agent's trajectories, whose TP peer follows the agent loops' engine calls) continue on the same TP group within
     the bound, and every prompt is trained exactly once."""
-    monkeypatch.setenv("RLFRAME_DELAY_AT", "rollout.decode:5:0.1-0.14")
-    dumps = tmp_path / "rollouts"
-    metrics, _ = train_in_process(
-        [
-            *TP2,
-            *TP2_MODES[mode],
-            *agent,
-            "data.max_response_length=24",
-            "trainer.total_training_steps=4",
-            "trainer.test_freq=-1",
-            "trainer.v1.sampler.max_off_policy_threshold=2",  # η = 1
-            f"trainer.rollout_data_dir={dumps}",
-            f"trainer.default_local_dir={tmp_path / 'async'}",
-        ]
-    )
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
-    assert max(m[f"{STALENESS}_worst/max"] for m in metrics) <= 1
+    metrics = cut_run(tmp_path, monkeypatch, [*TP2, *TP2_MODES[mode], *agent])
     assert sum(m["async/interrupted_samples"] for m in metrics) > 0
     assert max(m["training/off_policy/trajectory_spans/max"] for m in metrics) == 2
-    trained = times_trained(dumps, (1, 2, 3, 4))
-    assert len(trained) == 16 and set(trained.values()) == {1}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -345,28 +352,11 @@ def test_partial_rollout_cuts_the_generation_a_push_finds_running_and_trains_eve
     """η = 1, partial rollout on, responses of 24 tokens at ~0.12 s a token: the groups of step k + 1 are still
     generating when step k pushes its weights, so their rows are cut and continued on the new weights. Every trained
     token is at most η versions old, cut rows span two versions, and every prompt is trained exactly once."""
-    monkeypatch.setenv("RLFRAME_DELAY_AT", "rollout.decode:5:0.1-0.14")
-    dumps = tmp_path / "rollouts"
-    metrics, _ = train_in_process(
-        [
-            *BASE,
-            *SEPARATE,
-            "data.max_response_length=24",
-            "trainer.total_training_steps=4",
-            "trainer.test_freq=-1",
-            "trainer.v1.sampler.max_off_policy_threshold=2",  # η = 1
-            f"trainer.rollout_data_dir={dumps}",
-            f"trainer.default_local_dir={tmp_path / 'async'}",
-        ]
-    )
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
-    assert max(m[f"{STALENESS}_worst/max"] for m in metrics) <= 1
+    metrics = cut_run(tmp_path, monkeypatch, [*BASE, *SEPARATE])
     assert sum(m["async/interrupted_samples"] for m in metrics) > 0
     assert max(m["training/off_policy/trajectory_spans/max"] for m in metrics) == 2
     # a cut row's newest tokens come from the weights its step starts from
     assert min(m[f"{STALENESS}/min"] for m in metrics[1:]) == 0
-    trained = times_trained(dumps, (1, 2, 3, 4))
-    assert len(trained) == 16 and set(trained.values()) == {1}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -378,20 +368,7 @@ def test_remax_baselines_come_from_their_groups_admission_version_when_a_push_cu
     samples and never cut, comes from the weights the group was admitted under (the driver checks each row's version
     against its group's admission and raises otherwise). So every step's baselines are exactly as stale as its
     groups' admissions, one version older than the samples' newest tokens."""
-    monkeypatch.setenv("RLFRAME_DELAY_AT", "rollout.decode:5:0.1-0.14")
-    metrics, _ = train_in_process(
-        [
-            *BASE,
-            *MODES[mode],
-            "algorithm.adv_estimator=remax",
-            "data.max_response_length=24",
-            "trainer.total_training_steps=4",
-            "trainer.test_freq=-1",
-            "trainer.v1.sampler.max_off_policy_threshold=2",  # η = 1
-            f"trainer.default_local_dir={tmp_path / 'async'}",
-        ]
-    )
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    metrics = cut_run(tmp_path, monkeypatch, [*BASE, *MODES[mode], "algorithm.adv_estimator=remax"])
     assert sum(m["async/interrupted_samples"] for m in metrics) > 0
     # one-step-off: step 1 trains groups admitted at version 0, step k > 1 groups admitted at version k - 2
     assert [m["async/remax_baseline_staleness/max"] for m in metrics] == [0, 1, 1, 1]
@@ -410,29 +387,11 @@ def test_partial_rollout_cuts_tool_agent_trajectories_and_continues_them_within_
     decoding slowed so that cuts land while trajectories generate: they are cut (inside a turn, or before their next
     one) and continued from their state on the new weights. Every trained token is at most η versions old and every
     prompt is trained exactly once."""
-    monkeypatch.setenv("RLFRAME_DELAY_AT", "rollout.decode:5:0.1-0.14")
-    dumps = tmp_path / "rollouts"
-    metrics, _ = train_in_process(
-        [
-            *BASE,
-            *MODES[trainer_mode],
-            *TOOL_AGENT,
-            f"actor_rollout_ref.rollout.mode={mode}",
-            "data.max_response_length=24",
-            "trainer.total_training_steps=4",
-            "trainer.test_freq=-1",
-            "trainer.v1.sampler.max_off_policy_threshold=2",  # η = 1
-            f"trainer.rollout_data_dir={dumps}",
-            f"trainer.default_local_dir={tmp_path / 'async'}",
-        ]
-    )
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
-    assert max(m[f"{STALENESS}_worst/max"] for m in metrics) <= 1
+    overrides = [*BASE, *MODES[trainer_mode], *TOOL_AGENT, f"actor_rollout_ref.rollout.mode={mode}"]
+    metrics = cut_run(tmp_path, monkeypatch, overrides)
     assert sum(m["async/interrupted_samples"] for m in metrics) > 0
     assert max(m["training/off_policy/trajectory_spans/max"] for m in metrics) == 2  # cut trajectories span two
     assert all("multi_turn/assistant_turns_mean" in m for m in metrics)  # the tool agent generated them
-    trained = times_trained(dumps, (1, 2, 3, 4))
-    assert len(trained) == 16 and set(trained.values()) == {1}
 
 
 def test_a_push_cuts_an_openai_agents_requests_and_the_endpoint_continues_them_within_the_bound(
@@ -442,28 +401,12 @@ def test_a_push_cuts_an_openai_agents_requests_and_the_endpoint_continues_them_w
     requests generate: the replica loads the pushed weights itself and continues the cut requests in the same call
     (the agent only waits longer), so episodes span two versions, every trained token is at most η versions old and
     every prompt is trained exactly once."""
-    monkeypatch.setenv("RLFRAME_DELAY_AT", "rollout.decode:5:0.1-0.14")
-    dumps = tmp_path / "rollouts"
-    metrics, _ = train_in_process(
-        [
-            *BASE,
-            *SEPARATE,
-            *(key for key in POOL_ONLY["openai_agent"] if "partial_rollout" not in key),
-            "trainer.total_training_steps=4",
-            "trainer.test_freq=-1",
-            "trainer.v1.sampler.max_off_policy_threshold=2",  # η = 1
-            f"trainer.rollout_data_dir={dumps}",
-            f"trainer.default_local_dir={tmp_path / 'async'}",
-        ]
-    )
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
-    assert max(m[f"{STALENESS}_worst/max"] for m in metrics) <= 1
+    agent = [key for key in POOL_ONLY["openai_agent"] if "partial_rollout" not in key]  # its own response length
+    metrics = cut_run(tmp_path, monkeypatch, [*BASE, *SEPARATE, *agent], response_length=None)
     assert sum(m["rollout/server_requests_cut"] for m in metrics) > 0
     assert sum(m["async/interrupted_samples"] for m in metrics) == 0  # no episode came back cut
     assert max(m["training/off_policy/trajectory_spans/max"] for m in metrics) == 2
     assert all(m["openai_agent/failed_ratio"] == 0 for m in metrics)
-    trained = times_trained(dumps, (1, 2, 3, 4))
-    assert len(trained) == 16 and set(trained.values()) == {1}
 
 
 def test_streaming_groups_over_two_replicas_finishing_out_of_order_stay_within_the_bound(
@@ -508,7 +451,6 @@ def test_colocate_async_cuts_what_generates_ahead_once_a_batch_is_sampled_and_tr
     that generation is cut (before the step trains on the same processes; with 2, each cuts its own share) and its
     rows continue on the new weights. Every trained token is at most η versions old, cut rows span two versions, and
     every prompt is trained once."""
-    monkeypatch.setenv("RLFRAME_DELAY_AT", "rollout.decode:5:0.1-0.14")
     scorer = tmp_path / "slow_scorer.py"
     scorer.write_text(
         "import time\n"
@@ -516,23 +458,8 @@ def test_colocate_async_cuts_what_generates_ahead_once_a_batch_is_sampled_and_tr
         "    time.sleep(0.1)\n"
         "    return float(len(solution_str) % 2)\n"
     )
-    dumps = tmp_path / "rollouts"
-    metrics, _ = train_in_process(
-        [
-            *BASE,
-            *COLOCATE,
-            f"trainer.n_gpus_per_node={processes}",
-            f"custom_reward_function.path={scorer}",
-            "data.max_response_length=24",
-            "trainer.total_training_steps=4",
-            "trainer.test_freq=-1",
-            "trainer.v1.sampler.max_off_policy_threshold=2",  # η = 1
-            f"trainer.rollout_data_dir={dumps}",
-            f"trainer.default_local_dir={tmp_path / 'async'}",
-        ]
-    )
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
-    assert max(m[f"{STALENESS}_worst/max"] for m in metrics) <= 1
+    overrides = [*BASE, *COLOCATE, f"trainer.n_gpus_per_node={processes}", f"custom_reward_function.path={scorer}"]
+    metrics = cut_run(tmp_path, monkeypatch, overrides)
     assert [m[f"{STALENESS}_worst/max"] for m in metrics][1:] == [1, 1, 1]  # the batch generated one step ahead
     assert sum(m["async/interrupted_samples"] for m in metrics) > 0
     assert max(m["training/off_policy/trajectory_spans/max"] for m in metrics) == 2
@@ -541,8 +468,6 @@ def test_colocate_async_cuts_what_generates_ahead_once_a_batch_is_sampled_and_tr
     assert [m["async/in_flight_groups"] for m in metrics] == [4, 4, 4, 0]  # L = 1 batch ahead, none after the last
     assert max(m["async/in_flight_groups/max"] for m in metrics) == 8  # (L + 1) · B
     assert not any("async/rollout_pool/idle_s" in m for m in metrics)  # no rollout pool
-    trained = times_trained(dumps, (1, 2, 3, 4))
-    assert len(trained) == 16 and set(trained.values()) == {1}
 
 
 def _trained_prompts(dumps, steps) -> dict[int, set]:
