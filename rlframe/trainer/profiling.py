@@ -17,10 +17,9 @@ class StepProfiler:
     the loop is done.
 
     `queued_groups` (separate_async's rollout pool; under colocate_async the training processes) generate while the
-    driver goes on: their start and stop are
-    queued behind the calls already sent to them instead of waited for, so a profiled window covers the pool's
-    calls sent between its begin and its end (with η = 0 exactly the step's generation), and `close` waits for the
-    last stop (the traces are written then)."""
+    driver goes on: their start and stop are queued behind the calls already sent to them instead of waited for, so a
+    profiled window covers their calls sent between its begin and its end (with η = 0 exactly the step's generation),
+    and `close` waits for the last stop (the traces are written then)."""
 
     def __init__(self, global_cfg, worker_groups: list, queued_groups: list = ()):
         self.steps = set(global_cfg.steps or []) if global_cfg.tool is not None else set()

@@ -128,11 +128,10 @@ class RayPPOTrainer:
         self.critic_wg = groups.critic
         # the processes that generate ahead of the driver take their profiler calls in their queue: separate_async's
         # rollout pool, and under colocate_async the training processes themselves (their engines generate ahead)
-        training = [self.actor_rollout_wg, self.critic_wg]
+        waited, queued = [self.actor_rollout_wg, self.critic_wg], [groups.rollout]
         if config.trainer.v1.trainer_mode == "colocate_async":
-            self.step_profiler = StepProfiler(config.global_profiler, [], queued_groups=training)
-        else:
-            self.step_profiler = StepProfiler(config.global_profiler, training, queued_groups=[groups.rollout])
+            waited, queued = [], waited
+        self.step_profiler = StepProfiler(config.global_profiler, waited, queued_groups=queued)
         self.use_critic = plan.critic is not None
         self.use_reference = plan.ref is not None
         self.use_teacher = bool(config.distillation.enabled)
