@@ -113,14 +113,29 @@ def times_trained(dumps, steps) -> Counter:
 def cut_run(tmp_path, monkeypatch, overrides: list[str], response_length: int | None = 24) -> list[dict]:
     """η = 1 with partial rollout for 4 steps, decoding slowed from the 5th token (~0.12 s a token) so that cuts land
     while generation runs: the run's metrics, checked for what every such run must hold (every trained token at most
-    η versions old, and every prompt trained exactly once). `overrides`: the base, the mode and the case's keys."""
+    η versions old, and every prompt trained exactly once). `overrides`: the base, the mode and the case's keys.
+
+    Under colocate_async the batch ahead starts generating only once the step's own batch is back, and is cut as soon
+    as the driver has scored that batch: a scorer of ~0.1 s a sample gives it time to sample tokens before the cut
+    (with the default scorer's milliseconds, the cut lands before the first token and no row spans two versions)."""
     monkeypatch.setenv("RLFRAME_DELAY_AT", "rollout.decode:5:0.1-0.14")
     dumps = tmp_path / "rollouts"
     length = [] if response_length is None else [f"data.max_response_length={response_length}"]
+    scorer = []
+    if COLOCATE[0] in overrides:
+        path = tmp_path / "slow_scorer.py"
+        path.write_text(
+            "import time\n"
+            "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+            "    time.sleep(0.1)\n"
+            "    return float(len(solution_str) % 2)\n"
+        )
+        scorer = [f"custom_reward_function.path={path}"]
     metrics, _ = train_in_process(
         [
             *overrides,
             *length,
+            *scorer,
             "trainer.total_training_steps=4",
             "trainer.test_freq=-1",
             "trainer.v1.sampler.max_off_policy_threshold=2",  # η = 1
@@ -451,15 +466,7 @@ def test_colocate_async_cuts_what_generates_ahead_once_a_batch_is_sampled_and_tr
     that generation is cut (before the step trains on the same processes; with 2, each cuts its own share) and its
     rows continue on the new weights. Every trained token is at most η versions old, cut rows span two versions, and
     every prompt is trained once."""
-    scorer = tmp_path / "slow_scorer.py"
-    scorer.write_text(
-        "import time\n"
-        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    time.sleep(0.1)\n"
-        "    return float(len(solution_str) % 2)\n"
-    )
-    overrides = [*BASE, *COLOCATE, f"trainer.n_gpus_per_node={processes}", f"custom_reward_function.path={scorer}"]
-    metrics = cut_run(tmp_path, monkeypatch, overrides)
+    metrics = cut_run(tmp_path, monkeypatch, [*BASE, *COLOCATE, f"trainer.n_gpus_per_node={processes}"])
     assert [m[f"{STALENESS}_worst/max"] for m in metrics][1:] == [1, 1, 1]  # the batch generated one step ahead
     assert sum(m["async/interrupted_samples"] for m in metrics) > 0
     assert max(m["training/off_policy/trajectory_spans/max"] for m in metrics) == 2
