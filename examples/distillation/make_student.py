@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlframe.models import smollm2
 from rlframe.models.builtin import resolve_model_path
 
-TEACHER = "builtin://smollm2-135m-instruct"
+TEACHER = f"builtin://{smollm2.NAME}"
 
 
 def main() -> None:

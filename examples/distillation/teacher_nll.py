@@ -1,6 +1,6 @@
 """How close a run's samples are to the teacher: per step, the teacher's mean negative log-likelihood per response
 token of the samples the run trained on (its `trainer.rollout_data_dir` dumps), and the share of samples that end
-with GSM8K's `#### <number>` line (what the strict scorer reads).
+with GSM8K's `#### <number>` line (what the strict scorer reads, `extract_gsm8k_answer`).
 
     python examples/distillation/teacher_nll.py RUN_DIR [RUN_DIR ...] [--every 5]
 
@@ -13,16 +13,16 @@ the number is a comparison between runs, not the trained loss.
 
 import argparse
 import json
-import re
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlframe.models import smollm2
 from rlframe.models.builtin import resolve_model_path
+from rlframe.reward.scorers import extract_gsm8k_answer
 
-TEACHER = "builtin://smollm2-135m-instruct"
-ANSWER_LINE = re.compile(r"#### *-?[0-9][0-9,.]*")
+TEACHER = f"builtin://{smollm2.NAME}"
 
 
 def step_nll(model, tokenizer, rows: list[dict]) -> float:
@@ -58,7 +58,7 @@ def main() -> None:
             window = steps[start : start + args.every]
             nll = sum(step_nll(model, tokenizer, rows) for rows in window) / len(window)
             rows = [row for rows in window for row in rows]
-            answered = sum(bool(ANSWER_LINE.search(row["response"])) for row in rows) / len(rows)
+            answered = sum(extract_gsm8k_answer(row["response"]) is not None for row in rows) / len(rows)
             cells.append(f"steps {start + 1}-{start + len(window)}: NLL {nll:.3f}, '####' {answered:.2f}")
         print(f"{run_dir}: teacher NLL per response token, share of samples with an answer line; " + "; ".join(cells))
 
