@@ -54,8 +54,11 @@ echo "[test] ruff check and ruff format --check (settings in pyproject.toml)"
 export RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 # only a GPU test may skip here (tests/conftest.py): what the tests need, the setup above installs
 export RLFRAME_STRICT_SKIPS="${RLFRAME_STRICT_SKIPS:-1}"
+# the main suite's files on RLFRAME_TEST_WORKERS processes (pytest-xdist; a file's tests stay on one process, so a
+# module's Ray cluster and fixtures are built once); 0 runs them in this process
+WORKERS="${RLFRAME_TEST_WORKERS:-2}"
 status=0
-"$VENV/bin/python" -m pytest "$@" || status=$?
+"$VENV/bin/python" -m pytest -n "$WORKERS" --dist loadfile "$@" || status=$?
 if [ "$WITH_VLLM" != 0 ]; then
     vllm_setup=0
     wait "$vllm_setup_pid" || vllm_setup=$?

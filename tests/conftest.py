@@ -36,6 +36,8 @@ def pytest_collection_modifyitems(config, items):
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             config._rlframe_vllm_deselected = 0 if VLLM_ENV else len(dropped)
+            if hasattr(config, "workeroutput"):  # a pytest-xdist worker: its controller prints the summary
+                config.workeroutput["rlframe_vllm_deselected"] = config._rlframe_vllm_deselected
         items[:] = keep
     if torch.cuda.is_available():
         return
@@ -58,6 +60,13 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped outside a GPU test, which RLFRAME_STRICT_SKIPS=1 forbids: {reason}"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """Under pytest-xdist (scripts/test.sh) the workers collect: each one's count of deselected vLLM tests."""
+    count = getattr(node, "workeroutput", {}).get("rlframe_vllm_deselected", 0)
+    node.config._rlframe_vllm_deselected = max(count, getattr(node.config, "_rlframe_vllm_deselected", 0))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
