@@ -272,8 +272,8 @@ def _separate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
             rollout.tensor_model_parallel_size != 1 and engine is not None and not engine.capabilities.tp_cut,
             f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} with "
             f"actor_rollout_ref.rollout.name={rollout.name}",
-            "this engine's TP ranks would not stop at the same step when a push cuts them (vLLM's server asks the "
-            "interrupt on its TP leader alone); TP replicas on the rollout pool run the hf engine",
+            "this engine's TP ranks would not stop at the same step when a push cuts them; TP replicas on the "
+            "rollout pool run the hf and vllm engines",
         ),
         (
             rollout.agent.default_agent_loop == "openai_agent"

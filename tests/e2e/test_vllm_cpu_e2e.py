@@ -85,12 +85,17 @@ def test_grpo_with_the_vllm_rollout_syncs_every_step_and_reruns_the_same(tmp_pat
     assert rollouts(runs["b"] / "rollouts", 1) == first  # same data.seed: the same prompts and the same tokens
 
 
-def test_separate_async_with_vllm_on_the_rollout_pool_cuts_continues_and_trains_each_prompt_once(tmp_path, cache_dir):
-    """trainer.v1.trainer_mode=separate_async with rollout.name=vllm: one training process, one rollout process
-    whose vLLM engine takes the pushed weights each step. η = 1 with partial rollout; short add_digits prompts keep
-    the training step to seconds, and decoding is slowed to ~0.45 s an engine step (`rollout.decode`) so that each
-    push finds the next batch generating: its rows are cut (the engine's requests aborted) and continued on the new
-    weights. No trained token is older than η, cut rows span two versions, every prompt is trained exactly once."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_separate_async_with_vllm_on_the_rollout_pool_cuts_continues_and_trains_each_prompt_once(
+    tmp_path, cache_dir, tp
+):
+    """trainer.v1.trainer_mode=separate_async with rollout.name=vllm: `tp` training processes, one rollout replica
+    whose vLLM engine takes the pushed weights each step (`tp` 2: a TP group of two processes, its rollout server's
+    peers stepping with TP rank 0). η = 1 with partial rollout; short add_digits prompts keep the training step to
+    seconds, and decoding is slowed to ~0.45 s an engine step (`rollout.decode`) so that each push finds the next
+    batch generating: its rows are cut (the engine's requests aborted on every TP rank at the same step) and
+    continued on the new weights. No trained token is older than η, cut rows span two versions, every prompt is
+    trained exactly once."""
     from collections import Counter
 
     run_dir = tmp_path / "async"
@@ -100,7 +105,7 @@ def test_separate_async_with_vllm_on_the_rollout_pool_cuts_continues_and_trains_
         "data.val_files": "builtin://add_digits",
         "data.max_prompt_length": "64",
         f"{ROLLOUT}.max_model_len": "96",
-        "trainer.n_gpus_per_node": "1",
+        "trainer.n_gpus_per_node": str(tp),  # the training processes keep an engine of the same TP for validation
     }
     job = [o for o in JOB if o.split("=")[0] not in short] + [f"{k}={v}" for k, v in short.items()]
     out = run_main(
@@ -108,7 +113,8 @@ def test_separate_async_with_vllm_on_the_rollout_pool_cuts_continues_and_trains_
         + [
             "trainer.v1.trainer_mode=separate_async",
             f"{ROLLOUT}.nnodes=1",
-            f"{ROLLOUT}.n_gpus_per_node=1",
+            f"{ROLLOUT}.n_gpus_per_node={tp}",
+            f"{ROLLOUT}.tensor_model_parallel_size={tp}",
             "trainer.v1.sampler.max_off_policy_threshold=2",  # η = 1
             "trainer.v1.separate_async.parameter_sync_step=1",
             "algorithm.rollout_correction.rollout_is=token",

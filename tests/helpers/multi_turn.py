@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 import numpy as np
 import torch
 
@@ -11,8 +14,10 @@ from rlframe.protocol import DataProto
 from rlframe.workers.rollout.base import BaseRollout, Generated, ServedModel, Stop
 from rlframe.workers.rollout.config import RolloutConfig
 from rlframe.workers.rollout.tools import BaseTool, ToolResponse, string_function_schema
+from rlframe.workers.rollout.vllm_server import VLLMServer
 
 PROMPT_LEN, RESPONSE_LEN = 48, 160
+STEP_S = 0.01  # one engine step of SteppedEngine
 
 
 def call(expression: str) -> str:
@@ -27,8 +32,8 @@ class ScriptedEngine(BaseRollout):
     step and after each one, and once it says True the unfinished rows stop `Stop.INTERRUPTED`. A context that ends
     inside a reply (a cut turn) gets the rest of it; a token's log-prob is -(its index in the reply + 1) / 10."""
 
-    def __init__(self, config: RolloutConfig, tokenizer, model_path, script: dict[str, list[str]]):
-        super().__init__(config, ServedModel(model_path), tokenizer, "cpu")
+    def __init__(self, config: RolloutConfig, tokenizer, model_path, script: dict[str, list[str]], tp_group=None):
+        super().__init__(config, ServedModel(model_path), tokenizer, "cpu", tp_group)
         self.tokenizer, self.script, self.calls = tokenizer, script, []
         self.header = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
 
@@ -120,3 +125,74 @@ def chatml_tool_turn(tokenizer, answers: list[str]) -> list[int]:
     for answer in answers:
         ids += [start, *text(f"tool\n{answer}"), end, *text("\n")]
     return ids + [start, *text("assistant\n")]
+
+
+class SteppedEngine(ScriptedEngine):
+    """The scripted engine behind vLLM's `LLMEngine` interface: requests added at any time, one token per step.
+
+    Each step records which requests it advanced and when each request was added, so a test can see the
+    continuous batching; tokens and log-probs are the scripted engine's (log-prob -(i+1)/10 at position i).
+    """
+
+    server_class = VLLMServer
+    with_log_probs = True
+    _lora_request = None
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.llm = SimpleNamespace(llm_engine=self)
+        self.queue: dict[str, tuple[list[int], list[int], int]] = {}  # id -> (reply, given, step added)
+        self.steps: list[int] = []  # requests advanced by each step
+        self.joined_running: list[int] = []  # for each added request: requests already stepped at that moment
+        self.added: list[str] = []  # request ids, as added
+        self.aborted: list[list[str]] = []  # each abort's request ids
+
+    def wake_for_generation(self):
+        pass
+
+    def request_params(self, params, eos_ids, seed, prompt_len):
+        return params, eos_ids
+
+    def context_limited(self, prompt_len, asked):
+        return False
+
+    def add_request(self, request_id, prompt, sampling, lora_request=None):
+        params, eos_ids = sampling
+        ids = torch.tensor([prompt["prompt_token_ids"]])
+        batch = DataProto.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+        interrupt, self.interrupt = self.interrupt, None  # the whole reply: the server asks the interrupt itself
+        try:
+            tokens, lengths, _, _ = ScriptedEngine._generate(self, batch, params, eos_ids, self.pad_id, [0])
+        finally:
+            self.interrupt = interrupt
+        self.joined_running.append(sum(added < len(self.steps) for _, _, added in self.queue.values()))
+        self.queue[request_id] = (tokens[0, : int(lengths[0])].tolist(), [], len(self.steps))
+        self.added.append(request_id)
+
+    def has_unfinished_requests(self):
+        return bool(self.queue)
+
+    def abort_request(self, request_ids):
+        self.aborted.append(list(request_ids))
+        for request_id in request_ids:
+            self.queue.pop(request_id, None)
+
+    def step(self):
+        # a step takes time, as a real engine's does: a trajectory whose tool answered (microseconds to
+        # milliseconds, on another thread) then finds the longer first turns still generating; without it a
+        # whole first turn could finish between two of the agent threads' wake-ups (CI saw no join once)
+        time.sleep(STEP_S)
+        self.steps.append(len(self.queue))
+        outputs = []
+        for request_id, (reply, given, _) in list(self.queue.items()):
+            given.append(reply[len(given)])
+            finished = len(given) == len(reply)
+            if finished:
+                del self.queue[request_id]
+            log_probs = [{token: SimpleNamespace(logprob=-(i + 1) / 10)} for i, token in enumerate(given)]
+            reason = "stop" if finished else None
+            completion = SimpleNamespace(
+                token_ids=list(given), logprobs=log_probs, stop_reason=None, finish_reason=reason
+            )
+            outputs.append(SimpleNamespace(request_id=request_id, finished=finished, outputs=[completion]))
+        return outputs

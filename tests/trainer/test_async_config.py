@@ -179,21 +179,29 @@ def test_the_rollout_pool_takes_hf_and_vllm_and_refuses_sglang_by_name():
         assert "hf and vllm engines" in engine[2]
 
 
-def test_tp_replicas_run_on_the_rollout_pool_with_the_hf_engine_and_vllms_are_refused_by_name():
+def test_tp_replicas_run_on_the_rollout_pool_with_hf_and_vllm_and_an_engine_that_cannot_cut_them_is_refused():
+    from dataclasses import replace
+
+    from rlframe.trainer.config import _separate_async_refusals
+    from rlframe.workers.rollout.registry import find_engine, register, unregister
+
     cfg = typed(
         compose([*SEPARATE, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
     )  # 2 processes: 1 replica
-    from rlframe.trainer.config import _separate_async_refusals
-
-    cfg.actor_rollout_ref.rollout.name = "vllm"  # read directly: vllm is refused earlier when it is not installed
-    refused = [(setting, why) for is_set, setting, why in _separate_async_refusals(cfg) if is_set]
-    assert refused == [
-        (
-            "actor_rollout_ref.rollout.tensor_model_parallel_size=2 with actor_rollout_ref.rollout.name=vllm",
-            refused[0][1],
-        )
-    ]
-    assert "TP leader" in refused[0][1]
+    for name in ("hf", "vllm"):  # read directly: vllm is refused earlier when it is not installed
+        cfg.actor_rollout_ref.rollout.name = name
+        assert not [setting for is_set, setting, _ in _separate_async_refusals(cfg) if is_set], name
+    # an engine whose TP ranks would not stop at the same step (Capabilities.tp_cut=False)
+    hf = find_engine("hf")
+    register(replace(hf, name="no_tp_cut", capabilities=replace(hf.capabilities, tp_cut=False)))
+    try:
+        cfg.actor_rollout_ref.rollout.name = "no_tp_cut"
+        refused = [(setting, why) for is_set, setting, why in _separate_async_refusals(cfg) if is_set]
+    finally:
+        unregister("no_tp_cut")
+    setting = "actor_rollout_ref.rollout.tensor_model_parallel_size=2 with actor_rollout_ref.rollout.name=no_tp_cut"
+    assert [s for s, _ in refused] == [setting]
+    assert "would not stop at the same step" in refused[0][1]
 
 
 def test_the_profiler_runs_on_the_rollout_pool_with_the_actors_settings_by_default_as_in_verl():

@@ -712,7 +712,7 @@ def _inactive(rollout, path: str, root) -> dict[str, str]:
 SPEC = EngineSpec(
     name="vllm",
     build=VLLMRollout,
-    capabilities=Capabilities(lora="adapter", partial_rollout=True, continuous_batching=True),
+    capabilities=Capabilities(lora="adapter", partial_rollout=True, tp_cut=True, continuous_batching=True),
     setting="a vLLM setting",
     owned_args=RLFRAME_OWNED_VLLM_ARGS,
     check=_check_section,

@@ -10,7 +10,9 @@ path gives it (`VLLMRollout.request_params`), so its tokens do not depend on wha
 
 With TP > 1 every TP rank holds one shard of the same engine and must add the same requests before the
 same step: the leader broadcasts each step's new requests (`RolloutServer._take`), the peers add them and
-step too (`follow`).
+step too (`follow`). Under partial rollout every rank asks the interrupt once before each step, at the same point
+of the loop (the leader's answer is broadcast, `VersionedRollout`), so a push aborts the same requests before the
+same step on every rank.
 """
 
 from __future__ import annotations
@@ -38,13 +40,16 @@ class VLLMServer(RolloutServer):
                 # idle engine: start with every request the trajectories can send now (single-turn: the
                 # whole batch, as LLM.generate schedules it); running engine: admit whatever has arrived
                 self._cond.wait_for(lambda: self._batch_ready() if not running else True)
-                if self._open == 0 and not running:
-                    return
-                pendings, self._waiting = self._waiting, []
-            if not running:  # requests a push cut continue on the announced weights (`continue_cuts`)
+                closing = self._open == 0 and not running
+                pendings, self._waiting = ([], self._waiting) if closing else (self._waiting, [])
+            if not (running or closing):  # requests a push cut continue on the announced weights (`continue_cuts`)
                 self._catch_up_after_cut()
-            if self.engine.interrupt is not None and self.engine.interrupt():
+            cut = self._interrupted()  # asked on every TP rank here, each turn of the loop (`follow`)
+            if closing:
+                return  # `serve` tells the TP peers to stop
+            if cut:
                 self._cut(running, latest, pendings)
+                self._take_nothing()  # the peers abort theirs on the same answer
                 continue
             for pending in pendings:
                 running[request_id(pending.request)] = pending
@@ -56,7 +61,7 @@ class VLLMServer(RolloutServer):
                     self._complete(pending, self._completion(output, pending.request))
 
     def _cut(self, running: dict[str, _Pending], latest: dict[str, object], new: list[_Pending]) -> None:
-        """Partial rollout (the rollout pool, TP 1): newer weights were announced. The running requests are aborted
+        """Partial rollout (the rollout pool): newer weights were announced. The running requests are aborted
         and answered with the tokens they have; the new ones are answered at once with none (or, under
         `continue_cuts`, all go back to the queue and continue once the new weights are loaded)."""
         self.engine.llm.llm_engine.abort_request(sorted(running))
@@ -71,10 +76,27 @@ class VLLMServer(RolloutServer):
         self._broadcast([])
         return []
 
+    def _interrupted(self) -> bool:
+        """Partial rollout: whether newer weights were announced (with TP, the leader's answer on every rank)."""
+        return self.engine.interrupt is not None and self.engine.interrupt()
+
     def follow(self) -> None:
-        """A TP peer: add the requests the leader broadcasts, then step, until it says stop."""
-        while (requests := self._broadcast(None, receive=True)) is not None:
-            self._step(requests)
+        """A TP peer: each turn of the leader's loop, ask the interrupt with it and take what it broadcasts: stop, or
+        the requests to add before one engine step; on a cut, abort the running requests as the leader does."""
+        running: set[str] = set()
+        while True:
+            cut = self._interrupted()
+            requests = self._broadcast(None, receive=True)
+            if requests is None:
+                return
+            if cut:
+                self.engine.llm.llm_engine.abort_request(sorted(running))
+                running.clear()
+                continue
+            running.update(request_id(request) for request in requests)
+            for output in self._step(requests):
+                if output.finished:
+                    running.discard(output.request_id)
 
     def _step(self, new: list[GenerationRequest]) -> list:
         """Add the new requests, then one engine step; the requests that finished in it come back."""

@@ -8,8 +8,6 @@ and the calculator, so every trajectory is known in advance.
 from __future__ import annotations
 
 import asyncio
-import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,6 +17,7 @@ from helpers.multi_turn import (
     HOSTILE_SEEN,
     HostileTool,
     ScriptedEngine,
+    SteppedEngine,
     call,
     chatml_tool_turn,
     make_prompts,
@@ -26,13 +25,13 @@ from helpers.multi_turn import (
 )
 from helpers.rollout import load_tokenizer, rollout_config
 from helpers.rollout import make_prompts as make_token_prompts
+from helpers.world import spawned_world
 
-from rlframe.protocol import DataProto
 from rlframe.workers.rollout import build_rollout, generate_in_tp_group
 from rlframe.workers.rollout.agent_loop import AgentLoopRollout
+from rlframe.workers.rollout.base import STOP_KEY, Stop
 from rlframe.workers.rollout.multi_turn import build_multi_turn
 from rlframe.workers.rollout.tools import CalculatorTool
-from rlframe.workers.rollout.vllm_server import VLLMServer
 
 
 def hf(tiny_model_path, *overrides):
@@ -211,68 +210,6 @@ def test_the_agent_loop_workers_are_started_once_and_survive_an_engine_error(tin
 
 
 # ------------------------------------------------------------------------------------------ vLLM's server
-STEP_S = 0.01  # one engine step of SteppedEngine
-
-
-class SteppedEngine(ScriptedEngine):
-    """The scripted engine behind vLLM's `LLMEngine` interface: requests added at any time, one token per step.
-
-    Each step records which requests it advanced and when each request was added, so a test can see the
-    continuous batching; tokens and log-probs are the scripted engine's (log-prob -(i+1)/10 at position i).
-    """
-
-    server_class = VLLMServer
-    with_log_probs = True
-    _lora_request = None
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.llm = SimpleNamespace(llm_engine=self)
-        self.queue: dict[str, tuple[list[int], list[int], int]] = {}  # id -> (reply, given, step added)
-        self.steps: list[int] = []  # requests advanced by each step
-        self.joined_running: list[int] = []  # for each added request: requests already stepped at that moment
-
-    def wake_for_generation(self):
-        pass
-
-    def request_params(self, params, eos_ids, seed, prompt_len):
-        return params, eos_ids
-
-    def context_limited(self, prompt_len, asked):
-        return False
-
-    def add_request(self, request_id, prompt, sampling, lora_request=None):
-        params, eos_ids = sampling
-        ids = torch.tensor([prompt["prompt_token_ids"]])
-        batch = DataProto.from_dict({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
-        tokens, lengths, _, _ = ScriptedEngine._generate(self, batch, params, eos_ids, self.pad_id, [0])
-        self.joined_running.append(sum(added < len(self.steps) for _, _, added in self.queue.values()))
-        self.queue[request_id] = (tokens[0, : int(lengths[0])].tolist(), [], len(self.steps))
-
-    def has_unfinished_requests(self):
-        return bool(self.queue)
-
-    def step(self):
-        # a step takes time, as a real engine's does: a trajectory whose tool answered (microseconds to
-        # milliseconds, on another thread) then finds the longer first turns still generating; without it a
-        # whole first turn could finish between two of the agent threads' wake-ups (CI saw no join once)
-        time.sleep(STEP_S)
-        self.steps.append(len(self.queue))
-        outputs = []
-        for request_id, (reply, given, _) in list(self.queue.items()):
-            given.append(reply[len(given)])
-            finished = len(given) == len(reply)
-            if finished:
-                del self.queue[request_id]
-            log_probs = [{token: SimpleNamespace(logprob=-(i + 1) / 10)} for i, token in enumerate(given)]
-            reason = "stop" if finished else None
-            completion = SimpleNamespace(
-                token_ids=list(given), logprobs=log_probs, stop_reason=None, finish_reason=reason
-            )
-            outputs.append(SimpleNamespace(request_id=request_id, finished=finished, outputs=[completion]))
-        return outputs
-
-
 def test_the_vllm_server_batches_continuously_and_gives_the_turn_synchronous_samples(tiny_model_path, tokenizer):
     users = list(SCRIPT) * 2
     agents = np.array(["tool_agent"] * 7 + ["single_turn_agent"], dtype=object)
@@ -287,6 +224,65 @@ def test_the_vllm_server_batches_continuously_and_gives_the_turn_synchronous_sam
     assert engine.steps[0] == len(users)  # an idle engine starts with every first turn, as LLM.generate would
     assert max(engine.joined_running) > 0  # a later turn joined requests that were already generating
     assert out.meta_info["metrics"]["rollout/server_batch_size_mean"] > 0
+
+
+class LeaderCut:
+    """An interrupt as `VersionedRollout` asks it on a TP group: every rank asks, TP rank 0's answer (True from its
+    `after`-th question on) is broadcast to all."""
+
+    def __init__(self, after: int, group):
+        self.after, self.group, self.asked = after, group, 0
+
+    def __call__(self) -> bool:
+        import torch.distributed as dist
+
+        self.asked += 1
+        answer = torch.tensor([int(self.asked > self.after)])
+        dist.broadcast(answer, group_src=0, group=self.group)
+        return bool(answer.item())
+
+
+def _tp_server_worker(rank: int, model_path: str, cut_after: int | None) -> dict:
+    """One TP rank of a vLLM-server replica on the scripted engine: the tool agent's trajectories, cut when rank 0
+    says so (`cut_after` questions in; None: never asked)."""
+    import torch.distributed as dist
+
+    tokenizer = load_tokenizer(model_path)
+    group = dist.group.WORLD
+    cfg = rollout_cfg(
+        "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+    )
+    engine = SteppedEngine(cfg, tokenizer, model_path, SCRIPT, tp_group=group)
+    multi_turn = build_multi_turn(engine, tokenizer)
+    multi_turn.runner.tools["calculator"] = CalculatorTool({}, None)
+    engine.interrupt = None if cut_after is None else LeaderCut(cut_after, group)
+    out = AgentLoopRollout(engine, 3, multi_turn).generate_sequences(make_prompts(tokenizer, list(SCRIPT)))
+    return {
+        "added": engine.added,
+        "steps": engine.steps,
+        "aborted": engine.aborted,
+        "left_running": sorted(engine.queue),
+        "asked": None if cut_after is None else engine.interrupt.asked,
+        "cut_rows": int((out.batch[STOP_KEY] == Stop.INTERRUPTED).sum()),
+        "responses": out.batch["responses"],
+    }
+
+
+@pytest.mark.slow
+def test_a_tp_replicas_vllm_server_peers_step_and_abort_with_the_leader(tiny_model_path):
+    """rollout.tensor_model_parallel_size=2 under the vLLM server: the peer adds the leader's requests before the
+    same steps (`VLLMServer.follow`) and, under partial rollout, asks the interrupt with it at each turn of the loop,
+    so a cut aborts the same requests before the same step on both ranks and nothing is left running."""
+    whole, cut = (spawned_world(2).run(_tp_server_worker, tiny_model_path, after) for after in (None, 3))
+    for ranks in (whole, cut):
+        leader, peer = ranks
+        for key in ("added", "steps", "aborted", "left_running", "asked", "cut_rows"):
+            assert leader[key] == peer[key], key
+        assert torch.equal(leader["responses"], peer["responses"])  # the leader's output, on every rank
+        assert leader["left_running"] == []
+    assert whole[0]["aborted"] == [] and whole[0]["cut_rows"] == 0
+    assert cut[0]["aborted"] and cut[0]["cut_rows"] > 0  # cut while the first turns generated
 
 
 # ------------------------------------------------------------------------------------------ the key
