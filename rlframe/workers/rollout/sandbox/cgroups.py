@@ -130,10 +130,8 @@ def _write_limits(folder: str, limits: dict[str, str]) -> None:
 def controller_parent(controller: str) -> str | None:
     """The writable cgroup folder of this process for `controller` (v1 hierarchy first, then v2), or None."""
     mounts = _cgroup_mounts()
-    try:
-        with open("/proc/self/cgroup") as handle:
-            lines = handle.read().splitlines()
-    except OSError:
+    lines = _proc_lines("/proc/self/cgroup")
+    if lines is None:
         return None
     for line in lines:
         _, controllers, path = line.split(":", 2)
@@ -163,10 +161,8 @@ def controller_parent(controller: str) -> str | None:
 def _cgroup_mounts() -> dict[str, str]:
     """Mount points by controller (v1) and `cgroup2` for the unified hierarchy, read from /proc/self/mounts."""
     found: dict[str, str] = {}
-    try:
-        with open("/proc/self/mounts") as handle:
-            lines = handle.read().splitlines()
-    except OSError:
+    lines = _proc_lines("/proc/self/mounts")
+    if lines is None:
         return found
     for line in lines:
         fields = line.split()
@@ -180,3 +176,12 @@ def _cgroup_mounts() -> dict[str, str]:
                 if controller in options:
                     found.setdefault(controller, mount_point)
     return found
+
+
+def _proc_lines(path: str) -> list[str] | None:
+    """The lines of a /proc file, or None where it cannot be read."""
+    try:
+        with open(path) as handle:
+            return handle.read().splitlines()
+    except OSError:
+        return None
