@@ -211,8 +211,6 @@ def main() -> None:
         for name, overrides in ROWS.items()
         if args.only is None or name.startswith("sync") or any(part in name for part in args.only)
     }
-    if args.job == "tools":  # colocate_async refuses the tool agent (docs/async.md): its row is left out
-        rows = {name: overrides for name, overrides in rows.items() if not name.startswith("colocate")}
     results = {}
     for name, overrides in rows.items():
         results[name] = run(args.job, overrides + extra, args.steps, args.skip_steps, length)
