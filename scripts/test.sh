@@ -54,11 +54,14 @@ echo "[test] ruff check and ruff format --check (settings in pyproject.toml)"
 export RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 # only a GPU test may skip here (tests/conftest.py): what the tests need, the setup above installs
 export RLFRAME_STRICT_SKIPS="${RLFRAME_STRICT_SKIPS:-1}"
-# the main suite's files on RLFRAME_TEST_WORKERS processes (pytest-xdist; a file's tests stay on one process, so a
-# module's Ray cluster and fixtures are built once); 0 runs them in this process
-WORKERS="${RLFRAME_TEST_WORKERS:-2}"
+# RLFRAME_TEST_WORKERS=N > 0: the main suite's files on N processes (pytest-xdist; a file's tests stay on one process,
+# so a module's Ray cluster and fixtures are built once). 0, the default: one process. Two files at a time need the
+# memory of both (the fp64 SmolLM2 worlds take ~13 GB): on 24 GB, Ray's memory monitor killed a worker (tests/README.md)
+WORKERS="${RLFRAME_TEST_WORKERS:-0}"
+parallel=()
+if [ "$WORKERS" -gt 0 ]; then parallel=(-n "$WORKERS" --dist loadfile); fi
 status=0
-"$VENV/bin/python" -m pytest -n "$WORKERS" --dist loadfile "$@" || status=$?
+"$VENV/bin/python" -m pytest "${parallel[@]}" "$@" || status=$?
 if [ "$WITH_VLLM" != 0 ]; then
     vllm_setup=0
     wait "$vllm_setup_pid" || vllm_setup=$?
