@@ -95,8 +95,11 @@ def test_separate_async_with_vllm_on_the_rollout_pool_cuts_continues_and_trains_
     seconds, and decoding is slowed to ~0.45 s an engine step (`rollout.decode`) so that each push finds the next
     batch generating: its rows are cut (the engine's requests aborted on every TP rank at the same step) and
     continued on the new weights. No trained token is older than η, cut rows span two versions, every prompt is
-    trained exactly once."""
+    trained exactly once. TP 2 runs SmolLM2's head size with heads that split over two ranks (SmolLM2's 9 do not):
+    a random model, whose rows run to their budget."""
     from collections import Counter
+
+    from helpers.gpu_models import tp2_stand_in
 
     run_dir = tmp_path / "async"
     dumps = run_dir / "rollouts"
@@ -107,6 +110,8 @@ def test_separate_async_with_vllm_on_the_rollout_pool_cuts_continues_and_trains_
         f"{ROLLOUT}.max_model_len": "96",
         "trainer.n_gpus_per_node": str(tp),  # the training processes keep an engine of the same TP for validation
     }
+    if tp == 2:
+        short["actor_rollout_ref.model.path"] = tp2_stand_in(str(tmp_path / "model"))
     job = [o for o in JOB if o.split("=")[0] not in short] + [f"{k}={v}" for k, v in short.items()]
     out = run_main(
         job

@@ -22,7 +22,11 @@ things differ, each handled here:
   size the user set (`engine_kwargs.vllm.kv_cache_memory_bytes`, then VLLM_CPU_KVCACHE_SPACE) is passed as is.
 
 Also: the engine's worker replaces `torch.set_num_threads` for the whole process while it is built (vLLM binds
-its threads in its own worker processes); the training process keeps its own threads (`kept_torch_threads`).
+its threads in its own worker processes); the training process keeps its own threads (`kept_torch_threads`). And a
+TP group's all-reduce goes through a shared-memory segment named after the init method, the group and its ranks;
+under `external_launcher` the init method is always `env://`, so the training processes' TP group and the rollout
+pool's (each ranks 0-1 of its own world) would take the same name on one machine: `world_named_shm` adds the world's
+rendezvous port (MASTER_PORT) to it.
 """
 
 from __future__ import annotations
@@ -146,6 +150,22 @@ def kept_torch_threads() -> Iterator[None]:
     finally:
         torch.set_num_threads = set_num_threads
         torch.set_num_threads(threads)
+
+
+@contextmanager
+def world_named_shm() -> Iterator[None]:
+    """While an engine is built: its TP groups' shared-memory segments (vLLM's `_CPUSHMDistributed`) are named after
+    this process's world too (MASTER_PORT, one per world), so two worlds' TP groups on one machine do not collide."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = cpu_communicator._CPUSHMDistributed
+    make_group_name = shm.__dict__["make_group_name"]
+    port = os.environ.get("MASTER_PORT", "")
+    shm.make_group_name = staticmethod(lambda communicator: f"{make_group_name.__func__(communicator)}-{port}")
+    try:
+        yield
+    finally:
+        shm.make_group_name = make_group_name
 
 
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:

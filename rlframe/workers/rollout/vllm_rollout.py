@@ -49,7 +49,7 @@ import os
 import random
 import tempfile
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -81,6 +81,7 @@ from rlframe.workers.rollout.vllm_cpu import (
     reload_weights_in_worker,
     user_kv_cache_bytes,
     worker_tied_aliases,
+    world_named_shm,
 )
 from rlframe.workers.rollout.vllm_server import NO_TOKENS, VLLMServer, completions_to_tensors, engine_prompt
 
@@ -407,7 +408,7 @@ class VLLMRollout(BaseRollout):
         device_index = int(os.environ.get("LOCAL_RANK", "0")) if self.on_cpu else self.device.index
         cuda_devices = [] if self.on_cpu else [device_index]
         with scoped_local_rank(engine_environment(device_index, tp_size)), preserved_rng_state(cuda_devices):
-            with kept_torch_threads():
+            with kept_torch_threads(), world_named_shm() if self.on_cpu else nullcontext():
                 self.llm = LLM(**engine_kwargs)
         self._sleep_level = sleep_level(all(self.llm.collective_rpc(_worker_restores_buffers)))
         self._wake_takes_tags = "tags" in inspect.signature(self.llm.wake_up).parameters
