@@ -64,7 +64,7 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
-    """Under pytest-xdist (scripts/test.sh) the workers collect: each one's count of deselected vLLM tests."""
+    """Under pytest-xdist (RLFRAME_TEST_WORKERS) the workers collect: each one's count of deselected vLLM tests."""
     count = getattr(node, "workeroutput", {}).get("rlframe_vllm_deselected", 0)
     node.config._rlframe_vllm_deselected = max(count, getattr(node.config, "_rlframe_vllm_deselected", 0))
 
