@@ -262,29 +262,23 @@ class ColocateAsyncConfig(Section):
 def _separate_async_refusals(root: Any) -> list[tuple[bool, str, str]]:
     rollout = root.actor_rollout_ref.rollout
     engine = find_engine(rollout.name)
+    cuts = bool(rollout.partial_rollout) or root.trainer.v1.trainer_mode == "colocate_async"  # which always cuts
     return [
         (
-            engine is None or not engine.capabilities.partial_rollout,
-            f"actor_rollout_ref.rollout.name={rollout.name}",
-            "the rollout pool runs the hf and vllm engines (SGLang's weight push and interrupt are not written yet)",
+            engine is None or (cuts and not engine.capabilities.partial_rollout),
+            f"actor_rollout_ref.rollout.name={rollout.name}"
+            + (" with actor_rollout_ref.rollout.partial_rollout=true" if rollout.partial_rollout else ""),
+            "this engine cannot stop a running generation at a decoding step and keep its tokens (SGLang's offline "
+            "engine generates a batch in one blocking call), so a push cannot cut it; the hf and vllm engines can. "
+            "Under separate_async set actor_rollout_ref.rollout.partial_rollout=false: each generation then finishes "
+            "on the weights it started with (colocate_async always cuts)",
         ),
         (
-            rollout.tensor_model_parallel_size != 1 and engine is not None and not engine.capabilities.tp_cut,
+            cuts and rollout.tensor_model_parallel_size != 1 and engine is not None and not engine.capabilities.tp_cut,
             f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size} with "
             f"actor_rollout_ref.rollout.name={rollout.name}",
             "this engine's TP ranks would not stop at the same step when a push cuts them; TP replicas on the "
             "rollout pool run the hf and vllm engines",
-        ),
-        (
-            rollout.agent.default_agent_loop == "openai_agent"
-            and rollout.partial_rollout
-            and rollout.tensor_model_parallel_size != 1,
-            "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent with "
-            "actor_rollout_ref.rollout.partial_rollout=true and "
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}",
-            "a push cuts an OpenAI agent's request and the replica loads the new weights itself to continue it, "
-            "which a TP group's ranks do not do together yet; set actor_rollout_ref.rollout.partial_rollout=false "
-            "(each episode then finishes on the weights it started with) or tensor_model_parallel_size=1",
         ),
         (
             rollout.agent.default_agent_loop == "openai_agent"

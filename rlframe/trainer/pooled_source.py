@@ -107,7 +107,11 @@ class PooledSource(BatchSource):
 
             from rlframe.workers.versioned_rollout import VersionBoard
 
-            replicas.watch(ray.remote(num_cpus=0)(VersionBoard).remote())
+            # an OpenAI agent's cut request continues in its call: a TP replica's peers load their leader's version
+            tp_catch_up = self.rollout_cfg.agent.default_agent_loop == "openai_agent" and (
+                self.rollout_cfg.tensor_model_parallel_size > 1
+            )
+            replicas.watch(ray.remote(num_cpus=0)(VersionBoard).remote(keep_previous=tp_catch_up))
         self._interrupted = 0  # rows cut by a push since the last step's metrics
         self._gen_metrics: list[dict] = []  # the rollout's metrics of the calls returned since the last step
         self._evicted = {"groups": 0, "spans": [], "tokens": 0}  # since the last step's metrics

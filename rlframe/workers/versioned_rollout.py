@@ -47,10 +47,14 @@ from rlframe.workers.weight_sync import load_rollout_weights
 class VersionBoard:
     """The newest policy version the driver has announced to the replicas (an asyncio Ray actor of its own), and on
     the rollout pool its weights: `[ref]`, the object-store reference the push loads (a list, so that Ray passes it
-    unresolved)."""
+    unresolved). With `keep_previous` it also keeps the version before (`weights_of`), one more copy of the weights
+    in the object store: a TP replica's peers load the version their leader caught up to, which a push may already
+    have followed."""
 
-    def __init__(self):
+    def __init__(self, keep_previous: bool = False):
         self.version, self.weights = 0, None
+        self.keep_previous = keep_previous
+        self._previous: tuple[int, list | None] = (-1, None)
         self._announced = None  # an asyncio.Event, made in the actor's event loop
 
     def _event(self):
@@ -62,6 +66,8 @@ class VersionBoard:
 
     async def announce(self, version: int, weights: list | None = None) -> None:
         if int(version) >= self.version:
+            if int(version) > self.version and self.keep_previous:
+                self._previous = (self.version, self.weights)
             self.version, self.weights = int(version), weights  # no weights: nothing a replica could load
             event, self._announced = self._event(), None
             event.set()  # wakes every `newer_than` waiting
@@ -74,6 +80,13 @@ class VersionBoard:
 
     def announced_weights(self) -> tuple[int, list | None]:
         return self.version, self.weights
+
+    def weights_of(self, version: int) -> list | None:
+        """The weights announced as `version`, if it is the newest version (or, kept, the one before)."""
+        for held, weights in ((self.version, self.weights), self._previous):
+            if held == int(version):
+                return weights
+        return None
 
 
 class VersionedRollout:
@@ -106,15 +119,22 @@ class VersionedRollout:
         except Exception:  # noqa: BLE001 - the board is gone: the run is ending; nothing more will be announced
             return
 
-    def catch_up(self) -> int:
-        """Load the newest weights the board announced, if newer than the engine's; return the engine's version.
-        The rollout pool's replicas only (TP 1: the announcement carries the pushed weights)."""
+    def catch_up(self, version: int | None = None) -> int:
+        """Load the newest weights the board announced (a TP peer: `version`'s, the one its leader loaded), if newer
+        than the engine's; return the engine's version. The rollout pool's replicas only: there the announcement
+        carries the pushed weights."""
         import ray
 
-        version, weights = ray.get(self._board.announced_weights.remote())
+        if version is None:
+            version, weights = ray.get(self._board.announced_weights.remote())
+        else:
+            weights = ray.get(self._board.weights_of.remote(version))
         if version > self.version:
             if weights is None:
-                raise RuntimeError(f"policy version {version} was announced without its weights: nothing to catch up")
+                raise RuntimeError(
+                    f"policy version {version}'s weights are not on the board (announced without them, or two pushes "
+                    "ago): nothing to catch up"
+                )
             load_rollout_weights(self.rollout, ray.get(weights[0]))
             self.version = self.caught_up = version
         return self.version

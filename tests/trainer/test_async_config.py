@@ -41,6 +41,8 @@ def test_the_v1_keys_have_verls_names_and_defaults():
 def test_separate_async_with_a_rollout_pool_is_accepted_and_its_keys_take_effect():
     typed(compose([*SEPARATE, *OPENAI_AGENT, "actor_rollout_ref.rollout.partial_rollout=false"]))  # episodes uncut
     typed(compose([*SEPARATE, *OPENAI_AGENT]))  # a push cuts a request and the replica continues it
+    tp2 = ["actor_rollout_ref.rollout.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]
+    typed(compose([*SEPARATE, *OPENAI_AGENT, *tp2]))  # ... on a TP replica, whose ranks load the same weights
     cfg = typed(compose(SEPARATE))
     assert cfg.trainer.v1.trainer_mode == "separate_async"
     inactive = inactive_keys(cfg)
@@ -113,16 +115,6 @@ def test_what_colocate_async_does_not_support_is_refused_by_name(overrides, expe
             r"tensor_model_parallel_size=2 with .*n_gpus_per_node = 3 processes; pick a TP size that divides 3",
         ),
         (
-            [  # partial_rollout=true, rlframe's default
-                *SEPARATE,
-                *OPENAI_AGENT,
-                "actor_rollout_ref.rollout.n_gpus_per_node=2",
-                "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-            ],
-            r"openai_agent with .*partial_rollout=true and .*tensor_model_parallel_size=2 with .*separate_async: "
-            r".*set .*partial_rollout=false",
-        ),
-        (
             [*SEPARATE, *OPENAI_AGENT, "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl"],
             r"openai_agent with .*partial_rollout=true and .*checkpoint_engine.backend=nccl with .*separate_async: "
             r".*set checkpoint_engine.backend=naive or partial_rollout=false",
@@ -167,7 +159,7 @@ def test_the_tool_agent_runs_in_either_async_mode_and_either_rollout_mode(mode, 
     )
 
 
-def test_the_rollout_pool_takes_hf_and_vllm_and_refuses_sglang_by_name():
+def test_the_rollout_pool_cuts_hf_and_vllm_and_runs_sglang_without_partial_rollout():
     # sglang is refused earlier when it is not installed (here): the pool's own rule, read directly
     from rlframe.trainer.config import _separate_async_refusals
 
@@ -175,8 +167,16 @@ def test_the_rollout_pool_takes_hf_and_vllm_and_refuses_sglang_by_name():
     for name, refused in (("hf", False), ("vllm", False), ("sglang", True)):
         cfg.actor_rollout_ref.rollout.name = name
         engine = _separate_async_refusals(cfg)[0]
-        assert engine[0] is refused and engine[1] == f"actor_rollout_ref.rollout.name={name}"
-        assert "hf and vllm engines" in engine[2]
+        assert engine[0] is refused, name
+        assert engine[1] == f"actor_rollout_ref.rollout.name={name} with actor_rollout_ref.rollout.partial_rollout=true"
+        assert "set actor_rollout_ref.rollout.partial_rollout=false" in engine[2]
+    # without partial rollout nothing is cut: SGLang generates on the pool, at any TP size (verl's one-step-off)
+    cfg.actor_rollout_ref.rollout.partial_rollout = False
+    cfg.actor_rollout_ref.rollout.tensor_model_parallel_size = 2
+    assert not [setting for is_set, setting, _ in _separate_async_refusals(cfg) if is_set]
+    cfg.trainer.v1.trainer_mode = "colocate_async"  # always cuts what generates ahead
+    refused = [setting for is_set, setting, _ in _separate_async_refusals(cfg) if is_set]
+    assert refused[0] == "actor_rollout_ref.rollout.name=sglang" and len(refused) == 2  # and its TP group's cut
 
 
 def test_tp_replicas_run_on_the_rollout_pool_with_hf_and_vllm_and_an_engine_that_cannot_cut_them_is_refused():

@@ -25,3 +25,26 @@ def test_a_held_call_is_answered_by_the_next_newer_announcement_and_older_ones_c
         assert await asyncio.wait_for(later, 1) == 3 and board.announced_weights() == (3, None)
 
     asyncio.run(scenario())
+
+
+def test_a_tp_peer_finds_its_leaders_version_after_one_more_push_but_not_two():
+    async def scenario():
+        board = VersionBoard(keep_previous=True)
+        await board.announce(1, ["weights of 1"])
+        await board.announce(1, ["weights of 1"])  # announced again (a resumed run's first sync): still one version
+        await board.announce(2, ["weights of 2"])
+        assert board.weights_of(1) == ["weights of 1"] and board.weights_of(2) == ["weights of 2"]
+        await board.announce(3, ["weights of 3"])
+        assert board.weights_of(1) is None and board.weights_of(2) == ["weights of 2"]
+
+    asyncio.run(scenario())
+
+
+def test_without_keep_previous_only_the_newest_weights_are_held():
+    async def scenario():
+        board = VersionBoard()
+        await board.announce(1, ["weights of 1"])
+        await board.announce(2, ["weights of 2"])
+        assert board.weights_of(1) is None and board.weights_of(2) == ["weights of 2"]
+
+    asyncio.run(scenario())

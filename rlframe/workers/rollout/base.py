@@ -356,9 +356,10 @@ class BaseRollout(Rollout):
     # once it says True the generation running stops every unfinished row and what has not started generates nothing,
     # and those rows come back `Stop.INTERRUPTED`
     interrupt: Callable[[], bool] | None = None
-    # the rollout pool's engine: load the newest announced weights and return their version (the OpenAI endpoint's
-    # requests continue on them in the same call, `RolloutServer.continue_cuts`)
-    catch_up: Callable[[], int] | None = None
+    # the rollout pool's engine: load the newest announced weights (a TP peer: those of the version given, its
+    # leader's) and return their version (the OpenAI endpoint's requests continue on them in the same call,
+    # `RolloutServer.continue_cuts`)
+    catch_up: Callable[..., int] | None = None
 
     def __init__(self, config: RolloutConfig, served: ServedModel, tokenizer, device_type: str, tp_group=None):
         """`config` is the rollout's section; `tp_group` this rank's rollout TP group (None: TP=1)."""

@@ -21,7 +21,8 @@ A request a weight push cuts (`Stop.INTERRUPTED`) is answered with what it has, 
 requests on the rollout pool: their episodes live in the agent's coroutine and cannot move to a continuation call).
 Then the request goes back to the queue as its prompt plus the tokens it has, with the rest of its budget and the
 same seed; before its next engine call the server loads the announced weights (`catch_up`), and the agent gets one
-answer, slower, whose tokens each carry the version that sampled them (`Completion.versions`).
+answer, slower, whose tokens each carry the version that sampled them (`Completion.versions`). On a TP replica the
+leader sends the version it holds with each engine call, and a peer loads that version's weights before the call.
 
 Metrics: `rollout/server_queue_time_s/{mean,max}` (from a request's arrival to the start of its batch),
 `rollout/server_tokens_per_s` (generated tokens over the serving time), `rollout/server_batch_size_mean`, and with
@@ -98,6 +99,7 @@ class RolloutServer(ABC):
         self._catch_up: Callable[[], int] | None = None  # `continue_cuts`
         self._awaits_weights = False  # a cut request waits for the announced weights
         self._cuts = 0  # requests cut and continued
+        self._leaders_version: int | None = None  # a TP peer: the version TP rank 0's engine last held
 
     def continue_cuts(self, version: int, catch_up: Callable[[], int] | None) -> None:
         """Serve under policy `version`; with `catch_up` (it loads the newest announced weights and returns their
@@ -206,13 +208,22 @@ class RolloutServer(ABC):
             self.version, self._awaits_weights = int(self._catch_up()), False
 
     def _broadcast(self, requests, receive: bool = False):
-        """TP rank 0's engine call to its TP peers (nothing to do without TP)."""
+        """TP rank 0's engine call to its TP peers (nothing to do without TP), with the policy version its engine
+        holds: when the leader caught up to newer weights (`continue_cuts`), a peer loads the same ones before it
+        repeats the call."""
         group = self.engine.tp_group
         if group is None or self.engine.tp_size == 1:
             return requests
-        shared = [None if receive else requests]
+        shared = [None if receive else (self.version, requests)]
         dist.broadcast_object_list(shared, group_src=0, group=group)
-        return shared[0]
+        version, requests = shared[0]
+        if receive:
+            if self._leaders_version is not None and version != self._leaders_version:
+                if self.engine.catch_up is None:
+                    raise RuntimeError(f"TP rank 0 continues on policy version {version}, which this rank cannot load")
+                self.engine.catch_up(version)
+            self._leaders_version = version
+        return requests
 
     @abstractmethod
     def _serve_loop(self) -> None:

@@ -25,7 +25,7 @@ class Capabilities:
     lora: str = "merged"  # a LoRA actor reaches it as "merged" weights, or as its "adapter" after the base once
     sleep: bool = True  # `release`/`resume` free and restore its memory around training (free_cache_engine)
     images: bool = True  # generates for vision-language rows (their images reach the engine)
-    partial_rollout: bool = False  # runs on separate_async's rollout pool: interruptible, continues cut rows
+    partial_rollout: bool = False  # a push cuts its running generation and its cut rows continue (partial rollout)
     tp_cut: bool = False  # a TP group stops at the same decoding step on every rank when cut (TP replicas on the pool)
     tensor_parallel: bool = True  # shards a replica over a TP group of consecutive ranks
     micro_batches: bool = False  # generates `rollout.micro_batch_size` sequences at a time (else: by tokens)

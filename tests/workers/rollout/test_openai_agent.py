@@ -14,7 +14,9 @@ import torch
 from helpers.multi_turn import make_prompts
 from helpers.rewards import make_batch
 from helpers.rollout import load_tokenizer, rollout_config, teacher_forced_log_probs
+from helpers.world import spawned_world
 
+from rlframe.protocol import DataProto
 from rlframe.reward.manager import AGENT_SCORE_KEY, NaiveRewardManager
 from rlframe.workers.rollout import build_rollout, generate_in_tp_group
 from rlframe.workers.rollout.base import VERSIONS_KEY
@@ -262,3 +264,82 @@ def test_a_cut_request_continues_on_the_new_weights_with_each_tokens_version_and
         torch.testing.assert_close(recorded[new], under_new[new], rtol=0, atol=1e-5)
     finally:
         engine.update_weights(before.items())
+
+
+class TPPushAfter:
+    """`PushAfter` on a TP replica, as `VersionedRollout` runs there: every rank asks the interrupt and TP rank 0's
+    answer goes to all; `catch_up` loads `weights` on the rank that calls it and records the version it was asked
+    for (None: the leader, which takes the newest announced)."""
+
+    def __init__(self, engine, asks: int, weights: dict, group):
+        self.engine, self.asks, self.weights, self.group = engine, asks, weights, group
+        self.asked = self.version = 0
+        self.asked_for: list[int | None] = []
+
+    def interrupt(self) -> bool:
+        import torch.distributed as dist
+
+        self.asked += 1
+        moved_on = torch.tensor([int(self.asked > self.asks and self.version < 1)])
+        dist.broadcast(moved_on, group_src=0, group=self.group)
+        return bool(moved_on.item())
+
+    def catch_up(self, version: int | None = None) -> int:
+        self.asked_for.append(version)
+        self.engine.update_weights(self.weights.items())
+        self.version = 1
+        return self.version
+
+
+def _newer_weights(model_path: str) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    gen = torch.Generator().manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return {name: t + 0.05 * torch.randn(t.shape, generator=gen) for name, t in model.state_dict().items()}
+
+
+def _tp_cut_worker(rank: int, model_path: str, agent_file: str) -> dict:
+    """One rank of a TP-2 replica running the two-turn agent; a push cuts its requests after 3 questions."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    cfg = rollout_config(
+        "data.max_prompt_length=64",
+        "data.max_response_length=48",
+        "actor_rollout_ref.rollout.calculate_log_probs=true",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=openai_agent",
+        f"actor_rollout_ref.rollout.agent.openai_agent.path={agent_file}",
+        "actor_rollout_ref.rollout.agent.openai_agent.name=two_turns",
+        "actor_rollout_ref.rollout.agent.num_workers=2",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+    )
+    rollout = build_rollout("hf", cfg, model_path, load_tokenizer(model_path), "cpu", tp_group=group)
+    engine = rollout.unwrapped
+    push = TPPushAfter(engine, 3, _newer_weights(model_path), group)
+    engine.interrupt, engine.catch_up = push.interrupt, push.catch_up
+    out = generate_in_tp_group(rollout, rows(model_path, 4).select_idxs(slice(2 * rank, 2 * rank + 2)), group)
+    return {"asked_for": push.asked_for, "out": out}
+
+
+@pytest.mark.slow
+def test_on_a_tp_replica_the_peer_loads_the_weights_its_leader_continues_a_cut_request_on(tiny_model_path, agent_file):
+    """rollout.tensor_model_parallel_size=2 on the rollout pool: the leader catches up to the announced weights to
+    continue a cut request, and sends the version with its next engine call; the peer loads that version before
+    the call. Every token after the cut has the log-prob of the new weights on the whole model: had the peer kept the
+    old shards, the TP all-reduce would mix the two."""
+    ranks = spawned_world(2).run(_tp_cut_worker, tiny_model_path, agent_file)
+    assert [r["asked_for"] for r in ranks] == [[None], [1]]  # the leader takes the newest; the peer the leader's
+    metrics = ranks[0]["out"].meta_info["metrics"]  # the leader's, which every rank returns
+    assert metrics["rollout/server_requests_cut"] >= 1 and metrics["openai_agent/failed_ratio"] == 0
+    out = DataProto.concat([r["out"] for r in ranks])
+    mask, versions = out.batch["response_mask"].bool(), out.batch[VERSIONS_KEY]
+    old, new = mask & (versions == 0), mask & (versions == 1)
+    assert old.any() and new.any()
+    engine = openai_rollout(tiny_model_path, agent_file, "two_turns").unwrapped  # TP 1, the reference
+    under_old = teacher_forced_log_probs(engine, out)
+    engine.update_weights(_newer_weights(tiny_model_path).items())
+    under_new = teacher_forced_log_probs(engine, out)
+    recorded = out.batch["rollout_log_probs"]
+    torch.testing.assert_close(recorded[old], under_old[old], rtol=0, atol=1e-5)
+    torch.testing.assert_close(recorded[new], under_new[new], rtol=0, atol=1e-5)
