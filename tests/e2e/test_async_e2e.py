@@ -409,15 +409,18 @@ def test_partial_rollout_cuts_tool_agent_trajectories_and_continues_them_within_
     assert all("multi_turn/assistant_turns_mean" in m for m in metrics)  # the tool agent generated them
 
 
+@pytest.mark.parametrize("tp", [1, 2])
 def test_a_push_cuts_an_openai_agents_requests_and_the_endpoint_continues_them_within_the_bound(
-    ray_cluster, tmp_path, monkeypatch
+    ray_cluster, tmp_path, monkeypatch, tp
 ):
     """Your own agent on the rollout pool at η = 1 with partial rollout, decoding slowed so that pushes land while its
     requests generate: the replica loads the pushed weights itself and continues the cut requests in the same call
-    (the agent only waits longer), so episodes span two versions, every trained token is at most η versions old and
-    every prompt is trained exactly once."""
+    (the agent only waits longer; on a TP 2 replica TP rank 0 loads them and its peer the same version, at the next
+    engine call), so episodes span two versions, every trained token is at most η versions old and every prompt is
+    trained exactly once."""
     agent = [key for key in POOL_ONLY["openai_agent"] if "partial_rollout" not in key]  # its own response length
-    metrics = cut_run(tmp_path, monkeypatch, [*BASE, *SEPARATE, *agent], response_length=None)
+    layout = [*BASE, *SEPARATE] if tp == 1 else [*TP2, *TP2_SEPARATE]
+    metrics = cut_run(tmp_path, monkeypatch, [*layout, *agent], response_length=None)
     assert sum(m["rollout/server_requests_cut"] for m in metrics) > 0
     assert sum(m["async/interrupted_samples"] for m in metrics) == 0  # no episode came back cut
     assert max(m["training/off_policy/trajectory_spans/max"] for m in metrics) == 2

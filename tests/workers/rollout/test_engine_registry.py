@@ -90,8 +90,13 @@ def test_the_checks_ask_the_declaration_not_the_name(toy_engine):
     cfg = typed(compose([f"{ROLLOUT}.name=toy"]))
     inactive = inactive_keys(cfg)  # no micro-batches, no CPU pooling declared: their keys are reported unread
     assert f"{ROLLOUT}.micro_batch_size" in inactive and f"{ROLLOUT}.pool_cpu_generation" in inactive
-    refused, setting, _ = _separate_async_refusals(cfg)[0]  # no partial rollout declared: not on the rollout pool
-    assert refused and setting == f"{ROLLOUT}.name=toy"
+    # no partial rollout declared: a cut is refused on the rollout pool, a pool that does not cut runs it
+    refused, setting, _ = _separate_async_refusals(cfg)[0]
+    assert refused and setting == f"{ROLLOUT}.name=toy with {ROLLOUT}.partial_rollout=true"
+    refused, _, _ = _separate_async_refusals(
+        typed(compose([f"{ROLLOUT}.name=toy", f"{ROLLOUT}.partial_rollout=false"]))
+    )[0]
+    assert not refused
 
 
 def test_what_the_toy_does_not_declare_is_refused_before_it_runs(toy_engine, tiny_vl_path):
