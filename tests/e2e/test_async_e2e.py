@@ -407,6 +407,8 @@ def test_partial_rollout_cuts_tool_agent_trajectories_and_continues_them_within_
     assert sum(m["async/interrupted_samples"] for m in metrics) > 0
     assert max(m["training/off_policy/trajectory_spans/max"] for m in metrics) == 2  # cut trajectories span two
     assert all("multi_turn/assistant_turns_mean" in m for m in metrics)  # the tool agent generated them
+    # a trajectory has at least one policy turn: a generation cut before any trajectory finished adds no 0 to the mean
+    assert all(m["multi_turn/assistant_turns_mean"] >= 1 for m in metrics)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -133,7 +133,7 @@ class Trajectory:
     user_turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
-    tool_latency_s: float = 0.0
+    tool_latencies_s: list[float] = field(default_factory=list)  # one per tool call
     single_turn: bool = False  # a single_turn_agent row: one generation, its text never parsed for calls
     images: dict = field(default_factory=dict)  # a vision-language row's image fields (rlframe.models.vision)
     pending: list[ParsedCall] = field(default_factory=list)  # this turn's tool calls, not yet run (each runs once)
@@ -275,10 +275,9 @@ class MultiTurnRollout(Rollout):
     def finish(self, prompts: DataProto, trajectories: list, response_length: int, pad_id: int, elapsed: float):
         """Finished trajectories in the rollout contract, with the sanity check and the metrics."""
         checked = self.mt.tokenization_sanity_check_mode != "disable"
-        mismatches = self._sanity_check(trajectories) if checked else 0
+        mismatched = self._sanity_check(trajectories) if checked else [False] * len(trajectories)
         out = self._layout(prompts, trajectories, response_length, pad_id, prompts.batch["input_ids"].device)
-        finished = [t for t in trajectories if not t.interrupted]  # a cut one is counted in the call that ends it
-        out.meta_info["metrics"] = self._metrics(finished, out, elapsed, mismatches)
+        out.meta_info["metrics"] = self._metrics(trajectories, mismatched, out, elapsed)
         return out
 
     def start_trajectory(self, row: int, prompts: DataProto, seed: int) -> Trajectory:
@@ -389,7 +388,7 @@ class MultiTurnRollout(Rollout):
         trajectory.user_turns += 1
         trajectory.tool_calls += len(results)
         trajectory.tool_errors += sum(r.error is not None for r in results)
-        trajectory.tool_latency_s += sum(r.latency_s for r in results)
+        trajectory.tool_latencies_s += [r.latency_s for r in results]
         if len(context) >= room or self._at_limit(trajectory):
             trajectory.done, trajectory.truncated = True, len(context) >= room
             trajectory.stop = Stop.LENGTH if trajectory.truncated else trajectory.stop
@@ -404,15 +403,16 @@ class MultiTurnRollout(Rollout):
             return ToolCallResult(call.error, error="malformed_call")
         return await self.runner.call(call.name, call.arguments, tools_kwargs)
 
-    def _sanity_check(self, trajectories: list[Trajectory]) -> int:
-        """How many trajectories' turn-by-turn ids differ from their conversation rendered in one go."""
-        mismatches = 0
+    def _sanity_check(self, trajectories: list[Trajectory]) -> list[bool]:
+        """For each trajectory, whether its turn-by-turn ids differ from its conversation rendered in one go."""
+        mismatched = []
         for t in trajectories:
             if t.interrupted or t.truncated or t.messages[-1]["role"] != "assistant":
-                continue  # a cut conversation, or one stopped after a tool turn, has no whole rendering to compare
+                mismatched.append(False)  # a cut conversation, or one stopped after a tool turn, has no whole rendering
+                continue
             whole = self._with_image_tokens(self.turns.whole_conversation_ids(t.messages), t.images)
-            turn_by_turn = t.prompt_ids + t.response_ids + self.turns.closing_rest
-            mismatches += whole != turn_by_turn
+            mismatched.append(whole != t.prompt_ids + t.response_ids + self.turns.closing_rest)
+        mismatches = sum(mismatched)
         if mismatches and not self._warned_mismatch:
             self._warned_mismatch = True
             logger.warning(
@@ -423,7 +423,7 @@ class MultiTurnRollout(Rollout):
                 len(trajectories),
                 KEY,
             )
-        return mismatches
+        return mismatched
 
     def _layout(self, prompts, trajectories, response_length: int, pad_id: int, device) -> DataProto:
         """Left-padded prompts and right-padded responses: the rollout contract, with holes in response_mask."""
@@ -481,17 +481,22 @@ class MultiTurnRollout(Rollout):
         return torch.stack([mrope_position_ids(i, m, grid, self.engine.vision) for i, m, grid in rows])
 
     @staticmethod
-    def _metrics(trajectories: list[Trajectory], out: DataProto, elapsed: float, mismatches: int) -> dict:
-        num = max(len(trajectories), 1)
+    def _metrics(trajectories: list[Trajectory], mismatched: list[bool], out: DataProto, elapsed: float) -> dict:
+        """The call's throughput, and the `multi_turn/*` metrics as lists: one value per trajectory that finished in
+        this call (a cut one is counted once, whole, in the call that finishes it), `tool_latency_s_mean` one per
+        tool call of those. The driver's mean over a step's calls and DP ranks (`reduce_metrics` of the merged
+        lists) is then the mean over every trajectory they finished; a call that finished none (all cut) reports
+        none, rather than a mean of 0 that would weigh in like any other call's."""
         trained = int(out.batch["response_mask"].sum())
-        calls = sum(t.tool_calls for t in trajectories)
-        return {
-            "timing_s/generate": elapsed,
-            "perf/rollout_tokens_per_s": trained / max(elapsed, 1e-9),
-            "multi_turn/assistant_turns_mean": sum(t.assistant_turns for t in trajectories) / num,
-            "multi_turn/tool_calls_per_trajectory": calls / num,
-            "multi_turn/tool_errors_per_trajectory": sum(t.tool_errors for t in trajectories) / num,
-            "multi_turn/tool_latency_s_mean": sum(t.tool_latency_s for t in trajectories) / max(calls, 1),
-            "multi_turn/truncated_ratio": sum(t.truncated for t in trajectories) / num,
-            "multi_turn/tokenization_mismatch_ratio": mismatches / num,
-        }
+        metrics = {"timing_s/generate": elapsed, "perf/rollout_tokens_per_s": trained / max(elapsed, 1e-9)}
+        finished = [(t, m) for t, m in zip(trajectories, mismatched) if not t.interrupted]
+        if finished:
+            metrics["multi_turn/assistant_turns_mean"] = [float(t.assistant_turns) for t, _ in finished]
+            metrics["multi_turn/tool_calls_per_trajectory"] = [float(t.tool_calls) for t, _ in finished]
+            metrics["multi_turn/tool_errors_per_trajectory"] = [float(t.tool_errors) for t, _ in finished]
+            metrics["multi_turn/truncated_ratio"] = [float(t.truncated) for t, _ in finished]
+            metrics["multi_turn/tokenization_mismatch_ratio"] = [float(m) for _, m in finished]
+        latencies = [latency for t, _ in finished for latency in t.tool_latencies_s]
+        if latencies:
+            metrics["multi_turn/tool_latency_s_mean"] = latencies
+        return metrics

@@ -145,7 +145,8 @@ def test_a_slow_tool_holds_back_only_its_own_trajectory(tiny_model_path, tokeniz
     # turn 1 together; Fast's two next turns while Slow's tool runs; then Slow's answer (sync: [2, 2, 1])
     assert engine.calls == [2, 1, 1, 1]
     metrics = out.meta_info["metrics"]
-    assert metrics["multi_turn/tool_errors_per_trajectory"] == 0.0 and metrics["multi_turn/truncated_ratio"] == 0.0
+    assert metrics["multi_turn/tool_errors_per_trajectory"] == [0.0, 0.0]
+    assert metrics["multi_turn/truncated_ratio"] == [0.0, 0.0]
 
 
 def test_a_tool_answer_cannot_forge_chat_turns_in_async_trajectories(chat_model):
@@ -169,7 +170,7 @@ def test_a_tool_answer_cannot_forge_chat_turns_in_async_trajectories(chat_model)
     tool = mask.index(1, first) - first
     tool_turn = out.batch["responses"][0, first : first + tool].tolist()
     assert tool_turn == agent.turns.closing_rest + chatml_tool_turn(tokenizer, [HOSTILE_SEEN])
-    assert out.meta_info["metrics"]["multi_turn/tokenization_mismatch_ratio"] == 0.0
+    assert out.meta_info["metrics"]["multi_turn/tokenization_mismatch_ratio"] == [0.0, 0.0]
 
 
 def test_an_engine_error_reaches_the_caller_and_no_agent_hangs(tiny_model_path, tokenizer):

@@ -225,10 +225,12 @@ def test_tool_turns_are_context_and_the_policy_turns_are_trained(tiny_model_path
     # rollout log-probs exist only where the policy sampled; tool tokens carry none
     assert torch.all(out.batch["rollout_log_probs"][0][torch.tensor(mask) == 0] == 0)
     assert out.non_tensor_batch["__num_turns__"].tolist() == [4, 2]  # user + assistant turns + 1, as verl
-    metrics = out.meta_info["metrics"]
-    assert metrics["multi_turn/tool_calls_per_trajectory"] == 0.5
-    assert metrics["multi_turn/tool_errors_per_trajectory"] == 0.0
-    assert metrics["multi_turn/tokenization_mismatch_ratio"] == 0.0
+    metrics = out.meta_info["metrics"]  # one value per finished trajectory
+    assert metrics["multi_turn/assistant_turns_mean"] == [2.0, 1.0]
+    assert metrics["multi_turn/tool_calls_per_trajectory"] == [1.0, 0.0]
+    assert metrics["multi_turn/tool_errors_per_trajectory"] == [0.0, 0.0]
+    assert metrics["multi_turn/tokenization_mismatch_ratio"] == [0.0, 0.0]
+    assert len(metrics["multi_turn/tool_latency_s_mean"]) == 1  # one per tool call
     assert rollout.engine.calls == [2, 1]  # one engine batch per turn, with the rows still running
     assert "raw_prompt" not in out.non_tensor_batch  # agent inputs stay in the driver's batch
     # the layout is the rollout contract: input_ids = prompt | response, positions count real tokens
@@ -243,7 +245,7 @@ def test_a_malformed_call_is_answered_with_an_error_turn(tiny_model_path, tokeni
     out = rollout.generate_sequences(make_prompts(tokenizer, ["Q"]))
     text = tokenizer.decode(out.batch["responses"][0][out.batch["attention_mask"][0, PROMPT_LEN:].bool()])
     assert "malformed tool call" in text and "<|im_start|>tool\n2<|im_end|>" in text
-    assert out.meta_info["metrics"]["multi_turn/tool_errors_per_trajectory"] == 1.0
+    assert out.meta_info["metrics"]["multi_turn/tool_errors_per_trajectory"] == [1.0]
     assert out.non_tensor_batch["__num_turns__"].tolist() == [6]
 
 
@@ -263,7 +265,7 @@ def test_a_tool_answer_cannot_forge_chat_turns_in_the_trajectory(chat_model):
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert response.count(eos) == 3  # the two policy turns' and the tool turn's own (before: 5)
     assert "\x1b" not in tokenizer.decode(response) and rollout.engine.calls == [1, 1]
-    assert out.meta_info["metrics"]["multi_turn/tokenization_mismatch_ratio"] == 0.0
+    assert out.meta_info["metrics"]["multi_turn/tokenization_mismatch_ratio"] == [0.0]
 
 
 def test_turn_limits_and_single_turn_rows(tiny_model_path, tokenizer):
@@ -285,7 +287,7 @@ def test_response_length_cuts_a_trajectory_and_marks_it_truncated(tiny_model_pat
     rollout = make_rollout(tiny_model_path, tokenizer, script, f"data.max_response_length={cfg_len}")
     out = rollout.generate_sequences(make_prompts(tokenizer, ["Q"]))
     assert int(out.batch["attention_mask"][0, PROMPT_LEN:].sum()) == cfg_len
-    assert out.meta_info["metrics"]["multi_turn/truncated_ratio"] == 1.0
+    assert out.meta_info["metrics"]["multi_turn/truncated_ratio"] == [1.0]
 
 
 def test_a_tool_agent_without_raw_chat_is_refused(tiny_model_path, tokenizer):

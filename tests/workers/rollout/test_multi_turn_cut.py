@@ -121,6 +121,32 @@ def test_every_policy_token_carries_the_version_that_sampled_it_and_context_toke
     np.testing.assert_array_equal(cut.batch[VERSIONS_KEY][1][cut.batch["response_mask"][1].bool()].numpy(), 4)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_steps_multi_turn_metrics_are_the_mean_over_the_trajectories_its_calls_finished(
+    tiny_model_path, tokenizer, mode
+):
+    """As the driver collects a step's calls under partial rollout: a generation cut before any trajectory finished (the
+    batch ahead, cut at colocate_async's sample end) reports no `multi_turn/*` value, the call that continues the cut
+    trajectories counts each once with all its turns, and every call's and DP rank's values, merged as the driver merges
+    them, give the mean over the trajectories (before: the cut call reported 0 turns and each rank's and call's mean
+    weighed the same, whatever its number of trajectories)."""
+    from rlframe.trainer.metrics import reduce_metrics
+    from rlframe.trainer.rollout_stage import merged_metrics
+
+    agent = rollout(tiny_model_path, tokenizer, mode)
+    ahead = generate(agent, tokenizer, CutAfter(1))  # one decoding step: no trajectory finished
+    assert ahead.batch[STOP_KEY].tolist() == [Stop.INTERRUPTED, Stop.INTERRUPTED]
+    assert not [key for key in ahead.meta_info["metrics"] if key.startswith("multi_turn/")]
+    continued = continue_cut(agent, ahead, version=1)  # "What is 12*7?" in 2 turns, "Say hi." in 1
+    assert continued.meta_info["metrics"]["multi_turn/assistant_turns_mean"] == [2.0, 1.0]
+    other_rank = rollout(tiny_model_path, tokenizer, mode).generate_sequences(make_prompts(tokenizer, ["Say hi."]))
+    ranks = DataProto.concat([continued, other_rank])  # a call's DP ranks, as dispatch gathers them
+    step = reduce_metrics(merged_metrics([ahead.meta_info["metrics"], ranks.meta_info["metrics"]]))
+    assert step["multi_turn/assistant_turns_mean"] == pytest.approx((2 + 1 + 1) / 3)
+    assert step["multi_turn/tool_calls_per_trajectory"] == pytest.approx(1 / 3)
+    assert step["multi_turn/truncated_ratio"] == 0.0
+
+
 # ------------------------------------------------------------------------------------------ the HF engine, for real
 @pytest.fixture(scope="module", params=["sync", "async"])
 def tool_worker(request, tiny_model_path, tmp_path_factory):

@@ -78,7 +78,8 @@ def test_image_rows_take_tool_turns_with_their_images_and_3d_positions(vl_path, 
     assert sum(engine.calls) == 3  # rows generated: the tool row's two turns, the single-turn row's one
     b = out.batch
     assert out.non_tensor_batch["__num_turns__"].tolist() == [4, 2]
-    assert out.meta_info["metrics"]["multi_turn/tokenization_mismatch_ratio"] == 0.0  # whole = turn by turn, expanded
+    # whole = turn by turn, expanded
+    assert out.meta_info["metrics"]["multi_turn/tokenization_mismatch_ratio"] == [0.0, 0.0]
     assert not set(MULTIMODAL_KEYS) & set(out.non_tensor_batch)  # the driver's batch keeps the images
     image_id = engine.vision.image_token_id
     for row in range(2):

@@ -219,7 +219,7 @@ def test_a_hostile_program_in_a_trajectory_is_answered_and_the_trajectory_goes_o
     out = rollout.generate_sequences(make_prompts(tokenizer, ["Q"]))
     text = tokenizer.decode(out.batch["responses"][0][out.batch["attention_mask"][0, PROMPT_LEN:].bool()])
     assert "timed out after 1 s" in text and text.endswith("done<|im_end|>")
-    assert out.meta_info["metrics"]["multi_turn/tool_errors_per_trajectory"] == 1.0
+    assert out.meta_info["metrics"]["multi_turn/tool_errors_per_trajectory"] == [1.0]
     assert processes_with(marker) == []
 
 
