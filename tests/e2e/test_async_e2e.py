@@ -257,12 +257,18 @@ def test_eta0_in_either_async_mode_gives_the_sync_run_bitwise(ray_cluster, sync_
     assert all(torch.equal(sync_weights[name], async_weights[name]) for name in sync_weights)
 
 
+@pytest.fixture(scope="module")
+def sync_tp2_run(ray_cluster, tmp_path_factory):
+    """The sync run with the hybrid engine's TP group of 2: the reference of both async modes' TP 2 runs."""
+    return train_in_process([*TP2, f"trainer.default_local_dir={tmp_path_factory.mktemp('sync_tp2')}"])
+
+
 @pytest.mark.parametrize("mode", TP2_MODES)
-def test_eta0_with_a_tp2_replica_gives_the_sync_tp2_run_bitwise(ray_cluster, tmp_path, mode):
+def test_eta0_with_a_tp2_replica_gives_the_sync_tp2_run_bitwise(ray_cluster, sync_tp2_run, tmp_path, mode):
     """The replica is a TP group of 2 processes (the rollout pool's, or under colocate_async the training processes'
     own engines); the sync run generates with the hybrid engine's TP group of 2. Same rows per TP rank, same seed (TP
     rank 0's, replica index 0): the same samples, bit for bit."""
-    sync_metrics, sync_weights = train_in_process([*TP2, f"trainer.default_local_dir={tmp_path / 'sync'}"])
+    sync_metrics, sync_weights = sync_tp2_run
     async_metrics, async_weights = train_in_process(
         [
             *TP2,

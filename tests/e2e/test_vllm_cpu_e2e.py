@@ -55,12 +55,22 @@ def rollouts(folder, step: int) -> list[tuple[str, str]]:
         return [(row["prompt"], row["response"]) for row in map(json.loads, f)]
 
 
-def test_grpo_with_the_vllm_rollout_syncs_every_step_and_reruns_the_same(tmp_path, cache_dir):
+def test_grpo_with_the_vllm_rollout_syncs_every_step_and_a_distillation_rerun_samples_the_same(tmp_path, cache_dir):
+    """Run a: GRPO, 3 steps; vLLM's probabilities stay the actor's after every weight sync. Run b, the same data.seed
+    with distillation.enabled=true and the rollout still vLLM: its first step samples the same prompts and tokens as
+    run a's (nothing has been updated yet), and the teacher pass runs on vLLM's samples. The teacher is the student's
+    own checkpoint, so before the first update its log-probs are the actor's, bit for bit: the first step's k3 term
+    is exactly 0 (temperature 1)."""
+    distill = [
+        "distillation.enabled=true",
+        "distillation.teacher_models.teacher_model.model_path=builtin://smollm2-135m-instruct",
+    ]
     runs = {}
-    for name, steps in (("a", 3), ("b", 1)):
+    for name, steps, extra in (("a", 3, []), ("b", 2, distill)):
         run_dir = tmp_path / name
         out = run_main(
             JOB
+            + extra
             + [
                 f"trainer.total_training_steps={steps}",
                 f"trainer.default_local_dir={run_dir}",
@@ -83,6 +93,11 @@ def test_grpo_with_the_vllm_rollout_syncs_every_step_and_reruns_the_same(tmp_pat
     first = rollouts(runs["a"] / "rollouts", 1)
     assert len(first) == 16 and len({response for _, response in first}) > 1
     assert rollouts(runs["b"] / "rollouts", 1) == first  # same data.seed: the same prompts and the same tokens
+    distilled = [m for m in read_metrics(runs["b"]) if "actor/pg_loss" in m]
+    assert len(distilled) == 2
+    assert distilled[0]["actor/distillation/loss"] == 0.0
+    for m in distilled:
+        assert m["actor/distillation/abs_loss"] >= 0 and m["timing_s/teacher"] > 0
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -146,29 +161,6 @@ def test_separate_async_with_vllm_on_the_rollout_pool_cuts_continues_and_trains_
     assert len(trained) == 12 and set(trained.values()) == {1}
 
 
-def test_distillation_with_the_vllm_rollout_scores_the_samples_with_the_teacher(tmp_path, cache_dir):
-    """distillation.enabled=true with rollout.name=vllm: the teacher pass runs on vLLM's samples. The teacher is the
-    student's own checkpoint, so before the first update its log-probs are the actor's, bit for bit: the first
-    step's k3 term is exactly 0 (temperature 1)."""
-    run_dir = tmp_path / "distill"
-    out = run_main(
-        JOB
-        + [
-            "trainer.total_training_steps=2",
-            f"trainer.default_local_dir={run_dir}",
-            "distillation.enabled=true",
-            "distillation.teacher_models.teacher_model.model_path=builtin://smollm2-135m-instruct",
-        ],
-        cache_dir,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    steps = [m for m in read_metrics(run_dir) if "actor/pg_loss" in m]
-    assert len(steps) == 2
-    assert steps[0]["actor/distillation/loss"] == 0.0
-    for m in steps:
-        assert m["actor/distillation/abs_loss"] >= 0 and m["timing_s/teacher"] > 0
-
-
 def test_lora_on_the_rollout_pool_at_eta0_samples_the_sync_runs_tokens_with_the_adapter_served_by_vllm(
     tmp_path, cache_dir
 ):
@@ -176,7 +168,7 @@ def test_lora_on_the_rollout_pool_at_eta0_samples_the_sync_runs_tokens_with_the_
     weights (load_format=dummy), gets the base weights at the first push and the adapter alone after every step, and
     samples exactly the tokens the synchronous LoRA run's colocated vLLM samples, with log-probs the actor's."""
     lora = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"]
-    lora += ["actor_rollout_ref.actor.optim.lr=1e-3", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=3"]
+    lora += ["actor_rollout_ref.actor.optim.lr=1e-3", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=2"]
     pool = [
         "trainer.v1.trainer_mode=separate_async",
         f"{ROLLOUT}.nnodes=1",
@@ -198,9 +190,9 @@ def test_lora_on_the_rollout_pool_at_eta0_samples_the_sync_runs_tokens_with_the_
         assert out.returncode == 0, out.stderr[-4000:]
         runs[name] = run_dir
     steps = [m for m in read_metrics(runs["pool"]) if "actor/pg_loss" in m]
-    assert len(steps) == 3
+    assert len(steps) == 2
     for m in steps:  # the pool's engine samples with the actor's weights: neither dummy ones nor the bare base
         assert m["training/rollout_probs_diff_mean"] < PROB_DIFF_MEAN, m
         assert m["training/rollout_probs_diff_max"] < PROB_DIFF_MAX, m
-    for step in (1, 2, 3):
+    for step in (1, 2):
         assert rollouts(runs["pool"] / "rollouts", step) == rollouts(runs["sync"] / "rollouts", step)
