@@ -54,14 +54,26 @@ echo "[test] ruff check and ruff format --check (settings in pyproject.toml)"
 export RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 # only a GPU test may skip here (tests/conftest.py): what the tests need, the setup above installs
 export RLFRAME_STRICT_SKIPS="${RLFRAME_STRICT_SKIPS:-1}"
-# RLFRAME_TEST_WORKERS=N > 0: the main suite's files on N processes (pytest-xdist; a file's tests stay on one process,
-# so a module's Ray cluster and fixtures are built once). 0, the default: one process. Two files at a time need the
-# memory of both (the fp64 SmolLM2 worlds take ~13 GB): on 24 GB, Ray's memory monitor killed a worker (tests/README.md)
-WORKERS="${RLFRAME_TEST_WORKERS:-0}"
-parallel=()
-if [ "$WORKERS" -gt 0 ]; then parallel=(-n "$WORKERS" --dist loadfile); fi
+# RLFRAME_TEST_WORKERS=N > 0 (default 2): the main suite in two passes. First every test but those marked `serial`,
+# its files on N processes (pytest-xdist; a file's tests stay on one process, so a module's Ray cluster and fixtures
+# are built once); then the `serial` ones on one process with nothing beside them: the fp64 SmolLM2 worlds (~13 GB;
+# beside another file Ray's memory monitor killed a worker on 24 GB) and the tool sandbox's second-long clocks
+# (tests/README.md). 0: every test in one pass on one process.
+WORKERS="${RLFRAME_TEST_WORKERS:-2}"
+# pytest's exit status 5 is "no test selected": a pass the arguments leave empty (e.g. -m "not slow" and serial)
+passed() { [ "$1" -eq 0 ] || [ "$1" -eq 5 ]; }
 status=0
-"$VENV/bin/python" -m pytest "${parallel[@]}" "$@" || status=$?
+if [ "$WORKERS" -gt 0 ]; then
+    parallel=0 serial=0
+    echo "[test] the main suite but the serial tests, on $WORKERS processes"
+    RLFRAME_TEST_PASS=parallel "$VENV/bin/python" -m pytest -n "$WORKERS" --dist loadfile "$@" || parallel=$?
+    echo "[test] the serial tests, alone"
+    RLFRAME_TEST_PASS=serial "$VENV/bin/python" -m pytest "$@" || serial=$?
+    passed "$parallel" || status=$parallel
+    passed "$serial" || status=$serial
+else
+    "$VENV/bin/python" -m pytest "$@" || status=$?
+fi
 if [ "$WITH_VLLM" != 0 ]; then
     vllm_setup=0
     wait "$vllm_setup_pid" || vllm_setup=$?

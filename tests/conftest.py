@@ -22,6 +22,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 VLLM_ENV = os.environ.get("RLFRAME_TEST_ENV") == "vllm"
+# scripts/test.sh on several processes runs the suite in two passes: RLFRAME_TEST_PASS=parallel keeps every test but
+# those marked `serial` (on N processes), then RLFRAME_TEST_PASS=serial keeps those alone (on one, nothing beside them)
+TEST_PASS = os.environ.get("RLFRAME_TEST_PASS")
+if TEST_PASS not in (None, "", "parallel", "serial"):
+    raise ValueError(f"RLFRAME_TEST_PASS={TEST_PASS!r}: accepted are parallel, serial, or unset (every test)")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -39,6 +44,10 @@ def pytest_collection_modifyitems(config, items):
             if hasattr(config, "workeroutput"):  # a pytest-xdist worker: its controller prints the summary
                 config.workeroutput["rlframe_vllm_deselected"] = config._rlframe_vllm_deselected
         items[:] = keep
+    if TEST_PASS:
+        wanted = TEST_PASS == "serial"
+        config.hook.pytest_deselected(items=[item for item in items if ("serial" in item.keywords) != wanted])
+        items[:] = [item for item in items if ("serial" in item.keywords) == wanted]
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")

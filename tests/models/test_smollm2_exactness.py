@@ -28,6 +28,9 @@ from rlframe.algorithms.kl import kl_penalty
 from rlframe.algorithms.loss import Aggregation, PolicyLossArgs, get_policy_loss_fn
 from rlframe.trainer.main_ppo import prepare
 
+# the fp64 worlds hold ~13 GB: beside another test file, Ray's memory monitor kills workers (tests/README.md)
+pytestmark = pytest.mark.serial
+
 RTOL = 1e-5
 NUM_SEQS = 6  # splits evenly over dp 2 and dp 3
 VOCAB = 49152

@@ -22,6 +22,9 @@ from rlframe.workers.rollout import tools as tools_module
 from rlframe.workers.rollout.sandbox.cgroups import RunCgroups
 from rlframe.workers.rollout.tools import CalculatorTool, PythonTool, ToolRunner, load_tool_config
 
+# the limits are clocks of a second or two: on a machine busy with another test file, they fire late
+pytestmark = pytest.mark.serial
+
 
 def run_code(code: str, **config) -> str:
     """The text PythonTool answers for `code`."""
