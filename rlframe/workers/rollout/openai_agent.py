@@ -151,13 +151,18 @@ def _checked(result):
     raise AgentFailed(f"the agent returned {result!r}; return a float, a dict with 'score', or None")
 
 
-def _metrics(episodes: list[tuple[Episode, object]]) -> dict[str, float]:
-    num = max(len(episodes), 1)
+def _metrics(episodes: list[tuple[Episode, object]]) -> dict[str, list[float]]:
+    """The `openai_agent/*` metrics as lists, one value per episode of this call: the driver's mean over a step's
+    calls and DP ranks (`reduce_metrics` of the merged lists) is then the mean over the step's episodes, whatever
+    the sizes of the calls that ran them (`MultiTurnRollout._metrics` does the same per trajectory)."""
+    if not episodes:
+        return {}
     return {
-        "openai_agent/failed_ratio": sum(isinstance(r, AgentFailed) for _, r in episodes) / num,
-        "openai_agent/requests_per_episode": sum(e.num_requests for e, _ in episodes) / num,
-        "openai_agent/request_errors_per_episode": sum(e.num_errors for e, _ in episodes) / num,
-        "openai_agent/trajectories_per_episode": sum(len(e.trajectories) for e, _ in episodes) / num,
-        "openai_agent/untrained_trajectories_per_episode": sum(max(len(e.trajectories) - 1, 0) for e, _ in episodes)
-        / num,
+        "openai_agent/failed_ratio": [float(isinstance(r, AgentFailed)) for _, r in episodes],
+        "openai_agent/requests_per_episode": [float(e.num_requests) for e, _ in episodes],
+        "openai_agent/request_errors_per_episode": [float(e.num_errors) for e, _ in episodes],
+        "openai_agent/trajectories_per_episode": [float(len(e.trajectories)) for e, _ in episodes],
+        "openai_agent/untrained_trajectories_per_episode": [
+            float(max(len(e.trajectories) - 1, 0)) for e, _ in episodes
+        ],
     }

@@ -99,7 +99,8 @@ def test_rows_hold_exactly_the_sampled_tokens_of_a_two_turn_agent(tiny_model_pat
     rollout = openai_rollout(tiny_model_path, agent_file, "two_turns")
     out = generate_in_tp_group(rollout, rows(tiny_model_path, 4))
     assert [r["score"] for r in out.non_tensor_batch[AGENT_SCORE_KEY]] == [5.0] * 4
-    assert out.meta_info["metrics"]["openai_agent/failed_ratio"] == 0
+    assert out.meta_info["metrics"]["openai_agent/failed_ratio"] == [0.0] * 4  # one value per episode
+    assert out.meta_info["metrics"]["openai_agent/requests_per_episode"] == [2.0] * 4
     seen = rollout.openai_agents.function.__globals__["SEEN"]  # row index -> the log-probs of each reply
     prompt_width = out.batch["prompts"].shape[1]
     for row in range(4):
@@ -127,7 +128,7 @@ def test_a_failing_agent_fails_its_episode_not_the_step(tiny_model_path, agent_f
     results = list(out.non_tensor_batch[AGENT_SCORE_KEY])
     assert results[0] == 1.0 and results[2] == 1.0
     assert isinstance(results[1], AgentFailed) and "the agent crashed" in str(results[1])
-    assert out.meta_info["metrics"]["openai_agent/failed_ratio"] == 0.5
+    assert out.meta_info["metrics"]["openai_agent/failed_ratio"] == [0.0, 1.0, 0.0, 1.0]
     assert out.batch["response_mask"].sum() == 0  # no request: nothing to train
 
 
@@ -143,7 +144,7 @@ def test_timeouts_and_request_budgets_fail_the_episode(tiny_model_path, agent_fi
     out = generate_in_tp_group(spender, rows(tiny_model_path, 1))
     [result] = out.non_tensor_batch[AGENT_SCORE_KEY]
     assert isinstance(result, AgentFailed) and "429" in str(result)
-    assert out.meta_info["metrics"]["openai_agent/request_errors_per_episode"] == 1
+    assert out.meta_info["metrics"]["openai_agent/request_errors_per_episode"] == [1.0]
 
 
 def test_the_reward_manager_takes_the_agents_results(tiny_model_path):
@@ -172,7 +173,7 @@ def test_the_example_calculator_agent_runs_through_the_endpoint(tiny_model_path)
     rollout = openai_rollout(tiny_model_path, str(example), "run_agent")
     out = generate_in_tp_group(rollout, rows(tiny_model_path, 2))
     assert list(out.non_tensor_batch[AGENT_SCORE_KEY]) == [None, None]  # the reward function scores the rows
-    assert out.meta_info["metrics"]["openai_agent/failed_ratio"] == 0
+    assert out.meta_info["metrics"]["openai_agent/failed_ratio"] == [0.0, 0.0]
     assert out.batch["response_mask"].sum() > 0
     calculate = rollout.openai_agents.function.__globals__["calculate"]
     assert calculate("123 * 45") == "5535" and calculate("__import__('os')").startswith("error")
@@ -223,7 +224,7 @@ def test_a_push_cuts_a_running_request_and_the_endpoint_continues_it_unseen_by_t
     whole, _ = _two_turn_rows(rollout, prompts, None)
     cut, replies = _two_turn_rows(rollout, prompts, PushAfter(rollout.unwrapped, asks=3))
     assert cut.meta_info["metrics"]["rollout/server_requests_cut"] >= 1
-    assert cut.meta_info["metrics"]["openai_agent/failed_ratio"] == 0
+    assert cut.meta_info["metrics"]["openai_agent/failed_ratio"] == [0.0] * 4
     for key in ("responses", "response_mask", "input_ids", "attention_mask"):
         assert torch.equal(cut.batch[key], whole.batch[key]), key
     # a continuation's first token comes from a prefill of prompt + prefix, not a decoding step: the same value up
@@ -331,7 +332,7 @@ def test_on_a_tp_replica_the_peer_loads_the_weights_its_leader_continues_a_cut_r
     ranks = spawned_world(2).run(_tp_cut_worker, tiny_model_path, agent_file)
     assert [r["asked_for"] for r in ranks] == [[None], [1]]  # the leader takes the newest; the peer the leader's
     metrics = ranks[0]["out"].meta_info["metrics"]  # the leader's, which every rank returns
-    assert metrics["rollout/server_requests_cut"] >= 1 and metrics["openai_agent/failed_ratio"] == 0
+    assert metrics["rollout/server_requests_cut"] >= 1 and not any(metrics["openai_agent/failed_ratio"])
     out = DataProto.concat([r["out"] for r in ranks])
     mask, versions = out.batch["response_mask"].bool(), out.batch[VERSIONS_KEY]
     old, new = mask & (versions == 0), mask & (versions == 1)
