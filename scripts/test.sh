@@ -54,12 +54,12 @@ echo "[test] ruff check and ruff format --check (settings in pyproject.toml)"
 export RAY_DEDUP_LOGS=0 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 # only a GPU test may skip here (tests/conftest.py): what the tests need, the setup above installs
 export RLFRAME_STRICT_SKIPS="${RLFRAME_STRICT_SKIPS:-1}"
-# RLFRAME_TEST_WORKERS=N > 0 (default 2): the main suite in two passes. First every test but those marked `serial`,
-# its files on N processes (pytest-xdist; a file's tests stay on one process, so a module's Ray cluster and fixtures
-# are built once); then the `serial` ones on one process with nothing beside them: the fp64 SmolLM2 worlds (~13 GB;
-# beside another file Ray's memory monitor killed a worker on 24 GB) and the tool sandbox's second-long clocks
-# (tests/README.md). 0: every test in one pass on one process.
-WORKERS="${RLFRAME_TEST_WORKERS:-2}"
+# RLFRAME_TEST_WORKERS=N > 0: the main suite in two passes. First every test but those marked `serial`, its files on N
+# processes (pytest-xdist; a file's tests stay on one process, so a module's Ray cluster and fixtures are built once);
+# then the `serial` ones on one process with nothing beside them: the fp64 SmolLM2 worlds (~13 GB; beside another
+# file Ray's memory monitor killed a worker on 24 GB) and the tool sandbox's second-long clocks. 0, the default: every
+# test in one pass on one process. On 2 cores the suite is bound by CPU, and N = 2 was no faster (tests/README.md).
+WORKERS="${RLFRAME_TEST_WORKERS:-0}"
 # pytest's exit status 5 is "no test selected": a pass the arguments leave empty (e.g. -m "not slow" and serial)
 passed() { [ "$1" -eq 0 ] || [ "$1" -eq 5 ]; }
 status=0

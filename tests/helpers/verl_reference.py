@@ -28,6 +28,7 @@ def _has_core_algos(folder: str) -> bool:
 
 def _fetch_into_cache() -> str:
     """verl's wheel unpacked under the rlframe cache (downloaded on first use); '' when pip cannot get it."""
+    import shutil
     import subprocess
     import tempfile
     import zipfile
@@ -48,7 +49,12 @@ def _fetch_into_cache() -> str:
         partial = f"{target}.tmp.{os.getpid()}"
         with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as wheel:
             wheel.extractall(partial)
-        os.replace(partial, target)
+        try:
+            os.replace(partial, target)
+        except OSError:  # another test process (pytest-xdist) unpacked it first: its copy is whole (renamed whole)
+            shutil.rmtree(partial, ignore_errors=True)
+            if not _has_core_algos(target):
+                raise
     return target
 
 
