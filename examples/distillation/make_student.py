@@ -1,12 +1,13 @@
-"""Build the distillation example's student: SmolLM2-135M-Instruct without four of its middle layers.
+"""Build the distillation example's student: SmolLM2-135M-Instruct without one of its middle layers.
 
-    python examples/distillation/make_student.py OUT_DIR [--drop 12:16]
+    python examples/distillation/make_student.py OUT_DIR [--drop 15:16]
 
 The student keeps the teacher's tokenizer and every other weight, so the teacher can score its tokens
-(`docs/distillation.md`). Dropping layers 12-15 of 30 leaves a model that still writes sentences but has lost the
-task: on `gsm8k_arith` its greedy answers score 0, where the teacher's score about 0.1-0.17. Dropping ten layers,
-or late ones, leaves gibberish (checked on 12 prompts: no sentence at all), which no teacher signal on 32-token
-samples repairs in a few steps.
+(`docs/distillation.md`). Dropping layer 15 of 30 leaves a model that still writes sentences but has lost the task:
+on `gsm8k_arith` its greedy answers score 0 on the 64 validation prompts (0.004 on 256; 14% end with the `#### n`
+line the scorer reads), where the teacher's score 0.109 (0.141 on 256; 53% with the line). Dropping layers 12-15
+also scores 0; dropping ten layers, or late ones, leaves gibberish (checked on 12 prompts: no sentence at all),
+which no teacher signal on 32-token samples repairs in a few steps.
 """
 
 import argparse
@@ -24,7 +25,7 @@ TEACHER = f"builtin://{smollm2.NAME}"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--drop", default="12:16", help="the layers dropped, START:END (end excluded)")
+    parser.add_argument("--drop", default="15:16", help="the layers dropped, START:END (end excluded)")
     args = parser.parse_args()
     start, end = (int(x) for x in args.drop.split(":"))
     if (args.out_dir / "config.json").exists():

@@ -27,8 +27,9 @@ pytestmark = pytest.mark.serial
 
 
 def run_code(code: str, **config) -> str:
-    """The text PythonTool answers for `code`."""
-    tool = PythonTool({"timeout_s": 2, **config}, None)
+    """The text PythonTool answers for `code`. The limit is roomy unless a test sets it: a program that ends answers
+    when it ends, and a sandboxed interpreter's start alone can take seconds on a busy machine."""
+    tool = PythonTool({"timeout_s": 30, **config}, None)
     response, _, _ = asyncio.run(tool.execute("i", {"code": code}))
     return response.text
 
@@ -90,14 +91,15 @@ def test_a_fork_bomb_is_capped_and_nothing_of_it_survives(sandbox):
         "            time.sleep(60)\n            os._exit(0)\n        count += 1\n    except OSError:\n        break\n"
         "print('forked', count, flush=True)\ntime.sleep(60)"
     )
-    text = run_code(marked(bomb, marker), timeout_s=1, max_processes=16, sandbox=sandbox)
+    # 5 s: time for the interpreter to start and fork on a busy machine, then the limit kills what sleeps
+    text = run_code(marked(bomb, marker), timeout_s=5, max_processes=16, sandbox=sandbox)
     # the kernel ignores RLIMIT_NPROC for root, which `sandbox: none` as root stays: the pids cgroup is the cap there
     probe = RunCgroups.create(16, 2**30)
     probe.remove()
     if "pids" not in probe.bounds and os.getuid() == 0 and sandbox == "none":
         pytest.fail("no pids cgroup can be made here: as root with sandbox: none, a fork bomb is then unbounded")
     forked = int(text.split("forked ")[1].split()[0])
-    assert forked < 16 and "longer than 1 s" in text
+    assert forked < 16 and "longer than 5 s" in text
     assert processes_with(marker) == []
 
 
@@ -176,13 +178,13 @@ def test_writes_fill_only_a_small_tmpfs_under_bubblewrap():
     [
         ("def f(n):\n    return f(n + 1)\nf(0)", ["RecursionError"]),
         ("x = 1 << 2**33", ["MemoryError"]),  # 1 GiB at once, past memory_mb
-        ("x = 2 ** (2 ** 36)", ["MemoryError", "longer than 2 s"]),  # grows by squaring: memory or time runs out
+        ("x = 2 ** (2 ** 36)", ["MemoryError", "longer than 10 s"]),  # grows by squaring: memory or time runs out
         ("x = bytearray(2 ** 33)", ["MemoryError"]),
     ],
     ids=["recursion", "huge-shift", "huge-power", "huge-alloc"],
 )
 def test_deep_recursion_and_huge_numbers_in_python_end_in_an_error_text(code, answers):
-    text = run_code(code)
+    text = run_code(code, timeout_s=10)
     assert any(answer in text for answer in answers), text
 
 
