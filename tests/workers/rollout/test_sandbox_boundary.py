@@ -24,9 +24,6 @@ from rlframe.workers.rollout.sandbox import isolation
 from rlframe.workers.rollout.sandbox.cgroups import RunCgroups
 from rlframe.workers.rollout.tools import PythonTool
 
-# the limits are clocks of a second or two: on a machine busy with another test file, they fire late
-pytestmark = pytest.mark.serial
-
 
 def require_cgroup(controller: str) -> None:
     """Fail naming the controller where this machine cannot give a run that cgroup (the case cannot be shown)."""

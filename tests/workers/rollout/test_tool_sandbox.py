@@ -22,7 +22,7 @@ from rlframe.workers.rollout import tools as tools_module
 from rlframe.workers.rollout.sandbox.cgroups import RunCgroups
 from rlframe.workers.rollout.tools import CalculatorTool, PythonTool, ToolRunner, load_tool_config
 
-# the limits are clocks of a second or two: on a machine busy with another test file, they fire late
+# the limit tests' clocks of 1-5 s: on a machine busy with another test file, a program may not start in time
 pytestmark = pytest.mark.serial
 
 
