@@ -3,7 +3,8 @@
 Every config section is a dataclass deriving from `Section`, declared in the `config.py` of the package
 whose code reads it, or in a `config/` package with one file per role (`rlframe/data/config.py`,
 `rlframe/workers/config/actor.py`, `rlframe/workers/rollout/config.py`, `rlframe/trainer/config.py`, ...).
-A key is declared with `key(default, help, choices=..., check=...)`; from those declarations come
+A key is declared with `key(default, help, choices=..., check=...)`, a nested section with `section(cls)`, and a map
+of named sections of one kind (verl's `distillation.teacher_models.NAME`) with `named_sections`; from those come
 
 - the YAML of defaults with its one-line comment per key (`render_yaml`; `configs/ppo_trainer.yaml`
   is generated from it and a test keeps the two equal),
@@ -56,6 +57,19 @@ def section(cls: type, help: str = "") -> Any:
     return dataclasses.field(default_factory=cls, metadata={"help": help, "choices": None, "check": None})
 
 
+def named_sections(cls: type, names: tuple[str, ...], help: str = "") -> Any:
+    """A mapping of named sections of one kind (annotate it `Dict[str, cls]`), holding `names` at their defaults
+    unless set. A command line adds an entry with `+path.NAME.key=value` (verl's `teacher_models`)."""
+    return dataclasses.field(
+        default_factory=lambda: {name: cls() for name in names}, metadata={"help": help, "choices": None, "check": None}
+    )
+
+
+def is_section_map(value: Any) -> bool:
+    """True for a `named_sections` value: a non-empty dict whose entries are sections."""
+    return isinstance(value, dict) and bool(value) and all(isinstance(v, Section) for v in value.values())
+
+
 class Section:
     """Base of every config section: hooks for cross-key checks and for keys that have no effect."""
 
@@ -90,6 +104,10 @@ def walk(node: Any, path: str = "") -> Iterator[tuple[str, Any, dataclasses.Fiel
         yield key_path, value, field
         if dataclasses.is_dataclass(value):
             yield from walk(value, key_path)
+        elif is_section_map(value):
+            for name, entry in value.items():
+                yield f"{key_path}.{name}", entry, field
+                yield from walk(entry, f"{key_path}.{name}")
 
 
 def validate(root: Any) -> None:
@@ -134,7 +152,7 @@ def field_help(root: Any, dotted: str) -> str:
     *parents, name = dotted.split(".")
     node = root
     for part in parents:
-        node = getattr(node, part)
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
     return next(f.metadata.get("help", "") for f in fields_of(node) if f.name == name)
 
 
@@ -182,6 +200,12 @@ def _lines(cls: type, indent: int) -> list[str]:
             lines += _lines(field.default_factory, indent + 1)
             continue
         default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        if is_section_map(default):
+            lines.append(f"{pad}{field.name}:" + (f"  # {help_text}" if help_text else ""))
+            for name, entry in default.items():
+                lines.append(f"{pad}  {name}:")
+                lines += _lines(type(entry), indent + 2)
+            continue
         text = f"{pad}{field.name}: {_yaml_scalar(default)}"
         lines.append(f"{text.ljust(COMMENT_COLUMN - 1)} # {help_text}" if help_text else text)
     return lines

@@ -280,10 +280,11 @@ def followed_key(key: str) -> tuple[str, Any] | None:
     return target, fallback
 
 
-def check_verl_override(key: str, text: str, followed_value: Any = None) -> str | None:
+def check_verl_override(key: str, text: str, followed_value: Any = None, shown: str | None = None) -> str | None:
     """For a verl key rlframe does not declare: None when `text` is verl's default, else the refusal message.
 
     A key whose default follows another key is taken at that key's value in this config (`followed_value`).
+    The message names `shown` when given (a named teacher's key, looked up as `teacher_model`'s).
     """
     defaults = verl_defaults()
     value = parse_value(text)
@@ -300,6 +301,6 @@ def check_verl_override(key: str, text: str, followed_value: Any = None) -> str 
     else:  # a whole section (`key={...}`) or an entry under a dict-valued key
         default_shown = "its default"
     return (
-        f"{key}={text}: {reason_for(key)}. rlframe takes this verl key only at verl 0.9.1's default "
+        f"{shown or key}={text}: {reason_for(key)}. rlframe takes this verl key only at verl 0.9.1's default "
         f"({default_shown}); remove it from the command line, or set it to the default."
     )

@@ -12,6 +12,7 @@ from rlframe.config.keys import ACTOR, LOG_PROB_FIELDS, UPDATE_FIELDS, VALUE_FIE
 from rlframe.distributed.parallel_dims import ParallelPlan
 from rlframe.models.vision import is_vision_model
 from rlframe.trainer.async_plan import ROLLOUT_TENSORS, AsyncPlan
+from rlframe.workers.config.distillation import routes_rows, teachers_of
 
 PACKING_SHOWN = ("num_groups", "min", "mean", "max", "imbalance_ratio", "max_over_mean", "utilization")
 
@@ -454,8 +455,13 @@ def _distillation_line(distillation) -> str:
     mode = f"{loss.loss_mode} (top {loss.topk})" if loss.loss_mode == "forward_kl_topk" else loss.loss_mode
     how = "as a policy-gradient reward" if loss.use_policy_gradient else "back-propagated"
     joined = f"added × {loss.distillation_loss_coef} to the task loss" if loss.use_task_rewards else "alone"
-    teacher = distillation.teacher_models.teacher_model.model_path
-    return f"distill    {mode} to the teacher {teacher} at T = 1, {how}, {joined}"
+    teachers = teachers_of(distillation)
+    if routes_rows(distillation):
+        routed = ", ".join(f"{t.key} → {t.model_path}" for t in teachers.values())
+        source = f"the teachers by {distillation.teacher_key} ({routed})"
+    else:
+        source = f"the teacher {next(iter(teachers.values())).model_path}"
+    return f"distill    {mode} to {source} at T = 1, {how}, {joined}"
 
 
 def format_simulation(sim: dict, source: str) -> str:

@@ -25,7 +25,7 @@ from rlframe.algorithms.kl import get_kl_penalty_fn
 from rlframe.config.key_status import raw_override_key
 from rlframe.config.keys import critic_enabled, ref_enabled
 from rlframe.config.loader import load_config
-from rlframe.config.schema import Section, key, render_yaml, section, validate, walk
+from rlframe.config.schema import Section, is_section_map, key, render_yaml, section, validate, walk
 from rlframe.config.verl_keys import ALIASES, NOT_IN_VERL, check_verl_override, followed_key, verl_key_under
 from rlframe.data.config import DataConfig
 from rlframe.reward.config import CustomRewardFunctionConfig
@@ -33,7 +33,7 @@ from rlframe.trainer.staleness import STRATEGIES
 from rlframe.trainer.tracking import check_backends
 from rlframe.workers.config.actor import ActorConfig
 from rlframe.workers.config.critic import CriticConfig
-from rlframe.workers.config.distillation import MULTI_TEACHER, DistillationConfig
+from rlframe.workers.config.distillation import DistillationConfig
 from rlframe.workers.config.model import ModelConfig
 from rlframe.workers.config.profiler import GlobalProfilerConfig
 from rlframe.workers.config.ref import RefConfig
@@ -511,9 +511,9 @@ def compose(overrides: list[str]) -> DictConfig:
         value = OmegaConf.select(raw, err.full_key)
         reason = str(err).splitlines()[0]
         raise ValueError(f"{err.full_key}={value!r} has the wrong type: {reason}") from None
-    for verl_key, text, (target, fallback) in following:  # verl keys whose default follows another key
+    for verl_key, text, (target, fallback), shown in following:  # verl keys whose default follows another key
         value = OmegaConf.select(merged, target, default=fallback)
-        refusal = check_verl_override(verl_key, text, followed_value=value)
+        refusal = check_verl_override(verl_key, text, followed_value=value, shown=shown)
         if refusal is not None:
             raise ValueError(refusal)
     return merged
@@ -527,7 +527,7 @@ def taken_overrides(overrides: list[str]) -> tuple[list[str], list[tuple]]:
     one whose default follows another key waits for the composed config. Any other key rlframe does
     not declare is passed on as an addition (`+key`), for the typed schema to refuse by name.
     """
-    declared, dict_keys, list_keys = _declared_keys()
+    declared, dict_keys, list_keys, maps = _declared_keys()
     kept, following = [], []
     for override in overrides:
         key = raw_override_key(override)
@@ -539,30 +539,53 @@ def taken_overrides(overrides: list[str]) -> tuple[list[str], list[tuple]]:
             spelled, key = spelled.replace(key, ALIASES[key], 1), ALIASES[key]
         if key in list_keys and not text.lstrip().startswith("["):
             text = f"[{text}]"  # verl takes `trainer.logger=console`
+        entry = as_first_entry(key, maps)  # a named teacher's key, as verl's tables spell it
         if key in declared:  # verl's scripts add (`+key`) what verl's YAML lacks and rlframe declares
             kept.append(f"{spelled.lstrip('+')}={text}")
+        elif entry in declared:  # an entry the YAML lacks (`+distillation.teacher_models.NAME.model_path=...`)
+            kept.append(f"+{spelled.lstrip('+')}={text}")
         elif any(key.startswith(d + ".") for d in dict_keys):
             kept.append(f"{spelled}={text}")
-        elif not verl_key_under(key):
+        elif not verl_key_under(entry):
             kept.append(f"+{spelled.lstrip('+')}={text}")
-        elif (followed := followed_key(key)) is not None:
-            following.append((key, text, followed))
-        elif (refusal := check_verl_override(key, text)) is not None:
+        elif (followed := followed_key(entry)) is not None:
+            following.append((entry, text, followed, key))
+        elif (refusal := check_verl_override(entry, text, shown=key)) is not None:
             raise ValueError(refusal)
     return kept, following
 
 
+def _entry_of(key: str, maps: dict[str, str]) -> tuple[str, str] | None:
+    """For a key under a map of named sections (`distillation.teacher_models.NAME.model_path`): its entry's prefix
+    as spelled and as the map's default entry (`….teacher_model.`), whose keys rlframe declares and verl's tables
+    know. None for any other key."""
+    for path, first in maps.items():
+        name, dot, _ = key.removeprefix(path + ".").partition(".")
+        if key.startswith(path + ".") and dot:
+            return f"{path}.{name}.", f"{path}.{first}."
+    return None
+
+
+def as_first_entry(key: str, maps: dict[str, str]) -> str:
+    """`key` spelled under its map's default entry (other keys unchanged)."""
+    entry = _entry_of(key, maps)
+    return key if entry is None else entry[1] + key[len(entry[0]) :]
+
+
 @lru_cache(maxsize=1)
-def _declared_keys() -> tuple[frozenset, tuple, frozenset]:
-    """Every rlframe key and section, the keys holding a free-form dict (override_config), the list keys."""
-    paths, dicts, lists = set(), [], set()
+def _declared_keys() -> tuple[frozenset, tuple, frozenset, dict[str, str]]:
+    """Every rlframe key and section, the keys holding a free-form dict (override_config), the list keys, and the
+    maps of named sections (`distillation.teacher_models`) with their first default entry."""
+    paths, dicts, lists, maps = set(), [], set(), {}
     for path, value, _ in walk(PPOTrainerConfig()):
         paths.add(path)
-        if isinstance(value, dict):
+        if is_section_map(value):
+            maps[path] = next(iter(value))
+        elif isinstance(value, dict):
             dicts.append(path)
         if isinstance(value, list):
             lists.add(path)
-    return frozenset(paths), tuple(dicts), frozenset(lists)
+    return frozenset(paths), tuple(dicts), frozenset(lists), maps
 
 
 def typed(cfg: DictConfig) -> PPOTrainerConfig:
@@ -576,12 +599,14 @@ def _unknown_key_message(full_key: str, overrides: list[str]) -> str:
     import difflib
 
     known = [path for path, value, _ in walk(PPOTrainerConfig()) if not isinstance(value, Section)]
-    close = difflib.get_close_matches(full_key, known, n=3, cutoff=0.6)
+    maps = _declared_keys()[3]
+    close = difflib.get_close_matches(as_first_entry(full_key, maps), known, n=3, cutoff=0.6)
+    if (entry := _entry_of(full_key, maps)) is not None:  # a named teacher's typo: suggest its own keys
+        spelled, first = entry
+        close = [spelled + match[len(first) :] for match in close if match.startswith(first)]
     source = next((o for o in overrides if full_key in o.split("=", 1)[0]), None)
     if full_key in NOT_IN_VERL:
         close = []
-    if full_key.startswith("distillation.teacher_models.") and source is not None:
-        return f"{source}: {MULTI_TEACHER}."
     return (
         f"unknown config key {full_key!r}"
         + (f" (from the override {source!r})" if source else "")

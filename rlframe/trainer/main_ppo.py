@@ -32,7 +32,7 @@ from rlframe.single_controller.errors import WorkerDiedError, WorkerGroupError, 
 from rlframe.trainer.config import PPOTrainerConfig, compose, typed
 from rlframe.trainer.launch import create_worker_groups
 from rlframe.trainer.ray_trainer import PreparedRun, RayPPOTrainer
-from rlframe.workers.config.distillation import TEACHER_PATH_KEY
+from rlframe.workers.config.distillation import TEACHERS, routes_rows, teacher_path_key, teachers_of
 from rlframe.workers.rollout.registry import engine_for
 
 # Keys that may name the built-in tiny model (directly or through an interpolation).
@@ -42,7 +42,6 @@ MODEL_PATH_KEYS = (
     "critic.model.tokenizer_path",
     "reward_model.model.input_tokenizer",
     "data.tokenizer",
-    TEACHER_PATH_KEY,
 )
 
 
@@ -50,7 +49,8 @@ def normalize_config(cfg: DictConfig) -> DictConfig:
     """Resolve interpolations and built-in paths once: a read-only DictConfig of the typed sections
     (`PPOTrainerConfig`), so every value has its declared type and every read shows in the read trace."""
     container = OmegaConf.to_container(cfg, resolve=True)
-    for key in MODEL_PATH_KEYS:  # on the plain container: not a read of the key (see rlframe.config.trace)
+    teachers = [teacher_path_key(name) for name in container["distillation"]["teacher_models"]]
+    for key in (*MODEL_PATH_KEYS, *teachers):  # on the plain container: not a read (see rlframe.config.trace)
         *parents, name = key.split(".")
         node = container
         for part in parents:
@@ -71,19 +71,41 @@ def check_environment(cfg: DictConfig) -> None:
         check_model_path(cfg.reward_model.model.path, key="reward_model.model.path")
         check_reward_checkpoint(cfg.reward_model.model.path)  # its trained head, or no run
     if cfg.distillation.enabled:
-        check_model_path(cfg.distillation.teacher_models.teacher_model.model_path, key=TEACHER_PATH_KEY)
+        for name, teacher in teachers_of(cfg.distillation).items():
+            check_model_path(teacher.model_path, key=teacher_path_key(name))
 
 
 def check_teacher_tokenizer(cfg: DictConfig, tokenizer) -> None:
-    """The distillation teacher scores the policy's token ids: its tokenizer must be the policy's."""
-    path = cfg.distillation.teacher_models.teacher_model.model_path
-    teacher = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.actor_rollout_ref.model.trust_remote_code)
-    if teacher.get_vocab() != tokenizer.get_vocab():
-        raise ValueError(
-            f"{TEACHER_PATH_KEY}={path}: its tokenizer differs from the policy's ({len(teacher)} tokens, the "
-            f"policy's {len(tokenizer)}, or the same count with other ids); the teacher scores the policy's token "
-            "ids, so distillation needs one tokenizer for both"
-        )
+    """A distillation teacher scores the policy's token ids: its tokenizer must be the policy's."""
+    for name, entry in teachers_of(cfg.distillation).items():
+        path = entry.model_path
+        trust = cfg.actor_rollout_ref.model.trust_remote_code
+        teacher = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
+        if teacher.get_vocab() != tokenizer.get_vocab():
+            raise ValueError(
+                f"{teacher_path_key(name)}={path}: its tokenizer differs from the policy's ({len(teacher)} tokens, "
+                f"the policy's {len(tokenizer)}, or the same count with other ids); the teacher scores the policy's "
+                "token ids, so distillation needs one tokenizer for both"
+            )
+
+
+def check_teacher_routing(distillation: DictConfig, dataset) -> None:
+    """With several teachers, every row's `teacher_key` field names one (verl fails on such a row mid-run)."""
+    if not (distillation.enabled and routes_rows(distillation)):
+        return
+    field = distillation.teacher_key
+    keys = {str(teacher.key): name for name, teacher in teachers_of(distillation).items()}
+    for row, (path, row_number) in zip(dataset.rows, dataset.origins):
+        if field not in row:
+            raise ValueError(
+                f"data file {path}, row {row_number}: no column {field!r} (distillation.teacher_key) to route the "
+                f"row to a teacher; its columns: {', '.join(row)}"
+            )
+        if str(row[field]) not in keys:
+            raise ValueError(
+                f"data file {path}, row {row_number}, column {field!r}: {row[field]!r} routes to no teacher "
+                f"({', '.join(f'{TEACHERS}.{name}.key={key!r}' for key, name in keys.items())}); add a teacher for it"
+            )
 
 
 def build_data(cfg: DictConfig, tokenizer):
@@ -149,6 +171,7 @@ def load_data_and_rewards(cfg: DictConfig) -> tuple:
     if cfg.distillation.enabled:
         check_teacher_tokenizer(cfg, tokenizer)
     train_loader, val_loader = build_data(cfg, tokenizer)
+    check_teacher_routing(cfg.distillation, train_loader.dataset)  # validation rows are never distilled
     reward_fn = load_reward_manager(cfg, tokenizer, num_examine=0)
     if reward_fn.compute_score is None and not cfg.reward_model.enable:  # the built-in scorers give the reward
         for dataset in (train_loader.dataset, val_loader.dataset):

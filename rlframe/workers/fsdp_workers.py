@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from rlframe.algorithms.distillation import DistillationLoss
 from rlframe.algorithms.update_mode import ActorUpdate
 from rlframe.batch_plan import BatchPlan
 from rlframe.config import trace
@@ -31,6 +32,7 @@ from rlframe.workers import checkpoint as ckpt
 from rlframe.workers import lora
 from rlframe.workers.activation_offload import enable as enable_activation_offload
 from rlframe.workers.actor import PPOActor
+from rlframe.workers.config.distillation import routes_rows, teachers_of
 from rlframe.workers.critic import PPOCritic
 from rlframe.workers.dtypes import resolve_dtype
 from rlframe.workers.fsdp_wrap import FSDPSpec, wrap_fsdp
@@ -38,6 +40,7 @@ from rlframe.workers.lr_schedule import build_lr_scheduler
 from rlframe.workers.model_loading import ModelSpec, load_hf_model
 from rlframe.workers.optimizer import build_optimizer, move_optimizer_state
 from rlframe.workers.profiler import ProfiledWorker, profiled
+from rlframe.workers.teachers import Teachers
 from rlframe.workers.updater import ModelOptions, PPOUpdater, RoleModel
 from rlframe.workers.versioned_rollout import VersionedRollout
 from rlframe.workers.weight_push import WeightPushSender
@@ -210,22 +213,27 @@ class ActorRolloutRefWorker(FSDPWorkerBase, WeightPushSender):
             ref_model = RoleModel(ref_module, self._model_options(cfg.ref.use_torch_compile, cfg.actor.fsdp_config))
             self.ref = PPOActor(ref_model, cfg.actor, self.plan.actor, self.dims, log_prob=self.plan.ref, update=update)
         if update.distillation is not None:
-            self.teacher = self._build_teacher(cfg, use_rmpad)
-            # forward_kl_topk reads the teacher's top-k tokens per position; the estimators its sampled-token log-probs
-            self.teacher_topk = update.distillation.topk if update.distillation.uses_topk else 0
+            self.teachers = self._build_teachers(cfg, use_rmpad, update.distillation)
         self.kill_points.hit("worker.init")  # crash-consistency tests (docs/reliability.md)
         self._init_rollout(cfg)
 
-    def _build_teacher(self, cfg, use_rmpad: bool) -> PPOActor:
-        """The distillation teacher: a frozen causal LM held as the reference is (its fsdp_config), scoring at T = 1.
+    def _build_teachers(self, cfg, use_rmpad: bool, loss: DistillationLoss) -> Teachers:
+        """The distillation teachers, by the routing key each scores (one teacher: every row, key None)."""
+        distillation = self.config.distillation
+        entries = teachers_of(distillation).values()
+        routed = routes_rows(distillation)
+        models = {str(t.key) if routed else None: self._build_teacher(cfg, use_rmpad, t.model_path) for t in entries}
+        return Teachers(models, str(distillation.teacher_key), loss.topk if loss.uses_topk else 0, self.dims.dp_group)
+
+    def _build_teacher(self, cfg, use_rmpad: bool, path: str) -> PPOActor:
+        """One distillation teacher: a frozen causal LM held as the reference is (its fsdp_config), scoring at T = 1.
 
         It loads with the actor's model settings but its own checkpoint and no override_config; its pass is cut
         into micro-batches as the old-log-prob pass is (actor_rollout_ref.rollout.log_prob_*). verl scores with the
         teacher at temperature 1 whatever the rollout's (its teacher_manager.py), and so does this. The driver
         checked that the teacher's tokenizer is the policy's (main_ppo.check_teacher_tokenizer).
         """
-        path = str(self.config.distillation.teacher_models.teacher_model.model_path)
-        model_cfg = OmegaConf.merge(cfg.model, {"path": path, "override_config": {}})
+        model_cfg = OmegaConf.merge(cfg.model, {"path": str(path), "override_config": {}})
         model = self._load(model_cfg, "actor", use_rmpad, cfg.ref.fsdp_config)
         module = self._wrap(model, cfg.ref.fsdp_config)
         module.requires_grad_(False)
@@ -400,14 +408,10 @@ class ActorRolloutRefWorker(FSDPWorkerBase, WeightPushSender):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @profiled("teacher_compute_log_prob")
     def compute_teacher_log_prob(self, data: DataProto) -> DataProto:
-        """The distillation teacher's log-probs of the sampled response tokens (temperature 1); for
+        """Each row's distillation teacher's log-probs of the sampled response tokens (temperature 1); for
         `forward_kl_topk`, its top-k log-probs and token ids in place of each response token instead."""
         data = self._to_device(self._gather_sp(data))
-        if self.teacher_topk:
-            stats = self.teacher.compute_token_stats(data, topk=self.teacher_topk)
-            out = {"teacher_topk_log_probs": stats["topk_log_probs"], "teacher_topk_ids": stats["topk_ids"]}
-        else:
-            out = {"teacher_log_probs": self.teacher.compute_log_prob(data)[0]}
+        out = self.teachers.score(data)
         return self._scatter_sp(DataProto.from_dict(out)).to("cpu")
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

@@ -1,8 +1,9 @@
 """On-policy distillation end to end: two GRPO steps of `builtin://tiny` with a teacher, on 2 CPU Ray workers.
 
-The teacher is the tiny model with every weight perturbed (so it disagrees with the policy, with the same
+A teacher is the tiny model with every weight perturbed (so it disagrees with the policy, with the same
 tokenizer). The run goes in-process (`prepare` → `create_worker_groups` → the trainer) so that the teacher pass's
-input and output can be recorded, and compared with a direct forward of the teacher's checkpoint.
+input and output can be recorded, and compared with a direct forward of the teacher's checkpoint: the one teacher's
+(top-k), or with two teachers routed by data source (verl's multi-teacher keys), each row's own teacher's.
 """
 
 import math
@@ -16,20 +17,27 @@ pytestmark = pytest.mark.slow
 DISTILLATION_METRICS = ("actor/distillation/loss", "actor/distillation/abs_loss", "timing_s/teacher")
 
 
-@pytest.fixture
-def teacher_path(tiny_model_path, tmp_path):
-    """The tiny model with N(0, 0.05²) added to every weight, and its tokenizer."""
+def perturbed(tiny_model_path: str, folder, seed: int) -> str:
+    """The tiny model with N(0, 0.05²) added to every weight, and its tokenizer, saved in `folder`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():
             param.add_(0.05 * torch.randn(param.shape, generator=gen))
-    folder = tmp_path / "teacher"
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture
+def teacher_path(tiny_model_path, tmp_path):
+    return perturbed(tiny_model_path, tmp_path / "teacher", seed=0)
+
+
+# two teachers routed by data_source, each a task's rows (a batch mixes them; a rank may hold none of one)
+TASKS = {"countdown_add": 0, "add_digits": 1}  # the data source and its teacher's noise seed
 
 
 def direct_teacher_log_probs(teacher_path: str, batch) -> torch.Tensor:
@@ -50,17 +58,26 @@ def direct_teacher_log_probs(teacher_path: str, batch) -> torch.Tensor:
     return torch.log_softmax(logits[:, -response_length - 1 : -1].float(), dim=-1)
 
 
-@pytest.mark.parametrize("loss_mode", ["k3", "forward_kl_topk"])
+@pytest.mark.parametrize("loss_mode", ["k3", "forward_kl_topk"], ids=["k3_two_teachers", "forward_kl_topk"])
 def test_two_distillation_steps_log_finite_metrics_and_the_teachers_exact_log_probs(
-    teacher_path, tmp_path, monkeypatch, loss_mode
+    tiny_model_path, teacher_path, tmp_path, monkeypatch, loss_mode
 ):
     from rlframe.trainer.launch import create_worker_groups
     from rlframe.trainer.main_ppo import prepare
     from rlframe.trainer.ray_trainer import RayPPOTrainer
 
     monkeypatch.setenv("RLFRAME_CACHE", str(tmp_path / "cache"))
+    if loss_mode == "k3":
+        teachers = {task: perturbed(tiny_model_path, tmp_path / task, seed) for task, seed in TASKS.items()}
+        named = [f"+distillation.teacher_models.{task}_teacher.{k}={v}" for task, path in teachers.items()
+                 for k, v in (("model_path", path), ("key", task))]  # fmt: skip
+        teacher_keys = [f"data.train_files=[{','.join(f'builtin://{task}' for task in TASKS)}]", *named]
+    else:
+        teachers = None
+        teacher_keys = [f"distillation.teacher_models.teacher_model.model_path={teacher_path}"]
     run = prepare(
         COMMON
+        + teacher_keys
         + [
             f"trainer.default_local_dir={tmp_path / 'run'}",
             "trainer.total_training_steps=2",
@@ -68,7 +85,6 @@ def test_two_distillation_steps_log_finite_metrics_and_the_teachers_exact_log_pr
             "actor_rollout_ref.model.use_remove_padding=true",
             "actor_rollout_ref.rollout.temperature=0.8",  # the teacher still scores at T = 1, as verl's
             "distillation.enabled=true",
-            f"distillation.teacher_models.teacher_model.model_path={teacher_path}",
             f"distillation.distillation_loss.loss_mode={loss_mode}",
             "distillation.distillation_loss.topk=5",
             "distillation.distillation_loss.distillation_loss_coef=0.5",
@@ -100,10 +116,17 @@ def test_two_distillation_steps_log_finite_metrics_and_the_teachers_exact_log_pr
         assert metrics["actor/distillation/abs_loss"] > 0  # the perturbed teacher disagrees with the policy
 
     assert len(passes) == 2
+    routed = set()
     for batch, out in passes:
         response_length = batch.batch["responses"].shape[-1]
         valid = batch.batch["attention_mask"][:, -response_length:].bool()
-        expected = direct_teacher_log_probs(teacher_path, batch)
+        if teachers is None:
+            expected = direct_teacher_log_probs(teacher_path, batch)
+        else:  # each row's own teacher
+            sources = batch.non_tensor_batch["data_source"]
+            routed.update(sources)
+            each = {task: direct_teacher_log_probs(path, batch) for task, path in teachers.items()}
+            expected = torch.stack([each[source][row] for row, source in enumerate(sources)])
         if loss_mode == "forward_kl_topk":  # the teacher's 5 most likely tokens in place of each response token
             top = expected.topk(5, dim=-1)
             got = out.batch["teacher_topk_log_probs"]
@@ -114,6 +137,7 @@ def test_two_distillation_steps_log_finite_metrics_and_the_teachers_exact_log_pr
             sampled = expected.gather(-1, batch.batch["responses"].unsqueeze(-1)).squeeze(-1)
             torch.testing.assert_close(got[valid], sampled[valid], rtol=1e-5, atol=1e-5)
         assert (got[~valid] == 0).all()
+    assert teachers is None or routed == set(TASKS)  # both teachers scored rows
 
 
 def test_distillation_in_separate_async_mode(teacher_path, tmp_path, cache_dir):

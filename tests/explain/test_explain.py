@@ -365,3 +365,14 @@ def test_the_algorithm_section_says_what_the_distillation_term_is():
     assert format_algorithm(typed(compose(pg_topk))).splitlines()[-1] == (
         "distill    forward_kl_topk (top 8) to the teacher /models/teacher at T = 1, as a policy-gradient reward, alone"
     )
+    named = [
+        "distillation.enabled=true",
+        "+distillation.teacher_models.gsm.model_path=/models/math",
+        "+distillation.teacher_models.gsm.key=gsm8k",
+        "+distillation.teacher_models.geo.model_path=/models/geometry",
+        "+distillation.teacher_models.geo.key=geometry3k",
+    ]
+    assert format_algorithm(typed(compose(named))).splitlines()[-1] == (
+        "distill    k3 to the teachers by data_source (gsm8k → /models/math, geometry3k → /models/geometry) at "
+        "T = 1, back-propagated, added × 1.0 to the task loss"
+    )

@@ -8,8 +8,16 @@ from rlframe.config.key_status import ignored_keys
 from rlframe.config.verl_keys import verl_defaults
 from rlframe.trainer.config import compose, typed
 
-TEACHER = "distillation.teacher_models.teacher_model"
+TEACHERS = "distillation.teacher_models"
+TEACHER = f"{TEACHERS}.teacher_model"
 ENABLED = ["distillation.enabled=true", f"{TEACHER}.model_path=builtin://tiny"]
+# verl's multi-teacher spelling: named entries that replace teacher_model, routed by data_source
+TWO_TEACHERS = [
+    f"+{TEACHERS}.gsm.model_path=builtin://tiny",
+    f"+{TEACHERS}.gsm.key=gsm8k",
+    f"+{TEACHERS}.math.model_path=builtin://tiny-quickstart",
+    f"+{TEACHERS}.math.key=math",
+]
 
 
 def test_every_declared_distillation_key_has_verls_default():
@@ -21,7 +29,7 @@ def test_every_declared_distillation_key_has_verls_default():
             continue
         node = section
         for part in parts[1:]:
-            node = getattr(node, part, None)
+            node = node.get(part) if isinstance(node, dict) else getattr(node, part, None)
             if node is None:
                 break
         else:
@@ -77,8 +85,28 @@ def test_an_enabled_run_reads_its_loss_settings_as_verl_names_them():
             "policy_loss_mode='gspo' is not one of vanilla",
         ),
         (
-            ["+distillation.teacher_models.teacher_model2.model_path=builtin://tiny"],
-            "teacher_model2.model_path=builtin://tiny: more than one teacher",
+            ENABLED + [f"+{TEACHERS}.gsm.model_path=builtin://tiny", f"+{TEACHERS}.gsm.key=gsm8k"],
+            f"{TEACHER}.model_path=builtin://tiny beside the named teachers gsm: verl 0.9.1 drops teacher_model",
+        ),
+        (
+            ["distillation.enabled=true", *TWO_TEACHERS[:3]],
+            f"{TEACHERS}.math.key is not set: a named teacher scores the rows whose 'data_source' field",
+        ),
+        (
+            ["distillation.enabled=true", *TWO_TEACHERS[:3], f"+{TEACHERS}.math.key=gsm8k"],
+            f"{TEACHERS}.math.key='gsm8k' is also {TEACHERS}.gsm.key: each routing value picks one teacher",
+        ),
+        (
+            ["distillation.enabled=true", *TWO_TEACHERS[1:]],
+            f"{TEACHERS}.gsm.model_path is not set: every named teacher needs its checkpoint",
+        ),
+        (
+            [f"+{TEACHERS}.gsm.num_replicas=2"],
+            f"{TEACHERS}.gsm.num_replicas=2: the teacher is not served by inference replicas",
+        ),
+        (
+            [f"+{TEACHERS}.gsm.modle_path=x"],
+            f"unknown config key '{TEACHERS}.gsm.modle_path'.*Did you mean {TEACHERS}.gsm.model_path",
         ),
         (
             [f"{TEACHER}.inference.tensor_model_parallel_size=4"],
@@ -90,6 +118,40 @@ def test_an_enabled_run_reads_its_loss_settings_as_verl_names_them():
 def test_what_rlframe_cannot_honor_is_refused_by_name(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("+", r"\+")):
         typed(compose(overrides))
+
+
+def test_named_teachers_replace_teacher_model_and_are_routed_by_teacher_key():
+    from rlframe.workers.config.distillation import routes_rows, teachers_of
+
+    # verl's default num_replicas taken; teacher_model's key set but unused: named teachers replace it
+    overrides = ["distillation.enabled=true", *TWO_TEACHERS, f"+{TEACHERS}.gsm.num_replicas=0", f"{TEACHER}.key=x"]
+    cfg = typed(compose(overrides))
+    teachers = {name: (t.model_path, t.key) for name, t in teachers_of(cfg.distillation).items()}
+    assert teachers == {"gsm": ("builtin://tiny", "gsm8k"), "math": ("builtin://tiny-quickstart", "math")}
+    assert routes_rows(cfg.distillation)
+    ignored = dict(ignored_keys(compose(overrides), overrides))
+    assert "named teachers (gsm, math) replace teacher_model" in ignored[f"{TEACHER}.key"]
+    assert "distillation.teacher_key" not in ignored
+    one = typed(compose(["distillation.enabled=true", *TWO_TEACHERS[:2]]))  # one named teacher takes every row
+    assert list(teachers_of(one.distillation)) == ["gsm"] and not routes_rows(one.distillation)
+
+
+def test_every_row_must_route_to_a_teacher_before_start(tmp_path):
+    """`prepare`'s data step reads each training row's teacher_key field: a row no teacher takes fails there."""
+    from types import SimpleNamespace
+
+    from rlframe.trainer.main_ppo import check_teacher_routing
+
+    distillation = typed(compose(["distillation.enabled=true", *TWO_TEACHERS])).distillation
+    rows = [{"data_source": "gsm8k"}, {"data_source": "math"}]
+    origins = [("train.parquet", 0), ("train.parquet", 1)]
+    check_teacher_routing(distillation, SimpleNamespace(rows=rows, origins=origins))
+    rows[1] = {"data_source": "geo"}
+    with pytest.raises(ValueError, match=r"train.parquet, row 1, column 'data_source': 'geo' routes to no teacher"):
+        check_teacher_routing(distillation, SimpleNamespace(rows=rows, origins=origins))
+    rows[1] = {"source": "math"}
+    with pytest.raises(ValueError, match=r"row 1: no column 'data_source' \(distillation.teacher_key\)"):
+        check_teacher_routing(distillation, SimpleNamespace(rows=rows, origins=origins))
 
 
 def test_verls_teacher_inference_keys_are_taken_at_their_defaults():

@@ -7,24 +7,45 @@ reference policy (docs/distillation.md); verl serves it from inference replicas 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from rlframe.algorithms.distillation import ESTIMATOR_MODES, LOSS_MODES, POLICY_LOSS_MODES, TOPK_MODES
-from rlframe.config.schema import Section, key, section
+from rlframe.config.schema import Section, key, named_sections, section
 
 DISTILLATION = "distillation"
 LOSS = f"{DISTILLATION}.distillation_loss"
-TEACHER = f"{DISTILLATION}.teacher_models.teacher_model"
+TEACHERS = f"{DISTILLATION}.teacher_models"
+DEFAULT_TEACHER = "teacher_model"  # verl's entry for one teacher, dropped when other entries are named
+TEACHER = f"{TEACHERS}.{DEFAULT_TEACHER}"
 TEACHER_PATH_KEY = f"{TEACHER}.model_path"
 # what rlframe does not implement of verl's distillation, with the reason (config checks and refusals name it)
 TEACHER_POOL = (
     "a teacher pool of its own is not implemented: the teacher scores the samples in the training processes "
     "(trainer.nnodes × trainer.n_gpus_per_node), beside the actor; leave distillation.nnodes=0"
 )
-MULTI_TEACHER = (
-    "more than one teacher (verl's routing by distillation.teacher_key) is not implemented: rlframe distills from "
-    f"the one teacher {TEACHER}.model_path"
-)
+
+
+def teachers_of(distillation: Any) -> dict[str, Any]:
+    """The teachers a run distills from, by entry name (a typed section or a DictConfig alike).
+
+    As verl 0.9.1: `teacher_model` alone is the one teacher; once other entries are named, `teacher_model` is
+    dropped and each other entry is a teacher for the rows whose `teacher_key` field equals its `key`.
+    """
+    entries = dict(distillation.teacher_models.items())
+    named = {name: entry for name, entry in entries.items() if name != DEFAULT_TEACHER}
+    if named:
+        return named
+    return {DEFAULT_TEACHER: entries[DEFAULT_TEACHER]} if DEFAULT_TEACHER in entries else {}
+
+
+def teacher_path_key(name: str) -> str:
+    """The model_path key of the teacher entry `name`."""
+    return f"{TEACHERS}.{name}.model_path"
+
+
+def routes_rows(distillation: Any) -> bool:
+    """True when rows are routed to teachers by `teacher_key` (several teachers); one teacher takes every row."""
+    return len(teachers_of(distillation)) > 1
 
 
 def _positive(value: Optional[float]) -> None:
@@ -106,36 +127,67 @@ class TeacherModelConfig(Section):
 
 
 @dataclass
-class TeacherModelsConfig(Section):
-    teacher_model: TeacherModelConfig = section(TeacherModelConfig, "the one teacher")
-
-
-@dataclass
 class DistillationConfig(Section):
     enabled: bool = key(False, "on-policy distillation: a teacher scores the samples, the actor's loss adds a term")
     distillation_loss: DistillationLossConfig = section(DistillationLossConfig)
     n_gpus_per_node: int = key(8, "GPUs per node of a teacher pool of its own (with nnodes > 0; not implemented)")
     nnodes: int = key(0, "nodes of a teacher pool of its own; 0: the teacher shares the training processes")
-    teacher_models: TeacherModelsConfig = section(TeacherModelsConfig)
-    teacher_key: str = key("data_source", "the batch field that routes rows to teachers (with several teachers)")
+    teacher_models: Dict[str, TeacherModelConfig] = named_sections(
+        TeacherModelConfig,
+        (DEFAULT_TEACHER,),
+        "teacher_model, or named teachers that replace it, routed by teacher_key (docs/distillation.md)",
+    )
+    teacher_key: str = key("data_source", "the row field whose value picks a row's teacher (with several teachers)")
 
     def check(self, path: str, root: Any) -> None:
         if not self.enabled:
             return
         if self.nnodes != 0:
             raise ValueError(f"{path}.nnodes={self.nnodes}: {TEACHER_POOL}")
-        if not self.teacher_models.teacher_model.model_path:
+        teachers = teachers_of(self)
+        if not teachers:
+            raise ValueError(f"{path}.enabled=true needs a teacher: {TEACHER_PATH_KEY}, or named teachers")
+        if DEFAULT_TEACHER not in teachers:
+            self._check_named(path, teachers)
+        elif not teachers[DEFAULT_TEACHER].model_path:
             raise ValueError(
-                f"{path}.enabled=true needs {TEACHER}.model_path: the teacher's checkpoint (an HF folder or "
+                f"{path}.enabled=true needs {TEACHER_PATH_KEY}: the teacher's checkpoint (an HF folder or "
                 "builtin://NAME) with the policy's tokenizer"
             )
+
+    def _check_named(self, path: str, teachers: dict[str, TeacherModelConfig]) -> None:
+        default = self.teacher_models.get(DEFAULT_TEACHER)
+        names = ", ".join(teachers)
+        if default is not None and default.model_path:
+            raise ValueError(
+                f"{TEACHER_PATH_KEY}={default.model_path} beside the named teachers {names}: verl 0.9.1 drops "
+                f"{DEFAULT_TEACHER} once other teachers are named, so this teacher would never score a row; name it "
+                f"like the others (+{TEACHERS}.NAME.model_path=…, +{TEACHERS}.NAME.key=…)"
+            )
+        owners: dict[str, str] = {}
+        for name, teacher in teachers.items():
+            if not teacher.model_path:
+                raise ValueError(f"{teacher_path_key(name)} is not set: every named teacher needs its checkpoint")
+            if teacher.key is None and len(teachers) > 1:
+                raise ValueError(
+                    f"{TEACHERS}.{name}.key is not set: a named teacher scores the rows whose "
+                    f"{self.teacher_key!r} field ({path}.teacher_key) equals its key"
+                )
+            if teacher.key in owners:
+                raise ValueError(
+                    f"{TEACHERS}.{name}.key={teacher.key!r} is also {TEACHERS}.{owners[teacher.key]}.key: "
+                    "each routing value picks one teacher"
+                )
+            owners[teacher.key] = name
 
     def inactive(self, path: str, root: Any) -> dict[str, str]:
         if not self.enabled:
             return {path: f"{path}.enabled=false"}
-        one_teacher = "one teacher takes every row"
-        return {
-            f"{path}.n_gpus_per_node": f"{path}.nnodes=0: the teacher shares the training processes",
-            f"{path}.teacher_key": one_teacher,
-            f"{TEACHER}.key": one_teacher,
-        }
+        out = {f"{path}.n_gpus_per_node": f"{path}.nnodes=0: the teacher shares the training processes"}
+        teachers = teachers_of(self)
+        if len(teachers) == 1:
+            name = next(iter(teachers))
+            out[f"{path}.teacher_key"] = out[f"{TEACHERS}.{name}.key"] = "one teacher takes every row"
+        if DEFAULT_TEACHER not in teachers and DEFAULT_TEACHER in self.teacher_models:
+            out[TEACHER] = f"named teachers ({', '.join(teachers)}) replace {DEFAULT_TEACHER}, as in verl"
+        return out
