@@ -9,6 +9,7 @@ the summary says where they run.
 """
 
 import os
+from collections import Counter
 
 import pytest
 import torch
@@ -78,12 +79,24 @@ def pytest_testnodedown(node, error):
     node.config._rlframe_vllm_deselected = max(count, getattr(node.config, "_rlframe_vllm_deselected", 0))
 
 
+FILE_SECONDS: Counter = Counter()  # each test file's setup, call and teardown time, for the closing summary
+
+
+def pytest_runtest_logreport(report):
+    FILE_SECONDS[report.nodeid.split("::")[0]] += report.duration
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     count = getattr(config, "_rlframe_vllm_deselected", 0)
     if count:
         terminalreporter.write_line(
             f"{count} vLLM test(s) deselected: vllm is not installed here; scripts/test.sh runs them in .venv-vllm"
         )
+    if FILE_SECONDS:  # where CI's time goes (tests/README.md), module fixtures included
+        total = sum(FILE_SECONDS.values())
+        terminalreporter.section(f"seconds per file: the 30 slowest of {len(FILE_SECONDS)}, {total:.0f} s in all")
+        for path, seconds in FILE_SECONDS.most_common(30):
+            terminalreporter.write_line(f"{seconds:8.1f}s {path}")
 
 
 @pytest.fixture(scope="session")
