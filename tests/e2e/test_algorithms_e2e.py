@@ -65,6 +65,10 @@ RUNS = {  # name -> overrides (loss, estimator, KL type, aggregation)
         "algorithm.gdpo_reward_weights=[1.0,0.5]",
     ],
     "gae+pf_ppo_pow": ["algorithm.adv_estimator=gae", "algorithm.use_pf_ppo=true", "critic.ppo_mini_batch_size=2"],
+    # ReMax generates a greedy baseline per prompt (its own generate pass, timed as gen_max)
+    "remax": ["algorithm.adv_estimator=remax"],
+    "rloo": ["algorithm.adv_estimator=rloo"],
+    "reinforce_plus_plus_baseline": ["algorithm.adv_estimator=reinforce_plus_plus_baseline"],
 }
 
 EXPECTED_METRICS = {  # what a run must log besides the loss
@@ -98,3 +102,4 @@ def test_trains_one_step(name, ray_cluster, tmp_path):
     assert math.isfinite(metrics["actor/pg_loss"]) and math.isfinite(metrics["actor/grad_norm"])
     expected = EXPECTED_METRICS.get(name, ())
     assert set(expected) <= set(metrics), sorted(set(expected) - set(metrics))
+    assert ("timing_s/gen_max" in metrics) == (name == "remax")  # only ReMax's baseline pass

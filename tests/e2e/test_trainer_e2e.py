@@ -210,22 +210,6 @@ def test_grpo_with_a_reward_model_worker(tmp_path, cache_dir):
     assert step["critic/score/max"] != step["critic/score/min"]
 
 
-@pytest.mark.parametrize("estimator", ["remax", "rloo", "reinforce_plus_plus_baseline"])
-def test_other_estimators_run_a_step(tmp_path, cache_dir, estimator):
-    out = run_main(
-        COMMON
-        + [
-            f"trainer.default_local_dir={tmp_path}",
-            "trainer.total_training_steps=1",
-            f"algorithm.adv_estimator={estimator}",
-        ],
-        cache_dir,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    (step,) = [m for m in read_metrics(tmp_path) if "actor/pg_loss" in m]
-    assert ("timing_s/gen_max" in step) == (estimator == "remax")
-
-
 def test_val_only_validates_the_resumed_checkpoint_and_trains_nothing(tmp_path, cache_dir):
     # trainer.val_only (verl's key): after resuming a checkpoint, one validation of that policy, then stop
     run_dir = tmp_path / "run"
