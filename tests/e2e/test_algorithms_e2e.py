@@ -2,11 +2,10 @@
 names as overrides: one short CPU GRPO run each (1 step, the tiny model, `run_ppo` in this process),
 all in one Ray the module starts once. Each run pairs a loss with an estimator to keep the cost low."""
 
-import logging
 import math
-import os
 
 import pytest
+from helpers.runs import local_ray
 from helpers.small_config import SMALL
 
 pytestmark = pytest.mark.slow
@@ -79,18 +78,9 @@ EXPECTED_METRICS = {  # what a run must log besides the loss
 
 @pytest.fixture(scope="module")
 def ray_cluster(cache_dir):
-    """One local Ray every run of this module trains in (the trainer joins it and leaves it running)."""
-    import ray
-
-    from rlframe.single_controller.ray import init_ray
-    from rlframe.trainer.launch import QUIET_WORKER_ENV
-    from rlframe.workers.fsdp_workers import worker_env
-
-    os.environ["RLFRAME_CACHE"] = str(cache_dir)  # the built-in model and task, for driver and workers
-    env = {**worker_env(), **QUIET_WORKER_ENV, "RLFRAME_CACHE": str(cache_dir)}
-    init_ray(num_cpus=4, runtime_env={"env_vars": env}, logging_level=logging.ERROR)
-    yield
-    ray.shutdown()
+    """One local Ray every run of this module trains in."""
+    with local_ray(cache_dir):
+        yield
 
 
 @pytest.mark.parametrize("name", list(RUNS))

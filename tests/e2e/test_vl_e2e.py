@@ -1,5 +1,6 @@
 """Vision-language GRPO end to end: builtin://tiny-vl on the built-in image task, through the driver, the rollout
-with images, the training forward and the weight sync, on 2 CPU workers (docs/multimodal.md).
+with images, the training forward and the weight sync, on 2 CPU workers (docs/multimodal.md). The runs go in this
+process, on one Ray the module starts.
 
 Each run checks what only the whole path shows: the rollout's log-probs are the actor's (the images and the 3-D
 positions reached both, and the synced weights are the trained ones), and the run trains; the LoRA run with the
@@ -11,7 +12,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers.runs import COMMON, read_metrics, run_main
+from helpers.runs import COMMON, local_ray, read_metrics
 from safetensors.torch import load_file
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -30,6 +31,18 @@ VL = [
     "trainer.total_training_steps=3",
     "actor_rollout_ref.rollout.calculate_log_probs=true",
 ]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(cache_dir):
+    with local_ray(cache_dir):
+        yield
+
+
+def train(overrides: list[str]) -> None:
+    from rlframe.trainer.main_ppo import run_ppo
+
+    run_ppo(overrides)
 
 
 def _data(metrics: list[dict]) -> list[dict]:
@@ -61,10 +74,9 @@ def _data(metrics: list[dict]) -> list[dict]:
         ),
     ],
 )
-def test_tiny_vl_grpo_trains_with_images_and_the_rollout_scores_as_the_actor(tmp_path, cache_dir, name, extra):
+def test_tiny_vl_grpo_trains_with_images_and_the_rollout_scores_as_the_actor(ray_cluster, tmp_path, name, extra):
     run_dir = tmp_path / name
-    out = run_main([*VL, *extra, f"trainer.default_local_dir={run_dir}"], cache_dir)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    train([*VL, *extra, f"trainer.default_local_dir={run_dir}"])
     steps = [m for m in _data(read_metrics(run_dir)) if "training/global_step" in m]
     assert [m["training/global_step"] for m in steps] == [1, 2, 3]
     for m in steps:  # after each update the rollout ran on the synced weights, images and positions as the actor's
@@ -72,7 +84,7 @@ def test_tiny_vl_grpo_trains_with_images_and_the_rollout_scores_as_the_actor(tmp
         assert m["response_length/mean"] > 0
 
 
-def test_lora_on_the_language_model_with_the_tower_frozen(tmp_path, cache_dir):
+def test_lora_on_the_language_model_with_the_tower_frozen(ray_cluster, tmp_path):
     run_dir = tmp_path / "lora"
     overrides = [
         *VL,
@@ -85,8 +97,7 @@ def test_lora_on_the_language_model_with_the_tower_frozen(tmp_path, cache_dir):
         "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",  # the PEFT adapter too
         f"trainer.default_local_dir={run_dir}",
     ]
-    out = run_main(overrides, cache_dir)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    train(overrides)
     steps = [m for m in _data(read_metrics(run_dir)) if "training/global_step" in m]
     assert len(steps) == 3 and all(m["training/rollout_probs_diff_max"] < 1e-4 for m in steps)
     adapters = [os.path.join(root, f) for root, _, files in os.walk(run_dir) for f in files if f == ADAPTER_FILE]
