@@ -5,7 +5,7 @@ all in one Ray the module starts once. Each run pairs a loss with an estimator t
 import math
 
 import pytest
-from helpers.runs import local_ray
+from helpers.runs import run_in_process
 from helpers.small_config import SMALL
 
 pytestmark = pytest.mark.slow
@@ -76,18 +76,9 @@ EXPECTED_METRICS = {  # what a run must log besides the loss
 }
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(cache_dir):
-    """One local Ray every run of this module trains in."""
-    with local_ray(cache_dir):
-        yield
-
-
 @pytest.mark.parametrize("name", list(RUNS))
-def test_trains_one_step(name, ray_cluster, tmp_path):
-    from rlframe.trainer.main_ppo import run_ppo
-
-    metrics = run_ppo([*COMMON, *RUNS[name], f"trainer.default_local_dir={tmp_path}"])
+def test_trains_one_step(name, module_ray, tmp_path):
+    metrics = run_in_process([*COMMON, *RUNS[name], f"trainer.default_local_dir={tmp_path}"])
     # finite (a random policy's groups often score alike, so the gradient may be 0)
     assert math.isfinite(metrics["actor/pg_loss"]) and math.isfinite(metrics["actor/grad_norm"])
     expected = EXPECTED_METRICS.get(name, ())

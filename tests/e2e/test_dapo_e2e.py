@@ -1,7 +1,8 @@
-"""End to end on CPU: DAPO (dynamic sampling, dapo reward manager) and rollout correction train on the built-in task."""
+"""End to end on CPU: DAPO (dynamic sampling, dapo reward manager) and rollout correction train on the built-in task
+(in this process, on one Ray the module starts)."""
 
 import pytest
-from helpers.runs import COMMON, read_metrics, run_main
+from helpers.runs import COMMON, read_metrics, run_in_process
 
 pytestmark = pytest.mark.slow
 
@@ -20,8 +21,8 @@ DAPO = [
 ]
 
 
-def test_dapo_with_decoupled_rollout_correction_trains(tmp_path, cache_dir):
-    out = run_main(
+def test_dapo_with_decoupled_rollout_correction_trains(module_ray, tmp_path):
+    run_in_process(
         COMMON
         + DAPO
         + [
@@ -31,10 +32,8 @@ def test_dapo_with_decoupled_rollout_correction_trains(tmp_path, cache_dir):
             "algorithm.rollout_correction.rollout_is_batch_normalize=true",
             "algorithm.rollout_correction.rollout_rs=token_k1",
             "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0",
-        ],
-        cache_dir,
+        ]
     )
-    assert out.returncode == 0, out.stderr[-4000:]
     steps = read_metrics(tmp_path)
     assert [m["training/global_step"] for m in steps] == [1, 2, 3]
     for m in steps:
@@ -47,8 +46,8 @@ def test_dapo_with_decoupled_rollout_correction_trains(tmp_path, cache_dir):
         assert abs(m["actor/pg_loss"]) < float("inf")
 
 
-def test_bypass_mode_reinforce_trains(tmp_path, cache_dir):
-    out = run_main(
+def test_bypass_mode_reinforce_trains(module_ray, tmp_path):
+    run_in_process(
         COMMON
         + [
             f"trainer.default_local_dir={tmp_path}",
@@ -59,10 +58,8 @@ def test_bypass_mode_reinforce_trains(tmp_path, cache_dir):
             "algorithm.rollout_correction.rollout_is_batch_normalize=true",
             "algorithm.rollout_correction.rollout_rs=seq_max_k2",
             "algorithm.rollout_correction.rollout_rs_threshold=2.5",
-        ],
-        cache_dir,
+        ]
     )
-    assert out.returncode == 0, out.stderr[-4000:]
     steps = read_metrics(tmp_path)
     assert len(steps) == 2
     for m in steps:

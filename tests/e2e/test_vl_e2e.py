@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers.runs import COMMON, local_ray, read_metrics
+from helpers.runs import COMMON, read_metrics, run_in_process
 from safetensors.torch import load_file
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -31,18 +31,6 @@ VL = [
     "trainer.total_training_steps=3",
     "actor_rollout_ref.rollout.calculate_log_probs=true",
 ]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(cache_dir):
-    with local_ray(cache_dir):
-        yield
-
-
-def train(overrides: list[str]) -> None:
-    from rlframe.trainer.main_ppo import run_ppo
-
-    run_ppo(overrides)
 
 
 def _data(metrics: list[dict]) -> list[dict]:
@@ -74,9 +62,9 @@ def _data(metrics: list[dict]) -> list[dict]:
         ),
     ],
 )
-def test_tiny_vl_grpo_trains_with_images_and_the_rollout_scores_as_the_actor(ray_cluster, tmp_path, name, extra):
+def test_tiny_vl_grpo_trains_with_images_and_the_rollout_scores_as_the_actor(module_ray, tmp_path, name, extra):
     run_dir = tmp_path / name
-    train([*VL, *extra, f"trainer.default_local_dir={run_dir}"])
+    run_in_process([*VL, *extra, f"trainer.default_local_dir={run_dir}"])
     steps = [m for m in _data(read_metrics(run_dir)) if "training/global_step" in m]
     assert [m["training/global_step"] for m in steps] == [1, 2, 3]
     for m in steps:  # after each update the rollout ran on the synced weights, images and positions as the actor's
@@ -84,7 +72,7 @@ def test_tiny_vl_grpo_trains_with_images_and_the_rollout_scores_as_the_actor(ray
         assert m["response_length/mean"] > 0
 
 
-def test_lora_on_the_language_model_with_the_tower_frozen(ray_cluster, tmp_path):
+def test_lora_on_the_language_model_with_the_tower_frozen(module_ray, tmp_path):
     run_dir = tmp_path / "lora"
     overrides = [
         *VL,
@@ -97,7 +85,7 @@ def test_lora_on_the_language_model_with_the_tower_frozen(ray_cluster, tmp_path)
         "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",  # the PEFT adapter too
         f"trainer.default_local_dir={run_dir}",
     ]
-    train(overrides)
+    run_in_process(overrides)
     steps = [m for m in _data(read_metrics(run_dir)) if "training/global_step" in m]
     assert len(steps) == 3 and all(m["training/rollout_probs_diff_max"] < 1e-4 for m in steps)
     adapters = [os.path.join(root, f) for root, _, files in os.walk(run_dir) for f in files if f == ADAPTER_FILE]

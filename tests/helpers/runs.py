@@ -60,6 +60,13 @@ def local_ray(cache_dir, num_cpus: int = 4):
             os.environ["RLFRAME_CACHE"] = previous
 
 
+def run_in_process(overrides: list[str]) -> dict:
+    """main_ppo's run in this process, on the module's `local_ray`: its last step's metrics (a failure raises)."""
+    from rlframe.trainer.main_ppo import run_ppo
+
+    return run_ppo(overrides)
+
+
 def read_metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
