@@ -1,4 +1,5 @@
-"""End to end: `python -m rlframe.trainer.main_ppo` on the tiny model with CPU Ray workers."""
+"""End to end: `python -m rlframe.trainer.main_ppo` on the tiny model with CPU Ray workers. The runs whose checks
+read the process's output go as subprocesses; the others in this process, on one Ray the module starts."""
 
 import json
 import os
@@ -7,7 +8,7 @@ import shutil
 import pandas as pd
 import pytest
 import torch
-from helpers.runs import COMMON, read_metrics, run_main
+from helpers.runs import COMMON, read_metrics, run_in_process, run_main
 
 from rlframe.data.builtin_tasks import countdown_add_rows
 from rlframe.workers.checkpoint import read_full_tensors
@@ -15,8 +16,8 @@ from rlframe.workers.checkpoint import read_full_tensors
 pytestmark = pytest.mark.slow
 
 
-def test_grpo_dp2_sp2_rollout_tp2_remove_padding_dynamic_bsz(tmp_path, cache_dir):
-    out = run_main(
+def test_grpo_dp2_sp2_rollout_tp2_remove_padding_dynamic_bsz(module_ray, tmp_path):
+    run_in_process(
         COMMON
         + [
             f"trainer.default_local_dir={tmp_path}",
@@ -32,10 +33,8 @@ def test_grpo_dp2_sp2_rollout_tp2_remove_padding_dynamic_bsz(tmp_path, cache_dir
             "trainer.save_freq=2",
             "trainer.test_freq=2",
             "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
-        ],
-        cache_dir,
+        ]
     )
-    assert out.returncode == 0, out.stderr[-4000:]
     # the Hugging Face export of the FSDP-sharded actor loads as a plain model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -182,7 +181,7 @@ def test_resume_from_step_k_equals_uninterrupted_run(tmp_path, cache_dir):
                 assert torch.equal(tensor, final_b[part][name]), f"{part}:{name} differs after resuming from step {k}"
 
 
-def test_grpo_with_a_reward_model_worker(tmp_path, cache_dir):
+def test_grpo_with_a_reward_model_worker(module_ray, tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from rlframe.models.tiny import make_tiny_model
@@ -192,7 +191,7 @@ def test_grpo_with_a_reward_model_worker(tmp_path, cache_dir):
     AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1).save_pretrained(rm_dir)
     AutoTokenizer.from_pretrained(policy).save_pretrained(rm_dir)
     run_dir = tmp_path / "run"
-    out = run_main(
+    run_in_process(
         COMMON
         + [
             f"trainer.default_local_dir={run_dir}",
@@ -200,10 +199,8 @@ def test_grpo_with_a_reward_model_worker(tmp_path, cache_dir):
             f"actor_rollout_ref.model.path={policy}",
             "reward_model.enable=true",
             f"reward_model.model.path={rm_dir}",
-        ],
-        cache_dir,
+        ]
     )
-    assert out.returncode == 0, out.stderr[-4000:]
     (step,) = [m for m in read_metrics(run_dir) if "critic/score/mean" in m]
     assert "reward/rule_score/mean" in step
     # a random reward model gives non-zero, non-rule scores
@@ -227,7 +224,7 @@ def test_val_only_validates_the_resumed_checkpoint_and_trains_nothing(tmp_path, 
     assert "resuming from" in out.stdout
 
 
-def test_pooled_cpu_generation_trains_on_the_same_samples(tmp_path, cache_dir):
+def test_pooled_cpu_generation_trains_on_the_same_samples(module_ray, tmp_path):
     """rollout.pool_cpu_generation=true (rank 0 generates both workers' rows) and false give the same run."""
     train = _small_dataset(tmp_path, 8)
     base = COMMON + [
@@ -241,11 +238,9 @@ def test_pooled_cpu_generation_trains_on_the_same_samples(tmp_path, cache_dir):
     runs = {}
     for pool in ("true", "false"):
         run_dir = tmp_path / pool
-        out = run_main(
-            base + [f"trainer.default_local_dir={run_dir}", f"actor_rollout_ref.rollout.pool_cpu_generation={pool}"],
-            cache_dir,
+        run_in_process(
+            base + [f"trainer.default_local_dir={run_dir}", f"actor_rollout_ref.rollout.pool_cpu_generation={pool}"]
         )
-        assert out.returncode == 0, out.stderr[-4000:]
         runs[pool] = run_dir
     pooled, alone = read_metrics(runs["true"]), read_metrics(runs["false"])
     # the rollout server's batches: rank 0 serves both workers' 4 rows when pooled, each worker its own 4 alone
