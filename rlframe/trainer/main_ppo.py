@@ -77,9 +77,9 @@ def check_environment(cfg: DictConfig) -> None:
 
 def check_teacher_tokenizer(cfg: DictConfig, tokenizer) -> None:
     """A distillation teacher scores the policy's token ids: its tokenizer must be the policy's."""
+    trust = cfg.actor_rollout_ref.model.trust_remote_code
     for name, entry in teachers_of(cfg.distillation).items():
         path = entry.model_path
-        trust = cfg.actor_rollout_ref.model.trust_remote_code
         teacher = AutoTokenizer.from_pretrained(path, trust_remote_code=trust)
         if teacher.get_vocab() != tokenizer.get_vocab():
             raise ValueError(

@@ -32,7 +32,7 @@ from rlframe.workers import checkpoint as ckpt
 from rlframe.workers import lora
 from rlframe.workers.activation_offload import enable as enable_activation_offload
 from rlframe.workers.actor import PPOActor
-from rlframe.workers.config.distillation import routes_rows, teachers_of
+from rlframe.workers.config.distillation import teachers_of
 from rlframe.workers.critic import PPOCritic
 from rlframe.workers.dtypes import resolve_dtype
 from rlframe.workers.fsdp_wrap import FSDPSpec, wrap_fsdp
@@ -221,7 +221,7 @@ class ActorRolloutRefWorker(FSDPWorkerBase, WeightPushSender):
         """The distillation teachers, by the routing key each scores (one teacher: every row, key None)."""
         distillation = self.config.distillation
         entries = teachers_of(distillation).values()
-        routed = routes_rows(distillation)
+        routed = len(entries) > 1  # routes_rows
         models = {str(t.key) if routed else None: self._build_teacher(cfg, use_rmpad, t.model_path) for t in entries}
         return Teachers(models, str(distillation.teacher_key), loss.topk if loss.uses_topk else 0, self.dims.dp_group)
 

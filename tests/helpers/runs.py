@@ -1,9 +1,7 @@
 """Training runs: the common overrides, launching main_ppo in a subprocess or in this process on a module's Ray,
 reading the metrics."""
 
-import contextlib
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -35,33 +33,9 @@ def run_main(overrides, cache_dir, timeout=900, extra_env=None):
     )
 
 
-@contextlib.contextmanager
-def local_ray(cache_dir, num_cpus: int = 4):
-    """One local Ray for a module's in-process runs (`run_ppo`: the trainer joins it and leaves it running), its
-    driver and workers reading the built-in models and tasks from `cache_dir`. A run in this process skips the
-    subprocess's Python, imports and Ray start, ~10 s each."""
-    import ray
-
-    from rlframe.single_controller.ray import init_ray
-    from rlframe.trainer.launch import QUIET_WORKER_ENV
-    from rlframe.workers.fsdp_workers import worker_env
-
-    previous = os.environ.get("RLFRAME_CACHE")
-    os.environ["RLFRAME_CACHE"] = str(cache_dir)
-    env = {**worker_env(), **QUIET_WORKER_ENV, "RLFRAME_CACHE": str(cache_dir)}
-    init_ray(num_cpus=num_cpus, runtime_env={"env_vars": env}, logging_level=logging.ERROR)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        if previous is None:
-            os.environ.pop("RLFRAME_CACHE", None)
-        else:
-            os.environ["RLFRAME_CACHE"] = previous
-
-
 def run_in_process(overrides: list[str]) -> dict:
-    """main_ppo's run in this process, on the module's `local_ray`: its last step's metrics (a failure raises)."""
+    """main_ppo's run in this process, on the module's Ray (`module_ray`, tests/e2e/conftest.py): its last step's
+    metrics (a failure raises)."""
     from rlframe.trainer.main_ppo import run_ppo
 
     return run_ppo(overrides)
